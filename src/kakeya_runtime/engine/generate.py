@@ -1,0 +1,239 @@
+"""Prefill and decode over a caller-owned cache, and the generation loop built on them.
+
+The engine never allocates a cache on its own behalf: callers make one (`Engine.new_cache`) and
+pass it in. Prefill is chunked so its peak memory is set by the chunk size, and logits are only
+computed where they are used. Overflow is checked before any work is done.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kakeya_runtime.engine.sampling import SamplingParams, sample
+from kakeya_runtime.kv.cache import ModelKV, make_cache
+from kakeya_runtime.models.base import DecoderModel, ForwardOutput, Logits
+
+
+class GenerationError(ValueError):
+    """Bad generation request (shapes, lengths, capacity); raised before any work is done."""
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an EOS / stop token was generated
+    LENGTH = "length"  # max_new_tokens reached
+    CANCELLED = "cancelled"  # the caller asked to stop
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    token_ids: list[list[int]]  # per batch row, generated tokens (including the stop token if any)
+    finish_reason: FinishReason
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # from the call to the first sampled token
+    decode_s: float = 0.0  # from the first sampled token to the last
+    decode_tokens: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: tuple[int, ...] = ()
+    trace_layer: int | None = None
+
+
+class Engine:
+    """A model plus the prefill/decode entry points every caller (sessions, bench, CLI) uses."""
+
+    def __init__(self, model: DecoderModel, *, prefill_chunk: int = 512) -> None:
+        if prefill_chunk < 1:
+            raise GenerationError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model = model.eval()
+        self.config = model.config
+        self.prefill_chunk = prefill_chunk
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+
+    def new_cache(self, *, batch: int = 1, capacity: int | None = None) -> ModelKV:
+        return make_cache(self.config, batch=batch, capacity=capacity, dtype=self.dtype, device=self.device)
+
+    def _check_ids(self, cache: ModelKV, ids: Tensor) -> None:
+        if ids.dim() != 2 or ids.dtype != torch.long:
+            raise GenerationError(f"token ids must be a (B, T) int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
+        if ids.shape[0] != cache.batch:
+            raise GenerationError(f"batch size mismatch: ids have B={ids.shape[0]}, cache B={cache.batch}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise GenerationError(f"token ids must be in [0, {self.config.vocab_size})")
+
+    @torch.inference_mode()
+    def prefill(self, cache: ModelKV, input_ids: Tensor, *, logits: Logits = Logits.LAST,
+                trace_layer: int | None = None, require_empty: bool = False) -> ForwardOutput:
+        """Append `input_ids` (B, T) to the cache in chunks; logits/trace for the last chunk only
+        (Logits.ALL returns every position, concatenated)."""
+        self._check_ids(cache, input_ids)
+        t = input_ids.shape[1]
+        if t == 0:
+            raise GenerationError("prefill needs at least one token")
+        if require_empty and cache.length != 0:
+            raise GenerationError(f"cache must be empty before prefill, holds {cache.length} positions")
+        start = cache.length
+        if start + t > cache.capacity:
+            raise GenerationError(f"prompt length {start + t} exceeds the cache capacity {cache.capacity}")
+        chunks = range(0, t, self.prefill_chunk)
+        all_logits: list[Tensor] = []
+        out = ForwardOutput(None, None)
+        for c0 in chunks:
+            c1 = min(c0 + self.prefill_chunk, t)
+            last = c1 == t
+            mode = logits if (last or logits is Logits.ALL) else Logits.NONE
+            positions = torch.arange(start + c0, start + c1, device=self.device)
+            out = self.model(input_ids[:, c0:c1], positions, cache, logits=mode,
+                             trace_layer=trace_layer if last else None)
+            if logits is Logits.ALL:
+                all_logits.append(out.logits)
+        if logits is Logits.ALL:
+            out.logits = torch.cat(all_logits, dim=1)
+        return out
+
+    @torch.inference_mode()
+    def decode_step(self, cache: ModelKV, token_ids: Tensor, *, trace_layer: int | None = None) -> ForwardOutput:
+        """Consume exactly one token per row, (B, 1); returns its logits (B, 1, V)."""
+        if token_ids.dim() != 2 or token_ids.shape[1] != 1:
+            raise GenerationError(f"decode_step requires exactly (B, 1) input, got {tuple(token_ids.shape)}")
+        if token_ids.shape[0] != cache.batch:
+            raise GenerationError(f"batch size mismatch: ids have B={token_ids.shape[0]}, cache B={cache.batch}")
+        pos = cache.length
+        if pos >= cache.capacity:
+            raise GenerationError(f"cache overflow: t={pos} must be < capacity={cache.capacity}")
+        positions = torch.arange(pos, pos + 1, device=self.device)
+        return self.model(token_ids, positions, cache, logits=Logits.LAST, trace_layer=trace_layer)
+
+    def stream(self, cache: ModelKV, new_ids: Tensor, request: GenerateRequest,
+               should_stop: Callable[[], bool] | None = None) -> TokenStream:
+        """Prefill `new_ids` (B, T >= 1) onto the cache, then sample up to max_new_tokens.
+
+        The last sampled token is not fed back: the cache ends holding everything before it, so a
+        session's next turn prefills [last sampled token, *appended tokens].
+        """
+        self._check_ids(cache, new_ids)
+        if new_ids.shape[1] == 0:
+            raise GenerationError("generation needs at least one new token to prefill")
+        if not 0 < request.max_new_tokens:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        total = cache.length + new_ids.shape[1] + request.max_new_tokens
+        if total > cache.capacity:
+            raise GenerationError(
+                f"history {cache.length} + new {new_ids.shape[1]} + max_new_tokens {request.max_new_tokens} "
+                f"exceeds the context capacity {cache.capacity}"
+            )
+        return TokenStream(self, cache, new_ids, request, should_stop)
+
+    def generate(self, cache: ModelKV, new_ids: Tensor, request: GenerateRequest) -> GenerationResult:
+        stream = self.stream(cache, new_ids, request)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+
+class TokenStream:
+    """Iterates one list of B token ids per step; `result` is set once the stream ends."""
+
+    def __init__(self, engine: Engine, cache: ModelKV, new_ids: Tensor, request: GenerateRequest,
+                 should_stop: Callable[[], bool] | None) -> None:
+        self.engine, self.cache, self.new_ids, self.request = engine, cache, new_ids, request
+        self.should_stop = should_stop
+        self.result: GenerationResult | None = None
+        self.attn_rows: list[Tensor] = []  # per step, when request.trace_layer is set
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._run()
+
+    def _run(self) -> Iterator[list[int]]:
+        eng, cache, req = self.engine, self.cache, self.request
+        stop = set(req.stop_ids)
+        gen = req.sampling.make_generator(eng.device)
+        batch = cache.batch
+        produced: list[list[int]] = [[] for _ in range(batch)]
+        done = [False] * batch
+        t0 = time.perf_counter()
+        out = eng.prefill(cache, self.new_ids, trace_layer=req.trace_layer)
+        prefill_s = time.perf_counter() - t0
+        result = GenerationResult(produced, FinishReason.LENGTH, prefill_tokens=self.new_ids.shape[1],
+                                  prefill_s=prefill_s)
+        self.result = result
+        t_first = None
+        for step in range(req.max_new_tokens):
+            if out.attn_row is not None:
+                self.attn_rows.append(out.attn_row)
+            next_ids = sample(out.logits[:, -1], req.sampling, gen)  # (B,)
+            ids = next_ids.tolist()  # the one sync point per step
+            if t_first is None:
+                t_first = time.perf_counter()
+                result.ttft_s = t_first - t0
+            for b, tok in enumerate(ids):
+                if not done[b]:
+                    produced[b].append(tok)
+                    done[b] = tok in stop
+            result.decode_tokens = step + 1
+            result.decode_s = time.perf_counter() - t_first
+            yield ids
+            if all(done):
+                result.finish_reason = FinishReason.STOP
+                return
+            if self.should_stop is not None and self.should_stop():
+                result.finish_reason = FinishReason.CANCELLED
+                return
+            if step + 1 == req.max_new_tokens:
+                return
+            out = eng.decode_step(cache, next_ids[:, None], trace_layer=req.trace_layer)
+
+
+def generate_greedy_cached(engine: Engine, prompt_ids: Sequence[int], *, max_new_tokens: int,
+                           stop_ids: Sequence[int] = ()) -> list[int]:
+    """Prompt + greedy continuation using the KV cache (seed 002's reference entry point)."""
+    _check_budget(engine, len(prompt_ids), max_new_tokens)
+    cache = engine.new_cache(capacity=min(engine.config.max_position_embeddings, len(prompt_ids) + max_new_tokens))
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=engine.device)
+    result = engine.generate(cache, ids, GenerateRequest(max_new_tokens, stop_ids=tuple(stop_ids)))
+    return list(prompt_ids) + result.token_ids[0]
+
+
+@torch.inference_mode()
+def generate_greedy_full(engine: Engine, prompt_ids: Sequence[int], *, max_new_tokens: int,
+                         stop_ids: Sequence[int] = ()) -> list[int]:
+    """The baseline: recompute the whole prefix every step, no cache; same caps and stops."""
+    _check_budget(engine, len(prompt_ids), max_new_tokens)
+    seq = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        ids = torch.tensor([seq], dtype=torch.long, device=engine.device)
+        positions = torch.arange(len(seq), device=engine.device)
+        out = engine.model(ids, positions, None, logits=Logits.LAST)
+        tok = int(out.logits[0, -1].argmax())
+        seq.append(tok)
+        if tok in stop_ids:
+            break
+    return seq
+
+
+def _check_budget(engine: Engine, prompt_len: int, max_new_tokens: int) -> None:
+    limit = engine.config.max_position_embeddings
+    if prompt_len < 1:
+        raise GenerationError("prompt must hold at least one token")
+    if prompt_len > limit:
+        raise GenerationError(f"prompt length {prompt_len} exceeds T_max {limit}")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prompt_len + max_new_tokens > limit:
+        raise GenerationError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds T_max {limit}")

@@ -1,0 +1,217 @@
+"""Caller-owned, preallocated per-layer K/V storage (post-RoPE keys), written by position.
+
+`FullLayerKV` keeps every position up to its capacity; `SlidingLayerKV` keeps a ring of the last
+`window` positions for layers that can never see further back (Gemma 3's sliding layers).
+`ModelKV` is the per-model list the decoder consumes, plus the bookkeeping the engine needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from kakeya_runtime.models.config import ModelConfig
+
+
+class CacheError(ValueError):
+    """A cache used against its contract (shape, dtype, device, capacity)."""
+
+
+class FullLayerKV:
+    """(B, Hk, allocated, D) buffers; `length` positions filled, 0..length-1 in order.
+
+    Storage grows by doubling up to `capacity` (the model's context or less), so an idle short
+    session does not hold a context-sized buffer; a copy happens only log2(capacity) times.
+    """
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", initial: int = 256) -> None:
+        self.capacity = capacity
+        self.k = torch.zeros(batch, num_kv_heads, min(initial, capacity), head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.key_positions = torch.arange(capacity, device=device)
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V tensors held (allocated storage, filled or not)."""
+        return self.k.nbytes + self.v.nbytes
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.k.shape[2]:
+            return
+        size = min(self.capacity, max(needed, 2 * self.k.shape[2]))
+        k = self.k.new_zeros(*self.k.shape[:2], size, self.k.shape[3])
+        v = torch.zeros_like(k)
+        k[:, :, : self.length] = self.k[:, :, : self.length]
+        v[:, :, : self.length] = self.v[:, :, : self.length]
+        self.k, self.v = k, v
+
+    def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        _check_new(self.k, k, v)
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.capacity:
+            raise CacheError(f"cache overflow: {start} + {k.shape[2]} new positions exceed capacity {self.capacity}")
+        self._reserve(end)
+        self.k[:, :, start:end] = k  # one assignment for the whole chunk
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end], self.key_positions[:end]
+
+    def trim(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise CacheError(f"cannot trim a cache of length {self.length} to {length}")
+        self.length = length
+
+    def state(self) -> dict[str, Tensor]:
+        return {"k": self.k[:, :, : self.length].clone(), "v": self.v[:, :, : self.length].clone()}
+
+    def load_state(self, state: dict[str, Tensor]) -> None:
+        n = state["k"].shape[2]
+        if n > self.capacity:
+            raise CacheError(f"state of {n} positions exceeds capacity {self.capacity}")
+        self.length = 0
+        self._reserve(n)
+        self.k[:, :, :n] = state["k"]
+        self.v[:, :, :n] = state["v"]
+        self.length = n
+
+
+class SlidingLayerKV:
+    """Ring of the last `window` positions: memory O(window) however long the sequence grows."""
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, window: int, *, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        self.window = window
+        self.k = torch.zeros(batch, num_kv_heads, window, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.slot_positions = torch.zeros(window, dtype=torch.long, device=device)
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        _check_new(self.k, k, v)
+        t, w = k.shape[2], self.window
+        held = min(self.length, w)
+        if t == 1:
+            slot = self.length % w
+            self.k[:, :, slot : slot + 1] = k
+            self.v[:, :, slot : slot + 1] = v
+            self.slot_positions[slot : slot + 1] = positions
+            self.length += 1
+            n = min(self.length, w)
+            return self.k[:, :, :n], self.v[:, :, :n], self.slot_positions[:n]
+        # A chunk of queries needs the previous window plus the chunk itself: hand back both,
+        # then keep the last `window` positions in the ring.
+        k_all = torch.cat((self.k[:, :, :held], k), dim=2)
+        v_all = torch.cat((self.v[:, :, :held], v), dim=2)
+        pos_all = torch.cat((self.slot_positions[:held], positions))
+        keep = min(t, w)
+        slots = (torch.arange(self.length + t - keep, self.length + t, device=k.device)) % w
+        self.k.index_copy_(2, slots, k[:, :, t - keep :])
+        self.v.index_copy_(2, slots, v[:, :, t - keep :])
+        self.slot_positions.index_copy_(0, slots, positions[t - keep :])
+        self.length += t
+        return k_all, v_all, pos_all
+
+    def trim(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise CacheError(f"cannot trim a cache of length {self.length} to {length}")
+        if length < self.length and self.length > self.window:
+            raise CacheError(
+                f"sliding cache has overwritten positions below {self.length - self.window}; cannot trim to {length}"
+            )
+        self.length = length
+
+    def state(self) -> dict[str, Tensor]:
+        n = min(self.length, self.window)
+        return {"k": self.k[:, :, :n].clone(), "v": self.v[:, :, :n].clone(),
+                "slot_positions": self.slot_positions[:n].clone(), "length": torch.tensor(self.length)}
+
+    def load_state(self, state: dict[str, Tensor]) -> None:
+        n = state["k"].shape[2]
+        self.k[:, :, :n] = state["k"]
+        self.v[:, :, :n] = state["v"]
+        self.slot_positions[:n] = state["slot_positions"]
+        self.length = int(state["length"])
+
+
+def _check_new(buf: Tensor, k: Tensor, v: Tensor) -> None:
+    if k.shape != v.shape:
+        raise CacheError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    if k.dim() != 4 or k.shape[0] != buf.shape[0] or k.shape[1] != buf.shape[1] or k.shape[3] != buf.shape[3]:
+        raise CacheError(
+            f"batch size mismatch or bad K/V shape: got {tuple(k.shape)}, cache holds "
+            f"(B={buf.shape[0]}, Hk={buf.shape[1]}, *, D={buf.shape[3]})"
+        )
+    if k.dtype != buf.dtype or v.dtype != buf.dtype:
+        raise CacheError(f"dtype mismatch: K/V are {k.dtype}, cache is {buf.dtype}")
+    if k.device != buf.device:
+        raise CacheError(f"device mismatch: K/V on {k.device}, cache on {buf.device}")
+
+
+class ModelKV(Sequence):
+    """One cache object per decoder layer, plus the sequence length they all share (INV-1)."""
+
+    def __init__(self, layers: list, *, batch: int, capacity: int, dtype: torch.dtype) -> None:
+        self.layers = layers
+        self.batch = batch
+        self.capacity = capacity  # max positions this cache accepts (the model's limit or less)
+        self.dtype = dtype
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator:
+        return iter(self.layers)
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def layer_lengths(self) -> list[int]:
+        return [layer.length for layer in self.layers]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def trim(self, length: int) -> None:
+        for layer in self.layers:
+            layer.trim(length)
+
+    def state(self) -> list[dict[str, Tensor]]:
+        return [layer.state() for layer in self.layers]
+
+    def load_state(self, state: Sequence[dict[str, Tensor]]) -> None:
+        if len(state) != len(self.layers):
+            raise CacheError(f"state has {len(state)} layers, cache has {len(self.layers)}")
+        for layer, s in zip(self.layers, state, strict=True):
+            layer.load_state(s)
+
+
+def make_cache(config: ModelConfig, *, batch: int = 1, capacity: int | None = None,
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> ModelKV:
+    """The full-attention cache: FullLayerKV on global layers, a window ring on sliding layers."""
+    cap = config.max_position_embeddings if capacity is None else capacity
+    if not 0 < cap <= config.max_position_embeddings:
+        raise CacheError(f"capacity {cap} outside 1..{config.max_position_embeddings} (the model's context)")
+    if batch < 1:
+        raise CacheError(f"batch must be >= 1, got {batch}")
+    shape = (batch, config.num_key_value_heads, config.head_dim)
+    layers: list = []
+    for i in range(config.num_hidden_layers):
+        window = config.layer_window(i)
+        if window is not None and window < cap:
+            layers.append(SlidingLayerKV(*shape, window, dtype=dtype, device=device))
+        else:
+            layers.append(FullLayerKV(*shape, cap, dtype=dtype, device=device))
+    return ModelKV(layers, batch=batch, capacity=cap, dtype=dtype)

@@ -1,0 +1,94 @@
+"""What every model family's forward returns, and the contract it keeps."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kakeya_runtime.models.config import ModelConfig
+from kakeya_runtime.models.layers import LayerKV
+
+
+class Logits(enum.Enum):
+    NONE = "none"  # prefill chunks that are not the last: no vocab projection at all
+    LAST = "last"  # generation: only the last position's row (B, 1, V)
+    ALL = "all"  # scoring / parity tests: every position (B, T, V)
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: Tensor | None  # fp32, (B, T or 1, V)
+    attn_row: Tensor | None  # (B, H, S) probabilities of the last query at the traced layer
+    hidden: Tensor | None = None  # (B, T, C) final-norm hidden states, when asked for
+
+
+class DecoderModel(nn.Module):
+    """Stateless decoder: forward(input_ids, positions, cache). Caches are owned by the caller."""
+
+    config: ModelConfig
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Linear | None
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids)
+
+    def layer_forward(self, layer_idx: int, h: Tensor, positions: Tensor, rope: dict, cache: LayerKV | None,
+                      trace: bool) -> tuple[Tensor, Tensor | None]:
+        raise NotImplementedError
+
+    def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict:
+        raise NotImplementedError
+
+    def head_weight(self) -> Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """Final hidden states (B, T, C) -> fp32 logits (B, T, V)."""
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        cache: Sequence[LayerKV] | None = None,
+        *,
+        logits: Logits = Logits.LAST,
+        trace_layer: int | None = None,
+        return_hidden: bool = False,
+    ) -> ForwardOutput:
+        """input_ids: (B, T) int64; positions: (T,) absolute positions of those tokens."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+        if positions.shape != (input_ids.shape[1],):
+            raise ValueError(f"positions must be ({input_ids.shape[1]},), got {tuple(positions.shape)}")
+        num_layers = len(self.layers)
+        if cache is not None and len(cache) != num_layers:
+            raise ValueError(f"cache has {len(cache)} layers, model has {num_layers}")
+        if trace_layer is not None and not 0 <= trace_layer < num_layers:
+            raise ValueError(f"trace_layer {trace_layer} outside 0..{num_layers - 1}")
+        h = self.embed(input_ids)  # (B, T, C)
+        rope = self.rope_tables(positions, h.dtype)
+        row = None
+        for i in range(num_layers):
+            h, r = self.layer_forward(i, h, positions, rope, None if cache is None else cache[i], i == trace_layer)
+            if r is not None:
+                row = r
+        if logits is Logits.NONE and not return_hidden:
+            return ForwardOutput(None, row)
+        if logits is Logits.LAST and not return_hidden:
+            h = h[:, -1:]
+        h = self.norm(h)
+        out = None
+        if logits is Logits.ALL:
+            out = self.project(h)
+        elif logits is Logits.LAST:
+            out = self.project(h[:, -1:])
+        return ForwardOutput(out, row, h if return_hidden else None)

@@ -1,0 +1,199 @@
+"""Layers shared by every model family: norms, RoPE, the one attention computation, gated MLP.
+
+Shapes: B batch, T new tokens, S keys attended, H query heads, Hk key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class LayerKV(Protocol):
+    """What a decoder layer needs from its caller-owned cache (implemented in kakeya_runtime.kv)."""
+
+    def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Store the new post-RoPE K/V (B, Hk, T, D) at `positions` (T,); return the keys and values
+        the new queries may attend to, (B, Hk, S, D) each, and their positions (S,)."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w, computed in fp32. Gemma stores w as an offset: scale = 1 + w."""
+
+    def __init__(self, dim: int, eps: float, *, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE (the Hugging Face convention) with a fixed base."""
+
+    def __init__(self, head_dim: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (B, H, T, D); cos/sin: (T, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention_mask(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
+    """Boolean (T, S) mask, True where query i may attend key j: causal, and inside the window."""
+    rel = q_pos[:, None] - k_pos[None, :]  # (T, S)
+    allowed = rel >= 0
+    if window is not None:
+        allowed &= rel < window
+    return allowed
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    *,
+    scale: float,
+    window: int | None,
+    trace: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The one attention computation used by prefill and decode.
+
+    q: (B, H, T, D); k, v: (B, Hk, S, D). Returns (out (B, H, T, D), attn row of the last query
+    (B, H, S) if `trace`). A single new token (T == 1) needs no mask: the cache hands back only
+    keys it may see. With `trace`, the probabilities are materialised and the output is computed
+    from them, so the traced row is the one that produced the output.
+    """
+    num_q, s = q.shape[2], k.shape[2]
+    mask = None
+    if num_q > 1:
+        if window is None and s == num_q:
+            mask = None  # plain causal over a fresh prompt: let SDPA use its causal kernel
+        else:
+            mask = attention_mask(q_pos, k_pos, window)
+    if not trace:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=num_q > 1 and mask is None, scale=scale, enable_gqa=True
+        )
+        return out, None
+    groups = q.shape[1] // k.shape[1]
+    kr = k.repeat_interleave(groups, dim=1)  # (B, H, S, D)
+    vr = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), kr.float().transpose(-1, -2)) * scale  # (B, H, T, S)
+    if num_q > 1:
+        full = mask if mask is not None else attention_mask(q_pos, k_pos, window)
+        scores = scores.masked_fill(~full, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.to(v.dtype), vr)
+    return out, probs[:, :, -1, :]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); gate and up are one fused matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        if act == "silu":
+            self.act = F.silu
+        elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
+            self.act = lambda x: F.gelu(x, approximate="tanh")
+        elif act == "gelu":
+            self.act = F.gelu
+        else:
+            raise ValueError(f"unsupported activation {act!r}")
+        self._register_load_state_dict_pre_hook(_fuse_hook(("gate_proj", "up_proj"), "gate_up_proj"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+def _fuse_hook(parts: tuple[str, ...], fused: str):
+    """Load HF checkpoints (separate q/k/v or gate/up projections) into one fused Linear."""
+
+    def hook(state_dict, prefix, *args, **kwargs):
+        for suffix in ("weight", "bias"):
+            keys = [f"{prefix}{p}.{suffix}" for p in parts]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+
+    return hook
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped K/V heads, fused QKV, optional per-head q/k norms (Gemma 3)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool,
+        scale: float,
+        window: int | None,
+        qk_norm_eps: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.window = scale, window
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=True)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=True)
+        else:
+            self.q_norm = self.k_norm = None
+        self._register_load_state_dict_pre_hook(_fuse_hook(("q_proj", "k_proj", "v_proj"), "qkv_proj"))
+
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: LayerKV | None,
+        trace: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, T, D)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            k_all, v_all, k_pos = k, v, positions
+        else:
+            k_all, v_all, k_pos = cache.update_and_fetch(k, v, positions)
+        out, row = attend(q, k_all, v_all, positions, k_pos, scale=self.scale, window=self.window, trace=trace)
+        out = out.transpose(1, 2).reshape(b, t, self.q_size)  # (B, T, H*D)
+        return self.o_proj(out), row
