@@ -64,6 +64,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        # Optional replacement for `model` in decode_step, same call signature (engine.compiled.CompiledDecode).
+        self.decode_forward: Callable[..., ForwardOutput] | None = None
 
     def new_cache(self, *, batch: int = 1, capacity: int | None = None) -> ModelKV:
         return make_cache(self.config, batch=batch, capacity=capacity, dtype=self.dtype, device=self.device)
@@ -93,15 +95,19 @@ class Engine:
         chunks = range(0, t, self.prefill_chunk)
         all_logits: list[Tensor] = []
         out = ForwardOutput(None, None)
-        for c0 in chunks:
-            c1 = min(c0 + self.prefill_chunk, t)
-            last = c1 == t
-            mode = logits if (last or logits is Logits.ALL) else Logits.NONE
-            positions = torch.arange(start + c0, start + c1, device=self.device)
-            out = self.model(input_ids[:, c0:c1], positions, cache, logits=mode,
-                             trace_layer=trace_layer if last else None)
-            if logits is Logits.ALL:
-                all_logits.append(out.logits)
+        cache.begin_step(input_ids, start)  # policy hook (restore: recompute evicted K/V)
+        try:
+            for c0 in chunks:
+                c1 = min(c0 + self.prefill_chunk, t)
+                last = c1 == t
+                mode = logits if (last or logits is Logits.ALL) else Logits.NONE
+                positions = torch.arange(start + c0, start + c1, device=self.device)
+                out = self.model(input_ids[:, c0:c1], positions, cache, logits=mode,
+                                 trace_layer=trace_layer if last else None)
+                if logits is Logits.ALL:
+                    all_logits.append(out.logits)
+        finally:
+            cache.end_step()
         if logits is Logits.ALL:
             out.logits = torch.cat(all_logits, dim=1)
         return out
@@ -117,7 +123,12 @@ class Engine:
         if pos >= cache.capacity:
             raise GenerationError(f"cache overflow: t={pos} must be < capacity={cache.capacity}")
         positions = torch.arange(pos, pos + 1, device=self.device)
-        return self.model(token_ids, positions, cache, logits=Logits.LAST, trace_layer=trace_layer)
+        cache.begin_step(token_ids, pos)
+        try:
+            forward = self.model if self.decode_forward is None else self.decode_forward
+            return forward(token_ids, positions, cache, logits=Logits.LAST, trace_layer=trace_layer)
+        finally:
+            cache.end_step()
 
     def stream(self, cache: ModelKV, new_ids: Tensor, request: GenerateRequest,
                should_stop: Callable[[], bool] | None = None) -> TokenStream:
@@ -161,6 +172,12 @@ class TokenStream:
         return self._run()
 
     def _run(self) -> Iterator[list[int]]:
+        try:
+            yield from self._steps()
+        finally:
+            self.cache.end_turn()  # policy hook (restore per_turn: drop the turn's restored K/V)
+
+    def _steps(self) -> Iterator[list[int]]:
         eng, cache, req = self.engine, self.cache, self.request
         stop = set(req.stop_ids)
         gen = req.sampling.make_generator(eng.device)

@@ -197,6 +197,22 @@ class ModelKV(Sequence):
         for layer, s in zip(self.layers, state, strict=True):
             layer.load_state(s)
 
+    # Policy hooks (no-ops here; kv.policy caches use them). The engine brackets every forward with
+    # begin_step/end_step and calls end_turn when a generation ends.
+    def begin_step(self, input_ids: Tensor, start: int) -> None:
+        """Before a forward over `input_ids` (B, T) at positions start..start+T-1."""
+
+    def end_step(self) -> None:
+        """After that forward, also when it raised."""
+
+    def end_turn(self) -> None:
+        """A generation is over: drop what only the turn needed."""
+
+    @property
+    def effective_attention_fraction(self) -> float:
+        """Fraction of the causally visible positions the newest query attends to (1.0: all)."""
+        return 1.0
+
 
 def make_cache(config: ModelConfig, *, batch: int = 1, capacity: int | None = None,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> ModelKV:

@@ -59,12 +59,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def attention_mask(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
-    """Boolean (T, S) mask, True where query i may attend key j: causal, and inside the window."""
+def attention_mask(q_pos: Tensor, k_pos: Tensor, window: int | None, sink: int = 0) -> Tensor:
+    """Boolean (T, S) mask, True where query i may attend key j: causal, and inside the window
+    (or, with `sink`, one of the first `sink` positions: StreamingLLM's rule)."""
     rel = q_pos[:, None] - k_pos[None, :]  # (T, S)
     allowed = rel >= 0
     if window is not None:
-        allowed &= rel < window
+        inside = rel < window
+        if sink:
+            inside |= k_pos[None, :] < sink
+        allowed &= inside
     return allowed
 
 
@@ -78,6 +82,7 @@ def attend(
     scale: float,
     window: int | None,
     trace: bool = False,
+    sink: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """The one attention computation used by prefill and decode.
 
@@ -92,7 +97,7 @@ def attend(
         if window is None and s == num_q:
             mask = None  # plain causal over a fresh prompt: let SDPA use its causal kernel
         else:
-            mask = attention_mask(q_pos, k_pos, window)
+            mask = attention_mask(q_pos, k_pos, window, sink)
     if not trace:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=num_q > 1 and mask is None, scale=scale, enable_gqa=True
@@ -103,7 +108,7 @@ def attend(
     vr = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q.float(), kr.float().transpose(-1, -2)) * scale  # (B, H, T, S)
     if num_q > 1:
-        full = mask if mask is not None else attention_mask(q_pos, k_pos, window)
+        full = mask if mask is not None else attention_mask(q_pos, k_pos, window, sink)
         scores = scores.masked_fill(~full, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs.to(v.dtype), vr)
@@ -194,6 +199,9 @@ class Attention(nn.Module):
             k_all, v_all, k_pos = k, v, positions
         else:
             k_all, v_all, k_pos = cache.update_and_fetch(k, v, positions)
-        out, row = attend(q, k_all, v_all, positions, k_pos, scale=self.scale, window=self.window, trace=trace)
+        # A cache may narrow what queries see (kv.sink_window: sinks + last window); chunk masks follow it.
+        sink, window = getattr(cache, "attention_rule", None) or (0, self.window)
+        out, row = attend(q, k_all, v_all, positions, k_pos, scale=self.scale, window=window, trace=trace,
+                          sink=sink)
         out = out.transpose(1, 2).reshape(b, t, self.q_size)  # (B, T, H*D)
         return self.o_proj(out), row

@@ -1,0 +1,40 @@
+"""Sessions: server-issued ids, raw-token history bound byte-exactly to a per-session KV cache."""
+
+from kakeya_runtime.sessions.errors import (
+    ErrorKind,
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    Invariant,
+    InvariantViolation,
+    ResourceExhausted,
+    SessionError,
+    SessionNotFound,
+    Unavailable,
+)
+from kakeya_runtime.sessions.policy import CachePolicy, FullPolicy, PolicyRegistry, PolicySpec
+from kakeya_runtime.sessions.scheduler import Scheduler
+from kakeya_runtime.sessions.service import (
+    DoneEvent,
+    GenerateParams,
+    GenerateStats,
+    ServiceConfig,
+    SessionService,
+    TokensEvent,
+)
+from kakeya_runtime.sessions.store import (
+    EndReason,
+    Outcome,
+    Session,
+    SessionSnapshot,
+    SessionState,
+    SessionStore,
+)
+
+__all__ = [
+    "CachePolicy", "DoneEvent", "EndReason", "ErrorKind", "FailedPrecondition", "FullPolicy", "GenerateParams",
+    "GenerateStats", "InternalError", "InvalidArgument", "Invariant", "InvariantViolation", "Outcome",
+    "PolicyRegistry", "PolicySpec", "ResourceExhausted", "Scheduler", "ServiceConfig", "Session", "SessionError",
+    "SessionNotFound", "SessionService", "SessionSnapshot", "SessionState", "SessionStore", "TokensEvent",
+    "Unavailable",
+]

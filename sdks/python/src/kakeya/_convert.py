@@ -1,0 +1,130 @@
+"""protobuf <-> SDK dataclasses, shared by the sync and asyncio clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from google.protobuf import json_format, struct_pb2
+
+from kakeya._proto import runtime_pb2 as pb
+from kakeya.errors import InvalidArgument
+from kakeya.types import FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo
+
+_FINISH = {
+    pb.FINISH_REASON_STOP: FinishReason.STOP,
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
+}
+
+
+def token_list(ids: Iterable[int], what: str) -> list[int]:
+    try:
+        out = [int(t) for t in ids]
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"{what} must be integers: {e}") from None
+    if any(not -(2**31) <= t < 2**31 for t in out):
+        raise InvalidArgument(f"{what}: token ids must fit in int32")
+    return out
+
+
+def policy_pb(policy: KvPolicy | str | None) -> pb.KvPolicy | None:
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        policy = KvPolicy(policy)
+    params = struct_pb2.Struct()
+    try:
+        params.update(dict(policy.params))
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"policy params must be JSON-like: {e}") from None
+    return pb.KvPolicy(name=policy.name, params=params)
+
+
+def policy_from_pb(p: pb.KvPolicy) -> KvPolicy:
+    params: Mapping[str, Any] = json_format.MessageToDict(p.params) if p.HasField("params") else {}
+    return KvPolicy(p.name, params)
+
+
+def create_request(initial_tokens: Iterable[int] | None, policy: KvPolicy | str | None) -> pb.CreateSessionRequest:
+    return pb.CreateSessionRequest(initial_token_ids=token_list(initial_tokens or (), "initial_tokens"),
+                                   policy=policy_pb(policy))
+
+
+def generate_request(session_id: str, *, max_tokens: int, seed: int | None, temperature: float, top_k: int,
+                     top_p: float | None, stop_tokens: Iterable[int], ignore_eos: bool) -> pb.GenerateRequest:
+    try:
+        sampling = pb.SamplingParams(temperature=float(temperature), top_k=int(top_k))
+        if top_p is not None:
+            sampling.top_p = float(top_p)
+        if seed is not None:
+            sampling.seed = int(seed)
+        return pb.GenerateRequest(session_id=session_id, max_tokens=int(max_tokens), sampling=sampling,
+                                  stop_token_ids=token_list(stop_tokens, "stop_tokens"), ignore_eos=ignore_eos)
+    except (TypeError, ValueError) as e:  # e.g. a negative seed or max_tokens beyond int32
+        raise InvalidArgument(f"bad generate parameters: {e}") from None
+
+
+def stats_from_pb(s: pb.GenerateStats) -> GenerateStats:
+    return GenerateStats(
+        prefill_tokens=s.prefill_tokens,
+        prefill_s=s.prefill_seconds,
+        ttft_s=s.ttft_seconds,
+        decode_s=s.decode_seconds,
+        decode_tokens=s.decode_tokens,
+        decode_tokens_per_s=s.decode_tokens_per_second,
+        queue_s=s.queue_seconds,
+    )
+
+
+def result_from_pb(done: pb.GenerateDone, tokens: list[int]) -> GenerateResult:
+    return GenerateResult(tuple(tokens), _FINISH.get(done.finish_reason, FinishReason.UNSPECIFIED),
+                          stats_from_pb(done.stats), done.history_length)
+
+
+def session_info_from_pb(r: pb.GetSessionInfoResponse, with_history: bool) -> SessionInfo:
+    inv = r.invariants
+    return SessionInfo(
+        session_id=r.session_id,
+        history_length=r.history_length,
+        cached_length=r.cached_length,
+        kv_live_bytes=r.kv_live_bytes,
+        policy=policy_from_pb(r.policy),
+        inv1_checks=inv.inv1_checks,
+        inv2_checks=inv.inv2_checks,
+        inv1_violations=inv.inv1_violations,
+        inv2_violations=inv.inv2_violations,
+        generate_calls=r.generate_calls,
+        idle_s=r.idle_seconds,
+        context_length=r.context_length,
+        generating=r.generating,
+        history_token_ids=tuple(r.history_token_ids) if with_history else None,
+    )
+
+
+def model_info_from_pb(r: pb.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(
+        model_name=r.model_name,
+        model_type=r.model_type,
+        vocab_size=r.vocab_size,
+        eos_token_ids=tuple(r.eos_token_ids),
+        bos_token_id=r.bos_token_id if r.HasField("bos_token_id") else None,
+        context_length=r.context_length,
+        tokenizer_json=r.tokenizer_json,
+        chat_template=r.chat_template if r.HasField("chat_template") else None,
+        max_sessions=r.max_sessions,
+        max_concurrent=r.max_concurrent,
+        session_idle_ttl_s=r.session_idle_ttl_seconds,
+        kv_policies=tuple(r.kv_policies),
+    )
+
+
+# Gemma 3's tokenizer.json is ~33 MB; the default 4 MB receive limit would refuse GetModelInfo.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+]
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()

@@ -1,0 +1,175 @@
+"""asyncio client (grpc.aio) with the same surface as the synchronous one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kakeya import _convert as cv
+from kakeya._proto import runtime_pb2 as pb
+from kakeya._proto import runtime_pb2_grpc as pb_grpc
+from kakeya.errors import SessionNotFound, from_rpc_error
+from kakeya.types import FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo
+
+if TYPE_CHECKING:
+    from kakeya.tokenization import Tokenizer
+
+
+class AsyncClient:
+    def __init__(self, addr: str = "127.0.0.1:50051", *, api_key: str | None = None,
+                 timeout: float | None = None, options: list[tuple[str, Any]] | None = None) -> None:
+        self.addr = addr
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(addr, options=cv.CHANNEL_OPTIONS + list(options or ()))
+        self._stub = pb_grpc.RuntimeServiceStub(self._channel)
+        self._metadata = cv.auth_metadata(api_key)
+        self._model_info: ModelInfo | None = None
+
+    async def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, metadata=self._metadata, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def model_info(self, *, refresh: bool = False) -> ModelInfo:
+        if self._model_info is None or refresh:
+            resp = await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest())
+            self._model_info = cv.model_info_from_pb(resp)
+        return self._model_info
+
+    async def tokenizer(self) -> Tokenizer:
+        from kakeya.tokenization import Tokenizer
+
+        return Tokenizer.from_model_info(await self.model_info())
+
+    async def create_session(self, initial_tokens: Iterable[int] | None = None,
+                             policy: KvPolicy | str | None = None) -> AsyncSession:
+        resp = await self._unary(self._stub.CreateSession, cv.create_request(initial_tokens, policy))
+        return AsyncSession(self, resp.session_id, history_length=resp.history_length,
+                            policy=cv.policy_from_pb(resp.policy))
+
+    def session(self, session_id: str) -> AsyncSession:
+        return AsyncSession(self, session_id)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncSession:
+    def __init__(self, client: AsyncClient, session_id: str, *, history_length: int | None = None,
+                 policy: KvPolicy | None = None) -> None:
+        self.client = client
+        self.id = session_id
+        self.history_length = history_length
+        self.policy = policy
+        self.last_result: GenerateResult | None = None
+        self._closed = False
+
+    async def append(self, token_ids: Iterable[int]) -> int:
+        req = pb.AppendTokensRequest(session_id=self.id, token_ids=cv.token_list(token_ids, "token_ids"))
+        self.history_length = (await self.client._unary(self.client._stub.AppendTokens, req)).history_length
+        return self.history_length
+
+    def generate(self, max_tokens: int = 256, *, seed: int | None = None, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float | None = None, stop_tokens: Iterable[int] = (),
+                 ignore_eos: bool = False) -> AsyncGeneration:
+        """`async for token_id in session.generate(...)`; use `async with` to cancel on early exit."""
+        req = cv.generate_request(self.id, max_tokens=max_tokens, seed=seed, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
+        call = self.client._stub.Generate(req, metadata=self.client._metadata)
+        return AsyncGeneration(self, call)
+
+    async def info(self, *, include_history: bool = False) -> SessionInfo:
+        req = pb.GetSessionInfoRequest(session_id=self.id, include_history=include_history)
+        resp = await self.client._unary(self.client._stub.GetSessionInfo, req)
+        info = cv.session_info_from_pb(resp, include_history)
+        self.history_length = info.history_length
+        return info
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        await self.client._unary(self.client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id))
+        self._closed = True
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with contextlib.suppress(SessionNotFound):  # already evicted or failed: nothing left to free
+            await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncSession({self.id!r})"
+
+
+class AsyncGeneration:
+    def __init__(self, session: AsyncSession, call: Any) -> None:
+        self.session = session
+        self._call = call
+        self.token_ids: list[int] = []
+        self.result: GenerateResult | None = None
+        self._iterated = False
+        self._cancelled = False
+
+    @property
+    def stats(self) -> GenerateStats | None:
+        return None if self.result is None else self.result.stats
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return None if self.result is None else self.result.finish_reason
+
+    def __aiter__(self) -> AsyncIterator[int]:
+        if self._iterated:
+            raise RuntimeError("an AsyncGeneration can be iterated only once (see .token_ids)")
+        self._iterated = True
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[int]:
+        try:
+            async for msg in self._call:
+                if msg.HasField("tokens"):
+                    for t in msg.tokens.token_ids:
+                        self.token_ids.append(t)
+                        yield t
+                elif msg.HasField("done"):
+                    self.result = cv.result_from_pb(msg.done, self.token_ids)
+                    self.session.last_result = self.result
+                    self.session.history_length = self.result.history_length
+        except grpc.RpcError as e:
+            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise from_rpc_error(e) from None
+        except asyncio.CancelledError:
+            if not self._cancelled:
+                raise  # our task was cancelled, not the call
+        finally:
+            if self.result is None:
+                self.cancel()
+
+    async def collect(self) -> list[int]:
+        async for _ in self:
+            pass
+        return self.token_ids
+
+    def cancel(self) -> None:
+        if self.result is None and not self._cancelled:
+            self._cancelled = True
+            self._call.cancel()
+
+    async def __aenter__(self) -> AsyncGeneration:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()

@@ -1,0 +1,185 @@
+"""Synchronous client: `Client` -> `Session` -> `Generation` (iterate for token ids as they commit)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kakeya import _convert as cv
+from kakeya._proto import runtime_pb2 as pb
+from kakeya._proto import runtime_pb2_grpc as pb_grpc
+from kakeya.errors import KakeyaError, SessionNotFound, from_rpc_error
+from kakeya.types import FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo
+
+if TYPE_CHECKING:
+    from kakeya.tokenization import Tokenizer
+
+
+class Client:
+    """A connection to one runtime. `api_key` is sent as `authorization: Bearer <key>`."""
+
+    def __init__(self, addr: str = "127.0.0.1:50051", *, api_key: str | None = None,
+                 timeout: float | None = None, options: list[tuple[str, Any]] | None = None) -> None:
+        self.addr = addr
+        self.timeout = timeout  # per unary call; Generate streams are not time-limited
+        self._channel = grpc.insecure_channel(addr, options=cv.CHANNEL_OPTIONS + list(options or ()))
+        self._stub = pb_grpc.RuntimeServiceStub(self._channel)
+        self._metadata = cv.auth_metadata(api_key)
+        self._model_info: ModelInfo | None = None
+
+    def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, metadata=self._metadata, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def model_info(self, *, refresh: bool = False) -> ModelInfo:
+        """Vocab, EOS/BOS, context length, tokenizer.json and chat template (cached after the first call)."""
+        if self._model_info is None or refresh:
+            self._model_info = cv.model_info_from_pb(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
+        return self._model_info
+
+    def tokenizer(self) -> Tokenizer:
+        """A local tokenizer built from GetModelInfo (needs the `tokenize` extra)."""
+        from kakeya.tokenization import Tokenizer
+
+        return Tokenizer.from_model_info(self.model_info())
+
+    def create_session(self, initial_tokens: Iterable[int] | None = None,
+                       policy: KvPolicy | str | None = None) -> Session:
+        resp = self._unary(self._stub.CreateSession, cv.create_request(initial_tokens, policy))
+        return Session(self, resp.session_id, history_length=resp.history_length,
+                       policy=cv.policy_from_pb(resp.policy))
+
+    def session(self, session_id: str) -> Session:
+        """A handle on an existing session id (no RPC; the first call tells whether it exists)."""
+        return Session(self, session_id)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Session:
+    """A server-owned session: append raw token ids, generate, inspect, close."""
+
+    def __init__(self, client: Client, session_id: str, *, history_length: int | None = None,
+                 policy: KvPolicy | None = None) -> None:
+        self.client = client
+        self.id = session_id
+        self.history_length = history_length  # as of the last call that reported it
+        self.policy = policy
+        self.last_result: GenerateResult | None = None
+        self._closed = False
+
+    def append(self, token_ids: Iterable[int]) -> int:
+        """Append raw token ids; returns the new history length."""
+        req = pb.AppendTokensRequest(session_id=self.id, token_ids=cv.token_list(token_ids, "token_ids"))
+        self.history_length = self.client._unary(self.client._stub.AppendTokens, req).history_length
+        return self.history_length
+
+    def generate(self, max_tokens: int = 256, *, seed: int | None = None, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float | None = None, stop_tokens: Iterable[int] = (),
+                 ignore_eos: bool = False) -> Generation:
+        """Start a Generate; iterate the result for token ids. Breaking out early cancels it."""
+        req = cv.generate_request(self.id, max_tokens=max_tokens, seed=seed, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
+        call = self.client._stub.Generate(req, metadata=self.client._metadata)
+        return Generation(self, call)
+
+    def info(self, *, include_history: bool = False) -> SessionInfo:
+        req = pb.GetSessionInfoRequest(session_id=self.id, include_history=include_history)
+        info = cv.session_info_from_pb(self.client._unary(self.client._stub.GetSessionInfo, req), include_history)
+        self.history_length = info.history_length
+        return info
+
+    def close(self) -> None:
+        """Free the session (idempotent on this handle)."""
+        if self._closed:
+            return
+        self.client._unary(self.client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id))
+        self._closed = True
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(SessionNotFound):  # already evicted or failed: nothing left to free
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r})"
+
+
+class Generation:
+    """A running Generate. Iterate once for token ids; then `result` / `stats` / `finish_reason`."""
+
+    def __init__(self, session: Session, call: Any) -> None:
+        self.session = session
+        self._call = call
+        self.token_ids: list[int] = []
+        self.result: GenerateResult | None = None
+        self._iterated = False
+        self._cancelled = False
+
+    @property
+    def stats(self) -> GenerateStats | None:
+        return None if self.result is None else self.result.stats
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return None if self.result is None else self.result.finish_reason
+
+    def __iter__(self) -> Iterator[int]:
+        if self._iterated:
+            raise RuntimeError("a Generation can be iterated only once (see .token_ids)")
+        self._iterated = True
+        return self._events()
+
+    def _events(self) -> Iterator[int]:
+        try:
+            for msg in self._call:
+                if msg.HasField("tokens"):
+                    for t in msg.tokens.token_ids:
+                        self.token_ids.append(t)
+                        yield t
+                elif msg.HasField("done"):
+                    self.result = cv.result_from_pb(msg.done, self.token_ids)
+                    self.session.last_result = self.result
+                    self.session.history_length = self.result.history_length
+        except grpc.RpcError as e:
+            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise from_rpc_error(e) from None
+        finally:
+            if self.result is None:
+                self.cancel()  # the caller left early (break, exception): stop the server's work
+
+    def collect(self) -> list[int]:
+        """Run to the end; returns every generated token id."""
+        for _ in self:
+            pass
+        return self.token_ids
+
+    def cancel(self) -> None:
+        """Stop generating. Tokens already committed stay in the session history (see Session.info)."""
+        if self.result is None and not self._cancelled:
+            self._cancelled = True
+            self._call.cancel()
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+__all__ = ["Client", "Generation", "KakeyaError", "Session"]

@@ -1,0 +1,251 @@
+"""Opt-in client-side tokenization (`pip install kakeya[tokenize]`): the runtime never renders templates.
+
+GetModelInfo hands out the model's tokenizer.json and chat template as data. This module builds a
+tokenizer from them, renders the template with Jinja2 the way Hugging Face does, and computes the
+token *delta* a new chat turn adds to a session, so a session's history stays the exact raw tokens
+it already holds (generated tokens included) instead of being re-rendered every turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from kakeya.types import ModelInfo
+
+Message = dict[str, Any]
+
+_INSTALL_HINT = "client-side tokenization needs the `tokenize` extra: pip install 'kakeya[tokenize]'"
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or the template refused the messages."""
+
+
+class ChatTemplateMismatch(ChatTemplateError):
+    """The rendered conversation does not extend the session's history text (e.g. the template trims
+    or rewrites earlier turns). Start a new session from `tokens_for_chat(messages)` instead."""
+
+
+class Tokenizer:
+    """A Hugging Face `tokenizers` tokenizer plus the model's chat template and special tokens."""
+
+    def __init__(self, tokenizer_json: str, *, chat_template: str | None = None, bos_token_id: int | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(_INSTALL_HINT) from e
+        if not tokenizer_json:
+            raise ValueError("the server sent no tokenizer.json for this model")
+        self.hf = HFTokenizer.from_str(tokenizer_json)
+        self.chat_template = chat_template
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._template = None
+
+    @classmethod
+    def from_model_info(cls, info: ModelInfo) -> Tokenizer:
+        return cls(info.tokenizer_json, chat_template=info.chat_template, bos_token_id=info.bos_token_id,
+                   eos_token_ids=info.eos_token_ids)
+
+    # ---- plain text -------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Text -> ids. Special-token text such as "<|im_start|>" maps to its id either way."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.hf.id_to_token(token_id) or "")
+
+    @property
+    def bos_token(self) -> str:
+        return self.token_text(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str:
+        return self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else ""
+
+    def stream_decoder(self, *, skip_special_tokens: bool = True) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    # ---- chat ---------------------------------------------------------------------------------
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        """The chat template rendered to text (Hugging Face semantics: trim_blocks, lstrip_blocks, tojson)."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; tokenize plain text with encode()")
+        if self._template is None:
+            self._template = _compile(self.chat_template)
+        context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **template_kwargs}
+        return self._template.render(messages=[dict(m) for m in messages],
+                                     add_generation_prompt=add_generation_prompt, **context)
+
+    def tokens_for_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                        **template_kwargs: Any) -> list[int]:
+        """The whole conversation as raw token ids (for CreateSession(initial_tokens=...))."""
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                            **template_kwargs))
+
+    def chat_delta(self, history_ids: Sequence[int], messages: Sequence[Mapping[str, Any]], *,
+                   add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        """Tokens to AppendTokens so a session holding `history_ids` continues as `messages`.
+
+        The history is the truth: generated tokens stay exactly as sampled. The rendered conversation
+        must extend the history's text; only the new suffix is tokenized. Raises ChatTemplateMismatch
+        when it does not (the caller then starts a fresh session from tokens_for_chat).
+        """
+        rendered = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        if not history_ids:
+            return self.encode(rendered)
+        prefix = self.decode(history_ids, skip_special_tokens=False)
+        if not rendered.startswith(prefix):
+            at = next((i for i, (a, b) in enumerate(zip(prefix, rendered, strict=False)) if a != b),
+                      min(len(prefix), len(rendered)))
+            raise ChatTemplateMismatch(
+                f"rendered chat diverges from the session history at character {at}: "
+                f"history {prefix[at:at + 40]!r} vs rendered {rendered[at:at + 40]!r}"
+            )
+        return self.encode(rendered[len(prefix):])
+
+
+class StreamDecoder:
+    """Incremental detokenization: push token ids, get text as soon as it is complete.
+
+    Decodes a short window before the new tokens and emits only the difference, so multi-byte
+    characters split across tokens and leading-space rules of SentencePiece-style decoders come
+    out right (the prefix/read offset scheme of TGI and vLLM).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return text[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the end of the stream)."""
+        before = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return text[len(before):]
+
+
+def tokens_for_chat(messages: Sequence[Mapping[str, Any]], tokenizer: Any, *, add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> list[int]:
+    """Render `messages` with the model's chat template and tokenize, client-side.
+
+    `tokenizer` is a kakeya Tokenizer (from GetModelInfo) or anything with Hugging Face's
+    `apply_chat_template` (e.g. a transformers AutoTokenizer).
+    """
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.tokens_for_chat(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    if hasattr(tokenizer, "apply_chat_template"):
+        ids = tokenizer.apply_chat_template(list(messages), tokenize=True,
+                                            add_generation_prompt=add_generation_prompt, **template_kwargs)
+        if isinstance(ids, Mapping):  # BatchEncoding in recent transformers
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    raise TypeError(f"cannot render a chat template with {type(tokenizer).__name__}")
+
+
+def from_openai_messages(messages: Iterable[Any]) -> list[Message]:
+    """OpenAI chat-completions messages -> the plain dicts chat templates expect.
+
+    Text content parts are joined; `developer` becomes `system` (templates rarely know it); tool
+    calls keep their structure with JSON `arguments` parsed, as Hugging Face templates expect.
+    Non-text parts (images, audio) are refused rather than silently dropped.
+    """
+    out: list[Message] = []
+    for raw in messages:
+        m = raw.model_dump(exclude_none=True) if hasattr(raw, "model_dump") else dict(raw)
+        role = m.get("role")
+        if not role:
+            raise ValueError(f"message without a role: {m!r}")
+        msg: Message = {"role": "system" if role == "developer" else role, "content": _text(m.get("content"))}
+        if m.get("name"):
+            msg["name"] = m["name"]
+        if m.get("tool_call_id"):
+            msg["tool_call_id"] = m["tool_call_id"]
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [_tool_call(tc) for tc in m["tool_calls"]]
+        out.append(msg)
+    return out
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text":
+            parts.append(part.get("text", ""))
+        else:
+            raise ValueError(f"unsupported content part {kind!r}: only text parts can be tokenized")
+    return "".join(parts)
+
+
+def _tool_call(tc: Mapping[str, Any]) -> dict[str, Any]:
+    fn = dict(tc.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        with contextlib.suppress(json.JSONDecodeError):  # else keep the raw string; templates may print it
+            fn["arguments"] = json.loads(args) if args else {}
+    return {"type": tc.get("type", "function"), "id": tc.get("id"), "function": fn}
+
+
+def _compile(source: str) -> Any:
+    """Jinja2 environment matching transformers' chat-template rendering."""
+    try:
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # pragma: no cover
+        raise ImportError(_INSTALL_HINT) from e
+
+    def raise_exception(message: str) -> None:
+        raise ChatTemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat template does not compile: {e}") from e

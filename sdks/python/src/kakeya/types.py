@@ -1,0 +1,81 @@
+"""Plain data returned by the client (no protobuf objects leak into user code)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an EOS / stop token was generated (it is the last token and is in the history)
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # the session was closed while generating
+    UNSPECIFIED = "unspecified"
+
+
+@dataclass(slots=True, frozen=True)
+class KvPolicy:
+    """A per-session KV policy: name plus parameters, passed through to the server's cache factory."""
+
+    name: str = "full"
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class GenerateStats:
+    prefill_tokens: int  # only the history not yet cached: the incremental prefill
+    prefill_s: float
+    ttft_s: float
+    decode_s: float
+    decode_tokens: int
+    decode_tokens_per_s: float
+    queue_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class GenerateResult:
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    stats: GenerateStats
+    history_length: int
+
+
+@dataclass(slots=True, frozen=True)
+class SessionInfo:
+    session_id: str
+    history_length: int
+    cached_length: int  # history tokens whose K/V are resident; the rest prefill at the next Generate
+    kv_live_bytes: int
+    policy: KvPolicy
+    inv1_checks: int
+    inv2_checks: int
+    inv1_violations: int
+    inv2_violations: int
+    generate_calls: int
+    idle_s: float
+    context_length: int
+    generating: bool
+    history_token_ids: tuple[int, ...] | None  # only when asked for
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the session can still take (appends plus max_tokens)."""
+        return self.context_length - self.history_length
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    model_name: str
+    model_type: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    context_length: int
+    tokenizer_json: str
+    chat_template: str | None
+    max_sessions: int
+    max_concurrent: int
+    session_idle_ttl_s: float
+    kv_policies: tuple[str, ...]

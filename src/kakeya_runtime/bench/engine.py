@@ -1,0 +1,652 @@
+"""`kakeya bench engine`: prefill/decode speed, TTFT, peak RSS and fidelity per model x context x
+weight format, against transformers and llama.cpp on the same GGUF weights, in one run.
+
+Every measurement runs in a fresh subprocess (`python -m kakeya_runtime.bench.engine JOB_JSON`), so
+peak RSS of one configuration never includes another's, and a crashing peer cannot take the run down.
+The machine is shared (other processes may be busy): before each job the harness waits, up to
+`idle_wait_s`, for the CPUs to go idle, and records how busy they were.
+
+Text is CPython's bundled language reference (`pydoc_data.topics`): real English prose with code,
+~110k tokens, available offline on every Python install.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "kakeya.bench.engine"
+SCHEMA_VERSION = 1
+RESULT_MARK = "@@KAKEYA_RESULT@@ "
+# Random-weight models for tests and quick smoke runs (no tokenizer: text bytes become token ids).
+TINY_MODELS: dict[str, dict[str, Any]] = {
+    "tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                 rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1),
+    "tiny-gemma": dict(model_type="gemma3_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                       max_position_embeddings=4096, rope_theta=1e6, rope_local_base_freq=1e4,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                       query_pre_attn_scalar=32, sliding_window=16,
+                       layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+}
+ALL_FORMATS = ("bf16", "fp32", "int8", "int4")
+
+
+@dataclass(slots=True)
+class EngineBenchSpec:
+    models: tuple[str, ...] = ("smollm2", "gemma3-270m")
+    contexts: tuple[int, ...] = (1024, 4096)
+    formats: tuple[str, ...] = ALL_FORMATS
+    compile: bool = True  # compiled decode step (engine.compiled) for our engine
+    peers: bool = True  # transformers + llama.cpp (if importable)
+    decode_steps: int = 64
+    fidelity_positions: int = 256  # next-token KL / top-1 agreement over this many positions of text
+    prefill_chunk: int = 512
+    long_prefill: tuple[int, ...] = (1024, 4096, 16384, 30000)  # peak RSS of a long bf16 prefill ...
+    long_prefill_model: str | None = "gemma3-270m"  # ... on this model (None: skip)
+    long_prefill_chunks: tuple[int, ...] = (512, 2048)  # chunk sizes; the largest only at the two shortest T
+    threads: int | None = None  # torch / llama.cpp threads (None: torch's default, the core count)
+    idle_wait_s: float = 90.0  # per job, wait at most this long for an idle machine
+    job_timeout_s: float = 1800.0
+    extra_ours: dict[str, Any] = field(default_factory=dict)  # passed to every `ours` job (head, prefill ...)
+
+
+# ------------------------------------------------------------------------------------------------
+# the run (parent process)
+
+
+def plan_jobs(spec: EngineBenchSpec) -> list[dict[str, Any]]:
+    """Every subprocess job of a run, in order: fidelity first (its bf16 logits are the peers' reference)."""
+    jobs: list[dict[str, Any]] = []
+    for model in spec.models:
+        ref = f"fidelity-ref-{model}.pt"
+        jobs.append({"kind": "fidelity", "model": model, "formats": list(spec.formats),
+                     "positions": spec.fidelity_positions, "ref_file": ref, **spec.extra_ours})
+        for ctx in spec.contexts:
+            for fmt in spec.formats:
+                jobs.append({"kind": "ours", "model": model, "fmt": fmt, "ctx": ctx, "compile": spec.compile,
+                             "steps": spec.decode_steps, "chunk": spec.prefill_chunk, **spec.extra_ours})
+        if spec.peers and model not in TINY_MODELS:
+            jobs.append({"kind": "transformers", "model": model, "contexts": list(spec.contexts),
+                         "steps": spec.decode_steps, "positions": spec.fidelity_positions, "ref_file": ref})
+            for i, ctx in enumerate(spec.contexts):
+                jobs.append({"kind": "llamacpp", "model": model, "ctx": ctx, "steps": spec.decode_steps,
+                             "positions": spec.fidelity_positions if i == 0 else 0, "ref_file": ref})
+    if spec.long_prefill_model and spec.long_prefill:
+        lengths = sorted(spec.long_prefill)
+        for chunk in sorted(spec.long_prefill_chunks):
+            for t in lengths if chunk == min(spec.long_prefill_chunks) else lengths[:2]:
+                jobs.append({"kind": "long_prefill", "model": spec.long_prefill_model, "tokens": t, "chunk": chunk})
+    for job in jobs:
+        job["threads"] = spec.threads
+    return jobs
+
+
+def run_engine_bench(spec: EngineBenchSpec, *, workdir: Path, command_line: str | None = None,
+                     on_job: Callable[[int, int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run every job in its own subprocess; returns the evidence dict (see `SCHEMA`)."""
+    from kakeya_runtime.bench.machine import machine_info
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    jobs = plan_jobs(spec)
+    started = time.time()
+    results = []
+    for i, job in enumerate(jobs):
+        if on_job:
+            on_job(i, len(jobs), job)
+        busy = wait_for_idle(spec.idle_wait_s)
+        res = run_job(job, workdir=workdir, timeout_s=spec.job_timeout_s)
+        res["cpu_busy_before"] = busy
+        results.append(res)
+    if on_job:
+        on_job(len(jobs), len(jobs), {})
+    out: dict[str, Any] = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created_unix": started,
+        "wall_s": round(time.time() - started, 1),
+        "command_line": command_line if command_line is not None else shlex.join(sys.argv),
+        "machine": machine_info(),
+        "spec": asdict(spec),
+        "text_source": "pydoc_data.topics (CPython language reference), topics in sorted order",
+        "jobs": results,
+    }
+    out["summary"] = summarize(out)
+    return out
+
+
+def wait_for_idle(max_wait_s: float, busy_threshold: float = 0.25) -> float:
+    """Wait until total CPU use over one second is below `busy_threshold`; return the last reading (0..1)."""
+    import psutil
+
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        busy = psutil.cpu_percent(interval=1.0) / 100.0
+        if busy < busy_threshold or time.monotonic() >= deadline:
+            return round(busy, 3)
+
+
+def run_job(job: dict[str, Any], *, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "kakeya_runtime.bench.engine", json.dumps(job)]
+    env = dict(os.environ, KAKEYA_BENCH_WORKDIR=str(workdir))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"job": job, "error": f"timed out after {timeout_s} s"}
+    wall = round(time.perf_counter() - t0, 2)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            return {"job": job, "wall_s": wall, **json.loads(line[len(RESULT_MARK):])}
+    tail = (proc.stderr or proc.stdout)[-2000:]
+    return {"job": job, "wall_s": wall, "error": f"exit {proc.returncode}: {tail}"}
+
+
+# ------------------------------------------------------------------------------------------------
+# summary: tables and ratios
+
+
+def summarize(run: dict[str, Any]) -> dict[str, Any]:
+    """Per model x context: our formats, peers, ratios vs each peer, and the targets."""
+    ours: dict[tuple, dict] = {}
+    peers: dict[tuple, dict] = {}
+    fidelity: dict[str, dict] = {}
+    long_prefill = []
+    for r in run["jobs"]:
+        job = r["job"]
+        if "error" in r:
+            continue
+        if job["kind"] == "ours":
+            ours[(job["model"], job["ctx"], job["fmt"])] = r
+        elif job["kind"] == "transformers":
+            for ctx, m in r["contexts"].items():
+                peers[(job["model"], int(ctx), "transformers")] = m
+            fidelity.setdefault(job["model"], {})["transformers"] = r.get("fidelity")
+        elif job["kind"] == "llamacpp":
+            peers[(job["model"], job["ctx"], "llama.cpp")] = r
+            if r.get("fidelity"):
+                fidelity.setdefault(job["model"], {})["llama.cpp"] = r["fidelity"]
+        elif job["kind"] == "fidelity":
+            fidelity.setdefault(job["model"], {}).update(r["formats"])
+        elif job["kind"] == "long_prefill":
+            long_prefill.append({k: r[k] for k in ("tokens", "chunk", "prefill_s", "prefill_tok_s", "kv_bytes",
+                                                   "rss_before", "peak_rss_prefill", "prefill_peak_over_before")}
+                                | {"model": job["model"]})
+    rows = []
+    models = list(dict.fromkeys(k[0] for k in ours))
+    contexts = sorted({k[1] for k in ours})
+    targets = []
+    for model in models:
+        for ctx in contexts:
+            row: dict[str, Any] = {"model": model, "ctx": ctx, "formats": {}, "peers": {}}
+            for (m, c, fmt), r in ours.items():
+                if m == model and c == ctx:
+                    row["formats"][fmt] = _speed(r)
+            for (m, c, name), r in peers.items():
+                if m == model and c == ctx:
+                    row["peers"][name] = _speed(r)
+            for fmt, s in row["formats"].items():
+                s["vs"] = {name: _ratios(s, p) for name, p in row["peers"].items()}
+            rows.append(row)
+            targets += _targets(row)
+    return {"rows": rows, "fidelity": fidelity, "long_prefill": long_prefill, "targets": targets}
+
+
+def _speed(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_process", "peak_rss_run", "weight_bytes",
+            "compile_s", "load_s")
+    return {k: r.get(k) for k in keys if r.get(k) is not None}
+
+
+def _ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+    def div(x, y):
+        return round(x / y, 3) if x and y else None
+
+    return {"prefill": div(a.get("prefill_tok_s"), b.get("prefill_tok_s")),
+            "decode": div(a.get("decode_tok_s"), b.get("decode_tok_s")),
+            "ttft_speedup": div(b.get("ttft_s"), a.get("ttft_s"))}
+
+
+def _targets(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets for this machine: bf16 decode >= 1.5x transformers; the fastest format's decode
+    >= 1.2x llama.cpp at 1k and >= 1.0x at 4k; prefill >= 5x llama.cpp (the fastest format's)."""
+    out = []
+    fmts, peers = row["formats"], row["peers"]
+    tf, lc = peers.get("transformers"), peers.get("llama.cpp")
+    where = f"{row['model']} @ {row['ctx']}"
+    if tf and "bf16" in fmts:
+        r = _ratios(fmts["bf16"], tf)["decode"]
+        out.append({"target": "bf16 decode >= 1.5x transformers", "where": where, "ratio": r,
+                    "met": r is not None and r >= 1.5})
+    if lc and fmts:
+        best = max(fmts, key=lambda f: fmts[f].get("decode_tok_s") or 0)
+        need = 1.2 if row["ctx"] <= 1024 else 1.0
+        r = _ratios(fmts[best], lc)["decode"]
+        out.append({"target": f"fastest format decode >= {need}x llama.cpp", "where": where, "format": best,
+                    "ratio": r, "met": r is not None and r >= need})
+        best_p = max(fmts, key=lambda f: fmts[f].get("prefill_tok_s") or 0)
+        r = _ratios(fmts[best_p], lc)["prefill"]
+        out.append({"target": "prefill >= 5x llama.cpp", "where": where, "format": best_p, "ratio": r,
+                    "met": r is not None and r >= 5.0})
+    return out
+
+
+def render_markdown(run: dict[str, Any]) -> str:
+    """A short human summary of one run (the JSON is the evidence)."""
+    s, m = run["summary"], run["machine"]
+    lines = [f"# Engine benchmark: {m['cpu_model']}, {m['torch_threads']} threads, torch {m['torch']}", "",
+             f"Command: `{run['command_line']}`  ", f"Wall time: {run['wall_s']} s; "
+             f"llama-cpp-python {m.get('llama_cpp')}, transformers {m.get('transformers')}.", "",
+             "## Speed (tok/s; ratio = ours / peer)", "",
+             "| model | ctx | engine | prefill tok/s | decode tok/s | TTFT s | peak RSS MiB | vs transformers "
+             "(decode) | vs llama.cpp (prefill / decode) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in s["rows"]:
+        for name, v in [*row["formats"].items(), *row["peers"].items()]:
+            vs = v.get("vs", {})
+            tf = vs.get("transformers", {}).get("decode")
+            lc = vs.get("llama.cpp", {})
+            lines.append(
+                f"| {row['model']} | {row['ctx']} | {name} | {_f(v.get('prefill_tok_s'), 0)} | "
+                f"{_f(v.get('decode_tok_s'), 1)} | {_f(v.get('ttft_s'), 2)} | {_mib(v.get('peak_rss_process'))} | "
+                f"{_x(tf)} | {_x(lc.get('prefill'))} / {_x(lc.get('decode'))} |")
+    lines += ["", "## Fidelity vs our bf16 (next-token KL, top-1 agreement)", "",
+              "| model | format | KL (nats) | top-1 agree |", "|---|---|---|---|"]
+    for model, fm in s["fidelity"].items():
+        for fmt, v in fm.items():
+            if v:
+                lines.append(f"| {model} | {fmt} | {v['kl_mean']:.4f} | {v['top1_agree']:.3f} |")
+    if s["long_prefill"]:
+        lines += ["", "## Long prefill, bf16: peak RSS set by the chunk, not by T", "",
+                  "| model | tokens | chunk | prefill s | KV MiB | peak over pre-prefill RSS MiB |",
+                  "|---|---|---|---|---|---|"]
+        for r in s["long_prefill"]:
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['chunk']} | {r['prefill_s']:.1f} | "
+                         f"{_mib(r['kv_bytes'])} | {_mib(r['prefill_peak_over_before'])} |")
+    if s["targets"]:
+        lines += ["", "## Targets", "", "| target | where | format | ratio | met |", "|---|---|---|---|---|"]
+        for t in s["targets"]:
+            lines.append(f"| {t['target']} | {t['where']} | {t.get('format', 'bf16')} | {_x(t['ratio'])} | "
+                         f"{'yes' if t['met'] else 'no'} |")
+    errors = [r for r in run["jobs"] if "error" in r]
+    if errors:
+        lines += ["", "## Failed jobs", ""] + [f"- {r['job']['kind']} {r['job'].get('model')}: "
+                                               f"{r['error'][:200]!r}" for r in errors]
+    return "\n".join(lines) + "\n"
+
+
+def _f(x, nd):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _x(x):
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _mib(x):
+    return "-" if x is None else f"{x / 2**20:.0f}"
+
+
+# ------------------------------------------------------------------------------------------------
+# jobs (child process)
+
+
+def bench_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+@dataclass(slots=True)
+class BenchModel:
+    model: Any  # DecoderModel
+    token_ids: list[int]  # the bench text, tokenized
+    gguf: Path | None  # the GGUF the peers load (None for tiny models)
+
+
+def load_bench_model(name: str, dtype) -> BenchModel:
+    import torch
+
+    if name in TINY_MODELS:
+        from kakeya_runtime.models.config import ModelConfig
+        from kakeya_runtime.models.registry import build_model
+
+        config = ModelConfig.from_hf(TINY_MODELS[name])
+        torch.manual_seed(0)
+        model = build_model(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.05)
+        ids = [b % config.vocab_size for b in bench_text()[:20000].encode()]
+        return BenchModel(model.to(dtype).eval().requires_grad_(False), ids, None)
+    from kakeya_runtime.models.loader import load_model
+
+    loaded = load_model(name, dtype=dtype)
+    ids = loaded.tokenizer.encode(bench_text()).ids
+    gguf = loaded.source if loaded.source.is_file() else None
+    return BenchModel(loaded.model, ids, gguf)
+
+
+def _set_threads(n: int | None) -> int:
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def _trim_heap() -> None:
+    """Return freed heap to the OS so RSS after load reflects what is held, not what was freed."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _ids_tensor(ids: list[int]):
+    import torch
+
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def _text_ids(bm: BenchModel, n: int) -> list[int]:
+    """The first n tokens of the bench text (repeated if the text is shorter)."""
+    ids = bm.token_ids
+    while len(ids) < n:
+        ids = ids + bm.token_ids
+    return ids[:n]
+
+
+def job_ours(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from kakeya_runtime.bench.machine import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from kakeya_runtime.engine.generate import Engine, GenerateRequest
+    from kakeya_runtime.engine.weights import WeightFormat, quantize_model
+
+    threads = _set_threads(job.get("threads"))
+    fmt = WeightFormat(job["fmt"])
+    t0 = time.perf_counter()
+    # Quantized formats start from fp32 weights: the loader's fp32 copy holds the GGUF values exactly.
+    bm = load_bench_model(job["model"], torch.bfloat16 if fmt is WeightFormat.BF16 else torch.float32)
+    report = quantize_model(bm.model, fmt, **_quant_kwargs(job))
+    load_s = time.perf_counter() - t0
+    del t0
+    _trim_heap()
+    engine = Engine(bm.model, prefill_chunk=job["chunk"])
+    compile_s = None
+    if job.get("compile"):
+        from kakeya_runtime.engine.compiled import CompiledDecode
+
+        compiled = CompiledDecode(bm.model)
+        engine.decode_forward = compiled
+        compile_s = compiled.warmup(engine)
+    ctx, steps = job["ctx"], job["steps"]
+    ids = _ids_tensor(_text_ids(bm, ctx))
+    warm = engine.new_cache(capacity=80)  # first-call costs (allocator, oneDNN primitives) off the clock
+    engine.generate(warm, ids[:, :64], GenerateRequest(max_new_tokens=4))
+    del warm
+    _trim_heap()
+    rss_ready = current_rss_bytes()
+    reset_peak_rss()
+    cache = engine.new_cache(capacity=ctx + steps + 1)
+    res = engine.generate(cache, ids, GenerateRequest(max_new_tokens=steps + 1))
+    decode_steps = res.decode_tokens - 1  # the first token comes from prefill
+    return {
+        "threads": threads,
+        "load_s": round(load_s, 2),
+        "compile_s": None if compile_s is None else round(compile_s, 1),
+        "weight_bytes": report.weight_bytes_after,
+        "quant": {"head": report.head_fmt.value, "modules": report.modules, **_quant_kwargs(job)},
+        "prefill_s": res.prefill_s,
+        "prefill_tok_s": ctx / res.prefill_s,
+        "ttft_s": res.ttft_s,
+        "decode_steps": decode_steps,
+        "decode_s": res.decode_s,
+        "decode_tok_s": decode_steps / res.decode_s if res.decode_s > 0 else None,
+        "kv_bytes": cache.nbytes,
+        "rss_ready": rss_ready,
+        "peak_rss_run": peak_rss_bytes(),  # since reset: prefill + decode
+        "peak_rss_process": _ru_maxrss(),  # the whole process, loading included
+        "first_tokens": res.token_ids[0][:16],
+    }
+
+
+def _quant_kwargs(job: dict[str, Any]) -> dict[str, Any]:
+    return {k: job[k] for k in ("head", "prefill", "prefill_rows") if job.get(k) is not None}
+
+
+def _ru_maxrss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _logprobs_all(engine, ids):
+    from kakeya_runtime.models.base import Logits
+
+    cache = engine.new_cache(capacity=ids.shape[1])
+    out = engine.prefill(cache, ids, logits=Logits.ALL)
+    return out.logits[0].float().log_softmax(-1)  # (P, V)
+
+
+def compare_logprobs(ref, other) -> dict[str, float]:
+    """Mean next-token KL(ref || other) in nats, its max, and top-1 agreement, over matching positions."""
+    import torch
+
+    n = min(ref.shape[0], other.shape[0])
+    ref, other = ref[:n].float(), other[:n].float()
+    kl = (ref.exp() * (ref - other)).sum(-1).clamp(min=0)
+    return {"positions": n, "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "top1_agree": float((ref.argmax(-1) == other.argmax(-1)).float().mean()),
+            "finite": bool(torch.isfinite(other).all())}
+
+
+def job_fidelity(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from kakeya_runtime.engine.generate import Engine
+    from kakeya_runtime.engine.weights import WeightFormat, quantize_model
+
+    threads = _set_threads(job.get("threads"))
+    p = job["positions"]
+    ref = None
+    out: dict[str, Any] = {}
+    for fmt in ["bf16"] + [f for f in job["formats"] if f != "bf16"]:
+        f = WeightFormat(fmt)
+        bm = load_bench_model(job["model"], torch.bfloat16 if f is WeightFormat.BF16 else torch.float32)
+        quantize_model(bm.model, f, **_quant_kwargs(job))
+        ids = _ids_tensor(_text_ids(bm, p))
+        lp = _logprobs_all(Engine(bm.model, prefill_chunk=p), ids)
+        if ref is None:
+            ref = lp
+            torch.save(ref, _workdir() / job["ref_file"])
+        elif fmt in job["formats"]:
+            out[fmt] = compare_logprobs(ref, lp)
+        del bm, lp
+        _trim_heap()
+    return {"threads": threads, "formats": out, "reference": "our bf16"}
+
+
+def _workdir() -> Path:
+    return Path(os.environ.get("KAKEYA_BENCH_WORKDIR", "."))
+
+
+def job_transformers(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kakeya_runtime.bench.machine import peak_rss_bytes, reset_peak_rss
+
+    threads = _set_threads(job.get("threads"))
+    bm = load_bench_model(job["model"], torch.bfloat16)  # for the token ids and the GGUF path only
+    ids_all, gguf = bm.token_ids, bm.gguf
+    del bm
+    _trim_heap()
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    hf.eval()
+    load_s = time.perf_counter() - t0
+    result: dict[str, Any] = {"threads": threads, "load_s": round(load_s, 1), "contexts": {},
+                              "attn_implementation": getattr(hf.config, "_attn_implementation", None)}
+    with torch.inference_mode():
+        ref_path = _workdir() / job["ref_file"]
+        if job.get("positions") and ref_path.exists():
+            ids = _ids_tensor(_text_ids(BenchModel(None, ids_all, None), job["positions"]))
+            lp = hf(ids).logits[0].float().log_softmax(-1)
+            result["fidelity"] = compare_logprobs(torch.load(ref_path), lp)
+            del lp
+        hf(_ids_tensor(ids_all[:64]), logits_to_keep=1)  # warm-up
+        for ctx in job["contexts"]:
+            _trim_heap()
+            reset_peak_rss()
+            ids = _ids_tensor(_text_ids(BenchModel(None, ids_all, None), ctx))
+            t0 = time.perf_counter()
+            out = hf(ids, use_cache=True, logits_to_keep=1)
+            prefill_s = time.perf_counter() - t0
+            tok = int(out.logits[0, -1].argmax())
+            ttft = time.perf_counter() - t0
+            past = out.past_key_values
+            t1 = time.perf_counter()
+            for _ in range(job["steps"]):
+                out = hf(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                tok = int(out.logits[0, -1].argmax())
+            decode_s = time.perf_counter() - t1
+            result["contexts"][str(ctx)] = {
+                "prefill_s": prefill_s, "prefill_tok_s": ctx / prefill_s, "ttft_s": ttft,
+                "decode_s": decode_s, "decode_tok_s": job["steps"] / decode_s,
+                "peak_rss_run": peak_rss_bytes(), "peak_rss_process": _ru_maxrss(),
+            }
+            del out, past
+    return result
+
+
+def job_llamacpp(job: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    try:
+        import llama_cpp
+    except ImportError:
+        return {"skipped": "llama-cpp-python is not installed (optional extra)"}
+    from kakeya_runtime.bench.machine import peak_rss_bytes, reset_peak_rss
+
+    threads = job.get("threads") or torch.get_num_threads()
+    bm = load_bench_model(job["model"], torch.bfloat16)
+    ids_all, gguf = bm.token_ids, bm.gguf
+    del bm
+    _trim_heap()
+    ctx, steps = job["ctx"], job["steps"]
+    ids = _text_ids(BenchModel(None, ids_all, None), ctx)
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(str(gguf), n_ctx=ctx + steps + 8, n_threads=threads, n_threads_batch=threads,
+                          n_batch=512, n_ubatch=512, logits_all=False, verbose=False)
+    load_s = time.perf_counter() - t0
+    n_vocab = llm.n_vocab()
+
+    def last_argmax() -> int:
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,))
+        return int(logits.argmax())
+
+    llm.eval(ids[:64])  # warm-up, then start over
+    last_argmax()
+    llm.reset()
+    _trim_heap()
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    prefill_s = time.perf_counter() - t0
+    tok = last_argmax()
+    ttft = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for _ in range(steps):
+        llm.eval([tok])
+        tok = last_argmax()
+    decode_s = time.perf_counter() - t1
+    result: dict[str, Any] = {
+        "threads": threads, "load_s": round(load_s, 2), "llama_cpp_version": llama_cpp.__version__,
+        "prefill_s": prefill_s, "prefill_tok_s": ctx / prefill_s, "ttft_s": ttft,
+        "decode_s": decode_s, "decode_tok_s": steps / decode_s,
+        "peak_rss_run": peak_rss_bytes(), "peak_rss_process": _ru_maxrss(),
+    }
+    del llm
+    ref_path = _workdir() / job["ref_file"]
+    if job.get("positions") and ref_path.exists():
+        p = job["positions"]
+        llm = llama_cpp.Llama(str(gguf), n_ctx=p + 8, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                              logits_all=True, verbose=False)
+        llm.eval(_text_ids(BenchModel(None, ids_all, None), p))
+        lp = torch.from_numpy(np.array(llm.scores[:p], dtype=np.float32)).log_softmax(-1)
+        result["fidelity"] = compare_logprobs(torch.load(ref_path), lp)
+    return result
+
+
+def job_long_prefill(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from kakeya_runtime.bench.machine import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from kakeya_runtime.engine.generate import Engine
+
+    threads = _set_threads(job.get("threads"))
+    bm = load_bench_model(job["model"], torch.bfloat16)
+    engine = Engine(bm.model, prefill_chunk=job["chunk"])
+    t = job["tokens"]
+    ids = _ids_tensor(_text_ids(bm, t))
+    engine.prefill(engine.new_cache(capacity=64), ids[:, :32])  # warm-up
+    _trim_heap()
+    before = current_rss_bytes()
+    reset_peak_rss()
+    cache = engine.new_cache(capacity=t + 1)
+    t0 = time.perf_counter()
+    engine.prefill(cache, ids)
+    prefill_s = time.perf_counter() - t0
+    peak = peak_rss_bytes()
+    return {"threads": threads, "tokens": t, "chunk": job["chunk"], "prefill_s": prefill_s,
+            "prefill_tok_s": t / prefill_s, "kv_bytes": cache.nbytes, "rss_before": before,
+            "peak_rss_prefill": peak, "prefill_peak_over_before": peak - before,
+            "peak_rss_process": _ru_maxrss()}
+
+
+JOBS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "ours": job_ours,
+    "fidelity": job_fidelity,
+    "transformers": job_transformers,
+    "llamacpp": job_llamacpp,
+    "long_prefill": job_long_prefill,
+}
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def main(argv: list[str]) -> None:
+    job = json.loads(argv[0])
+    result = JOBS[job["kind"]](job)
+    print(RESULT_MARK + json.dumps(_jsonable(result)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,129 @@
+"""`kakeya generate`: one prompt through the engine in-process, text streamed to stdout as it is sampled.
+
+Timings go to stderr so stdout is only the generated text. `--chat` renders the model's chat template
+client-side through the SDK's tokenization helper (the runtime itself never renders templates).
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import time
+
+import typer
+
+
+class DType(str, enum.Enum):
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate)
+
+
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt text (the user message with --chat)."),
+    model: str = typer.Option("smollm2", "--model", "-m",
+                              help="Bundled name (smollm2, gemma3-270m), .gguf file or HF-style directory."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", min=0.0, help="0 = greedy."),
+    top_k: int | None = typer.Option(None, "--top-k", min=0),
+    top_p: float | None = typer.Option(None, "--top-p"),
+    seed: int | None = typer.Option(None, "--seed", min=0),
+    dtype: DType = typer.Option(DType.bf16, "--dtype"),
+    chat: bool | None = typer.Option(None, "--chat/--raw",
+                                     help="Render the chat template (default: when the model has one)."),
+    cache_dir: str | None = typer.Option(None, "--cache-dir", help="Conversion cache (default: $KAKEYA_CACHE_DIR "
+                                         "or the user cache dir)."),
+) -> None:
+    """Generate a continuation of PROMPT, streaming text to stdout and timings to stderr."""
+    import torch
+
+    from kakeya_runtime.engine.generate import Engine, GenerateRequest, GenerationError
+    from kakeya_runtime.engine.sampling import SamplingError, SamplingParams
+    from kakeya_runtime.models.loader import ModelLoadError, load_model
+
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    except SamplingError as e:
+        raise typer.BadParameter(str(e)) from None
+    try:
+        loaded = load_model(model, dtype=torch.float32 if dtype is DType.fp32 else torch.bfloat16,
+                            cache_dir=cache_dir)
+    except ModelLoadError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"[{loaded.name}: {loaded.config.model_type}, {dtype.value}, loaded in {loaded.load_s:.2f} s]",
+               err=True)
+
+    use_chat = bool(loaded.chat_template) if chat is None else chat
+    if use_chat:
+        ids = _chat_prompt_ids(loaded, prompt)
+    else:
+        ids = loaded.tokenizer.encode(prompt).ids  # adds BOS when the model wants one (Gemma)
+    if not ids:
+        typer.echo("error: the prompt encodes to no tokens", err=True)
+        raise typer.Exit(2)
+
+    engine = Engine(loaded.model)
+    limit = loaded.config.max_position_embeddings
+    if len(ids) + max_new_tokens > limit:
+        typer.echo(f"error: prompt {len(ids)} + max_new_tokens {max_new_tokens} exceeds the context {limit}",
+                   err=True)
+        raise typer.Exit(2)
+    cache = engine.new_cache(capacity=len(ids) + max_new_tokens)
+    request = GenerateRequest(max_new_tokens, sampling=sampling, stop_ids=loaded.eos_ids)
+    try:
+        stream = engine.stream(cache, torch.tensor([ids], dtype=torch.long), request)
+    except GenerationError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+    from tokenizers.decoders import DecodeStream
+
+    # Incremental detokenization: a token that ends mid-way through a UTF-8 character yields nothing
+    # until the character is complete, so multi-byte text is never printed as U+FFFD halves.
+    decoder = DecodeStream(skip_special_tokens=True)
+    out = sys.stdout
+    t0 = time.perf_counter()
+    for step in stream:
+        piece = decoder.step(loaded.tokenizer, step[0])
+        if piece:
+            out.write(piece)
+            out.flush()
+    out.write("\n")
+    out.flush()
+    result = stream.result
+    assert result is not None
+    total_s = time.perf_counter() - t0
+    # The first sampled token comes from the prefill logits; decode rate counts the tokens after it.
+    decode_rate = (result.decode_tokens - 1) / result.decode_s if result.decode_s > 0 else 0.0
+    prefill_rate = result.prefill_tokens / result.prefill_s if result.prefill_s > 0 else 0.0
+    typer.echo(
+        f"[prefill {result.prefill_tokens} tok in {result.prefill_s:.3f} s ({prefill_rate:.0f} tok/s) · "
+        f"TTFT {result.ttft_s * 1000:.0f} ms · decode {result.decode_tokens} tok, {decode_rate:.1f} tok/s · "
+        f"finish {result.finish_reason.value} · total {total_s:.2f} s]",
+        err=True,
+    )
+
+
+def _chat_prompt_ids(loaded, prompt: str) -> list[int]:
+    """One user turn rendered with the model's template (client-side, via the SDK) and tokenized without
+    extra special tokens: the template writes BOS itself where the model wants it."""
+    if not loaded.chat_template:
+        typer.echo(f"error: {loaded.name} has no chat template; use --raw", err=True)
+        raise typer.Exit(2)
+    try:
+        from kakeya.tokenization import ChatTemplateError, Tokenizer
+    except ImportError as e:
+        typer.echo(f"error: --chat needs the kakeya SDK with its tokenize extra: {e}", err=True)
+        raise typer.Exit(2) from None
+    tok = Tokenizer(loaded.tokenizer_json, chat_template=loaded.chat_template, bos_token_id=loaded.bos_id,
+                    eos_token_ids=loaded.eos_ids)
+    try:
+        text = tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    except ChatTemplateError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    return loaded.tokenizer.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,95 @@
+"""An optional torch.compile'd decode step (one token per row), warmed up once at load.
+
+Eager decode on this CPU is dispatch-bound (~5,000 small ops per token); Inductor fuses the
+elementwise work and removes most of that overhead. Prefill stays eager: its big matmuls dominate
+and compiling them buys nothing. Compiled code is cached on disk (Inductor's FX graph cache) under
+`kakeya_runtime`'s user cache dir, so later processes reuse it instead of compiling again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kakeya_runtime.models.base import DecoderModel, ForwardOutput, Logits
+
+
+def inductor_cache_dir() -> str:
+    """Where Inductor keeps compiled kernels; set once per process, before the first compile."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not path:
+        from platformdirs import user_cache_dir
+
+        path = os.path.join(user_cache_dir("kakeya"), "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
+
+
+@dataclass(slots=True)
+class CompileOptions:
+    """Inductor settings for the decode step (measured on a 2-core CPU; see results/engine/README.md)."""
+
+    freezing: bool = True  # treat weights as constants: folds/prepacks them
+    max_autotune: bool = False
+    cpp_wrapper: bool = False  # C++ instead of Python glue around the kernels
+    extra: dict = field(default_factory=dict)
+
+    def inductor_options(self) -> dict:
+        return {"freezing": self.freezing, "max_autotune": self.max_autotune, "cpp_wrapper": self.cpp_wrapper,
+                **self.extra}
+
+
+class CompiledDecode:
+    """Callable with the model's signature for the (B, 1) decode case; anything else runs eagerly."""
+
+    def __init__(self, model: DecoderModel, options: CompileOptions | None = None) -> None:
+        self.model = model
+        self.options = options or CompileOptions()
+        self.cache_dir = inductor_cache_dir()
+        self.compile_s = 0.0
+        # Sizes that happen to be equal (say, a cache's capacity and its allocation) must not become one
+        # symbol: that equality is a guard, and breaking it later would recompile.
+        torch.fx.experimental._config.use_duck_shape = False
+        self._fn = torch.compile(self._step, dynamic=True, options=self.options.inductor_options())
+
+    def _step(self, token_ids: Tensor, positions: Tensor, cache) -> ForwardOutput:
+        return self.model(token_ids, positions, cache, logits=Logits.LAST)
+
+    def __call__(self, token_ids: Tensor, positions: Tensor, cache, *, logits: Logits = Logits.LAST,
+                 trace_layer: int | None = None) -> ForwardOutput:
+        if (trace_layer is not None or logits is not Logits.LAST or token_ids.shape[1] != 1
+                or _grows(cache)):
+            return self.model(token_ids, positions, cache, logits=logits, trace_layer=trace_layer)
+        return self._fn(token_ids, positions, cache)
+
+    def warmup(self, engine, lengths: tuple[int, ...] = ()) -> float:
+        """Compile now rather than on the first real token. Each distinct cache state the graph guards on
+        is one compiled variant: a fresh cache (tensors made outside inference mode) and a grown one
+        (reallocated inside it); below and beyond the sliding window. Decode once at each."""
+        t0 = time.perf_counter()
+        window = engine.config.sliding_window
+        lengths = lengths or ((8, 300) if not window else (8, min(300, window - 8), window + 8))
+        with torch.inference_mode():
+            for n in lengths:
+                cache = engine.new_cache(capacity=min(engine.config.max_position_embeddings, n + 4))
+                ids = torch.zeros(1, n, dtype=torch.long, device=engine.device)
+                engine.prefill(cache, ids)
+                tok = torch.zeros(1, 1, dtype=torch.long, device=engine.device)
+                for _ in range(2):
+                    self(tok, torch.arange(cache.length, cache.length + 1, device=engine.device), cache)
+        self.compile_s = time.perf_counter() - t0
+        return self.compile_s
+
+
+def _grows(cache) -> bool:
+    """Whether this step makes a growable layer reallocate its storage: a rare step (log2(capacity)
+    times per cache) that runs eagerly rather than costing a compiled variant of its own."""
+    for layer in cache:
+        k = getattr(layer, "k", None)
+        if hasattr(layer, "capacity") and k is not None and layer.length + 1 > k.shape[2]:
+            return True
+    return False

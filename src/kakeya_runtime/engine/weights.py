@@ -1,0 +1,296 @@
+"""Weight formats for the projection matmuls: bf16, fp32, and weight-only int8 / int4 (CPU).
+
+`quantize_model(model, fmt)` converts a loaded model in place. The int formats replace every
+projection `nn.Linear` (fused qkv, o, fused gate/up, down, and the LM head) with a module that runs
+PyTorch's weight-only CPU kernels on bf16 activations:
+
+- INT8: per-output-channel symmetric int8, `aten._weight_int8pack_mm`.
+- INT4: group-wise affine int4 (group 32), `aten._weight_int4pack_mm_for_cpu`. A GGUF Q4_1 block
+  (32 values, w = d*q + m) is exactly such a group: scale = d, zero = m + 8d (the kernel computes
+  (q - 8) * scale + zero). Q4_K sub-blocks are the same form. We quantize from the loader's
+  dequantized bf16 weights with min/max per group, which recovers the GGUF codes of a Q4_1/Q4_K
+  tensor up to the bf16 rounding of the scales (the kernel takes bf16 scales anyway).
+
+The int kernels are fast for one row (decode) but slow for many (prefill: ~600 tok/s against
+thousands with bf16 AMX matmuls), so a quantized linear switches on the number of rows: at or above
+`prefill_rows` it runs a bf16 matmul on weights it dequantizes for that call (`Prefill.DEQUANT`, no
+extra resident memory, the same numbers as the int kernel up to accumulation order) or on a bf16 copy
+it keeps (`Prefill.COPY`, +2 bytes/weight resident).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+INT4_GROUP = 32  # one GGUF Q4_0/Q4_1 block, one Q4_K sub-block
+_INT4_BLOCK_N = 64  # rows per block in the CPU int4 packed layout (see _unpack_int4)
+
+
+class WeightFormat(enum.Enum):
+    BF16 = "bf16"
+    FP32 = "fp32"
+    INT8 = "int8"  # weight-only, per output channel
+    INT4 = "int4"  # weight-only, group-wise affine, group 32
+
+    @property
+    def quantized(self) -> bool:
+        return self in (WeightFormat.INT8, WeightFormat.INT4)
+
+
+class Prefill(enum.Enum):
+    """How a quantized linear runs many-row (prefill) inputs."""
+
+    DEQUANT = "dequant"  # dequantize to bf16 for the call, then a bf16 (AMX) matmul; no extra memory
+    COPY = "copy"  # keep a bf16 copy of the original weights for prefill (+2 bytes per weight)
+    KERNEL = "kernel"  # always the int kernel (slow prefill; for measurement)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W stored quantized; bf16 in, bf16 out (other dtypes are cast)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: Tensor | None, *, prefill: Prefill,
+                 prefill_rows: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.prefill, self.prefill_rows = prefill, prefill_rows
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone())
+        self.register_buffer("bf16_copy", None)  # set only for Prefill.COPY
+
+    def kernel_mm(self, x: Tensor) -> Tensor:
+        """(R, K) bf16 -> (R, N) bf16 through the int kernel."""
+        raise NotImplementedError
+
+    def dequantize(self) -> Tensor:
+        """The weight this module computes with, (N, K) bf16."""
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> Tensor:  # for callers that read `.weight` (e.g. a tied head); costs a dequant
+        return self.dequantize()
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (R, K)
+        if x2.shape[0] >= self.prefill_rows and self.prefill is not Prefill.KERNEL:
+            w = self.bf16_copy if self.bf16_copy is not None else self.dequantize()
+            y = F.linear(x2, w, self.bias)
+        else:
+            y = self.kernel_mm(x2)
+            if self.bias is not None:
+                y = y + self.bias
+        return y.view(*shape[:-1], self.out_features).to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, prefill={self.prefill.value}")
+
+
+class Int8Linear(QuantLinear):
+    """Symmetric per-output-channel int8: W ~= q * s[:, None], q in [-127, 127]."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, *, prefill: Prefill = Prefill.DEQUANT,
+                 prefill_rows: int = 8) -> None:
+        n, k = weight.shape
+        super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
+        q, scales = quantize_int8(weight)
+        self.register_buffer("qweight", q)  # (N, K) int8
+        self.register_buffer("scales", scales)  # (N,) bf16
+
+    def kernel_mm(self, x: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def dequantize(self) -> Tensor:
+        return self.qweight.to(torch.bfloat16) * self.scales[:, None]
+
+
+class Int4Linear(QuantLinear):
+    """Group-wise affine int4 in the CPU kernel's packed layout: W ~= (q - 8) * s + z per group of 32."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, *, group_size: int = INT4_GROUP,
+                 prefill: Prefill = Prefill.DEQUANT, prefill_rows: int = 8) -> None:
+        n, k = weight.shape
+        super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
+        codes, scales_zeros = quantize_int4(weight, group_size)
+        self.group_size = group_size
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))  # (N, K/2)
+        self.register_buffer("scales_zeros", scales_zeros)  # (K/G, N, 2) bf16: scale, zero
+        if not torch.equal(_unpack_int4(self.packed, n, k), codes.to(torch.uint8)):
+            # The kernel's packing differs from the layout _unpack_int4 reads: keep DEQUANT honest by
+            # falling back to a bf16 copy rather than dequantizing wrong numbers.
+            if prefill is Prefill.DEQUANT:
+                self.prefill = Prefill.COPY
+            self._unpack_ok = False
+        else:
+            self._unpack_ok = True
+
+    def kernel_mm(self, x: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+
+    def dequantize(self) -> Tensor:
+        if not self._unpack_ok:  # exact but slow: run the kernel on the identity
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+            return self.kernel_mm(eye).t().contiguous()
+        n, k, g = self.out_features, self.in_features, self.group_size
+        q = _unpack_int4(self.packed, n, k).to(torch.bfloat16).view(n, k // g, g)  # (N, K/G, G)
+        sz = self.scales_zeros.transpose(0, 1)  # (N, K/G, 2)
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k)
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding lookup served from a (tied) quantized LM head: rows are dequantized on demand."""
+
+    def __init__(self, head: QuantLinear) -> None:
+        super().__init__()
+        self.head = head
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    @property
+    def weight(self) -> Tensor:
+        return self.head.dequantize()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)
+        if isinstance(self.head, Int8Linear):
+            rows = self.head.qweight[flat].to(torch.bfloat16) * self.head.scales[flat, None]
+        elif isinstance(self.head, Int4Linear) and self.head._unpack_ok:
+            rows = _int4_rows(self.head, flat)
+        else:
+            rows = self.head.dequantize()[flat]
+        return rows.view(*ids.shape, self.embedding_dim)
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, K) float -> (q (N, K) int8, scales (N,) bf16), symmetric per row."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(torch.bfloat16)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(weight: Tensor, group_size: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
+    """(N, K) float -> (codes (N, K) int32 in 0..15, scales_zeros (K/G, N, 2) bf16).
+
+    Affine min/max per group (GGUF Q4_1's rule: d = (max - min) / 15, m = min); the kernel's zero
+    point is m + 8d. Codes are chosen against the bf16-rounded scale/zero the kernel will use.
+    """
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+    if n % 16:
+        raise ValueError(f"out_features {n} must be a multiple of 16 for the CPU int4 kernel")
+    w = weight.detach().float().view(n, k // group_size, group_size)  # (N, K/G, G)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # (N, K/G)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8).to(torch.bfloat16).float()
+    zero = (lo + 8.0 * scale).to(torch.bfloat16).float()
+    codes = torch.round((w - zero[..., None]) / scale[..., None] + 8.0).clamp(0, 15).to(torch.int32)
+    scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return codes.view(n, k), scales_zeros
+
+
+def _unpack_int4(packed: Tensor, n: int, k: int) -> Tensor:
+    """Codes (N, K) uint8 from the CPU kernel's packed layout (measured on torch 2.13): rows come in
+    blocks of 64, each stored as (K, 32) bytes whose low nibble holds rows 0..31 and high nibble rows
+    32..63 of the block; a shorter tail block is (K, tail/2) bytes holding row pairs (2j, 2j+1).
+    Int4Linear checks this against the codes it packed and falls back if a torch build differs."""
+    flat = packed.reshape(-1)
+    full = (n // _INT4_BLOCK_N) * _INT4_BLOCK_N
+    parts = []
+    if full:
+        b = flat[: full * k // 2].view(full // _INT4_BLOCK_N, k, _INT4_BLOCK_N // 2)  # (NB, K, 32)
+        parts.append(torch.cat((b & 15, b >> 4), dim=-1).transpose(1, 2).reshape(full, k))
+    tail = n - full
+    if tail:
+        b = flat[full * k // 2:].view(k, tail // 2)  # (K, tail/2): byte j holds rows 2j (lo), 2j+1 (hi)
+        parts.append(torch.stack((b & 15, b >> 4), dim=-1).view(k, tail).t())
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _int4_rows(head: Int4Linear, rows: Tensor) -> Tensor:
+    """Dequantized rows (R, K) bf16 of an Int4Linear whose N is a multiple of the 64-row block."""
+    n, k, g = head.out_features, head.in_features, head.group_size
+    if n % _INT4_BLOCK_N:
+        return head.dequantize()[rows]
+    blocks = head.packed.view(n // _INT4_BLOCK_N, k, _INT4_BLOCK_N // 2)  # (NB, K, 32)
+    lane = rows % _INT4_BLOCK_N
+    b = blocks[rows // _INT4_BLOCK_N, :, lane % (_INT4_BLOCK_N // 2)]  # (R, K)
+    q = torch.where((lane < _INT4_BLOCK_N // 2)[:, None], b & 15, b >> 4).to(torch.bfloat16)
+    sz = head.scales_zeros[:, rows].transpose(0, 1)  # (R, K/G, 2)
+    return ((q.view(-1, k // g, g) - 8) * sz[..., :1] + sz[..., 1:]).view(-1, k)
+
+
+@dataclass(slots=True)
+class QuantReport:
+    """What quantize_model did: which modules, and the resident bytes before and after."""
+
+    fmt: WeightFormat
+    head_fmt: WeightFormat
+    modules: int
+    weight_bytes_before: int
+    weight_bytes_after: int
+
+
+def quantize_model(model: nn.Module, fmt: WeightFormat | str, *, head: WeightFormat | str | None = None,
+                   prefill: Prefill | str = Prefill.DEQUANT, prefill_rows: int = 8,
+                   group_size: int = INT4_GROUP) -> QuantReport:
+    """Convert `model` in place to `fmt`. Norms, embeddings and activations stay bf16 for the int formats.
+
+    `head` sets the LM head's format (default: INT8 for the int formats — the head is the one matmul
+    whose error reaches the logits directly; INT4 halves its bytes again). A tied head (no `lm_head`)
+    becomes a quantized `lm_head`, and the embedding is then served from it (`QuantEmbedding`), so the
+    bf16 table is dropped rather than kept alongside.
+    """
+    fmt, prefill = WeightFormat(fmt), Prefill(prefill)
+    before = weight_bytes(model)
+    if not fmt.quantized:
+        model.to(torch.float32 if fmt is WeightFormat.FP32 else torch.bfloat16)
+        return QuantReport(fmt, fmt, 0, before, weight_bytes(model))
+    head_fmt = WeightFormat(head) if head is not None else WeightFormat.INT8
+
+    def make(linear_weight: Tensor, bias: Tensor | None, f: WeightFormat) -> nn.Module:
+        if f is WeightFormat.INT8:
+            m: QuantLinear = Int8Linear(linear_weight, bias, prefill=prefill, prefill_rows=prefill_rows)
+        elif f is WeightFormat.INT4:
+            m = Int4Linear(linear_weight, bias, group_size=group_size, prefill=prefill, prefill_rows=prefill_rows)
+        else:
+            raise ValueError(f"{f} is not a quantized format")
+        if m.prefill is Prefill.COPY:
+            m.bf16_copy = linear_weight.detach().to(torch.bfloat16).clone()
+        return m
+
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and name != "lm_head":
+                setattr(parent, name, make(child.weight, child.bias, fmt))
+                count += 1
+    if head_fmt.quantized:
+        lm_head = getattr(model, "lm_head", None)
+        if isinstance(lm_head, nn.Linear):
+            model.lm_head = make(lm_head.weight, lm_head.bias, head_fmt)
+            count += 1
+        elif lm_head is None and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
+            model.lm_head = make(model.embed_tokens.weight, None, head_fmt)
+            model.embed_tokens = QuantEmbedding(model.lm_head)
+            count += 1
+    # Quantized from the weights as loaded (fp32 keeps GGUF codes exact); the rest runs in bf16, because
+    # the int kernels take bf16 activations (they are 10-40x slower on fp32).
+    model.to(torch.bfloat16)
+    return QuantReport(fmt, head_fmt, count, before, weight_bytes(model))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Resident bytes of the model's parameters and buffers, each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total

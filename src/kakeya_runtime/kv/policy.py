@@ -1,0 +1,79 @@
+"""KV policies behind one factory: `make_policy_cache(config, PolicySpec.parse(name, params), ...)`.
+
+| policy | sustained K/V (governed layers) | queries see | params |
+|---|---|---|---|
+| full | every position (grows with T) | everything | idle_codec, idle_q |
+| sink_window | sink + window (+ spare) slots, fixed | sinks + last window | sink, window, spare, codec, q |
+| restore | sink + window slots, fixed (+ O(T) int32 token ids) | everything (evicted K/V recomputed) | sink, window, granularity, chunk, codec, q |
+
+`codec` (identity | d4 | e8, range `q`) is the resident store's codec; `idle_codec` names what
+`compress_idle` should use for the session. Gemma 3's native sliding layers keep their native ring under
+every policy: the policies govern the global (full-attention) layers.
+
+Every cache returned is a ModelKV (per-layer update_and_fetch, length, capacity, trim, nbytes,
+state/load_state) with the PolicyKV hooks (begin_step/end_step/end_turn, effective_attention_fraction,
+memory_stats). Errors: PolicyError (INVALID_ARGUMENT) for bad specs, PositionLimitError
+(RESOURCE_EXHAUSTED) past the model's position limit, CacheError for contract violations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kakeya_runtime.kv.cache import CacheError, FullLayerKV, SlidingLayerKV, make_cache
+from kakeya_runtime.kv.compress import make_codec
+from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
+from kakeya_runtime.kv.restore import RestoreKV, RestoreLayerKV
+from kakeya_runtime.kv.sink_window import PositionLimitError, SinkWindowKV, SinkWindowLayerKV
+from kakeya_runtime.kv.spec import CodecSpec, PolicyError, PolicyKV, PolicySpec, check_codec
+from kakeya_runtime.models.config import ModelConfig
+
+__all__ = [
+    "CacheError", "CodecSpec", "IdleStats", "PolicyError", "PolicyKV", "PolicySpec", "PositionLimitError",
+    "compress_idle", "decompress", "is_compressed", "make_policy_cache", "governed_layers",
+]
+
+
+def governed_layers(config: ModelConfig) -> list[int]:
+    """Layers a policy decides: every layer without a native sliding window."""
+    return [i for i in range(config.num_hidden_layers) if config.layer_window(i) is None]
+
+
+def make_policy_cache(config: ModelConfig, spec: PolicySpec, *, batch: int = 1, capacity: int | None = None,
+                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                      proposer=None) -> PolicyKV:
+    """A fresh cache for one sequence batch. `proposer` (engine.proposers.KVProposer) is required by
+    restore, e.g. `same_checkpoint_proposer(model, chunk=spec.chunk)`."""
+    cap = config.max_position_embeddings if capacity is None else capacity
+    if not 0 < cap <= config.max_position_embeddings:
+        raise PolicyError(f"capacity {cap} outside 1..{config.max_position_embeddings} (the model's context)")
+    if batch < 1:
+        raise PolicyError(f"batch must be >= 1, got {batch}")
+    governed = governed_layers(config)
+    common = dict(batch=batch, capacity=cap, dtype=dtype, spec=spec, governed=governed)
+    if spec.name == "full":
+        if spec.idle_codec is not None:
+            check_codec(spec.idle_codec, "idle_codec", config.head_dim)
+        base = make_cache(config, batch=batch, capacity=cap, dtype=dtype, device=device)
+        return PolicyKV(base.layers, **common)
+    check_codec(spec.codec, "codec", config.head_dim)
+    if spec.idle_codec is not None:
+        check_codec(spec.idle_codec, "idle_codec", config.head_dim)
+    if spec.name == "restore" and proposer is None:
+        raise PolicyError("the restore policy needs a proposer (engine.proposers.same_checkpoint_proposer)")
+    codec = make_codec(spec.codec.kind, spec.codec.q, config.head_dim, device)
+    layer_cls = RestoreLayerKV if spec.name == "restore" else SinkWindowLayerKV
+    shape = (batch, config.num_key_value_heads, config.head_dim)
+    layers: list = []
+    for i in range(config.num_hidden_layers):
+        window = config.layer_window(i)
+        if window is None:
+            layers.append(layer_cls(*shape, sink=spec.sink, window=spec.window, max_positions=cap,
+                                    spare=spec.spare, codec=codec, dtype=dtype, device=device))
+        elif window < cap:
+            layers.append(SlidingLayerKV(*shape, window, dtype=dtype, device=device))
+        else:
+            layers.append(FullLayerKV(*shape, cap, dtype=dtype, device=device))
+    if spec.name == "restore":
+        return RestoreKV(layers, proposer=proposer, **common)
+    return SinkWindowKV(layers, **common)

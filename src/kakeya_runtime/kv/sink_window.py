@@ -1,0 +1,184 @@
+"""StreamingLLM sink + window retention for one layer: constant memory, whatever the sequence length.
+
+Slots are preallocated once: `sink` slots for positions 0..sink-1, and a ring of `window + spare`
+slots for later positions (slot of p >= sink: sink + (p - sink) % ring). A query at position q sees
+the sinks and the last `window` positions (q - window < k <= q). A prefill chunk gets the held keys
+plus its own, and the same rule comes out of the attention mask (`attention_rule`), so chunked prefill
+and token-by-token decode see exactly the same keys.
+
+`spare` ring slots keep positions the window no longer needs, so the cache can roll back (trim) by up
+to `spare` positions once it has started evicting; with spare=0 a trim below the eviction horizon is
+refused (CacheError) rather than silently changing what earlier positions saw.
+
+Positions are never reassigned: past `max_positions` (the model's limit) update_and_fetch raises
+PositionLimitError, the RESOURCE_EXHAUSTED case. Rotating positions would let a session run forever but
+changes what the model computes, which this runtime does not do behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kakeya_runtime.kv.cache import CacheError, _check_new
+from kakeya_runtime.kv.compress import IdentityCodec, KVCodec, SlotStore
+from kakeya_runtime.kv.spec import PolicyKV
+
+
+class PositionLimitError(CacheError):
+    """A position at or past the model's limit (maps to RESOURCE_EXHAUSTED)."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class SinkWindowLayerKV:
+    """One layer's sink + window store (any codec); `length` counts every position seen (INV-1)."""
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, sink: int, window: int,
+                 max_positions: int, spare: int = 0, codec: KVCodec | None = None,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        if sink < 0 or window < 1 or spare < 0:
+            raise CacheError(f"need sink >= 0, window >= 1, spare >= 0; got {sink}, {window}, {spare}")
+        self._init = dict(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, sink=sink, window=window,
+                          max_positions=max_positions, spare=spare, codec=codec, dtype=dtype, device=device)
+        self.sink, self.window, self.spare = sink, window, spare
+        self.ring = window + spare
+        self.max_positions = max_positions
+        self.codec = codec or IdentityCodec()
+        self.store = SlotStore(self.codec, batch, num_kv_heads, sink + self.ring, head_dim, dtype=dtype,
+                               device=device)
+        self.attention_rule = (sink, window)  # read by models.layers.Attention for chunk masks
+        self.length = 0
+        self._probe = torch.empty(batch, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
+
+    def clone_empty(self) -> SinkWindowLayerKV:
+        """A fresh layer of the same kind and shape (idle compression rebuilds layers with it)."""
+        return type(self)(**self._init)
+
+    @property
+    def num_slots(self) -> int:
+        return self.sink + self.ring
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
+
+    def slot(self, p: int) -> int:
+        return p if p < self.sink else self.sink + (p - self.sink) % self.ring
+
+    def visible_count(self, q: int) -> int:
+        """Keys a query at position q attends to: the sinks plus the last window (itself included)."""
+        return min(q + 1, self.sink) + max(0, q + 1 - max(self.sink, q + 1 - self.window))
+
+    def _visible_slots(self, q: int) -> Tensor | slice:
+        """Slots holding what position q may see; a contiguous slice whenever possible."""
+        if q + 1 <= self.sink + self.window:  # nothing evicted yet: positions 0..q sit in slots 0..q
+            return slice(0, q + 1)
+        if self.spare == 0:  # the ring holds exactly the window
+            return slice(0, self.num_slots)
+        ring_lo = max(self.sink, q + 1 - self.window)
+        slots = [*range(min(q + 1, self.sink)), *(self.slot(p) for p in range(ring_lo, q + 1))]
+        return torch.tensor(slots, device=self.store.slot_positions.device)
+
+    def _held_slots(self) -> Tensor | slice:
+        """Every slot holding a position (for a chunk: the mask picks what each query sees)."""
+        n = min(self.length, self.num_slots)
+        if self.length <= self.num_slots or bool((self.store.slot_positions >= 0).all()):
+            return slice(0, n)
+        return (self.store.slot_positions >= 0).nonzero().squeeze(1)
+
+    def _store(self, k: Tensor, v: Tensor, positions: Tensor, start: int) -> None:
+        """Keep the chunk's sink positions and its last `ring` positions."""
+        t, end = k.shape[2], start + k.shape[2]
+        if start < self.sink:
+            n = min(end, self.sink) - start
+            self.store.write(slice(start, start + n), k[:, :, :n], v[:, :, :n], positions[:n])
+        lo = max(self.sink, end - self.ring, start)
+        if lo >= end:
+            return
+        off = lo - start
+        first = self.slot(lo)
+        if first + (end - lo) <= self.num_slots:  # no wrap: a slice write
+            self.store.write(slice(first, first + end - lo), k[:, :, off:], v[:, :, off:], positions[off:])
+        else:
+            slots = self.sink + (torch.arange(lo, end, device=k.device) - self.sink) % self.ring
+            self.store.write(slots, k[:, :, off:], v[:, :, off:], positions[off:])
+
+    def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        _check_new(self._probe, k, v)
+        t, start = k.shape[2], self.length
+        end = start + t
+        if end > self.max_positions:
+            raise PositionLimitError(
+                f"position {end - 1} is past the model's limit of {self.max_positions} positions; "
+                "sink_window does not reassign positions"
+            )
+        if t == 1:
+            self._store(k, v, positions, start)
+            self.length = end
+            slots = self._visible_slots(start)
+            k_all, v_all = self.store.read(slots)
+            if not self.codec.lossless:  # the new token's own K/V are in hand: use them exactly
+                k_all, v_all = _put_exact(k_all, v_all, k, v, slots, self.slot(start))
+            return k_all, v_all, self.store.slot_positions[slots]
+        held = self._held_slots()
+        k_old, v_old = self.store.read(held)
+        pos_old = self.store.slot_positions[held]
+        k_all = torch.cat((k_old, k), dim=2)  # (B, Hk, held + T, D)
+        v_all = torch.cat((v_old, v), dim=2)
+        pos_all = torch.cat((pos_old, positions))
+        self._store(k, v, positions, start)
+        self.length = end
+        return k_all, v_all, pos_all
+
+    def trim(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise CacheError(f"cannot trim a cache of length {self.length} to {length}")
+        if length == self.length:
+            return
+        oldest_held = max(self.sink, self.length - self.ring)
+        if max(self.sink, length - self.window) < oldest_held:
+            raise CacheError(
+                f"sink_window has evicted positions below {oldest_held}; trimming to {length} needs them "
+                f"(roll back at most {self.spare} positions once eviction started, or use restore)"
+            )
+        gone = self.store.slot_positions >= length
+        self.store.slot_positions[gone] = -1
+        self.length = length
+
+    def state(self) -> dict[str, Tensor]:
+        out = self.store.state()
+        out["length"] = torch.tensor(self.length)
+        return out
+
+    def load_state(self, state: dict[str, Tensor]) -> None:
+        self.store.load_state(state)
+        self.length = int(state["length"])
+
+    def held_positions(self) -> Tensor:
+        sp = self.store.slot_positions
+        return sp[sp >= 0]
+
+
+def _put_exact(k_all: Tensor, v_all: Tensor, k: Tensor, v: Tensor, slots: Tensor | slice,
+               slot: int) -> tuple[Tensor, Tensor]:
+    """Replace the decoded copy of the newest vector (at storage slot `slot`) with the exact one."""
+    if isinstance(slots, slice):
+        i = slot - (slots.start or 0)
+    else:
+        i = int((slots == slot).nonzero()[0, 0])
+    k_all[:, :, i : i + 1] = k
+    v_all[:, :, i : i + 1] = v
+    return k_all, v_all
+
+
+class SinkWindowKV(PolicyKV):
+    """sink_window for a whole model: governed layers are SinkWindowLayerKV, native sliding layers keep
+    their own ring. Sustained bytes are fixed at construction (no growth, whatever the length)."""
+
+    @property
+    def effective_attention_fraction(self) -> float:
+        n = self.length
+        if n == 0 or not self.governed:
+            return 1.0
+        return self.layers[self.governed[0]].visible_count(n - 1) / n

@@ -1,0 +1,192 @@
+"""KV policy specs (name + parameters, validated) and the model-level cache base every policy shares.
+
+The policy protocol the engine, sessions and benchmarks use is ModelKV's (per-layer update_and_fetch,
+`length`, `capacity`, `trim`, `nbytes`, `state`/`load_state`) plus the hooks defined on `PolicyKV`:
+`begin_step(input_ids, start)` / `end_step()` around every forward the engine runs,
+`end_turn()` when a generation ends, and `effective_attention_fraction`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kakeya_runtime.kv.cache import ModelKV
+from kakeya_runtime.kv.lattice import LatticeError, check_lattice
+
+POLICIES = ("full", "sink_window", "restore")
+GRANULARITIES = ("per_step", "per_turn")
+CODEC_KINDS = ("identity", "d4", "e8")
+DEFAULT_Q = 38  # D4 at head_dim 64: 54 bytes/vector = 0.42x bf16 (tests/kv/test_lattice.py)
+
+
+class PolicyError(ValueError):
+    """An unknown KV policy or invalid policy parameters (maps to INVALID_ARGUMENT)."""
+
+
+@dataclass(slots=True, frozen=True)
+class CodecSpec:
+    kind: str = "identity"  # identity | d4 | e8
+    q: int = DEFAULT_Q  # lattice range (ignored by identity)
+
+    @property
+    def label(self) -> str:
+        return self.kind if self.kind == "identity" else f"{self.kind}/q{self.q}"
+
+
+_KEYS: dict[str, dict[str, Any]] = {
+    "full": {"idle_codec": "none", "idle_q": DEFAULT_Q},
+    "sink_window": {"sink": 4, "window": 1024, "spare": 0, "codec": "identity", "q": DEFAULT_Q,
+                    "idle_codec": "none", "idle_q": DEFAULT_Q},
+    "restore": {"sink": 4, "window": 1024, "granularity": "per_step", "chunk": 512, "codec": "identity",
+                "q": DEFAULT_Q, "idle_codec": "none", "idle_q": DEFAULT_Q},
+}
+
+
+@dataclass(slots=True, frozen=True)
+class PolicySpec:
+    """A validated policy: `PolicySpec.parse(name, params)`; `params` gives the normalised dict back."""
+
+    name: str = "full"
+    sink: int = 0
+    window: int = 0
+    spare: int = 0  # sink_window: extra ring slots, so a trim may roll back that many positions
+    granularity: str = "per_step"  # restore: recompute every decode step, or once per generation
+    chunk: int = 512  # restore: proposer forward chunk (bounds its activations)
+    codec: CodecSpec = CodecSpec()  # resident-cache codec (sink_window, restore)
+    idle_codec: CodecSpec | None = None  # codec for compress_idle(); None: not configured
+
+    @classmethod
+    def parse(cls, name: str | None, params: Mapping[str, Any] | None = None) -> PolicySpec:
+        name = name or "full"
+        if name not in _KEYS:
+            raise PolicyError(f"unknown KV policy {name!r} (available: {', '.join(POLICIES)})")
+        given = dict(params or {})
+        unknown = sorted(set(given) - set(_KEYS[name]))
+        if unknown:
+            raise PolicyError(f"KV policy {name!r} has no parameter(s) {unknown} (known: {sorted(_KEYS[name])})")
+        p = {**_KEYS[name], **given}
+        idle_kind = _choice(p, "idle_codec", ("none", *CODEC_KINDS))
+        idle = None if idle_kind == "none" else CodecSpec(idle_kind, _int(p, "idle_q", 1))
+        if idle is not None:
+            check_codec(idle, "idle_codec")
+        if name == "full":
+            return cls(name, idle_codec=idle)
+        codec = CodecSpec(_choice(p, "codec", CODEC_KINDS), _int(p, "q", 1))
+        check_codec(codec, "codec")
+        common = dict(sink=_int(p, "sink", 0), window=_int(p, "window", 1), codec=codec, idle_codec=idle)
+        if name == "sink_window":
+            return cls(name, spare=_int(p, "spare", 0), **common)
+        return cls(name, granularity=_choice(p, "granularity", GRANULARITIES), chunk=_int(p, "chunk", 1), **common)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.name != "full":
+            out.update(sink=self.sink, window=self.window, codec=self.codec.kind)
+            if self.codec.kind != "identity":
+                out["q"] = self.codec.q
+        if self.name == "sink_window":
+            out["spare"] = self.spare
+        if self.name == "restore":
+            out.update(granularity=self.granularity, chunk=self.chunk)
+        if self.idle_codec is not None:
+            out["idle_codec"] = self.idle_codec.kind
+            if self.idle_codec.kind != "identity":
+                out["idle_q"] = self.idle_codec.q
+        return out
+
+    @property
+    def label(self) -> str:
+        """Short human form, e.g. `restore(4+64, per_turn, d4/q38)`."""
+        if self.name == "full":
+            inner = ""
+        else:
+            parts = [f"{self.sink}+{self.window}"]
+            if self.name == "restore":
+                parts.append(self.granularity)
+            if self.codec.kind != "identity":
+                parts.append(self.codec.label)
+            inner = ", ".join(parts)
+        idle = f" idle:{self.idle_codec.label}" if self.idle_codec else ""
+        return f"{self.name}({inner}){idle}"
+
+
+def _int(p: Mapping[str, Any], key: str, minimum: int) -> int:
+    """Integers may arrive as JSON/Struct numbers (floats) or strings; bools are refused."""
+    raw = p[key]
+    value: int | None = None
+    if isinstance(raw, bool):
+        value = None
+    elif isinstance(raw, int):
+        value = raw
+    elif isinstance(raw, float) and raw.is_integer():
+        value = int(raw)
+    elif isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+        value = int(raw)
+    if value is None:
+        raise PolicyError(f"KV policy parameter {key!r} must be an integer, got {raw!r}")
+    if value < minimum:
+        raise PolicyError(f"KV policy parameter {key!r} must be >= {minimum}, got {value}")
+    if value > 1 << 24:
+        raise PolicyError(f"KV policy parameter {key!r} is too large: {value}")
+    return value
+
+
+def _choice(p: Mapping[str, Any], key: str, options: tuple[str, ...]) -> str:
+    raw = p[key]
+    if not isinstance(raw, str) or raw.lower() not in options:
+        raise PolicyError(f"KV policy parameter {key!r} must be one of {list(options)}, got {raw!r}")
+    return raw.lower()
+
+
+def check_codec(codec: CodecSpec, key: str, head_dim: int | None = None) -> None:
+    if codec.kind == "identity":
+        return
+    try:
+        check_lattice(codec.kind, codec.q, head_dim)
+    except LatticeError as e:
+        raise PolicyError(f"KV policy parameter {key!r}: {e}") from None
+
+
+class PolicyKV(ModelKV):
+    """ModelKV plus the policy hooks. As a class of its own it is the full cache (every position kept)."""
+
+    def __init__(self, layers: list, *, batch: int, capacity: int, dtype: torch.dtype, spec: PolicySpec,
+                 governed: list[int]) -> None:
+        super().__init__(layers, batch=batch, capacity=capacity, dtype=dtype)
+        self.spec = spec
+        self.governed = governed  # layers the policy decides (not Gemma's native sliding layers)
+        self.peak_transient_bytes = 0  # K/V held only during a step, at its largest since reset_stats()
+
+    # begin_step / end_step / end_turn / effective_attention_fraction: ModelKV's no-ops (full keeps all).
+
+    @property
+    def resident_nbytes(self) -> int:
+        """K/V bytes kept between steps (the sustained footprint)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def transient_nbytes(self) -> int:
+        """K/V bytes held right now only for the current step or turn (restored K/V)."""
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.resident_nbytes + self.transient_nbytes
+
+    @property
+    def history_nbytes(self) -> int:
+        """Token ids the policy keeps (restore needs the history to recompute; O(T) int32)."""
+        return 0
+
+    def reset_stats(self) -> None:
+        self.peak_transient_bytes = self.transient_nbytes
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"resident_bytes": self.resident_nbytes, "transient_bytes": self.transient_nbytes,
+                "peak_transient_bytes": self.peak_transient_bytes, "history_bytes": self.history_nbytes}

@@ -1,0 +1,89 @@
+"""API keys: `authorization: Bearer <key>` metadata, checked by a server interceptor.
+
+Sessions are owned by the hash of the key that created them; every lookup compares owners, so a
+session is invisible (NOT_FOUND) to any other key. Without keys (loopback only) everyone is "".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+
+import grpc
+
+AUTH_HEADER = "authorization"
+
+
+def owner_of(key: str) -> str:
+    # Sessions store a digest, never the key itself.
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+class ApiKeyAuth:
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        self._keys = [k for k in keys if k]
+        if any(len(k) < 8 for k in self._keys):
+            raise ValueError("API keys must be at least 8 characters long")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def owner(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+        """The caller's owner id, or None when a key is required and missing or wrong."""
+        if not self._keys:
+            return ""
+        presented = _bearer(metadata)
+        if presented is None:
+            return None
+        # Compare against every key in constant time so timing reveals nothing about which matched.
+        ok = False
+        for key in self._keys:
+            ok |= hmac.compare_digest(presented.encode(), key.encode())
+        return owner_of(presented) if ok else None
+
+
+def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    for name, value in metadata or ():
+        if name.lower() == AUTH_HEADER:
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every RPC without a valid key with UNAUTHENTICATED, before any handler runs."""
+
+    def __init__(self, auth: ApiKeyAuth) -> None:
+        self.auth = auth
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or self.auth.owner(handler_call_details.invocation_metadata) is not None:
+            return handler
+        return _deny(handler)
+
+
+async def _abort(request, context: grpc.aio.ServicerContext):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (authorization: Bearer ...)")
+
+
+async def _abort_stream(request, context: grpc.aio.ServicerContext):
+    await _abort(request, context)
+    yield  # pragma: no cover - never reached; makes this an async generator
+
+
+def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(_abort_stream, **kw)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(_abort, **kw)
+    raise NotImplementedError("client-streaming RPCs are not part of kakeya.v1")

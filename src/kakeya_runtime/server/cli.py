@@ -1,0 +1,211 @@
+"""`kakeya serve` (the gRPC runtime) and `kakeya chat` (a terminal chat that goes through the SDK)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from typing import Any
+
+import typer
+from rich.console import Console
+
+_DTYPES = ("bfloat16", "float32", "float16")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+    app.command("chat")(chat)
+
+
+def serve(
+    model: str = typer.Option("smollm2", "--model", "-m", help="Model source for models.loader.load_model."),
+    host: str = typer.Option("127.0.0.1", help="Bind address; anything but loopback requires --api-key."),
+    port: int = typer.Option(50051, help="gRPC port (0: any free port)."),
+    metrics_port: int = typer.Option(9464, "--metrics-port", help="Prometheus /metrics HTTP port (0: any)."),
+    no_metrics: bool = typer.Option(False, "--no-metrics", help="Do not serve /metrics."),
+    api_key: list[str] = typer.Option(  # noqa: B008 - typer reads defaults at definition time
+        [], "--api-key", envvar="KAKEYA_API_KEY",
+        help="Accepted bearer key (repeatable). Each key sees only the sessions it created.",
+    ),
+    max_sessions: int = typer.Option(64, "--max-sessions", help="Session store capacity (LRU beyond it)."),
+    ttl: float = typer.Option(1800.0, "--ttl", help="Idle seconds before a session is evicted."),
+    max_concurrent: int = typer.Option(1, "--max-concurrent", help="Generations running at once."),
+    context: int | None = typer.Option(None, "--context", help="Per-session context limit (default: the model's)."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help=f"Weights/activations dtype: {', '.join(_DTYPES)}."),
+) -> None:
+    """Serve a model over gRPC (kakeya.v1) with server-owned sessions."""
+    from kakeya_runtime.server.grpc_app import InsecureBindError, RuntimeServer, ServedModel, ServerConfig
+
+    console = Console(stderr=True)
+    config = ServerConfig(host=host, port=port, metrics_port=None if no_metrics else metrics_port,
+                          api_keys=tuple(api_key), max_sessions=max_sessions, idle_ttl_s=ttl,
+                          max_concurrent=max_concurrent, context_length=context)
+    try:
+        config.validate()  # before the (slow) model load: a refused bind should fail at once
+    except InsecureBindError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    if dtype not in _DTYPES:
+        console.print(f"[red]error:[/] --dtype must be one of {', '.join(_DTYPES)}")
+        raise typer.Exit(2)
+
+    import torch
+
+    try:
+        from kakeya_runtime.models.loader import load_model
+    except ImportError as e:
+        console.print(f"[red]error:[/] model loading is unavailable: {e}")
+        raise typer.Exit(1) from None
+    t0 = time.perf_counter()
+    with console.status(f"Loading [bold]{model}[/] ({dtype})…", spinner="dots"):
+        loaded = load_model(model, dtype=getattr(torch, dtype))
+    console.print(f"Loaded [bold]{model}[/] in {time.perf_counter() - t0:.1f} s")
+    server = RuntimeServer(ServedModel.from_loaded(loaded, model), config)
+    asyncio.run(_serve_forever(server, console))
+
+
+async def _serve_forever(server: Any, console: Console) -> None:
+    await server.start()
+    cfg = server.config
+    console.print(f"Kakeya serving [bold]{server.served.name}[/] on [bold cyan]{server.address}[/] "
+                  f"(max_sessions={cfg.max_sessions}, ttl={cfg.idle_ttl_s:g}s, max_concurrent={cfg.max_concurrent}, "
+                  f"auth={'on' if cfg.api_keys else 'off'})")
+    if server.metrics_port is not None:
+        console.print(f"Metrics on http://{cfg.host}:{server.metrics_port}/metrics")
+    print(server.address, flush=True)  # machine-readable: the last stdout line is the address
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        console.print("Shutting down…")
+        await server.stop()
+
+
+def chat(
+    addr: str = typer.Option("127.0.0.1:50051", "--addr", help="Runtime address."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="KAKEYA_API_KEY"),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Upper bound per reply."),
+    temperature: float = typer.Option(0.2, help="0 is greedy."),
+    top_p: float | None = typer.Option(0.9, "--top-p"),
+    seed: int | None = typer.Option(None, help="Fix the sampler for reproducible replies."),
+    system: str | None = typer.Option(None, "--system", help="System prompt."),
+    raw: bool = typer.Option(False, "--raw", help="No chat template: append your text as-is (base models)."),
+) -> None:
+    """Multi-turn terminal chat through the Python SDK, tokenizing client-side.
+
+    Each turn appends only the new tokens to one server session; the stats line shows how many
+    tokens were prefilled (the incremental delta, not the whole conversation). Commands: /reset,
+    /info, /exit.
+    """
+    try:
+        from kakeya import Client, KakeyaError
+        from kakeya.tokenization import ChatTemplateMismatch, Tokenizer
+    except ImportError as e:
+        raise SystemExit(
+            f"kakeya chat needs the SDK with its tokenize extra (pip install -e 'sdks/python[tokenize]'): {e}"
+        ) from None
+    console = Console(highlight=False)
+    out = sys.stdout
+    with Client(addr, api_key=api_key) as client:
+        try:
+            info = client.model_info()
+        except KakeyaError as e:
+            console.print(f"[red]cannot reach {addr}:[/] {e}")
+            raise typer.Exit(1) from None
+        tok = Tokenizer.from_model_info(info)
+        use_template = tok.has_chat_template and not raw
+        console.print(f"[bold]{info.model_name}[/] at {addr} · context {info.context_length} · "
+                      f"{'chat template' if use_template else 'raw text'} · /reset /info /exit")
+        session = client.create_session()
+        history: list[int] = []  # a mirror of the session history: appended + generated ids
+        messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        try:
+            while True:
+                try:
+                    user = console.input("[bold green]you>[/] ")
+                except EOFError:
+                    break
+                cmd = user.strip()
+                if cmd in ("/exit", "/quit"):
+                    break
+                if cmd == "/reset":
+                    session.close()
+                    session, history = client.create_session(), []
+                    messages = messages[:1] if system else []
+                    console.print("[dim]new session[/]")
+                    continue
+                if cmd == "/info":
+                    si = session.info()
+                    console.print(f"[dim]session {si.session_id}: history {si.history_length}, cached "
+                                  f"{si.cached_length}, KV {si.kv_live_bytes / 2**20:.1f} MiB, policy {si.policy.name}, "
+                                  f"invariant checks {si.inv1_checks}/{si.inv2_checks}[/]")
+                    continue
+                if not cmd:
+                    continue
+                if use_template:
+                    messages.append({"role": "user", "content": user})
+                    try:
+                        delta = tok.chat_delta(history, messages)
+                    except ChatTemplateMismatch:
+                        # The template rewrote earlier turns: the history cannot be extended, start over.
+                        session.close()
+                        session, history = client.create_session(), []
+                        delta = tok.tokens_for_chat(messages)
+                        console.print("[yellow]template re-render: new session, full prefill[/]")
+                else:
+                    bos = [info.bos_token_id] if not history and info.bos_token_id is not None else []
+                    delta = bos + tok.encode(user + "\n")
+                room = info.context_length - len(history) - len(delta)
+                if room < 1:
+                    console.print("[red]context full:[/] /reset to start a new session")
+                    if use_template:
+                        messages.pop()
+                    continue
+                session.append(delta)
+                history += delta
+                gen = session.generate(max_tokens=min(max_tokens, room), temperature=temperature,
+                                       top_p=top_p if temperature > 0 else None, seed=seed)
+                stream = tok.stream_decoder()
+                console.print("[bold blue]bot>[/] ", end="")
+                try:
+                    for t in gen:
+                        out.write(stream.push(t))
+                        out.flush()
+                    out.write(stream.flush() + "\n")
+                except KeyboardInterrupt:
+                    gen.cancel()
+                    out.write(" [interrupted]\n")
+                    history = _resync(session)
+                else:
+                    history += gen.token_ids
+                reply = tok.decode(gen.token_ids, skip_special_tokens=True)
+                if use_template:
+                    messages.append({"role": "assistant", "content": reply})
+                st = gen.stats
+                if st is not None:
+                    console.print(f"[dim]prefill {st.prefill_tokens} tok in {st.prefill_s * 1e3:.0f} ms · TTFT "
+                                  f"{st.ttft_s * 1e3:.0f} ms · {st.decode_tokens} tok at "
+                                  f"{st.decode_tokens_per_s:.1f} tok/s · history {len(history)}/{info.context_length}[/]")
+        except KakeyaError as e:
+            console.print(f"[red]{type(e).__name__}:[/] {e}")
+            raise typer.Exit(1) from None
+        finally:
+            with contextlib.suppress(KakeyaError):
+                session.close()
+
+
+def _resync(session: Any) -> list[int]:
+    """After an interrupted reply the server may have committed a token or two we never saw."""
+    for _ in range(100):
+        info = session.info(include_history=True)
+        if not info.generating:
+            return list(info.history_token_ids)
+        time.sleep(0.02)
+    return list(session.info(include_history=True).history_token_ids)

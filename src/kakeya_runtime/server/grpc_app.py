@@ -1,0 +1,350 @@
+"""The kakeya.v1 gRPC server (grpc.aio): messages in, session-service calls, messages out.
+
+Handlers run on the asyncio event loop and never touch tensors: they translate protobuf messages
+into SessionService calls, which hand model work to the engine threads and relay tokens back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import json_format, struct_pb2
+
+from kakeya_runtime.engine.generate import Engine, FinishReason
+from kakeya_runtime.models.base import DecoderModel
+from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor
+from kakeya_runtime.server.metrics import RuntimeMetrics
+from kakeya_runtime.sessions.errors import ErrorKind, SessionError
+from kakeya_runtime.sessions.policy import PolicyRegistry, PolicySpec
+from kakeya_runtime.sessions.service import DoneEvent, GenerateParams, ServiceConfig, SessionService
+
+try:
+    from kakeya_runtime._proto import runtime_pb2 as pb
+    from kakeya_runtime._proto import runtime_pb2_grpc as pb_grpc
+except ImportError as e:  # pragma: no cover - a checkout that skipped `make proto`
+    raise ImportError("gRPC stubs missing: run `python -m kakeya_runtime.protogen` (or `make proto`)") from e
+
+# Gemma 3's tokenizer.json alone is ~33 MB: GetModelInfo must be allowed to carry it.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+_STATUS = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+class InsecureBindError(ValueError):
+    """A non-loopback bind without an API key."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname other than localhost may resolve anywhere
+
+
+@dataclass(slots=True)
+class ServedModel:
+    """The model plus what GetModelInfo hands to clients (tokenizer and template as data)."""
+
+    name: str
+    model: DecoderModel
+    tokenizer_json: str = ""
+    chat_template: str | None = None
+    eos_ids: tuple[int, ...] = ()
+    bos_id: int | None = None
+
+    @classmethod
+    def from_loaded(cls, loaded: Any, name: str) -> ServedModel:
+        """From models.loader.LoadedModel (model, tokenizer_json, chat_template, eos_ids, bos_id)."""
+        return cls(name, loaded.model, loaded.tokenizer_json or "", loaded.chat_template,
+                   tuple(loaded.eos_ids), loaded.bos_id)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port (tests)
+    metrics_port: int | None = None  # None: no HTTP /metrics; 0: any free port
+    api_keys: tuple[str, ...] = ()
+    max_sessions: int = 64
+    idle_ttl_s: float = 1800.0
+    max_concurrent: int = 1
+    context_length: int | None = None  # None: the model's max positions
+    sweep_interval_s: float | None = None
+    grace_s: float = 2.0  # shutdown: how long in-flight RPCs get to finish
+    extra_options: list[tuple[str, Any]] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if not is_loopback(self.host) and not any(self.api_keys):
+            raise InsecureBindError(
+                f"refusing to listen on non-loopback host {self.host!r} without an API key (--api-key)"
+            )
+
+
+class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
+    def __init__(self, service: SessionService, served: ServedModel, auth: ApiKeyAuth, config: ServerConfig) -> None:
+        self.service = service
+        self.auth = auth
+        cfg = service.engine.config
+        self.model_info = pb.GetModelInfoResponse(
+            model_name=served.name,
+            model_type=cfg.model_type,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=list(service.eos_ids),
+            bos_token_id=served.bos_id,
+            context_length=service.context_length,
+            tokenizer_json=served.tokenizer_json,
+            chat_template=served.chat_template,
+            max_sessions=config.max_sessions,
+            max_concurrent=config.max_concurrent,
+            session_idle_ttl_seconds=config.idle_ttl_s,
+            kv_policies=service.policies.names(),
+        )
+
+    async def _owner(self, context: grpc.aio.ServicerContext) -> str:
+        owner = self.auth.owner(context.invocation_metadata())
+        if owner is None:  # the interceptor already refused; belt and braces
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
+        return owner
+
+    async def CreateSession(self, request, context):
+        owner = await self._owner(context)
+        params = json_format.MessageToDict(request.policy.params) if request.policy.HasField("params") else {}
+        try:
+            session = await self.service.create(owner, list(request.initial_token_ids), request.policy.name, params)
+        except SessionError as e:
+            await _abort(context, e)
+        return pb.CreateSessionResponse(session_id=session.id, history_length=len(session.history),
+                                        policy=_policy_pb(session.policy))
+
+    async def AppendTokens(self, request, context):
+        owner = await self._owner(context)
+        try:
+            n = await self.service.append(owner, request.session_id, list(request.token_ids))
+        except SessionError as e:
+            await _abort(context, e)
+        return pb.AppendTokensResponse(history_length=n)
+
+    async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
+        owner = await self._owner(context)
+        s = request.sampling
+        params = GenerateParams(
+            max_tokens=request.max_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p if s.HasField("top_p") else None,
+            seed=s.seed if s.HasField("seed") else None,
+            stop_token_ids=tuple(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+        )
+        events = self.service.generate(owner, request.session_id, params)
+        try:
+            # aclosing: a client that goes away cancels the engine job via the generator's finally.
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, DoneEvent):
+                        st = event.stats
+                        yield pb.GenerateResponse(done=pb.GenerateDone(
+                            finish_reason=_FINISH[event.finish_reason],
+                            history_length=event.history_length,
+                            stats=pb.GenerateStats(
+                                prefill_tokens=st.prefill_tokens, prefill_seconds=st.prefill_s,
+                                ttft_seconds=st.ttft_s, decode_seconds=st.decode_s,
+                                decode_tokens=st.decode_tokens, decode_tokens_per_second=st.decode_tokens_per_s,
+                                queue_seconds=st.queue_s,
+                            ),
+                        ))
+                    else:
+                        yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=event.token_ids))
+        except SessionError as e:
+            await _abort(context, e)
+
+    async def CloseSession(self, request, context):
+        owner = await self._owner(context)
+        try:
+            await self.service.close(owner, request.session_id)
+        except SessionError as e:
+            await _abort(context, e)
+        return pb.CloseSessionResponse()
+
+    async def GetSessionInfo(self, request, context):
+        owner = await self._owner(context)
+        try:
+            snap = self.service.info(owner, request.session_id, include_history=request.include_history)
+        except SessionError as e:
+            await _abort(context, e)
+        return pb.GetSessionInfoResponse(
+            session_id=snap.session_id,
+            history_length=snap.history_length,
+            cached_length=snap.cached_length,
+            kv_live_bytes=snap.kv_live_bytes,
+            policy=_policy_pb(snap.policy),
+            invariants=pb.InvariantCounters(inv1_checks=snap.inv1_checks, inv2_checks=snap.inv2_checks),
+            generate_calls=snap.generate_calls,
+            idle_seconds=snap.idle_s,
+            context_length=snap.context_length,
+            generating=snap.generating,
+            history_token_ids=list(snap.history or ()),
+        )
+
+    async def GetModelInfo(self, request, context):
+        await self._owner(context)
+        return self.model_info
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: SessionError) -> None:
+    await context.abort(_STATUS[error.kind], error.message)
+
+
+def _policy_pb(spec: PolicySpec) -> pb.KvPolicy:
+    params = struct_pb2.Struct()
+    params.update(spec.params)
+    return pb.KvPolicy(name=spec.name, params=params)
+
+
+class RuntimeServer:
+    """One served model: gRPC on host:port, optional Prometheus /metrics, the session service."""
+
+    def __init__(self, served: ServedModel, config: ServerConfig | None = None, *,
+                 policies: PolicyRegistry | None = None) -> None:
+        self.config = config or ServerConfig()
+        self.config.validate()
+        self.served = served
+        self.metrics = RuntimeMetrics()
+        self.engine = Engine(served.model)
+        eos = served.eos_ids or tuple(served.model.config.eos_token_ids)
+        c = self.config
+        self.service = SessionService(
+            self.engine,
+            eos_ids=eos,
+            config=ServiceConfig(max_sessions=c.max_sessions, idle_ttl_s=c.idle_ttl_s,
+                                 max_concurrent=c.max_concurrent, context_length=c.context_length,
+                                 sweep_interval_s=c.sweep_interval_s),
+            policies=policies,
+            observer=self.metrics,
+        )
+        self.metrics.bind_store(self.service.store)
+        self.auth = ApiKeyAuth(c.api_keys)
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        host = self.config.host
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        options = [
+            ("grpc.so_reuseport", 0),  # two servers must never share a port silently
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            *self.config.extra_options,
+        ]
+        server = grpc.aio.server(interceptors=[AuthInterceptor(self.auth)], options=options)
+        pb_grpc.add_RuntimeServiceServicer_to_server(
+            RuntimeServicer(self.service, self.served, self.auth, self.config), server
+        )
+        host = self.config.host
+        bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        self.port = server.add_insecure_port(f"{bind_host}:{self.config.port}")
+        if not self.port:
+            raise OSError(f"could not bind {bind_host}:{self.config.port}")
+        await server.start()
+        self._server = server
+        self.service.start_sweeper()
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(host, self.config.metrics_port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(self.config.grace_s)
+            self._server = None
+        await self.service.shutdown()
+        self.metrics.stop_http()
+
+    async def wait_for_termination(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+
+class ServerThread:
+    """Runs a RuntimeServer on its own event loop in a background thread (tests, the chat demo)."""
+
+    def __init__(self, server: RuntimeServer) -> None:
+        self.server = server
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.server.start())
+            except BaseException as e:
+                failure.append(e)
+                started.set()
+                loop.close()
+                return
+            started.set()
+            loop.run_forever()
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="kakeya-grpc-loop", daemon=True)
+        self._thread.start()
+        if not started.wait(timeout):
+            raise TimeoutError("server did not start")
+        if failure:
+            raise failure[0]
+        return self
+
+    def call(self, coro: Any, timeout: float | None = 30.0) -> Any:
+        """Run a coroutine on the server's loop (tests poke the service this way)."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._loop is None or self._thread is None:
+            return
+        with contextlib.suppress(RuntimeError):
+            self.call(self.server.stop(), timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(60)
+        self._loop = None
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,108 @@
+"""Prometheus metrics (seed 000 §2.9), one registry per server so in-process servers never collide."""
+
+from __future__ import annotations
+
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+from kakeya_runtime.sessions.errors import Invariant
+from kakeya_runtime.sessions.service import GenerateStats
+from kakeya_runtime.sessions.store import EndReason, Outcome, SessionStore
+
+_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKS_PER_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
+
+
+class RuntimeMetrics:
+    """Implements the session service's observer; gauges read the store at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.session_active = Gauge("session_active", "Currently allocated sessions.", registry=r)
+        self.session_kv_live_bytes = Gauge(
+            "session_kv_live_bytes", "Bytes of K/V storage held by all allocated sessions.", registry=r
+        )
+        self.session_total = Counter(
+            "session_total", "Sessions that ended, by outcome.", ["outcome"], registry=r
+        )
+        self.session_evicted_total = Counter(
+            "session_evicted_total", "Session caches freed, by reason.", ["reason"], registry=r
+        )
+        self.cache_invariant_violations_total = Counter(
+            "cache_invariant_violations_total", "Invariant violations (must stay 0).", ["kind"], registry=r
+        )
+        self.session_history_tokens = Histogram(
+            "session_history_tokens", "Session history length at Generate time.", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.generate_prefill_tokens = Histogram(
+            "generate_prefill_tokens", "Tokens prefilled per Generate (only the delta since the last one).",
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )
+        self.generate_prefill_duration_seconds = Histogram(
+            "generate_prefill_duration_seconds", "Prefill wall time per Generate.", buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.generate_ttft_seconds = Histogram(
+            "generate_ttft_seconds", "Time to first token per Generate (engine start to first sample).",
+            buckets=_SECONDS_BUCKETS, registry=r,
+        )
+        self.generate_decode_tokens_per_second = Histogram(
+            "generate_decode_tokens_per_second", "Decode rate per Generate (tokens after the first).",
+            buckets=_TOKS_PER_S_BUCKETS, registry=r,
+        )
+        self.generate_queue_seconds = Histogram(
+            "generate_queue_seconds", "Time a Generate waited for its session turn and an engine slot.",
+            buckets=_SECONDS_BUCKETS, registry=r,
+        )
+        # Every label value exists from the start, so dashboards see zeros rather than gaps.
+        for o in Outcome:
+            self.session_total.labels(o.value)
+        for reason in EndReason:
+            self.session_evicted_total.labels(reason.value)
+        for inv in Invariant:
+            self.cache_invariant_violations_total.labels(inv.value)
+        self._http: WSGIServer | None = None
+
+    def bind_store(self, store: SessionStore) -> None:
+        self.session_active.set_function(lambda: len(store))
+        self.session_kv_live_bytes.set_function(store.kv_live_bytes)
+
+    # ---- observer hooks (called from the loop and the engine thread; prometheus is thread-safe) ----
+
+    def session_created(self) -> None:
+        pass  # session_active is read from the store
+
+    def session_ended(self, outcome: Outcome, reason: EndReason) -> None:
+        self.session_total.labels(outcome.value).inc()
+        self.session_evicted_total.labels(reason.value).inc()
+
+    def invariant_violated(self, invariant: Invariant) -> None:
+        self.cache_invariant_violations_total.labels(invariant.value).inc()
+
+    def generate_finished(self, stats: GenerateStats, history_tokens: int) -> None:
+        self.session_history_tokens.observe(history_tokens)
+        self.generate_prefill_tokens.observe(stats.prefill_tokens)
+        self.generate_prefill_duration_seconds.observe(stats.prefill_s)
+        self.generate_ttft_seconds.observe(stats.ttft_s)
+        self.generate_queue_seconds.observe(stats.queue_s)
+        if stats.decode_tokens > 1:
+            self.generate_decode_tokens_per_second.observe(stats.decode_tokens_per_s)
+
+    # ---- exposition ------------------------------------------------------------------------------
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Serve the text format on http://host:port/metrics in a daemon thread; returns the bound port."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

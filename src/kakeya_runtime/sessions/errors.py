@@ -1,0 +1,59 @@
+"""Typed session errors. Each carries the status it maps to; the server turns them into gRPC codes."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    INVALID_ARGUMENT = "invalid_argument"  # the request is wrong; nothing changed
+    NOT_FOUND = "not_found"  # unknown, closed, evicted or foreign session
+    RESOURCE_EXHAUSTED = "resource_exhausted"  # context or store capacity; nothing changed
+    FAILED_PRECONDITION = "failed_precondition"  # invariant violation (session failed) or empty history
+    UNAVAILABLE = "unavailable"  # the server is shutting down
+    INTERNAL = "internal"  # an engine error that left the session consistent
+
+
+class Invariant(enum.Enum):
+    INV1 = "inv1"  # every KV layer holds exactly the session's cached history prefix
+    INV2 = "inv2"  # KV positions and history length never decrease
+
+
+class SessionError(Exception):
+    kind: ErrorKind = ErrorKind.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(SessionError):
+    kind = ErrorKind.INVALID_ARGUMENT
+
+
+class SessionNotFound(SessionError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class ResourceExhausted(SessionError):
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(SessionError):
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class Unavailable(SessionError):
+    kind = ErrorKind.UNAVAILABLE
+
+
+class InternalError(SessionError):
+    kind = ErrorKind.INTERNAL
+
+
+class InvariantViolation(FailedPrecondition):
+    """A session's cache and history disagree: a bug. The session is failed and freed, never repaired."""
+
+    def __init__(self, invariant: Invariant, message: str) -> None:
+        super().__init__(f"{invariant.value} violated: {message}; the session was failed and freed")
+        self.invariant = invariant

@@ -1,0 +1,330 @@
+"""The session API the server exposes, as asyncio coroutines: validation, turn-taking, engine hand-off.
+
+Ordering per session: a Generate or AppendTokens on a session whose previous call is still running
+waits for it (FIFO, an asyncio.Lock per session), it is not refused. That is what makes "cancel,
+then immediately append the next turn" safe: the cancelled Generate may still be finishing its
+current decode step on the engine thread, and the append simply queues behind it. CloseSession and
+GetSessionInfo never wait; closing cancels an in-flight Generate.
+
+Model work is handed to the Scheduler's engine threads; the event loop only validates, moves
+Python ints and relays events. Validation happens before anything changes, so a refused call
+leaves the session exactly as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kakeya_runtime.engine.generate import Engine, FinishReason, GenerateRequest
+from kakeya_runtime.engine.sampling import SamplingError, SamplingParams
+from kakeya_runtime.sessions.errors import (
+    InternalError,
+    InvalidArgument,
+    InvariantViolation,
+    SessionError,
+    Unavailable,
+)
+from kakeya_runtime.sessions.policy import PolicyRegistry
+from kakeya_runtime.sessions.scheduler import Scheduler
+from kakeya_runtime.sessions.store import NullObserver, Session, SessionSnapshot, SessionStore, StoreObserver
+
+
+@dataclass(slots=True, frozen=True)
+class ServiceConfig:
+    max_sessions: int = 64
+    idle_ttl_s: float = 1800.0  # 30 min, seed 000 §2.6
+    max_concurrent: int = 1  # in-flight generations across all sessions
+    context_length: int | None = None  # per-session limit; None: the model's max positions
+    sweep_interval_s: float | None = None  # TTL sweeper period; None: min(ttl / 2, 30 s)
+
+
+@dataclass(slots=True)
+class GenerateParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class GenerateStats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    decode_tokens_per_s: float = 0.0  # (decode_tokens - 1) / decode_s: the first token is TTFT's
+    queue_s: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class TokensEvent:
+    token_ids: list[int]
+
+
+@dataclass(slots=True, frozen=True)
+class DoneEvent:
+    finish_reason: FinishReason
+    stats: GenerateStats
+    history_length: int
+
+
+GenerateEvent = TokensEvent | DoneEvent
+
+
+class ServiceObserver(StoreObserver, Protocol):
+    def generate_finished(self, stats: GenerateStats, history_tokens: int) -> None: ...
+
+
+class _NullServiceObserver(NullObserver):
+    def generate_finished(self, stats: GenerateStats, history_tokens: int) -> None:
+        pass
+
+
+_JOB_ENDED = object()  # pushed after a job's last event; alone it means the job never ran
+
+
+@dataclass(slots=True)
+class _Job:
+    """Per-Generate state shared by the handler coroutine and the engine thread."""
+
+    session: Session
+    request: GenerateRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.perf_counter)  # queue time includes the turn wait
+    finished: bool = False  # set on the loop once the final event was taken
+    released: bool = False  # the session's turn was given back (exactly once)
+
+    def emit(self, event: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # loop already closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class SessionService:
+    def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), config: ServiceConfig | None = None,
+                 policies: PolicyRegistry | None = None, observer: ServiceObserver | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.config = config or ServiceConfig()
+        self.vocab_size = engine.config.vocab_size
+        self.eos_ids = tuple(eos_ids)
+        model_context = engine.config.max_position_embeddings
+        self.context_length = min(self.config.context_length or model_context, model_context)
+        self.policies = policies or PolicyRegistry()
+        self.observer: ServiceObserver = observer or _NullServiceObserver()
+        self.store = SessionStore(max_sessions=self.config.max_sessions, idle_ttl_s=self.config.idle_ttl_s,
+                                  observer=self.observer, clock=clock)
+        self.scheduler = Scheduler(self.config.max_concurrent)
+        self._sweeper: asyncio.Task | None = None
+
+    # ---- lifecycle of the service itself ---------------------------------------------------
+
+    def start_sweeper(self) -> None:
+        interval = self.config.sweep_interval_s or min(self.config.idle_ttl_s / 2, 30.0)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(interval))
+
+    async def _sweep_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.store.sweep()
+
+    async def shutdown(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        # Running generations stop after their current step; queued ones never start.
+        await asyncio.to_thread(self.scheduler.shutdown)
+
+    # ---- the API ---------------------------------------------------------------------------
+
+    async def create(self, owner: str, initial_tokens: Sequence[int] = (), policy_name: str = "",
+                     policy_params: dict[str, Any] | None = None) -> Session:
+        self._check_tokens(initial_tokens, "initial_token_ids")
+        spec = self.policies.resolve(policy_name, policy_params)
+        return self.store.create(owner, spec, self.context_length, initial_tokens)
+
+    async def append(self, owner: str, session_id: str, tokens: Sequence[int]) -> int:
+        if not tokens:
+            raise InvalidArgument("AppendTokens needs at least one token id")
+        self._check_tokens(tokens, "token_ids")
+        session = self.store.get(owner, session_id)
+        await self._take_turn(session)
+        try:
+            return self._mutate(session, lambda: self.store.append(session, tokens))
+        finally:
+            self._release_turn(session)
+
+    async def close(self, owner: str, session_id: str) -> None:
+        self.store.close(owner, session_id)
+
+    def info(self, owner: str, session_id: str, *, include_history: bool = False) -> SessionSnapshot:
+        return self.store.snapshot(owner, session_id, include_history=include_history)
+
+    async def generate(self, owner: str, session_id: str, params: GenerateParams) -> AsyncIterator[GenerateEvent]:
+        """Stream TokensEvent per committed token, then one DoneEvent. Leaving early cancels."""
+        request = self._engine_request(params)
+        session = self.store.get(owner, session_id)
+        job = _Job(session, request, asyncio.get_running_loop())
+        await self._take_turn(session)
+        handed_off = False
+        try:
+            self._mutate(session, lambda: self.store.begin_generate(session, request.max_new_tokens, job.cancel))
+            try:
+                future = self.scheduler.submit(self._run, job)
+            except RuntimeError:  # the scheduler was shut down
+                handed_off = job.finished = True
+                self._end_job(job)
+                raise Unavailable("the server is shutting down") from None
+            handed_off = True  # from here the turn is released when the engine job ends
+            future.add_done_callback(lambda f: self._call_on_loop(job, self._job_ended, job, f))
+            while True:
+                event = await job.events.get()
+                if event is _JOB_ENDED:
+                    raise Unavailable("generation did not run: the server is shutting down")
+                if isinstance(event, SessionError | DoneEvent):
+                    # The engine thread emits nothing and touches the session no more after its final
+                    # event, so the turn is free now (a GetSessionInfo right after sees generating=False).
+                    job.finished = True
+                    self._end_job(job)
+                    if isinstance(event, SessionError):
+                        raise event
+                yield event
+                if job.finished:
+                    return
+        finally:
+            if not handed_off:
+                self._release_turn(session)
+            elif not job.finished:
+                job.cancel.set()  # the client went away: stop after the current step
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
+        if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
+            bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
+            raise InvalidArgument(f"{what}: token id {bad} outside the vocabulary [0, {self.vocab_size})")
+
+    def _engine_request(self, p: GenerateParams) -> GenerateRequest:
+        if p.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {p.max_tokens}")
+        if p.max_tokens > self.context_length:
+            raise InvalidArgument(f"max_tokens {p.max_tokens} exceeds the context length {self.context_length}")
+        if p.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, got {p.top_k}")
+        if p.top_p is not None and not math.isfinite(p.top_p):
+            raise InvalidArgument(f"top_p must be in (0, 1], got {p.top_p}")
+        try:
+            sampling = SamplingParams(temperature=p.temperature, top_k=p.top_k or None, top_p=p.top_p, seed=p.seed)
+        except SamplingError as e:
+            raise InvalidArgument(str(e)) from None
+        self._check_tokens(p.stop_token_ids, "stop_token_ids")
+        stop = tuple(dict.fromkeys((() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids)))
+        return GenerateRequest(max_new_tokens=p.max_tokens, sampling=sampling, stop_ids=stop)
+
+    def _mutate(self, session: Session, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except InvariantViolation as v:
+            self.store.fail(session, v)
+            raise
+
+    async def _take_turn(self, session: Session) -> None:
+        self.store.begin_op(session)
+        if session.turn is None:
+            session.turn = asyncio.Lock()
+        try:
+            await session.turn.acquire()
+        except BaseException:
+            self.store.end_op(session)
+            raise
+        try:
+            self.store.require_active(session)  # it may have been closed or evicted while we waited
+        except BaseException:
+            self._release_turn(session)
+            raise
+
+    def _release_turn(self, session: Session, *, generated: bool = False) -> None:
+        session.turn.release()
+        self.store.end_op(session, generated=generated)
+
+    @staticmethod
+    def _call_on_loop(job: _Job, fn: Callable[..., Any], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # loop closed at shutdown
+            job.loop.call_soon_threadsafe(fn, *args)
+
+    def _job_ended(self, job: _Job, future: Future) -> None:
+        # Runs on the loop after every event the job emitted (call_soon_threadsafe is FIFO).
+        self._end_job(job)
+        job.events.put_nowait(_JOB_ENDED)
+
+    def _end_job(self, job: _Job) -> None:
+        """Release the session's turn once per job: at its final event or when its future ends."""
+        if not job.released:
+            job.released = True
+            self._release_turn(job.session, generated=True)
+
+    def _run(self, job: _Job) -> None:
+        """Engine thread: prefill history[cached_length:], decode, commit each token as it comes."""
+        session, store = job.session, self.store
+        started = time.perf_counter()
+        queue_s = started - job.submitted_at
+        history_at_start = len(session.history)
+        if job.cancel.is_set():  # client gone or session closed while queued: touch nothing
+            job.emit(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=queue_s), history_at_start))
+            return
+        stream = None
+        try:
+            if session.cache is None:
+                cache = self.policies.build(self.engine, session.policy, session.context_length)
+                store.attach_cache(session, cache)
+            pending = store.pending_tokens(session)
+            ids = torch.tensor([pending], dtype=torch.long, device=self.engine.device)  # (1, T)
+            stream = self.engine.stream(session.cache, ids, job.request, should_stop=job.cancel.is_set)
+            for step_ids in stream:
+                token = step_ids[0]
+                store.commit_generated(session, token)
+                job.emit(TokensEvent([token]))
+            store.finish_generate(session)
+        except InvariantViolation as v:
+            store.fail(session, v)
+            job.emit(v)
+            return
+        except Exception as e:  # an engine error: the session survives only if still consistent
+            try:
+                store.check(session)
+            except InvariantViolation as v:
+                store.fail(session, v)
+                job.emit(v)
+                return
+            job.emit(InternalError(f"generation failed: {type(e).__name__}: {e}"))
+            return
+        result = stream.result
+        assert result is not None
+        n = result.decode_tokens
+        stats = GenerateStats(
+            prefill_tokens=result.prefill_tokens,
+            prefill_s=result.prefill_s,
+            ttft_s=result.ttft_s,
+            decode_s=result.decode_s,
+            decode_tokens=n,
+            decode_tokens_per_s=(n - 1) / result.decode_s if n > 1 and result.decode_s > 0 else 0.0,
+            queue_s=queue_s,
+        )
+        self.observer.generate_finished(stats, history_at_start)
+        job.emit(DoneEvent(result.finish_reason, stats, len(session.history)))

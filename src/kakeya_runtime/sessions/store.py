@@ -1,0 +1,419 @@
+"""SessionStore: server-issued ids, append-only raw-token history bound to a per-session KV cache.
+
+The binding (the invariants, checked inside every mutation):
+
+* INV-1: every layer of the session's cache holds exactly `cached_length` positions, and those are
+  the K/V of `history[:cached_length]`. `cached_length` is the session's own record of what it
+  asked the engine to consume; the layer lengths are what the cache actually did. Between calls
+  `cached_length == len(history) - pending`, where pending is what the next Generate prefills:
+  the tokens appended since the last Generate, plus the last generated token (the engine never
+  feeds its final sample back). At every committed token during a Generate, every layer holds
+  exactly `len(history)` positions (everything before the token being committed).
+* INV-2: every layer's next position and the history length never decrease over the session.
+
+A violation raises InvariantViolation; the caller fails the session (`fail`), which frees its
+cache and counts it. Nothing is ever repaired in place.
+
+Thread model: the store's lock guards the session table and every history/cache bookkeeping
+field; the engine thread commits generated tokens under it, handler code appends under it. Tensor
+work (building a cache, prefill, decode) happens only on the engine thread, outside the lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kakeya_runtime.kv.cache import ModelKV
+from kakeya_runtime.sessions.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    Invariant,
+    InvariantViolation,
+    ResourceExhausted,
+    SessionNotFound,
+)
+from kakeya_runtime.sessions.policy import PolicySpec
+
+SESSION_ID_BYTES = 24  # 192 bits from the OS CSPRNG
+_TOMBSTONES = 4096  # recently ended ids remembered, so NOT_FOUND can say why
+
+
+class SessionState(enum.Enum):
+    ACTIVE = "active"
+    CLOSED = "closed"
+    EVICTED = "evicted"
+    FAILED = "failed"
+
+
+class EndReason(enum.Enum):
+    """Label of session_evicted_total{reason}: why a session's cache was freed."""
+
+    CLOSE = "close"
+    TTL = "ttl"
+    LRU = "lru"
+    FAILED = "failed"
+
+
+class Outcome(enum.Enum):
+    """Label of session_total{outcome}."""
+
+    CLOSED = "closed"
+    EVICTED = "evicted"
+    FAILED = "failed"
+
+
+_OUTCOME = {EndReason.CLOSE: Outcome.CLOSED, EndReason.TTL: Outcome.EVICTED, EndReason.LRU: Outcome.EVICTED,
+            EndReason.FAILED: Outcome.FAILED}
+_STATE = {EndReason.CLOSE: SessionState.CLOSED, EndReason.TTL: SessionState.EVICTED,
+          EndReason.LRU: SessionState.EVICTED, EndReason.FAILED: SessionState.FAILED}
+
+
+class StoreObserver(Protocol):
+    """What the store reports (the server's Prometheus metrics implement it)."""
+
+    def session_created(self) -> None: ...
+
+    def session_ended(self, outcome: Outcome, reason: EndReason) -> None: ...
+
+    def invariant_violated(self, invariant: Invariant) -> None: ...
+
+
+class NullObserver:
+    def session_created(self) -> None:
+        pass
+
+    def session_ended(self, outcome: Outcome, reason: EndReason) -> None:
+        pass
+
+    def invariant_violated(self, invariant: Invariant) -> None:
+        pass
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    id: str
+    owner: str  # hash of the API key that created it ("" without auth); others never see it
+    policy: PolicySpec
+    context_length: int  # history + max_tokens of a Generate must fit
+    created_at: float
+    last_access: float
+    history: list[int] = field(default_factory=list)  # append-only raw token ids
+    cache: ModelKV | None = None  # built lazily on the engine thread by the first Generate
+    cached_length: int = 0  # INV-1: history[:cached_length] is what the cache holds
+    position_high_water: int = 0  # INV-2: no layer's next position may fall below this
+    history_high_water: int = 0  # INV-2: the history length never falls below this
+    state: SessionState = SessionState.ACTIVE
+    busy_ops: int = 0  # calls waiting for or holding the session's turn; busy sessions are not evicted
+    generating: bool = False
+    generate_calls: int = 0
+    inv1_checks: int = 0
+    inv2_checks: int = 0
+    cancel: threading.Event | None = None  # the in-flight Generate's stop flag
+    turn: Any = None  # the service's per-session asyncio.Lock (one Generate/Append at a time)
+
+    @property
+    def pending_length(self) -> int:
+        return len(self.history) - self.cached_length
+
+    @property
+    def kv_bytes(self) -> int:
+        cache = self.cache
+        return 0 if cache is None else cache.nbytes
+
+
+@dataclass(slots=True, frozen=True)
+class SessionSnapshot:
+    """A consistent copy of a session's bookkeeping, taken under the store lock."""
+
+    session_id: str
+    history_length: int
+    cached_length: int
+    kv_live_bytes: int
+    policy: PolicySpec
+    inv1_checks: int
+    inv2_checks: int
+    generate_calls: int
+    idle_s: float
+    context_length: int
+    generating: bool
+    history: tuple[int, ...] | None
+
+
+class SessionStore:
+    def __init__(self, *, max_sessions: int = 64, idle_ttl_s: float = 1800.0,
+                 observer: StoreObserver | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        if idle_ttl_s <= 0:
+            raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s}")
+        self.max_sessions = max_sessions
+        self.idle_ttl_s = idle_ttl_s
+        self.observer: StoreObserver = observer or NullObserver()
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._ended: OrderedDict[str, tuple[str, EndReason]] = OrderedDict()  # id -> (owner, why)
+
+    # ---- lookup and lifecycle -------------------------------------------------------------
+
+    def create(self, owner: str, policy: PolicySpec, context_length: int,
+               initial_tokens: Sequence[int] = ()) -> Session:
+        """Admit a new session (evicting the least recently used idle one when full)."""
+        if len(initial_tokens) > context_length:
+            raise ResourceExhausted(
+                f"initial history of {len(initial_tokens)} tokens exceeds the context length {context_length}"
+            )
+        with self._lock:
+            self._sweep_locked()
+            if len(self._sessions) >= self.max_sessions:
+                victim = next((s for s in self._sessions.values() if not self._busy(s)), None)
+                if victim is None:
+                    raise ResourceExhausted(
+                        f"all {self.max_sessions} sessions are busy; close one or retry later"
+                    )
+                self._end_locked(victim, EndReason.LRU)
+            now = self.clock()
+            sid = "ses_" + secrets.token_urlsafe(SESSION_ID_BYTES)
+            session = Session(sid, owner, policy, context_length, created_at=now, last_access=now,
+                              history=list(initial_tokens))
+            session.history_high_water = len(session.history)
+            self._sessions[sid] = session
+        self.observer.session_created()
+        return session
+
+    def get(self, owner: str, session_id: str) -> Session:
+        """The live session with this id owned by `owner` (touching it), else SessionNotFound."""
+        with self._lock:
+            session = self._lookup_locked(owner, session_id)
+            self._touch_locked(session)
+            return session
+
+    def _lookup_locked(self, owner: str, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is not None and session.owner == owner and self._expired(session):
+            self._end_locked(session, EndReason.TTL)  # expiry holds on access, not only at sweeps
+        if session is None or session.owner != owner or session.state is not SessionState.ACTIVE:
+            raise self._not_found(owner, session_id)
+        return session
+
+    def require_active(self, session: Session) -> None:
+        """For a call that waited for its turn: the session may have ended meanwhile."""
+        with self._lock:
+            if session.state is not SessionState.ACTIVE:
+                raise self._not_found(session.owner, session.id)
+            self._touch_locked(session)
+
+    def close(self, owner: str, session_id: str) -> Session:
+        with self._lock:
+            session = self.get(owner, session_id)
+            self._end_locked(session, EndReason.CLOSE)
+            return session
+
+    def fail(self, session: Session, violation: InvariantViolation) -> None:
+        """An invariant broke: count it, drop the session and free its cache. Never repaired."""
+        self.observer.invariant_violated(violation.invariant)
+        with self._lock:
+            if session.state is SessionState.ACTIVE:
+                self._end_locked(session, EndReason.FAILED)
+            session.cache = None
+
+    def sweep(self) -> int:
+        """Evict sessions idle past the TTL; returns how many."""
+        with self._lock:
+            return self._sweep_locked()
+
+    def begin_op(self, session: Session) -> None:
+        with self._lock:
+            session.busy_ops += 1
+            self._touch_locked(session)
+
+    def end_op(self, session: Session, *, generated: bool = False) -> None:
+        """A call releases the session's turn (`generated`: it was the Generate that held the engine)."""
+        with self._lock:
+            session.busy_ops -= 1
+            if generated:
+                session.generating = False
+                session.cancel = None
+            self._touch_locked(session)
+            if session.state is not SessionState.ACTIVE and not session.generating:
+                session.cache = None  # ended while busy: free now that nothing uses it
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def kv_live_bytes(self) -> int:
+        with self._lock:
+            return sum(s.kv_bytes for s in self._sessions.values())
+
+    def snapshot(self, owner: str, session_id: str, *, include_history: bool = False) -> SessionSnapshot:
+        with self._lock:
+            s = self._lookup_locked(owner, session_id)
+            idle_s = 0.0 if self._busy(s) else self.clock() - s.last_access  # before this call touches it
+            self._touch_locked(s)
+            return SessionSnapshot(
+                session_id=s.id,
+                history_length=len(s.history),
+                cached_length=s.cached_length,
+                kv_live_bytes=s.kv_bytes,
+                policy=s.policy,
+                inv1_checks=s.inv1_checks,
+                inv2_checks=s.inv2_checks,
+                generate_calls=s.generate_calls,
+                idle_s=idle_s,
+                context_length=s.context_length,
+                generating=s.generating,
+                history=tuple(s.history) if include_history else None,
+            )
+
+    # ---- mutations (each checks the invariants before and after) --------------------------
+
+    def append(self, session: Session, tokens: Sequence[int]) -> int:
+        """Append validated token ids; refuses (nothing appended) when the context would overflow."""
+        if not tokens:
+            raise InvalidArgument("AppendTokens needs at least one token id")
+        with self._lock:
+            if session.state is not SessionState.ACTIVE:
+                raise self._not_found(session.owner, session.id)
+            self.check(session)
+            if len(session.history) + len(tokens) > session.context_length:
+                raise ResourceExhausted(
+                    f"history of {len(session.history)} + {len(tokens)} appended tokens exceeds the "
+                    f"context length {session.context_length}"
+                )
+            session.history.extend(tokens)
+            self.check(session)
+            return len(session.history)
+
+    def begin_generate(self, session: Session, max_tokens: int, cancel: threading.Event) -> None:
+        """Room and non-empty checks for a Generate about to be queued (nothing changes on refusal)."""
+        with self._lock:
+            if session.state is not SessionState.ACTIVE:
+                raise self._not_found(session.owner, session.id)
+            self.check(session)
+            if session.pending_length == 0:
+                raise FailedPrecondition("the session history is empty: append tokens before Generate")
+            if len(session.history) + max_tokens > session.context_length:
+                raise ResourceExhausted(
+                    f"history of {len(session.history)} tokens + max_tokens {max_tokens} exceeds the context "
+                    f"length {session.context_length} (room for {session.context_length - len(session.history)})"
+                )
+            session.generating = True
+            session.cancel = cancel
+            session.generate_calls += 1
+
+    def attach_cache(self, session: Session, cache: ModelKV) -> None:
+        """The first Generate's freshly built (empty) cache, checked against the session's record."""
+        with self._lock:
+            session.cache = cache
+            self.check(session)
+
+    def pending_tokens(self, session: Session) -> list[int]:
+        """What the next prefill consumes: history[cached_length:] (incremental prefill)."""
+        with self._lock:
+            return session.history[session.cached_length:]
+
+    def commit_generated(self, session: Session, token: int) -> None:
+        """Called at each sampled token: every layer has consumed all of the history so far."""
+        with self._lock:
+            session.cached_length = len(session.history)
+            self.check(session)
+            session.history.append(token)
+            self.check(session)
+
+    def check(self, session: Session) -> None:
+        """INV-2 then INV-1 against the session's own record; raises InvariantViolation."""
+        with self._lock:
+            cache = session.cache
+            lengths = cache.layer_lengths() if cache is not None else []
+            session.inv2_checks += 1
+            if len(session.history) < session.history_high_water:
+                raise InvariantViolation(
+                    Invariant.INV2,
+                    f"history shrank from {session.history_high_water} to {len(session.history)} tokens",
+                )
+            if lengths and min(lengths) < session.position_high_water:
+                layer = lengths.index(min(lengths))
+                raise InvariantViolation(
+                    Invariant.INV2,
+                    f"layer {layer}'s next position went back from {session.position_high_water} to {lengths[layer]}",
+                )
+            session.inv1_checks += 1
+            if session.cached_length > len(session.history):
+                raise InvariantViolation(
+                    Invariant.INV1,
+                    f"cached length {session.cached_length} exceeds history length {len(session.history)}",
+                )
+            expected = session.cached_length
+            bad = [(i, n) for i, n in enumerate(lengths) if n != expected]
+            if cache is None and expected != 0:
+                bad = [(-1, 0)]
+            if bad:
+                i, n = bad[0]
+                raise InvariantViolation(
+                    Invariant.INV1,
+                    f"layer {i} holds {n} positions, the session has bound {expected} history tokens "
+                    f"({len(bad)} layer(s) disagree)",
+                )
+            session.history_high_water = len(session.history)
+            if lengths:
+                session.position_high_water = lengths[0]
+
+    def finish_generate(self, session: Session) -> None:
+        """After the stream ended: the cache holds the history minus the last sampled token."""
+        with self._lock:
+            self.check(session)
+            if session.pending_length != 1:
+                raise InvariantViolation(
+                    Invariant.INV1,
+                    f"after Generate {session.pending_length} history tokens are unbound (expected exactly the "
+                    "last sampled token)",
+                )
+
+    # ---- internals -------------------------------------------------------------------------
+
+    @staticmethod
+    def _busy(session: Session) -> bool:
+        return session.busy_ops > 0 or session.generating
+
+    def _expired(self, session: Session) -> bool:
+        return not self._busy(session) and self.clock() - session.last_access > self.idle_ttl_s
+
+    def _touch_locked(self, session: Session) -> None:
+        session.last_access = self.clock()
+        if session.id in self._sessions:
+            self._sessions.move_to_end(session.id)
+
+    def _sweep_locked(self) -> int:
+        expired = [s for s in self._sessions.values() if self._expired(s)]
+        for s in expired:
+            self._end_locked(s, EndReason.TTL)
+        return len(expired)
+
+    def _end_locked(self, session: Session, reason: EndReason) -> None:
+        self._sessions.pop(session.id, None)
+        session.state = _STATE[reason]
+        if session.cancel is not None:
+            session.cancel.set()  # an in-flight Generate stops after its current step
+        if not self._busy(session):
+            session.cache = None  # free the K/V now; a busy session frees it when its call ends
+        self._ended[session.id] = (session.owner, reason)
+        while len(self._ended) > _TOMBSTONES:
+            self._ended.popitem(last=False)
+        self.observer.session_ended(_OUTCOME[reason], reason)
+
+    def _not_found(self, owner: str, session_id: str) -> SessionNotFound:
+        ended = self._ended.get(session_id)
+        if ended is not None and ended[0] == owner:
+            why = {EndReason.CLOSE: "was closed", EndReason.TTL: "was evicted after its idle TTL",
+                   EndReason.LRU: "was evicted (least recently used, store full)",
+                   EndReason.FAILED: "failed an invariant check and was freed"}[ended[1]]
+            return SessionNotFound(f"session {session_id} {why}")
+        # Unknown and foreign ids read the same, so ids owned by another key are not revealed.
+        return SessionNotFound(f"session {session_id!r} not found")

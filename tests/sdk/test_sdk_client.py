@@ -1,0 +1,160 @@
+"""The `kakeya` SDK surface, sync and asyncio, against a real in-process runtime."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import kakeya
+import pytest
+from kakeya import (
+    AsyncClient,
+    Client,
+    FailedPrecondition,
+    FinishReason,
+    InvalidArgument,
+    KakeyaError,
+    KvPolicy,
+    ResourceExhausted,
+    SessionNotFound,
+    Unavailable,
+)
+
+
+def test_model_info(client):
+    info = client.model_info()
+    assert info.model_name == "tiny-llama" and info.model_type == "llama"
+    assert info.vocab_size == 259 and info.eos_token_ids == (2,) and info.bos_token_id is None
+    assert info.context_length == 512
+    assert info.tokenizer_json.startswith("{") and "<|im_start|>" in info.chat_template
+    assert info.kv_policies == ("full",)
+    assert info.max_sessions == 64 and info.max_concurrent == 1 and info.session_idle_ttl_s == 1800
+    assert client.model_info() is info  # cached
+
+
+def test_session_roundtrip_and_stats(client):
+    with client.create_session(initial_tokens=[10, 11, 12], policy="full") as s:
+        assert s.id.startswith("ses_") and len(s.id) >= 4 + 32  # >= 192 bits, url-safe
+        assert s.history_length == 3 and s.policy == KvPolicy("full", {})
+        assert s.append([13, 14]) == 5
+        gen = s.generate(max_tokens=6, ignore_eos=True)
+        assert gen.result is None and gen.stats is None
+        tokens = list(gen)
+        assert tokens == gen.token_ids and len(tokens) == 6
+        assert gen.finish_reason is FinishReason.LENGTH
+        st = gen.stats
+        assert st.prefill_tokens == 5 and st.decode_tokens == 6
+        assert 0 < st.prefill_s <= st.ttft_s and st.decode_s > 0 and st.decode_tokens_per_s > 0
+        assert st.queue_s >= 0
+        assert gen.result.history_length == 11 == s.history_length
+        assert s.last_result is gen.result
+        info = s.info(include_history=True)
+        assert info.history_token_ids == (10, 11, 12, 13, 14, *tokens)
+        assert info.cached_length == 10 and info.kv_live_bytes > 0 and info.remaining == 512 - 11
+        assert info.generate_calls == 1 and not info.generating and info.idle_s >= 0
+        assert s.info().history_token_ids is None
+        with pytest.raises(RuntimeError, match="once"):
+            iter(gen)
+    with pytest.raises(SessionNotFound):
+        s.info()
+
+
+def test_stop_tokens_and_eos(client):
+    with client.create_session(initial_tokens=[20, 21]) as s:
+        probe = s.generate(max_tokens=4, ignore_eos=True).collect()
+    stop = probe[2]
+    with client.create_session(initial_tokens=[20, 21]) as s:
+        gen = s.generate(max_tokens=4, stop_tokens=[stop], ignore_eos=True)
+        out = gen.collect()
+        assert gen.finish_reason is FinishReason.STOP
+        assert out[-1] == stop and out == probe[: len(out)] and len(out) <= 3
+        assert s.info().history_length == 2 + len(out)  # the stop token joined the history
+
+
+def test_reattach_by_id(client, server):
+    s = client.create_session(initial_tokens=[1, 2])
+    with Client(server.address) as other:
+        again = other.session(s.id)
+        assert again.append([3]) == 3
+        again.close()
+    with pytest.raises(SessionNotFound):
+        s.append([4])
+
+
+def test_seeded_sampling_is_reproducible_and_seed_matters(client):
+    kw = {"max_tokens": 10, "temperature": 1.0, "top_k": 50, "ignore_eos": True}
+    runs = []
+    for seed in (1, 1, 2):
+        with client.create_session(initial_tokens=[30, 31, 32]) as s:
+            runs.append(s.generate(seed=seed, **kw).collect())
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_typed_errors_carry_grpc_codes(client):
+    with pytest.raises(InvalidArgument) as e:
+        client.create_session(initial_tokens=[10**6])
+    assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT and isinstance(e.value, KakeyaError)
+    with pytest.raises(ResourceExhausted) as e:
+        client.create_session(initial_tokens=[1] * 513)
+    assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    with client.create_session() as s, pytest.raises(FailedPrecondition):
+        s.generate(max_tokens=1).collect()
+    assert set(kakeya.__all__) >= {"SessionNotFound", "InvalidArgument", "ResourceExhausted", "FailedPrecondition",
+                                   "Unauthenticated", "Unavailable"}
+
+
+def test_unreachable_server_is_unavailable():
+    with Client("127.0.0.1:1", timeout=2) as c, pytest.raises(Unavailable):
+        c.model_info()
+
+
+def test_generation_context_manager_cancels(client):
+    with client.create_session(initial_tokens=[5, 6]) as s:
+        with s.generate(max_tokens=50, ignore_eos=True) as gen:
+            it = iter(gen)
+            next(it)
+        assert gen.result is None
+        s.append([9])  # waits for the cancelled Generate to stop
+        info = s.info()
+        assert info.cached_length == info.history_length - 2
+
+
+def test_async_client_same_surface(server):
+    async def main():
+        async with AsyncClient(server.address) as client:
+            info = await client.model_info()
+            assert info.vocab_size == 259
+            tok = await client.tokenizer()
+            assert tok.vocab_size == 259
+            async with await client.create_session(initial_tokens=[10, 11, 12], policy=KvPolicy("full")) as s:
+                assert await s.append([13]) == 4
+                gen = s.generate(max_tokens=5, ignore_eos=True)
+                got = [t async for t in gen]
+                assert got == gen.token_ids and gen.finish_reason is FinishReason.LENGTH
+                assert gen.stats.prefill_tokens == 4 and s.last_result is gen.result
+                assert (await s.info(include_history=True)).history_token_ids == (10, 11, 12, 13, *got)
+                with pytest.raises(InvalidArgument):
+                    await s.append([])
+                with pytest.raises(InvalidArgument):
+                    await s.generate(max_tokens=0).collect()
+            with pytest.raises(SessionNotFound):
+                await s.info()
+            with pytest.raises(SessionNotFound):
+                await client.session("ses_nope").append([1])
+
+    asyncio.run(main())
+
+
+def test_sync_and_async_agree(server):
+    kw = {"max_tokens": 8, "temperature": 0.8, "seed": 99, "top_p": 0.9, "ignore_eos": True}
+    with Client(server.address) as c, c.create_session(initial_tokens=[40, 41, 42]) as s:
+        sync_out = s.generate(**kw).collect()
+
+    async def main():
+        async with AsyncClient(server.address) as c:
+            s = await c.create_session(initial_tokens=[40, 41, 42])
+            out = await s.generate(**kw).collect()
+            await s.close()
+            return out
+
+    assert asyncio.run(main()) == sync_out

@@ -1,0 +1,139 @@
+"""Opt-in client-side tokenization: tokenizer and chat template come from GetModelInfo as data."""
+
+from __future__ import annotations
+
+import pytest
+from kakeya.tokenization import (
+    ChatTemplateError,
+    ChatTemplateMismatch,
+    Tokenizer,
+    from_openai_messages,
+    tokens_for_chat,
+)
+
+
+@pytest.fixture(scope="module")
+def tok(server):
+    from kakeya import Client
+
+    with Client(server.address) as c:
+        return c.tokenizer()
+
+
+def test_tokenizer_from_model_info_roundtrips(tok):
+    text = "héllo, wörld — 漢字 🙂"
+    ids = tok.encode(text)
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == text
+    assert tok.encode("<|im_start|>") == [1]  # special-token text maps to its id
+    assert tok.eos_token == "<|im_end|>" and tok.bos_token == ""
+
+
+def test_tokens_for_chat_renders_the_template_client_side(tok):
+    messages = [{"role": "user", "content": "hi"}]
+    text = tok.render_chat(messages)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
+                    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    ids = tokens_for_chat(messages, tok)
+    assert ids == tok.encode(text) and ids[0] == 1
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    no_prompt = tok.tokens_for_chat(messages, add_generation_prompt=False)
+    assert ids[: len(no_prompt)] == no_prompt
+
+
+def test_chat_delta_appends_only_the_new_turn(tok):
+    messages = [{"role": "user", "content": "hi"}]
+    history = tok.chat_delta([], messages)
+    assert history == tok.tokens_for_chat(messages)
+    # The model "generates" a reply that ends with EOS; those exact tokens are now history.
+    reply = tok.encode("Hello there!") + [2]
+    history += reply
+    messages += [{"role": "assistant", "content": tok.decode(reply)}, {"role": "user", "content": "more"}]
+    delta = tok.chat_delta(history, messages)
+    assert tok.decode(delta, skip_special_tokens=False) == "\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(history + delta, skip_special_tokens=False) == tok.render_chat(messages)
+    # A reply cut off by max_tokens (no EOS): the delta closes the turn itself.
+    cut = tok.tokens_for_chat(messages) + tok.encode("Sure")
+    msgs2 = messages + [{"role": "assistant", "content": "Sure"}, {"role": "user", "content": "ok"}]
+    assert tok.decode(tok.chat_delta(cut, msgs2), skip_special_tokens=False).startswith("<|im_end|>\n<|im_start|>user")
+
+
+def test_chat_delta_refuses_a_rewritten_history(tok):
+    history = tok.tokens_for_chat([{"role": "user", "content": "first"}])
+    with pytest.raises(ChatTemplateMismatch, match="diverges"):
+        tok.chat_delta(history, [{"role": "user", "content": "edited"}])
+
+
+def test_template_errors(tok):
+    plain = Tokenizer(tok.hf.to_str(), chat_template=None)
+    assert not plain.has_chat_template
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        plain.render_chat([{"role": "user", "content": "x"}])
+    strict = Tokenizer(tok.hf.to_str(), chat_template="{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ChatTemplateError, match="alternate"):
+        strict.render_chat([])
+    with pytest.raises(ChatTemplateError, match="compile"):
+        Tokenizer(tok.hf.to_str(), chat_template="{% for %}").render_chat([])
+    tools = Tokenizer(tok.hf.to_str(), chat_template="{{ messages[0].tool_calls | tojson }}|{{ extra }}")
+    msgs = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": "é"}}}]}]
+    assert tools.render_chat(msgs, extra=7) == '[{"function": {"name": "f", "arguments": {"a": "é"}}}]|7'
+
+
+def test_stream_decoder_never_splits_characters(tok):
+    text = "naïve 漢字 🙂 ok"
+    ids = tok.encode(text)  # byte-level: multi-byte characters span several ids
+    dec = tok.stream_decoder()
+    pieces = [dec.push(i) for i in ids]
+    assert "".join(pieces) + dec.flush() == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert any(p == "" for p in pieces)  # held back mid-character
+
+
+def test_from_openai_messages():
+    msgs = from_openai_messages([
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "u1"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ])
+    assert msgs == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab", "name": "u1"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "id": "c1", "function": {"name": "get", "arguments": {"x": 1}}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    with pytest.raises(ValueError, match="image_url"):
+        from_openai_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ValueError, match="role"):
+        from_openai_messages([{"content": "x"}])
+
+
+def test_tokens_for_chat_accepts_a_transformers_style_tokenizer():
+    class Fake:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kw):
+            assert tokenize and add_generation_prompt
+            return {"input_ids": [1, 2, len(messages)]}
+
+    assert tokens_for_chat([{"role": "user", "content": "x"}], Fake()) == [1, 2, 1]
+    with pytest.raises(TypeError):
+        tokens_for_chat([], object())
+
+
+def test_chat_through_a_session(server, tok):
+    """The canonical loop: render client-side, append only deltas, history stays the raw tokens."""
+    from kakeya import Client
+
+    with Client(server.address) as client, client.create_session() as s:
+        messages, history = [{"role": "user", "content": "hello"}], []
+        for turn in range(2):
+            delta = tok.chat_delta(history, messages)
+            s.append(delta)
+            history += delta
+            gen = s.generate(max_tokens=8, seed=turn, temperature=0.7)
+            reply = gen.collect()
+            history += reply
+            assert gen.stats.prefill_tokens == len(delta) + (1 if turn else 0)
+            messages += [{"role": "assistant", "content": tok.decode(reply)}, {"role": "user", "content": "again"}]
+        assert list(s.info(include_history=True).history_token_ids) == history

@@ -1,0 +1,75 @@
+"""Loopback by default; API keys as bearer metadata; sessions visible only to the key that made them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from kakeya import AsyncClient, Client, SessionNotFound, Unauthenticated
+
+from kakeya_runtime.server.grpc_app import InsecureBindError, RuntimeServer, ServerConfig, is_loopback
+from kakeya_runtime.server.testing import running_server, tiny_served
+
+KEY_A, KEY_B = "key-alpha-0123456789", "key-bravo-0123456789"
+
+
+@pytest.fixture(scope="module")
+def secured():
+    with running_server(tiny_served(), api_keys=(KEY_A, KEY_B)) as thread:
+        yield thread
+
+
+def test_default_bind_is_loopback():
+    assert ServerConfig().host == "127.0.0.1"
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("192.168.1.4")
+    assert not is_loopback("example.com")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "myhost"])
+def test_non_loopback_bind_requires_an_api_key(host):
+    with pytest.raises(InsecureBindError, match="API key"):
+        RuntimeServer(tiny_served(), ServerConfig(host=host, port=0))
+    RuntimeServer(tiny_served(), ServerConfig(host=host, port=0, api_keys=(KEY_A,)))  # accepted
+
+
+def test_missing_or_wrong_key_is_unauthenticated(secured):
+    for key in (None, "wrong-key-000000", KEY_A + "x"):
+        with Client(secured.address, api_key=key) as client:
+            with pytest.raises(Unauthenticated):
+                client.model_info()
+            with pytest.raises(Unauthenticated):
+                client.create_session(initial_tokens=[1])
+            with pytest.raises(Unauthenticated):
+                client.session("ses_x").generate(max_tokens=2).collect()
+    with Client(secured.address, api_key=KEY_A) as client:
+        assert client.model_info().vocab_size > 0
+
+
+def test_sessions_are_private_to_their_key(secured):
+    with Client(secured.address, api_key=KEY_A) as a, Client(secured.address, api_key=KEY_B) as b:
+        mine = a.create_session(initial_tokens=[3, 4, 5])
+        theirs = b.session(mine.id)
+        for call in (theirs.info, lambda: theirs.append([1]), lambda: theirs.generate(max_tokens=1).collect(),
+                     theirs.close):
+            with pytest.raises(SessionNotFound):
+                call()
+        # Nothing the other key did touched the session.
+        info = mine.info()
+        assert info.history_length == 3 and info.generate_calls == 0
+        mine.close()
+        with pytest.raises(SessionNotFound, match="not found"):  # foreign: no hint that it ever existed
+            theirs.info()
+
+
+def test_async_client_sends_the_key(secured):
+    async def main():
+        async with AsyncClient(secured.address, api_key=KEY_B) as client:
+            s = await client.create_session(initial_tokens=[7])
+            assert (await s.info()).history_length == 1
+            await s.close()
+        async with AsyncClient(secured.address) as anonymous:
+            with pytest.raises(Unauthenticated):
+                await anonymous.model_info()
+
+    asyncio.run(main())

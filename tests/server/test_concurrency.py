@@ -1,0 +1,190 @@
+"""Scheduler and per-session ordering: max_concurrent, one Generate per session, prompt cancellation.
+
+Design under test: a Generate or AppendTokens on a session with a Generate in flight WAITS for it
+(FIFO); it is never refused. Cancelling leaves history and KV consistent, and the next Generate
+continues exactly as the engine would from that history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from kakeya import AsyncClient, Client, FinishReason, SessionNotFound
+
+from kakeya_runtime.engine.generate import Engine, GenerateRequest
+from kakeya_runtime.server.testing import SlowModel, running_server, tiny_model, tiny_served
+
+DELAY = 0.03  # seconds per forward: long enough to observe, short enough to keep tests fast
+
+
+@pytest.fixture
+def slow_server(request):
+    max_concurrent = getattr(request, "param", 1)
+    slow = SlowModel(tiny_model(), DELAY)
+    with running_server(tiny_served(model=slow), max_concurrent=max_concurrent) as thread:
+        thread.slow = slow
+        yield thread
+
+
+def _reference(model, pieces: list[tuple[list[int], int]]) -> list[list[int]]:
+    """The engine driven by hand: prefill each piece (after the previous last sample), greedy."""
+    engine = Engine(model)
+    cache = engine.new_cache(capacity=512)
+    out, carry = [], []
+    for appended, n in pieces:
+        r = engine.generate(cache, torch.tensor([carry + appended]), GenerateRequest(n))
+        out.append(r.token_ids[0])
+        carry = [r.token_ids[0][-1]]
+    return out
+
+
+@pytest.mark.parametrize("slow_server", [1, 2], indirect=True)
+def test_max_concurrent_bounds_engine_work(slow_server):
+    max_concurrent = slow_server.server.config.max_concurrent
+    results = {}
+
+    def run(i):
+        with Client(slow_server.address) as c, c.create_session(initial_tokens=[3 + i, 4]) as s:
+            results[i] = s.generate(max_tokens=6, ignore_eos=True).collect()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(results) == [0, 1, 2] and all(len(v) == 6 for v in results.values())
+    assert slow_server.slow.max_active == max_concurrent
+
+
+def test_second_generate_on_a_session_waits_for_the_first(slow_server):
+    with Client(slow_server.address) as client:
+        s = client.create_session(initial_tokens=[5, 6, 7])
+        gens = {}
+
+        def run(name):
+            with Client(slow_server.address) as c:
+                g = c.session(s.id).generate(max_tokens=5, ignore_eos=True)
+                g.collect()
+                gens[name] = g
+
+        t1 = threading.Thread(target=run, args=("a",))
+        t1.start()
+        time.sleep(DELAY * 2)
+        t2 = threading.Thread(target=run, args=("b",))
+        t2.start()
+        t1.join(30)
+        t2.join(30)
+        first, second = sorted(gens.values(), key=lambda g: g.result.history_length)
+        assert first.stats.prefill_tokens == 3
+        assert second.stats.prefill_tokens == 1  # it ran after the first: only the first's last sample
+        assert second.stats.queue_s > 0.05  # it waited for the first to finish
+        hist = s.info(include_history=True).history_token_ids
+        assert list(hist) == [5, 6, 7, *first.token_ids, *second.token_ids]
+        assert slow_server.slow.max_active == 1
+
+
+def test_append_during_generate_waits_and_lands_after_it(slow_server):
+    with Client(slow_server.address) as client:
+        s = client.create_session(initial_tokens=[5, 6])
+        gen = s.generate(max_tokens=8, ignore_eos=True)
+        it = iter(gen)
+        first = next(it)
+        with Client(slow_server.address) as other:
+            other.session(s.id).append([42])  # blocks until the Generate is done
+        rest = list(it)
+        hist = list(s.info(include_history=True).history_token_ids)
+        assert hist == [5, 6, first, *rest, 42]
+
+
+def test_cancel_stops_promptly_and_the_next_generate_continues_correctly(slow_server):
+    model = slow_server.server.served.model.inner
+    with Client(slow_server.address) as client:
+        prompt = [10, 11, 12, 13]
+        s = client.create_session(initial_tokens=prompt)
+        received = []
+        t0 = time.perf_counter()
+        for tok in s.generate(max_tokens=200, ignore_eos=True):  # ~6 s if not cancelled
+            received.append(tok)
+            if len(received) == 3:
+                break  # leaving the loop cancels the RPC
+        s.append([77])  # queues behind the cancelled Generate, which stops after its current step
+        assert time.perf_counter() - t0 < 2.0
+        info = s.info(include_history=True)
+        generated = list(info.history_token_ids[len(prompt):-1])
+        assert generated[:3] == received and len(generated) < 10
+        assert info.cached_length == info.history_length - 2  # last sample and 77 are pending
+        assert not info.generating
+        cont = s.generate(max_tokens=4, ignore_eos=True)
+        out = cont.collect()
+        assert cont.stats.prefill_tokens == 2
+    ref = _reference(model, [(prompt, len(generated)), ([77], 4)])
+    assert ref == [generated, out]
+
+
+def test_cancel_while_queued_touches_nothing(slow_server):
+    with Client(slow_server.address) as client:
+        busy = client.create_session(initial_tokens=[1, 2])
+        waiting = client.create_session(initial_tokens=[3, 4])
+        g_busy = busy.generate(max_tokens=20, ignore_eos=True)
+        it = iter(g_busy)
+        next(it)  # the only engine slot is taken
+        g_wait = waiting.generate(max_tokens=5, ignore_eos=True)
+        scheduler = slow_server.server.service.scheduler
+        deadline = time.time() + 5
+        while scheduler.queued == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        assert scheduler.queued == 1
+        g_wait.cancel()
+        g_busy.cancel()
+        busy.append([9])  # wait for the busy one to wind down
+        deadline = time.time() + 5
+        while waiting.info().generating and time.time() < deadline:
+            time.sleep(0.01)
+        info = waiting.info(include_history=True)
+        assert list(info.history_token_ids) == [3, 4]
+        assert info.cached_length == 0 and info.kv_live_bytes == 0  # never ran: no cache was built
+        assert len(waiting.generate(max_tokens=3, ignore_eos=True).collect()) == 3
+
+
+def test_close_during_generate_cancels_it_and_frees_the_cache(slow_server):
+    with Client(slow_server.address) as client:
+        s = client.create_session(initial_tokens=[1, 2, 3])
+        gen = s.generate(max_tokens=100, ignore_eos=True)
+        it = iter(gen)
+        next(it)
+        with Client(slow_server.address) as other:
+            other.session(s.id).close()
+        rest = list(it)
+        assert gen.finish_reason is FinishReason.CANCELLED
+        assert len(rest) < 10
+        with pytest.raises(SessionNotFound, match="closed"):
+            s.info()
+        deadline = time.time() + 5
+        while slow_server.server.service.store.kv_live_bytes() and time.time() < deadline:
+            time.sleep(0.01)
+        assert slow_server.server.service.store.kv_live_bytes() == 0
+
+
+def test_async_client_cancellation(slow_server):
+    async def main():
+        async with AsyncClient(slow_server.address) as client:
+            s = await client.create_session(initial_tokens=[4, 5, 6])
+            got = []
+            async with s.generate(max_tokens=200, ignore_eos=True) as gen:
+                async for tok in gen:
+                    got.append(tok)
+                    if len(got) == 2:
+                        break
+            await s.append([8])  # waits for the cancelled job
+            info = await s.info()
+            assert info.history_length < 3 + 10 + 1
+            assert info.cached_length == info.history_length - 2
+            more = await s.generate(max_tokens=3, ignore_eos=True).collect()
+            assert len(more) == 3
+            await s.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))

@@ -1,0 +1,54 @@
+"""`kakeya serve` refuses insecure binds before loading anything; `kakeya chat` works through the SDK."""
+
+from __future__ import annotations
+
+import typer
+from typer.testing import CliRunner
+
+from kakeya_runtime.server import cli
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    cli.register(app)
+    return app
+
+
+def test_serve_refuses_non_loopback_without_key():
+    result = CliRunner().invoke(_app(), ["serve", "--host", "0.0.0.0", "--model", "does-not-matter"])
+    assert result.exit_code == 2
+    assert "API key" in result.output
+
+
+def test_serve_rejects_unknown_dtype():
+    result = CliRunner().invoke(_app(), ["serve", "--dtype", "int3"])
+    assert result.exit_code == 2 and "--dtype" in result.output
+
+
+def test_chat_streams_and_reports_prefill(server):
+    session_count = len(server.server.service.store)
+    result = CliRunner().invoke(
+        _app(),
+        ["chat", "--addr", server.address, "--max-tokens", "6", "--temperature", "0", "--system", "be brief"],
+        input="hello\n/info\nsecond turn\n/reset\nagain\n/exit\n",
+    )
+    assert result.exit_code == 0, result.output
+    stats = [line for line in result.output.splitlines() if line.startswith("prefill ")]
+    assert len(stats) == 3
+    # Second turn prefills only its delta (plus the last generated token), not the conversation.
+    first, second = (int(line.split()[1]) for line in stats[:2])
+    assert second < first
+    assert "history" in result.output and "session ses_" in result.output and "new session" in result.output
+    assert len(server.server.service.store) == session_count  # the chat closed its session
+
+
+def test_chat_raw_mode(server):
+    result = CliRunner().invoke(_app(), ["chat", "--addr", server.address, "--raw", "--max-tokens", "3"],
+                                input="once upon a time\n")
+    assert result.exit_code == 0, result.output
+    assert "raw text" in result.output and "prefill 17 tok" in result.output  # 16 bytes + "\n"
+
+
+def test_chat_reports_an_unreachable_server():
+    result = CliRunner().invoke(_app(), ["chat", "--addr", "127.0.0.1:1"], input="")
+    assert result.exit_code == 1 and "cannot reach" in result.output
