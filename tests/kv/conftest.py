@@ -34,6 +34,15 @@ def tiny_gemma_config(max_positions: int = 512) -> ModelConfig:
                        sliding_window=12, rope_local_base_freq=1e4, query_pre_attn_scalar=32.0)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread avoids waiting on a second core that other work keeps busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return _init(build_model(tiny_llama_config()), 0)

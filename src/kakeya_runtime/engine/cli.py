@@ -6,16 +6,12 @@ client-side through the SDK's tokenization helper (the runtime itself never rend
 
 from __future__ import annotations
 
-import enum
 import sys
 import time
 
 import typer
 
-
-class DType(str, enum.Enum):
-    bf16 = "bf16"
-    fp32 = "fp32"
+_DTYPES = ("bf16", "fp32")
 
 
 def register(app: typer.Typer) -> None:
@@ -31,7 +27,7 @@ def generate(
     top_k: int | None = typer.Option(None, "--top-k", min=0),
     top_p: float | None = typer.Option(None, "--top-p"),
     seed: int | None = typer.Option(None, "--seed", min=0),
-    dtype: DType = typer.Option(DType.bf16, "--dtype"),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weights and activations: bf16 or fp32."),
     chat: bool | None = typer.Option(None, "--chat/--raw",
                                      help="Render the chat template (default: when the model has one)."),
     cache_dir: str | None = typer.Option(None, "--cache-dir", help="Conversion cache (default: $KAKEYA_CACHE_DIR "
@@ -44,24 +40,24 @@ def generate(
     from kakeya_runtime.engine.sampling import SamplingError, SamplingParams
     from kakeya_runtime.models.loader import ModelLoadError, load_model
 
+    if dtype not in _DTYPES:
+        raise typer.BadParameter(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     try:
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     except SamplingError as e:
         raise typer.BadParameter(str(e)) from None
     try:
-        loaded = load_model(model, dtype=torch.float32 if dtype is DType.fp32 else torch.bfloat16,
+        loaded = load_model(model, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16,
                             cache_dir=cache_dir)
     except ModelLoadError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"[{loaded.name}: {loaded.config.model_type}, {dtype.value}, loaded in {loaded.load_s:.2f} s]",
+    typer.echo(f"[{loaded.name}: {loaded.config.model_type}, {dtype}, loaded in {loaded.load_s:.2f} s]",
                err=True)
 
     use_chat = bool(loaded.chat_template) if chat is None else chat
-    if use_chat:
-        ids = _chat_prompt_ids(loaded, prompt)
-    else:
-        ids = loaded.tokenizer.encode(prompt).ids  # adds BOS when the model wants one (Gemma)
+    # Raw text gets BOS from the tokenizer when the model wants one (Gemma); a template writes its own.
+    ids = _chat_prompt_ids(loaded, prompt) if use_chat else loaded.tokenizer.encode(prompt).ids
     if not ids:
         typer.echo("error: the prompt encodes to no tokens", err=True)
         raise typer.Exit(2)

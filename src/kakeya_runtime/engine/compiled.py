@@ -54,6 +54,7 @@ class CompiledDecode:
         # Sizes that happen to be equal (say, a cache's capacity and its allocation) must not become one
         # symbol: that equality is a guard, and breaking it later would recompile.
         torch.fx.experimental._config.use_duck_shape = False
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         self._fn = torch.compile(self._step, dynamic=True, options=self.options.inductor_options())
 
     def _step(self, token_ids: Tensor, positions: Tensor, cache) -> ForwardOutput:
@@ -66,23 +67,35 @@ class CompiledDecode:
             return self.model(token_ids, positions, cache, logits=logits, trace_layer=trace_layer)
         return self._fn(token_ids, positions, cache)
 
-    def warmup(self, engine, lengths: tuple[int, ...] = ()) -> float:
-        """Compile now rather than on the first real token. Each distinct cache state the graph guards on
-        is one compiled variant: a fresh cache (tensors made outside inference mode) and a grown one
-        (reallocated inside it); below and beyond the sliding window. Decode once at each."""
+    def warmup(self, engine, lengths: tuple[int, ...] = ()) -> float:  # engine.decode_forward must be self
+        """Compile now rather than on the first real token: decode twice from caches of a few lengths.
+
+        The graph guards on cache state, and each state below is one compiled variant: a fresh cache
+        (tensors made outside inference mode) and a grown one (reallocated inside it, past 256
+        positions); for sliding layers also the ring's first slot and positions past the window. Caches
+        are made as callers make them, outside inference mode and with room beyond the window.
+        """
         t0 = time.perf_counter()
-        window = engine.config.sliding_window
-        lengths = lengths or ((8, 300) if not window else (8, min(300, window - 8), window + 8))
-        with torch.inference_mode():
-            for n in lengths:
-                cache = engine.new_cache(capacity=min(engine.config.max_position_embeddings, n + 4))
-                ids = torch.zeros(1, n, dtype=torch.long, device=engine.device)
-                engine.prefill(cache, ids)
-                tok = torch.zeros(1, 1, dtype=torch.long, device=engine.device)
-                for _ in range(2):
-                    self(tok, torch.arange(cache.length, cache.length + 1, device=engine.device), cache)
+        w = engine.config.sliding_window
+        limit = engine.config.max_position_embeddings
+        lengths = lengths or tuple(sorted({8, 300} | ({w - 1, 2 * w - 1, 2 * w + 8} if w else set())))
+        for n in lengths:
+            cache = engine.new_cache(capacity=min(limit, max(n + 4, 4 * (w or 0), 512)))
+            engine.prefill(cache, torch.zeros(1, n, dtype=torch.long, device=engine.device))
+            tok = torch.zeros(1, 1, dtype=torch.long, device=engine.device)
+            for _ in range(2):
+                engine.decode_step(cache, tok)
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
+
+
+def compile_decode(engine, options: CompileOptions | None = None, *, warmup: bool = True) -> CompiledDecode:
+    """Route `engine.decode_step` through a compiled step, and (by default) compile it now."""
+    compiled = CompiledDecode(engine.model, options)
+    engine.decode_forward = compiled
+    if warmup:
+        compiled.warmup(engine)
+    return compiled
 
 
 def _grows(cache) -> bool:

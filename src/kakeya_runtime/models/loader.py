@@ -32,7 +32,12 @@ from kakeya_runtime.models import bundled
 from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigError, ModelConfig
 from kakeya_runtime.models.registry import UnsupportedModelError, model_class
-from kakeya_runtime.models.tokenizer import TOKEN_CONTROL, TokenizerBuildError, build_tokenizer, tokenizer_to_json
+from kakeya_runtime.models.tokenizer import (
+    TOKEN_CONTROL,
+    TokenizerBuildError,
+    build_tokenizer,
+    tokenizer_to_json,
+)
 
 # Bump when the conversion's output changes, so old cache entries are not reused.
 CONVERTER_VERSION = 2
@@ -255,6 +260,10 @@ def _read_metadata(reader, path: Path) -> dict[str, Any]:
                     meta[key] = [v.item() for i in field.data for v in field.parts[i]]
             else:
                 value = field.contents()
+                if field.types[0] == GGUFValueType.FLOAT32:
+                    # float32 metadata (eps 1e-5 reads back as 9.99999975e-06): keep the shortest decimal
+                    # that rounds to the same float32, as the original config.json spelled it.
+                    value = float(str(np.float32(value)))
                 meta[key] = value.item() if isinstance(value, np.generic) else value
         except (UnicodeDecodeError, IndexError, ValueError) as e:
             raise ModelLoadError(f"{path}: corrupt metadata field {key!r} ({e})") from None
@@ -386,6 +395,8 @@ def _state_dict_from_gguf(tensors: Mapping[str, Any], arch: str, config: ModelCo
             raise ModelLoadError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
         try:
             w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if not w.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
+                w = w.copy()
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot dequantise {name!r} ({t.tensor_type.name}): {e}") from None
         expected = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first

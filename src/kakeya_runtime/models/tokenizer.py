@@ -11,8 +11,8 @@ user-defined tokens (type 4) plain added tokens, so each is always matched whole
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import json
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 

@@ -23,9 +23,12 @@ from kakeya_runtime.server.testing import running_server, tiny_served
 
 def _real(source: str) -> Callable[[], ServedModel]:
     def load() -> ServedModel:
-        from kakeya_runtime.models.loader import load_model
+        from kakeya_runtime.models.loader import ModelLoadError, load_model
 
-        return ServedModel.from_loaded(load_model(source, dtype=torch.bfloat16), source)
+        try:
+            return ServedModel.from_loaded(load_model(source, dtype=torch.bfloat16), source)
+        except ModelLoadError as e:  # the bundled weights package is not installed here
+            pytest.skip(f"{source} unavailable: {e}")
 
     return load
 
@@ -46,7 +49,8 @@ REAL_MODELS = {"smollm2": _real("smollm2"), "gemma3-270m": _real("gemma3-270m")}
 def model_server(request) -> Iterator[ServerThread]:
     factory = MODELS.get(request.param) or REAL_MODELS[request.param]
     with running_server(factory()) as thread:
-        thread.max_tokens = 12 if request.param in MODELS else 6
+        thread.real = request.param not in MODELS
+        thread.max_tokens = 4 if thread.real else 12  # real decode steps are ~50x dearer here
         yield thread
 
 
@@ -94,6 +98,8 @@ def test_inv3_same_stream_however_history_was_built(model_server):
                     streams[shape] = gen.collect()
                     assert gen.stats.prefill_tokens == len(history)
             assert len(set(map(tuple, streams.values()))) == 1, streams
+            if model_server.real:
+                continue
             # A repeat with the same seed is identical too.
             with client.create_session(initial_tokens=history) as s:
                 assert s.generate(max_tokens=model_server.max_tokens, **SAMPLED).collect() == streams["one_append"]
@@ -105,7 +111,8 @@ def test_inv3_holds_across_turns(model_server):
         h1, h2, h3 = _histories(vocab)
         turns = [h2, h1, h3[:50]]
         outputs = []
-        for shape in ("one_append", "single_token_appends", "initial_then_append"):
+        shapes = ("one_append", "single_token_appends", "initial_then_append")
+        for shape in shapes[:2] if model_server.real else shapes:
             with client.create_session() as s:
                 out = []
                 for i, turn in enumerate(turns):
@@ -123,7 +130,7 @@ def test_inv3_holds_across_turns(model_server):
                     # Incremental prefill: only the turn plus the previous turn's last sampled token.
                     assert gen.stats.prefill_tokens == len(turn) + (1 if i else 0)
                 outputs.append(out)
-        assert outputs[0] == outputs[1] == outputs[2]
+        assert all(out == outputs[0] for out in outputs)
 
 
 def test_incremental_prefill_matches_direct_engine_and_prefills_only_the_delta(server, client):

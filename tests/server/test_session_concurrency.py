@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from kakeya import AsyncClient, Client, FinishReason, SessionNotFound
+from kakeya import AsyncClient, Client, FinishReason, KakeyaError, SessionNotFound
 
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
 from kakeya_runtime.server.testing import SlowModel, running_server, tiny_model, tiny_served
@@ -188,3 +188,22 @@ def test_async_client_cancellation(slow_server):
             await s.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_shutdown_with_generations_in_flight_is_prompt():
+    slow = SlowModel(tiny_model(), DELAY)
+    with running_server(tiny_served(model=slow), grace_s=0.2) as thread:
+        client = Client(thread.address)
+        s1 = client.create_session(initial_tokens=[1, 2])
+        s2 = client.create_session(initial_tokens=[3, 4])
+        running = s1.generate(max_tokens=300, ignore_eos=True)
+        it = iter(running)
+        next(it)
+        queued = s2.generate(max_tokens=300, ignore_eos=True)
+        t0 = time.perf_counter()
+        thread.stop()
+        assert time.perf_counter() - t0 < 3.0
+        for gen in (it, queued):
+            with pytest.raises(KakeyaError):
+                list(gen)
+        client.close()
