@@ -1,0 +1,43 @@
+"""The long-session bench end to end through the SDK against a real in-process server (tiny model)."""
+
+from __future__ import annotations
+
+import json
+
+from kakeya_runtime.bench.long_session import (
+    bucket_p50,
+    parse_policy,
+    run_session_bench,
+    summarize,
+    write_evidence,
+)
+from kakeya_runtime.server.testing import running_server, tiny_served
+
+
+def test_session_bench_prefills_only_new_tokens_and_writes_evidence(tmp_path):
+    with running_server(tiny_served("llama", context=2048)) as server:
+        result = run_session_bench(server.address, turns=24, append_tokens=(10, 20), reply_tokens=3,
+                                   baseline_every=4)
+    assert len(result.turns) == 24
+    for turn in result.turns[1:]:
+        # Incremental prefill: the appended chunk plus the previous reply's last token, never the history.
+        assert turn.prefill_tokens == turn.appended + 1
+        assert turn.inv1_violations == turn.inv2_violations == 0
+    assert [b.turn for b in result.baseline] == list(range(0, 24, 4))
+    for b in result.baseline:
+        assert b.prefill_tokens == b.history  # the baseline re-prefills everything
+    summary = summarize(result, num_buckets=4)
+    assert summary["invariant_violations"] == 0
+    assert len(summary["bucket_p50_latency_s"]) == 4
+    doc = write_evidence({"full": result}, tmp_path / "ls.json", {"model": "tiny"})
+    on_disk = json.loads((tmp_path / "ls.json").read_text())
+    assert on_disk["schema_version"] == doc["schema_version"] == 1
+    assert on_disk["runs"]["full"]["summary"]["turns"] == 24
+    assert (tmp_path / "ls.png").stat().st_size > 1000
+
+
+def test_bucket_p50_and_policy_parsing():
+    assert bucket_p50([1, 2, 3, 4, 5, 6], 3) == [1.5, 3.5, 5.5]
+    assert parse_policy("full") == {"name": "full", "params": {}}
+    assert parse_policy("sink_window:sink=4,window=64") == {"name": "sink_window", "params": {"sink": 4, "window": 64}}
+    assert parse_policy("lattice:q=3.5,codec=d4")["params"] == {"q": 3.5, "codec": "d4"}
