@@ -154,3 +154,30 @@ def test_engine_refuses_past_the_position_limit(tiny_llama):
     with pytest.raises(PositionLimitError):
         for layer in cache:  # below the engine, the layer refuses too (no position reassignment)
             layer.update_and_fetch(*[torch.zeros(1, 2, 3, 16)] * 2, torch.arange(38, 41))
+
+
+def test_lattice_resident_holds_codes_of_the_exact_kv(tiny_llama):
+    """Within one engine call the step's K/V are exact (staged view), so after a single prefill the
+    packed store holds exactly the codes of the identity store's K/V; decode steps through the engine
+    (batched decode/encode per step) match direct per-layer use."""
+    params = {"sink": 2, "window": 8}
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(2))
+    eng = Engine(tiny_llama, prefill_chunk=16)
+    ident = make_policy_cache(tiny_llama.config, PolicySpec.parse("sink_window", params))
+    packed = make_policy_cache(tiny_llama.config, PolicySpec.parse("sink_window", {**params, "codec": "d4"}))
+    eng.prefill(ident, ids)
+    eng.prefill(packed, ids)
+    for a, b in zip(ident, packed, strict=True):
+        assert torch.equal(a.store.slot_positions, b.store.slot_positions)
+        for name in ("k", "v"):
+            want = b.codec.encode(getattr(a.store, name)["x"])
+            assert all(torch.equal(want[key], getattr(b.store, name)[key]) for key in want)
+        assert b.view is None  # nothing decoded is held between steps
+    direct = make_policy_cache(tiny_llama.config, PolicySpec.parse("sink_window", {**params, "codec": "d4"}))
+    direct.load_state(packed.state())
+    for i, tok in enumerate([3, 14, 15, 92, 65]):
+        pos = torch.arange(40 + i, 41 + i)
+        via_engine = eng.decode_step(packed, torch.tensor([[tok]])).logits
+        with torch.inference_mode():
+            unstaged = tiny_llama(torch.tensor([[tok]]), pos, direct).logits
+        torch.testing.assert_close(via_engine, unstaged, atol=1e-5, rtol=1e-5)

@@ -188,6 +188,14 @@ def test_hf_directory(make_tiny_config, make_hf_state, tmp_path, tiny_gguf):
     torch.testing.assert_close(loaded.model.embed_tokens.weight, sd["model.embed_tokens.weight"].to(torch.bfloat16)
                                .float(), rtol=0, atol=0)
 
+    (d / "tokenizer.json").write_text("{not json")
+    broken = load_model(d, dtype=torch.float32)  # the tokenizer is parsed on first use ...
+    with pytest.raises(ModelLoadError, match="invalid tokenizer.json"):
+        broken.tokenizer  # noqa: B018 (... and fails loudly there)
+    (d / "tokenizer.json").write_text("garbage")
+    with pytest.raises(ModelLoadError, match="invalid tokenizer.json"):
+        load_model(d)
+
     (d / "config.json").write_text(json.dumps({**cfg.to_hf(), "model_type": "mamba"}))
     with pytest.raises(ModelLoadError, match="'mamba' is not supported"):
         load_model(d)

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from kakeya_runtime.models.loader import LoadedModel
 
 _DTYPES = ("bf16", "fp32")
 
@@ -76,18 +83,11 @@ def generate(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
 
-    from tokenizers.decoders import DecodeStream
-
-    # Incremental detokenization: a token that ends mid-way through a UTF-8 character yields nothing
-    # until the character is complete, so multi-byte text is never printed as U+FFFD halves.
-    decoder = DecodeStream(skip_special_tokens=True)
     out = sys.stdout
     t0 = time.perf_counter()
-    for step in stream:
-        piece = decoder.step(loaded.tokenizer, step[0])
-        if piece:
-            out.write(piece)
-            out.flush()
+    for piece in iter_text(loaded.tokenizer, (step[0] for step in stream)):
+        out.write(piece)
+        out.flush()
     out.write("\n")
     out.flush()
     result = stream.result
@@ -104,7 +104,20 @@ def generate(
     )
 
 
-def _chat_prompt_ids(loaded, prompt: str) -> list[int]:
+def iter_text(tokenizer: Tokenizer, token_ids: Iterable[int]) -> Iterator[str]:
+    """Text pieces as tokens arrive. A token that ends part-way through a UTF-8 character (byte-level BPE,
+    byte-fallback pieces) yields nothing until the character is complete, so multi-byte text never comes
+    out as U+FFFD halves; special tokens are skipped."""
+    from tokenizers.decoders import DecodeStream
+
+    decoder = DecodeStream(skip_special_tokens=True)
+    for token_id in token_ids:
+        piece = decoder.step(tokenizer, token_id)
+        if piece:
+            yield piece
+
+
+def _chat_prompt_ids(loaded: LoadedModel, prompt: str) -> list[int]:
     """One user turn rendered with the model's template (client-side, via the SDK) and tokenized without
     extra special tokens: the template writes BOS itself where the model wants it."""
     if not loaded.chat_template:

@@ -78,7 +78,10 @@ class CompiledDecode:
         t0 = time.perf_counter()
         w = engine.config.sliding_window
         limit = engine.config.max_position_embeddings
-        lengths = lengths or tuple(sorted({8, 300} | ({w - 1, 2 * w - 1, 2 * w + 8} if w else set())))
+        if not lengths:
+            grown = 300  # FullLayerKV starts at 256 positions and reallocates past them
+            ring = w * (grown // w + 1) if w else 0  # a multiple of the window past `grown`: slot 0 again
+            lengths = tuple(sorted({8, grown} | ({w - 1, ring - 1, ring + 8} if w else set())))
         for n in lengths:
             cache = engine.new_cache(capacity=min(limit, max(n + 4, 4 * (w or 0), 512)))
             engine.prefill(cache, torch.zeros(1, n, dtype=torch.long, device=engine.device))

@@ -100,6 +100,19 @@ class PackedLatticeCodec:
         return out.reshape(*lead, self.lattice.head_dim)
 
 
+class KVCompressor(Protocol):
+    """Seed 000 §11.11.4, position-addressed. `SlotStore` implements it: with IdentityCodec it is the
+    IdentityCompressor, with PackedLatticeCodec the KakeyaLattice compressor (real packed bytes)."""
+
+    def compress(self, k: Tensor, v: Tensor, positions: Tensor) -> None: ...
+
+    def decompress(self, positions: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def evict(self, positions: Tensor) -> None: ...
+
+    def memory_bytes(self) -> int: ...
+
+
 def make_codec(kind: str, q: int, head_dim: int, device: torch.device | str = "cpu") -> KVCodec:
     if kind == "identity":
         return IdentityCodec()
@@ -144,14 +157,17 @@ class SlotStore:
 
     def write(self, slots: Tensor | slice, k: Tensor, v: Tensor, positions: Tensor) -> None:
         """Store k, v (B, Hk, n, D) in `slots` (n of them) and record their positions."""
-        for store, x in ((self.k, k), (self.v, v)):
-            enc = self.codec.encode(x)
+        self.write_encoded(slots, self.codec.encode(k), self.codec.encode(v))
+        self.slot_positions[slots] = positions
+
+    def write_encoded(self, slots: Tensor | slice, enc_k: dict[str, Tensor], enc_v: dict[str, Tensor]) -> None:
+        """Store already-encoded K/V (the codec's storage tensors, slot dimension 2)."""
+        for store, enc in ((self.k, enc_k), (self.v, enc_v)):
             for name, t in store.items():
                 if isinstance(slots, slice):
                     t[:, :, slots] = enc[name]
                 else:
                     t.index_copy_(2, slots, enc[name].to(t.dtype))
-        self.slot_positions[slots] = positions
 
     def read(self, slots: Tensor | slice) -> tuple[Tensor, Tensor]:
         """(k, v) (B, Hk, n, D) in the model dtype; a view of storage for the identity codec and slices."""

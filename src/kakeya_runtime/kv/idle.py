@@ -46,8 +46,14 @@ class IdleLayer:
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes if isinstance(v, Tensor) else sum(t.nbytes for t in v.stored.values())
-                   for v in self.packed.values())
+        """K/V bytes held (like a live layer's nbytes: bookkeeping such as slot positions not counted)."""
+        total = 0
+        for key, v in self.packed.items():
+            if isinstance(v, _Encoded):
+                total += sum(t.nbytes for t in v.stored.values())
+            elif key.split(".")[0] in ("k", "v"):  # an already-coded resident store ("k.code", "k.scale")
+                total += v.nbytes
+        return total
 
     def unpacked_state(self) -> dict[str, Tensor]:
         return {key: v if isinstance(v, Tensor) else v.codec.decode(v.stored, v.dtype)

@@ -33,7 +33,13 @@ import torch
 from torch import Tensor
 
 from kakeya_runtime.kv.cache import CacheError, _check_new
-from kakeya_runtime.kv.sink_window import PositionLimitError, SinkWindowKV, SinkWindowLayerKV
+from kakeya_runtime.kv.sink_window import (
+    PositionLimitError,
+    SinkWindowKV,
+    SinkWindowLayerKV,
+    flush_views,
+    stage_views,
+)
 
 
 class _Overlay:
@@ -134,10 +140,14 @@ class RestoreKV(SinkWindowKV):
     def begin_step(self, input_ids: Tensor, start: int) -> None:
         if start != self.length:
             raise CacheError(f"restore step starts at {start}, cache holds {self.length} positions")
-        self._append_history(input_ids, start)
-        if self.active:  # per_turn, mid-turn: the overlay already covers 0..start-1
-            return
         governed = [self.layers[i] for i in self.governed]
+        if not all(isinstance(layer, RestoreLayerKV) for layer in governed):
+            raise CacheError("this session's KV cache is compressed while idle; decompress(cache) first")
+        self._append_history(input_ids, start)
+        staged = stage_views(governed)  # lossy resident codec: decoded once for the step
+        if self.active:  # per_turn, mid-turn: the overlay already covers 0..start-1
+            self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_nbytes + staged)
+            return
         if not governed:
             self.active = True
             return
@@ -167,33 +177,37 @@ class RestoreKV(SinkWindowKV):
             ov = layer.overlay
             if held.numel():
                 slots = (layer.store.slot_positions >= 0).nonzero().squeeze(1)
-                k_res, v_res = layer.store.read(slots)
+                k_res, v_res = layer._read(slots)
                 pos = layer.store.slot_positions[slots]
                 ov.k.index_copy_(2, pos, k_res)
                 ov.v.index_copy_(2, pos, v_res)
             ov.length = start
         self.active = True
-        self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_nbytes + proposer_bytes)
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_nbytes + proposer_bytes + staged)
 
     def end_step(self) -> None:
         self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_nbytes)
+        flush_views(self._governed())
         if self.spec.granularity == "per_step":
             self._drop()
 
     def end_turn(self) -> None:
         self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_nbytes)
+        flush_views(self._governed())
         self._drop()
 
     def _drop(self) -> None:
         for i in self.governed:
-            self.layers[i].overlay = None
+            if isinstance(self.layers[i], RestoreLayerKV):
+                self.layers[i].overlay = None
         self.active = False
 
     # -- protocol ---------------------------------------------------------------------------------
 
     @property
     def transient_nbytes(self) -> int:
-        return sum(self.layers[i].overlay.nbytes for i in self.governed if self.layers[i].overlay is not None)
+        overlays = (getattr(self.layers[i], "overlay", None) for i in self.governed)
+        return sum(ov.nbytes for ov in overlays if ov is not None)
 
     @property
     def effective_attention_fraction(self) -> float:

@@ -49,6 +49,10 @@ class SinkWindowLayerKV:
                                device=device)
         self.attention_rule = (sink, window)  # read by models.layers.Attention for chunk masks
         self.length = 0
+        # Lossy codecs, during a step: every slot decoded once (stage_views), written exactly, and
+        # re-encoded in one batch at the end of the step (flush_views). None outside steps.
+        self.view: tuple[Tensor, Tensor] | None = None
+        self.dirty: Tensor | None = None  # (slots,) bool: written during the step
         self._probe = torch.empty(batch, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
 
     def clone_empty(self) -> SinkWindowLayerKV:
@@ -87,22 +91,43 @@ class SinkWindowLayerKV:
             return slice(0, n)
         return (self.store.slot_positions >= 0).nonzero().squeeze(1)
 
+    def _read(self, slots: Tensor | slice) -> tuple[Tensor, Tensor]:
+        if self.view is None:
+            return self.store.read(slots)
+        k, v = self.view
+        if isinstance(slots, slice):
+            return k[:, :, slots], v[:, :, slots]
+        return k.index_select(2, slots), v.index_select(2, slots)
+
+    def _write(self, slots: Tensor | slice, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        if self.view is None:
+            self.store.write(slots, k, v, positions)
+            return
+        vk, vv = self.view
+        if isinstance(slots, slice):
+            vk[:, :, slots], vv[:, :, slots] = k, v
+        else:
+            vk.index_copy_(2, slots, k)
+            vv.index_copy_(2, slots, v)
+        self.store.slot_positions[slots] = positions
+        self.dirty[slots] = True
+
     def _store(self, k: Tensor, v: Tensor, positions: Tensor, start: int) -> None:
         """Keep the chunk's sink positions and its last `ring` positions."""
-        t, end = k.shape[2], start + k.shape[2]
+        end = start + k.shape[2]
         if start < self.sink:
             n = min(end, self.sink) - start
-            self.store.write(slice(start, start + n), k[:, :, :n], v[:, :, :n], positions[:n])
+            self._write(slice(start, start + n), k[:, :, :n], v[:, :, :n], positions[:n])
         lo = max(self.sink, end - self.ring, start)
         if lo >= end:
             return
         off = lo - start
         first = self.slot(lo)
         if first + (end - lo) <= self.num_slots:  # no wrap: a slice write
-            self.store.write(slice(first, first + end - lo), k[:, :, off:], v[:, :, off:], positions[off:])
+            self._write(slice(first, first + end - lo), k[:, :, off:], v[:, :, off:], positions[off:])
         else:
             slots = self.sink + (torch.arange(lo, end, device=k.device) - self.sink) % self.ring
-            self.store.write(slots, k[:, :, off:], v[:, :, off:], positions[off:])
+            self._write(slots, k[:, :, off:], v[:, :, off:], positions[off:])
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         _check_new(self._probe, k, v)
@@ -117,12 +142,12 @@ class SinkWindowLayerKV:
             self._store(k, v, positions, start)
             self.length = end
             slots = self._visible_slots(start)
-            k_all, v_all = self.store.read(slots)
-            if not self.codec.lossless:  # the new token's own K/V are in hand: use them exactly
+            k_all, v_all = self._read(slots)
+            if self.view is None and not self.codec.lossless:  # the new K/V are in hand: use them exactly
                 k_all, v_all = _put_exact(k_all, v_all, k, v, slots, self.slot(start))
             return k_all, v_all, self.store.slot_positions[slots]
         held = self._held_slots()
-        k_old, v_old = self.store.read(held)
+        k_old, v_old = self._read(held)
         pos_old = self.store.slot_positions[held]
         k_all = torch.cat((k_old, k), dim=2)  # (B, Hk, held + T, D)
         v_all = torch.cat((v_old, v), dim=2)
@@ -147,11 +172,14 @@ class SinkWindowLayerKV:
         self.length = length
 
     def state(self) -> dict[str, Tensor]:
+        if self.view is not None:
+            flush_views([self])
         out = self.store.state()
         out["length"] = torch.tensor(self.length)
         return out
 
     def load_state(self, state: dict[str, Tensor]) -> None:
+        self.view = self.dirty = None
         self.store.load_state(state)
         self.length = int(state["length"])
 
@@ -163,18 +191,74 @@ class SinkWindowLayerKV:
 def _put_exact(k_all: Tensor, v_all: Tensor, k: Tensor, v: Tensor, slots: Tensor | slice,
                slot: int) -> tuple[Tensor, Tensor]:
     """Replace the decoded copy of the newest vector (at storage slot `slot`) with the exact one."""
-    if isinstance(slots, slice):
-        i = slot - (slots.start or 0)
-    else:
-        i = int((slots == slot).nonzero()[0, 0])
+    i = slot - (slots.start or 0) if isinstance(slots, slice) else int((slots == slot).nonzero()[0, 0])
     k_all[:, :, i : i + 1] = k
     v_all[:, :, i : i + 1] = v
     return k_all, v_all
 
 
+def stage_views(layers: list[SinkWindowLayerKV]) -> int:
+    """Decode the stores of lossy-codec layers in one batched call, as each layer's view for a step.
+    Returns the bytes of the views (transient: decoded K/V live only during the step)."""
+    layers = [layer for layer in layers if not layer.codec.lossless and layer.view is None]
+    if not layers:
+        return 0
+    codec, dtype = layers[0].codec, layers[0].store.dtype
+    views = []
+    for name in ("k", "v"):
+        stored = {key: torch.stack([getattr(layer.store, name)[key] for layer in layers])
+                  for key in getattr(layers[0].store, name)}
+        views.append(codec.decode(stored, dtype))  # (L, B, Hk, slots, D)
+    for i, layer in enumerate(layers):
+        layer.view = (views[0][i], views[1][i])
+        layer.dirty = torch.zeros(layer.num_slots, dtype=torch.bool, device=views[0].device)
+    return views[0].nbytes + views[1].nbytes
+
+
+def flush_views(layers: list[SinkWindowLayerKV]) -> None:
+    """Encode what each staged layer wrote during the step (one batched call) and drop the views."""
+    staged = [layer for layer in layers if layer.view is not None]
+    parts = []
+    for layer in staged:
+        slots = layer.dirty.nonzero().squeeze(1)
+        if slots.numel():
+            parts.append((layer, slots, layer.view[0].index_select(2, slots), layer.view[1].index_select(2, slots)))
+        layer.view = layer.dirty = None
+    if not parts:
+        return
+    codec = parts[0][0].codec
+    d = parts[0][2].shape[-1]
+    enc = [codec.encode(torch.cat([p[i].reshape(-1, d) for p in parts])) for i in (2, 3)]
+    offset = 0
+    for layer, slots, k, _ in parts:
+        n = k.numel() // d
+        shape = k.shape[:-1]
+        take = [{key: t[offset : offset + n].reshape(*shape, *t.shape[1:]) for key, t in e.items()} for e in enc]
+        layer.store.write_encoded(slots, take[0], take[1])
+        offset += n
+
+
 class SinkWindowKV(PolicyKV):
     """sink_window for a whole model: governed layers are SinkWindowLayerKV, native sliding layers keep
-    their own ring. Sustained bytes are fixed at construction (no growth, whatever the length)."""
+    their own ring. Sustained bytes are fixed at construction (no growth, whatever the length).
+
+    With a lossy resident codec, each engine step decodes every governed layer's store once (one batched
+    call), attends over the decoded K/V plus the step's own exact K/V, and re-encodes what it wrote in
+    one batched call at the end of the step: between steps only the packed codes are held."""
+
+    def _governed(self) -> list:
+        return [self.layers[i] for i in self.governed if isinstance(self.layers[i], SinkWindowLayerKV)]
+
+    def begin_step(self, input_ids: Tensor, start: int) -> None:
+        staged = stage_views(self._governed())
+        self.peak_transient_bytes = max(self.peak_transient_bytes, staged)
+
+    def end_step(self) -> None:
+        flush_views(self._governed())
+
+    def state(self) -> list[dict[str, Tensor]]:
+        flush_views(self._governed())
+        return super().state()
 
     @property
     def effective_attention_fraction(self) -> float:

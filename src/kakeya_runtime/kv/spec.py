@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.kv.lattice import LatticeError, check_lattice
@@ -124,9 +123,7 @@ def _int(p: Mapping[str, Any], key: str, minimum: int) -> int:
         value = None
     elif isinstance(raw, int):
         value = raw
-    elif isinstance(raw, float) and raw.is_integer():
-        value = int(raw)
-    elif isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+    elif (isinstance(raw, float) and raw.is_integer()) or (isinstance(raw, str) and raw.strip().lstrip("-").isdigit()):
         value = int(raw)
     if value is None:
         raise PolicyError(f"KV policy parameter {key!r} must be an integer, got {raw!r}")

@@ -93,11 +93,8 @@ def attend(
     """
     num_q, s = q.shape[2], k.shape[2]
     mask = None
-    if num_q > 1:
-        if window is None and s == num_q:
-            mask = None  # plain causal over a fresh prompt: let SDPA use its causal kernel
-        else:
-            mask = attention_mask(q_pos, k_pos, window, sink)
+    if num_q > 1 and not (window is None and s == num_q):  # a fresh prompt: SDPA's causal kernel, no mask
+        mask = attention_mask(q_pos, k_pos, window, sink)
     if not trace:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=num_q > 1 and mask is None, scale=scale, enable_gqa=True

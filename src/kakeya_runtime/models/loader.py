@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,6 @@ class ModelLoadError(ValueError):
 class LoadedModel:
     model: DecoderModel  # eval mode, parameters in `dtype`, requires_grad off
     config: ModelConfig
-    tokenizer: Tokenizer
     tokenizer_json: str  # tokenizer.json text, shipped to clients so they can tokenize/render locally
     chat_template: str | None  # Jinja source as the model ships it; data only, never rendered by the runtime
     eos_ids: tuple[int, ...]  # every id that ends generation (first: the file's EOS)
@@ -70,11 +69,27 @@ class LoadedModel:
     source: Path  # what was asked for: the GGUF file or the model directory
     weights_dir: Path  # the safetensors directory actually read (the conversion cache for a GGUF)
     dtype: torch.dtype
-    load_s: float  # wall time of this load_model call
+    load_s: float  # wall time of this load_model call (the tokenizer is parsed later, on first use)
+    _tokenizer: Tokenizer | None = field(default=None, repr=False)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Parsed on first use: the server only ships tokenizer_json to clients and never needs it, and
+        parsing Gemma's (262k tokens, 515k merges) takes ~1 s."""
+        if self._tokenizer is None:
+            self._tokenizer = parse_tokenizer_json(self.tokenizer_json, self.weights_dir / "tokenizer.json")
+        return self._tokenizer
 
     @property
     def name(self) -> str:
         return self.source.stem if self.source.is_file() else self.source.name
+
+
+def parse_tokenizer_json(text: str, path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise ModelLoadError(f"{path}: invalid tokenizer.json ({e})") from None
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -249,18 +264,18 @@ def _read_metadata(reader, path: Path) -> dict[str, Any]:
     from gguf import GGUFValueType
 
     meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
+    for key, entry in reader.fields.items():
         if key.startswith("GGUF."):
             continue
         try:
-            if field.types and field.types[0] == GGUFValueType.ARRAY:
-                if field.types[-1] == GGUFValueType.STRING:
-                    meta[key] = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+            if entry.types and entry.types[0] == GGUFValueType.ARRAY:
+                if entry.types[-1] == GGUFValueType.STRING:
+                    meta[key] = [bytes(entry.parts[i]).decode("utf-8") for i in entry.data]
                 else:
-                    meta[key] = [v.item() for i in field.data for v in field.parts[i]]
+                    meta[key] = [v.item() for i in entry.data for v in entry.parts[i]]
             else:
-                value = field.contents()
-                if field.types[0] == GGUFValueType.FLOAT32:
+                value = entry.contents()
+                if entry.types[0] == GGUFValueType.FLOAT32:
                     # float32 metadata (eps 1e-5 reads back as 9.99999975e-06): keep the shortest decimal
                     # that rounds to the same float32, as the original config.json spelled it.
                     value = float(str(np.float32(value)))
@@ -471,11 +486,10 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype = torch.bfloat16,
     tok_path = directory / "tokenizer.json"
     try:
         tokenizer_json = tok_path.read_text()
-        tokenizer = Tokenizer.from_str(tokenizer_json)
     except OSError as e:
         raise ModelLoadError(f"{tok_path}: cannot read tokenizer ({e})") from None
-    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-        raise ModelLoadError(f"{tok_path}: invalid tokenizer.json ({e})") from None
+    if not tokenizer_json.lstrip().startswith("{"):
+        raise ModelLoadError(f"{tok_path}: invalid tokenizer.json (not a JSON object)")
     tok_config = _read_json(directory / "tokenizer_config.json")
     gen_config = _read_json(directory / "generation_config.json")
     eos: list[int] = []
@@ -486,7 +500,7 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype = torch.bfloat16,
             eos.append(int(i))
     bos = config.bos_token_id if config.bos_token_id is not None else gen_config.get("bos_token_id")
     return LoadedModel(
-        model=model, config=config, tokenizer=tokenizer, tokenizer_json=tokenizer_json,
+        model=model, config=config, tokenizer_json=tokenizer_json,
         chat_template=_chat_template(directory, tok_config), eos_ids=tuple(eos),
         bos_id=None if bos is None else int(bos), source=directory, weights_dir=directory, dtype=dtype,
         load_s=time.perf_counter() - t0,
