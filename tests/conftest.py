@@ -270,6 +270,17 @@ def tiny_gguf(tmp_path: Path) -> Callable[..., TinyGGUF]:
     return make
 
 
+@pytest.fixture
+def single_thread():
+    """Long CPU-bound real-model tests run on one thread: this 2-core machine is usually shared, and with
+    two OpenMP threads a busy core stalls every parallel region (measured: 64-token greedy decode of
+    SmolLM2 took 26 s with 2 threads and 7 s with 1 while other jobs ran; ~1.5x the other way when idle)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------------------------------------
 # Real bundled models (converted once into the user cache; loaded once per dtype per session)
 

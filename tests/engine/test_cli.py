@@ -11,6 +11,10 @@ from kakeya_runtime.engine.cli import iter_text
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
 from kakeya_runtime.models.loader import load_model
 
+# Tiny models: per-op work is far too small to split across threads, and on a shared 2-core machine a
+# second OpenMP thread mostly waits on a busy core (see conftest.single_thread).
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def _run(*args: str):
     return CliRunner().invoke(app, ["generate", *args], catch_exceptions=False)

@@ -12,7 +12,7 @@ from kakeya_runtime.engine.generate import (
     generate_greedy_full,
 )
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("single_thread")]
 
 NEW_TOKENS = 64
 

@@ -17,6 +17,10 @@ from kakeya_runtime.engine.sampling import SamplingParams
 from kakeya_runtime.kv.cache import CacheError, make_cache
 from kakeya_runtime.models.base import DecoderModel, ForwardOutput, Logits
 
+# Tiny models: per-op work is far too small to split across threads, and on a shared 2-core machine a
+# second OpenMP thread mostly waits on a busy core (see conftest.single_thread).
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 FAMILIES = ("llama", "gemma3")
 
 

@@ -14,6 +14,10 @@ from kakeya_runtime.engine.sampling import (
     sample,
 )
 
+# Tiny models: per-op work is far too small to split across threads, and on a shared 2-core machine a
+# second OpenMP thread mostly waits on a busy core (see conftest.single_thread).
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def _draws(logits: torch.Tensor, params: SamplingParams, n: int = 400) -> set[int]:
     g = params.make_generator()

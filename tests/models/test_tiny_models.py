@@ -12,6 +12,10 @@ from kakeya_runtime.models.base import Logits
 from kakeya_runtime.models.config import SLIDING_ATTENTION, ConfigError, ModelConfig
 from kakeya_runtime.models.registry import UnsupportedModelError, build_model
 
+# Tiny models: per-op work is far too small to split across threads, and on a shared 2-core machine a
+# second OpenMP thread mostly waits on a busy core (see conftest.single_thread).
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 FAMILIES = ("llama", "gemma3")
 
 

@@ -93,22 +93,24 @@ def plan_jobs(spec: EngineBenchSpec) -> list[dict[str, Any]]:
     return jobs
 
 
-def run_engine_bench(spec: EngineBenchSpec, *, workdir: Path, command_line: str | None = None,
+def run_engine_bench(spec: EngineBenchSpec, *, command_line: str | None = None,
                      on_job: Callable[[int, int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run every job in its own subprocess; returns the evidence dict (see `SCHEMA`)."""
+    import tempfile
+
     from kakeya_runtime.bench.machine import machine_info
 
-    workdir.mkdir(parents=True, exist_ok=True)
     jobs = plan_jobs(spec)
     started = time.time()
     results = []
-    for i, job in enumerate(jobs):
-        if on_job:
-            on_job(i, len(jobs), job)
-        busy = wait_for_idle(spec.idle_wait_s)
-        res = run_job(job, workdir=workdir, timeout_s=spec.job_timeout_s)
-        res["cpu_busy_before"] = busy
-        results.append(res)
+    with tempfile.TemporaryDirectory(prefix="kakeya-bench-") as tmp:  # reference logits shared by jobs
+        for i, job in enumerate(jobs):
+            if on_job:
+                on_job(i, len(jobs), job)
+            busy = wait_for_idle(spec.idle_wait_s)
+            res = run_job(job, workdir=Path(tmp), timeout_s=spec.job_timeout_s)
+            res["cpu_busy_before"] = busy
+            results.append(res)
     if on_job:
         on_job(len(jobs), len(jobs), {})
     out: dict[str, Any] = {
@@ -196,7 +198,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             for (m, c, name), r in peers.items():
                 if m == model and c == ctx:
                     row["peers"][name] = _speed(r)
-            for fmt, s in row["formats"].items():
+            for s in row["formats"].values():
                 s["vs"] = {name: _ratios(s, p) for name, p in row["peers"].items()}
             rows.append(row)
             targets += _targets(row)
@@ -432,9 +434,12 @@ def _quant_kwargs(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ru_maxrss() -> int:
+    """Peak RSS of the whole process (getrusage; at least VmHWM, which the kernel samples differently)."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from kakeya_runtime.bench.machine import peak_rss_bytes
+
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_rss_bytes())
 
 
 def _logprobs_all(engine, ids):

@@ -140,7 +140,7 @@ class Engine:
         self._check_ids(cache, new_ids)
         if new_ids.shape[1] == 0:
             raise GenerationError("generation needs at least one new token to prefill")
-        if not 0 < request.max_new_tokens:
+        if request.max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         total = cache.length + new_ids.shape[1] + request.max_new_tokens
         if total > cache.capacity:

@@ -105,7 +105,7 @@ class Int8Linear(QuantLinear):
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def dequantize(self) -> Tensor:
-        return self.qweight.to(torch.bfloat16) * self.scales[:, None]
+        return (self.qweight * self.scales.float()[:, None]).to(torch.bfloat16)
 
 
 class Int4Linear(QuantLinear):
@@ -136,9 +136,10 @@ class Int4Linear(QuantLinear):
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
             return self.kernel_mm(eye).t().contiguous()
         n, k, g = self.out_features, self.in_features, self.group_size
-        q = _unpack_int4(self.packed, n, k).to(torch.bfloat16).view(n, k // g, g)  # (N, K/G, G)
-        sz = self.scales_zeros.transpose(0, 1)  # (N, K/G, 2)
-        return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k)
+        q = _unpack_int4(self.packed, n, k).view(n, k // g, g).float()  # (N, K/G, G)
+        sz = self.scales_zeros.transpose(0, 1).float()  # (N, K/G, 2)
+        # fp32 like the kernel, then one rounding to bf16
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k).to(torch.bfloat16)
 
 
 class QuantEmbedding(nn.Module):
@@ -156,7 +157,7 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1)
         if isinstance(self.head, Int8Linear):
-            rows = self.head.qweight[flat].to(torch.bfloat16) * self.head.scales[flat, None]
+            rows = (self.head.qweight[flat] * self.head.scales[flat, None].float()).to(torch.bfloat16)
         elif isinstance(self.head, Int4Linear) and self.head._unpack_ok:
             rows = _int4_rows(self.head, flat)
         else:
@@ -218,9 +219,9 @@ def _int4_rows(head: Int4Linear, rows: Tensor) -> Tensor:
     blocks = head.packed.view(n // _INT4_BLOCK_N, k, _INT4_BLOCK_N // 2)  # (NB, K, 32)
     lane = rows % _INT4_BLOCK_N
     b = blocks[rows // _INT4_BLOCK_N, :, lane % (_INT4_BLOCK_N // 2)]  # (R, K)
-    q = torch.where((lane < _INT4_BLOCK_N // 2)[:, None], b & 15, b >> 4).to(torch.bfloat16)
-    sz = head.scales_zeros[:, rows].transpose(0, 1)  # (R, K/G, 2)
-    return ((q.view(-1, k // g, g) - 8) * sz[..., :1] + sz[..., 1:]).view(-1, k)
+    q = torch.where((lane < _INT4_BLOCK_N // 2)[:, None], b & 15, b >> 4).float()
+    sz = head.scales_zeros[:, rows].transpose(0, 1).float()  # (R, K/G, 2)
+    return ((q.view(-1, k // g, g) - 8) * sz[..., :1] + sz[..., 1:]).view(-1, k).to(torch.bfloat16)
 
 
 @dataclass(slots=True)

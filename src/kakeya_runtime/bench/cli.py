@@ -1,0 +1,93 @@
+"""`kakeya bench ...`: the evidence commands. Each writes JSON (with a schema version) the README cites.
+
+To add a command, define it on `bench_app` below (keep heavy imports inside the function, so
+`kakeya --help` stays fast), e.g.:
+
+    @bench_app.command("session")
+    def session_cmd(...): ...
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import typer
+
+bench_app = typer.Typer(help="Benchmarks that write evidence JSON under results/.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _ints(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in _csv(value))
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+@bench_app.command("engine")
+def engine_cmd(
+    models: str = typer.Option("smollm2,gemma3-270m", help="Comma-separated: smollm2, gemma3-270m, a .gguf path, "
+                               "or tiny / tiny-gemma (random weights, for smoke tests)."),
+    contexts: str = typer.Option("1024,4096", help="Prompt lengths (tokens) to prefill before decoding."),
+    formats: str = typer.Option("bf16,fp32,int8,int4", help="Weight formats of our engine."),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="Compiled decode step (torch.compile)."),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="Also run transformers and llama.cpp."),
+    decode_steps: int = typer.Option(64, help="Decode steps timed per configuration."),
+    fidelity_positions: int = typer.Option(256, help="Positions of real text for KL / top-1 vs bf16."),
+    long_prefill: str = typer.Option("1024,4096,16384,30000", help="Long-prefill peak-RSS lengths ('' to skip)."),
+    long_prefill_model: str = typer.Option("gemma3-270m", help="Model for the long-prefill memory runs."),
+    long_prefill_chunks: str = typer.Option("512,2048", help="Prefill chunk sizes for the long-prefill runs "
+                                            "(the larger ones only at the two shortest lengths)."),
+    threads: int = typer.Option(0, help="Threads for every engine (0: torch's default)."),
+    idle_wait: float = typer.Option(90.0, help="Seconds to wait for an idle CPU before each job."),
+    out: str = typer.Option("", help="Output JSON (default results/engine/engine_<machine>.json)."),
+) -> None:
+    """Prefill/decode tok/s, TTFT, peak RSS and fidelity per model x context x format, vs peers."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kakeya_runtime.bench.engine import ALL_FORMATS, EngineBenchSpec, render_markdown, run_engine_bench
+    from kakeya_runtime.bench.machine import machine_slug
+
+    fmts = _csv(formats)
+    bad = [f for f in fmts if f not in ALL_FORMATS]
+    if bad:
+        raise typer.BadParameter(f"unknown formats {bad} (choose from {', '.join(ALL_FORMATS)})")
+    spec = EngineBenchSpec(
+        models=_csv(models), contexts=_ints(contexts), formats=fmts, compile=compile, peers=peers,
+        decode_steps=decode_steps, fidelity_positions=fidelity_positions, long_prefill=_ints(long_prefill),
+        long_prefill_model=long_prefill_model or None, long_prefill_chunks=_ints(long_prefill_chunks),
+        threads=threads or None, idle_wait_s=idle_wait,
+    )
+    # The full command with every option resolved, so a reader can rerun exactly this.
+    command_line = shlex.join([
+        "kakeya", "bench", "engine", "--models", models, "--contexts", contexts, "--formats", formats,
+        "--compile" if compile else "--no-compile", "--peers" if peers else "--no-peers",
+        "--decode-steps", str(decode_steps), "--fidelity-positions", str(fidelity_positions),
+        "--long-prefill", long_prefill, "--long-prefill-model", long_prefill_model,
+        "--long-prefill-chunks", long_prefill_chunks, "--threads", str(threads), "--idle-wait", str(idle_wait),
+    ])
+    out_path = Path(out) if out else Path("results/engine") / f"engine_{machine_slug()}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn()) as progress:
+        task = progress.add_task("bench engine", total=None)
+
+        def on_job(i: int, n: int, job: dict) -> None:
+            what = " ".join(str(job[k]) for k in ("kind", "model", "fmt", "ctx", "tokens") if k in job)
+            progress.update(task, total=n, completed=i, description=what or "done")
+
+        run = run_engine_bench(spec, on_job=on_job, command_line=command_line)
+    out_path.write_text(json.dumps(run, indent=1) + "\n")
+    md = out_path.with_suffix(".md")
+    md.write_text(render_markdown(run))
+    typer.echo(render_markdown(run))
+    typer.echo(f"wrote {out_path} and {md}")

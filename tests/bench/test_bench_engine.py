@@ -1,0 +1,66 @@
+"""`kakeya bench engine` end to end on a tiny random model (peers off), and its summary logic."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from kakeya_runtime.bench.engine import SCHEMA, SCHEMA_VERSION, EngineBenchSpec, plan_jobs, summarize
+from kakeya_runtime.cli import app
+
+
+def test_bench_engine_cli_on_tiny_model_writes_valid_json(tmp_path):
+    out = tmp_path / "engine_tiny.json"
+    result = CliRunner().invoke(app, [
+        "bench", "engine", "--models", "tiny", "--contexts", "48", "--formats", "bf16,int4", "--no-compile",
+        "--no-peers", "--decode-steps", "4", "--fidelity-positions", "32", "--long-prefill", "64",
+        "--long-prefill-model", "tiny", "--long-prefill-chunks", "16", "--idle-wait", "0", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    run = json.loads(out.read_text())
+    assert run["schema"] == SCHEMA and run["schema_version"] == SCHEMA_VERSION
+    assert run["command_line"].startswith("kakeya bench engine")
+    for key in ("cpu_model", "logical_cpus", "torch_threads", "torch", "ram_bytes"):
+        assert run["machine"][key]
+    errors = [r for r in run["jobs"] if "error" in r]
+    assert not errors, errors
+    kinds = [r["job"]["kind"] for r in run["jobs"]]
+    assert kinds.count("ours") == 2 and kinds.count("fidelity") == 1 and kinds.count("long_prefill") == 1
+    for r in run["jobs"]:
+        if r["job"]["kind"] == "ours":
+            assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["ttft_s"] > 0
+            assert r["decode_steps"] == 4 and r["peak_rss_process"] >= r["peak_rss_run"] > 0
+            assert r["weight_bytes"] > 0
+    (row,) = run["summary"]["rows"]
+    assert set(row["formats"]) == {"bf16", "int4"} and row["peers"] == {}
+    fid = run["summary"]["fidelity"]["tiny"]["int4"]
+    assert fid["positions"] == 32 and 0.0 <= fid["top1_agree"] <= 1.0 and fid["kl_mean"] >= 0.0
+    assert out.with_suffix(".md").read_text().startswith("# Engine benchmark")
+
+
+def test_plan_runs_fidelity_before_speed_and_peers_once_per_model():
+    spec = EngineBenchSpec(models=("smollm2",), contexts=(1024, 4096), formats=("bf16", "int4"),
+                           long_prefill=(), long_prefill_model=None)
+    kinds = [j["kind"] for j in plan_jobs(spec)]
+    assert kinds == ["fidelity", "ours", "ours", "ours", "ours", "transformers", "llamacpp", "llamacpp"]
+
+
+def test_summary_ratios_and_targets():
+    def ours(fmt, ctx, prefill, decode):
+        return {"job": {"kind": "ours", "model": "m", "fmt": fmt, "ctx": ctx},
+                "prefill_tok_s": prefill, "decode_tok_s": decode, "ttft_s": ctx / prefill}
+
+    run = {"jobs": [
+        ours("bf16", 1024, 3000.0, 45.0), ours("int4", 1024, 2500.0, 110.0),
+        {"job": {"kind": "transformers", "model": "m"}, "contexts": {
+            "1024": {"prefill_tok_s": 2600.0, "decode_tok_s": 28.0, "ttft_s": 0.4}}},
+        {"job": {"kind": "llamacpp", "model": "m", "ctx": 1024},
+         "prefill_tok_s": 300.0, "decode_tok_s": 87.0, "ttft_s": 3.4},
+    ]}
+    s = summarize(run)
+    (row,) = s["rows"]
+    assert abs(row["formats"]["int4"]["vs"]["llama.cpp"]["decode"] - 110 / 87) < 1e-3
+    met = {t["target"]: t["met"] for t in s["targets"]}
+    assert met == {"bf16 decode >= 1.5x transformers": True, "fastest format decode >= 1.2x llama.cpp": True,
+                   "prefill >= 5x llama.cpp": True}

@@ -1,0 +1,159 @@
+"""Weight formats (engine.weights) and the compiled decode step (engine.compiled) on tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kakeya_runtime.engine.generate import Engine, generate_greedy_cached
+from kakeya_runtime.engine.weights import (
+    Int4Linear,
+    Int8Linear,
+    Prefill,
+    QuantEmbedding,
+    QuantLinear,
+    WeightFormat,
+    _unpack_int4,
+    quantize_int4,
+    quantize_model,
+    weight_bytes,
+)
+from kakeya_runtime.models.config import ModelConfig
+from kakeya_runtime.models.registry import build_model
+
+BF16_EPS = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
+
+
+def _weight_and_input(n: int = 192, k: int = 128, rows: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    return w, x
+
+
+def _kernel_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the kernel may differ from an fp32 matmul on the same (dequantized) weights: bf16 rounding
+    of the output (relative BF16_EPS of |y| <= |x| @ |w|^T), and fp32 accumulation order, with a 2x margin."""
+    return 2 * BF16_EPS * (x.float().abs() @ w.float().abs().t()) + 1e-6
+
+
+def test_int8_weights_within_half_a_step_and_kernel_matches_its_weights():
+    w, x = _weight_and_input()
+    lin = Int8Linear(w, None)
+    deq = lin.dequantize().float()
+    step = lin.scales.float()[:, None]  # (N, 1)
+    # Rounding to the nearest code moves a weight by at most half a step; the scale itself is rounded to
+    # bf16, so the largest |w| may be clamped by up to another 127 * BF16_EPS steps (< half a step);
+    # dequantize() rounds to bf16 (half an ulp of |w|).
+    assert ((deq - w).abs() <= step * (0.5 + 127 * BF16_EPS) + BF16_EPS * w.abs() + 1e-7).all()
+    y, ref = lin(x).float(), x.float() @ deq.t()
+    assert ((y - ref).abs() <= _kernel_bound(x, deq)).all()
+    # end to end vs the float weights: the weight error above summed over K, plus the kernel's rounding
+    bound = (x.float().abs() @ (step * (0.5 + 127 * BF16_EPS)).expand_as(w).t()) + _kernel_bound(x, w)
+    assert ((y - x.float() @ w.t()).abs() <= bound).all()
+
+
+def test_int4_weights_within_half_a_step_and_kernel_matches_its_weights():
+    w, x = _weight_and_input()
+    lin = Int4Linear(w, None)
+    deq = lin.dequantize().float()
+    sz = lin.scales_zeros.float().transpose(0, 1)  # (N, K/G, 2)
+    step = sz[..., 0].repeat_interleave(32, dim=1)  # (N, K)
+    zero = sz[..., 1].repeat_interleave(32, dim=1)
+    # Half a step of rounding; at a group's extremes the bf16-rounded scale and zero may clamp by up to
+    # BF16_EPS * (|zero| + 8 steps) more; dequantize() rounds once more to bf16 (half an ulp of |w|).
+    per_weight = 0.5 * step + BF16_EPS * (zero.abs() + 8 * step + w.abs()) + 1e-7
+    assert ((deq - w).abs() <= per_weight).all()
+    y = lin(x).float()
+    assert ((y - x.float() @ deq.t()).abs() <= _kernel_bound(x, deq)).all()
+    bound = x.float().abs() @ per_weight.t() + _kernel_bound(x, w)
+    assert ((y - x.float() @ w.t()).abs() <= bound).all()
+
+
+def test_gguf_q4_1_blocks_map_onto_int4_groups_exactly():
+    """A Q4_1 block stores w = d * q + m (q in 0..15); as an int4 group it is scale d, zero m + 8d."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 64, 64
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 0.001).to(torch.bfloat16).float()
+    m = (torch.randn(n, k // 32, 1, generator=g) * 0.02).to(torch.bfloat16).float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15  # GGUF's min/max rule puts both extremes in every block
+    w = (d * q + m).view(n, k)
+    codes, scales_zeros = quantize_int4(w)
+    assert torch.equal(codes.view(n, k // 32, 32), q.to(torch.int32))
+    assert torch.allclose(scales_zeros[..., 0].t().float(), d.squeeze(-1), rtol=BF16_EPS)
+
+
+@pytest.mark.parametrize("n", [16, 64, 80, 96, 960])
+def test_int4_unpack_reads_the_kernel_layout(n):
+    codes = torch.randint(0, 16, (n, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(n))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(_unpack_int4(packed, n, 64), codes.to(torch.uint8))
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_prefill_modes_agree_and_embedding_rows_match(cls):
+    w, _ = _weight_and_input(n=128, k=64)
+    x = torch.randn(2, 20, 64).to(torch.bfloat16)
+    outs = {}
+    for mode in Prefill:
+        lin: QuantLinear = cls(w, None, prefill=mode, prefill_rows=8)
+        if mode is Prefill.COPY:
+            lin.bf16_copy = w.to(torch.bfloat16)
+        outs[mode] = lin(x).float()
+    deq = lin.dequantize().float()
+    bound = _kernel_bound(x.view(-1, 64), deq).view(2, 20, 128)
+    assert ((outs[Prefill.DEQUANT] - outs[Prefill.KERNEL]).abs() <= 2 * bound).all()
+    ids = torch.tensor([[0, 5, 63, 64, 127]])
+    assert torch.equal(QuantEmbedding(lin)(ids)[0], lin.dequantize()[ids[0]])
+
+
+def _tiny_llama(seed: int = 0):
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0)
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_tiny_model_greedy_under_int_formats_is_deterministic(fmt):
+    model = _tiny_llama()
+    before = weight_bytes(model)
+    report = quantize_model(model, fmt, head=fmt)
+    assert report.modules == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the tied head
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert report.weight_bytes_after < before / (3 if fmt == "int8" else 4)
+    engine = Engine(model, prefill_chunk=8)
+    prompt = list(range(3, 23))
+    first = generate_greedy_cached(engine, prompt, max_new_tokens=12)
+    assert first == generate_greedy_cached(engine, prompt, max_new_tokens=12)
+    assert len(first) == len(prompt) + 12 and all(0 <= t < 256 for t in first)
+
+
+def test_float_formats_cast_the_model():
+    model = _tiny_llama()
+    quantize_model(model, WeightFormat.FP32)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    quantize_model(model, "bf16")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_compiled_decode_matches_eager_greedy():
+    """torch.compile of the decode step produces the eager engine's tokens (one variant: no cache growth)."""
+    from kakeya_runtime.engine.compiled import CompiledDecode
+
+    model = _tiny_llama()
+    quantize_model(model, "int4")
+    engine = Engine(model)
+    prompt = list(range(3, 13))
+    eager = generate_greedy_cached(engine, prompt, max_new_tokens=16)
+    compiled = CompiledDecode(model)
+    engine.decode_forward = compiled
+    compiled.warmup(engine, lengths=(4,))
+    assert generate_greedy_cached(engine, prompt, max_new_tokens=16) == eager
