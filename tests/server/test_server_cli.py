@@ -25,6 +25,13 @@ def test_serve_rejects_unknown_dtype():
     assert result.exit_code == 2 and "--dtype" in result.output
 
 
+def test_serve_rejects_bad_idle_compression_settings_before_loading():
+    for args, message in ((["--idle-codec", "zip"], "idle_codec"), (["--idle-compress-after", "0"], "idle_compress"),
+                          (["--idle-codec", "d4", "--idle-q", "1000000"], "q=")):
+        result = CliRunner().invoke(_app(), ["serve", "--model", "does-not-matter", *args])
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
+
+
 def test_chat_streams_and_reports_prefill(server):
     session_count = len(server.server.service.store)
     result = CliRunner().invoke(

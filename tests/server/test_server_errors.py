@@ -153,8 +153,8 @@ def test_generate_on_empty_history_is_failed_precondition(client):
 def test_unknown_policy_and_bad_params_are_invalid(client, server):
     n = len(server.server.service.store)
     with pytest.raises(InvalidArgument, match="unknown KV policy"):
-        client.create_session(policy="sink_window")
-    with pytest.raises(InvalidArgument, match="no parameters"):
+        client.create_session(policy="sliding_window")
+    with pytest.raises(InvalidArgument, match="no parameter"):
         client.create_session(policy=KvPolicy("full", {"window": 64}))
     assert len(server.server.service.store) == n
     with client.create_session(policy=KvPolicy("full")) as s:

@@ -6,14 +6,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from kakeya import Client, FailedPrecondition, KvPolicy, SessionNotFound
+from kakeya import Client, FailedPrecondition, InvalidArgument, KvPolicy, SessionNotFound
 
 from kakeya_runtime.kv.cache import FullLayerKV
 from kakeya_runtime.server.testing import metric_value as sample
 from kakeya_runtime.server.testing import running_server, tiny_served
 from kakeya_runtime.server.testing import scrape_metrics as scrape
-from kakeya_runtime.sessions.errors import InvalidArgument
-from kakeya_runtime.sessions.policy import FullPolicy, PolicyRegistry
+from kakeya_runtime.sessions.policy import PolicyRegistry
 
 
 class _OverCountingLayer(FullLayerKV):
@@ -30,28 +29,24 @@ class _OverCountingLayer(FullLayerKV):
         return out
 
 
-class FaultyPolicy:
-    """A test policy: proves a name + params reach a cache factory, and injects an INV-1 fault."""
+class FaultyRegistry(PolicyRegistry):
+    """Builds the real caches, then makes layer 0 of every "full" cache over-count at its 3rd write."""
 
-    name = "faulty"
-
-    def validate(self, params):
-        unknown = set(params) - {"fault_at"}
-        if unknown:
-            raise InvalidArgument(f"unknown params {sorted(unknown)}")
-        return {"fault_at": int(params.get("fault_at", 3))}
-
-    def build(self, engine, params, capacity):
-        cache = engine.new_cache(capacity=capacity)
-        layer = cache.layers[0]
-        layer.__class__ = _OverCountingLayer
-        layer.fault_at, layer.writes = params["fault_at"], 0
+    def build(self, engine, spec, capacity):
+        cache = super().build(engine, spec, capacity)
+        if spec.name == "full" and spec.idle_codec is not None and spec.idle_codec.kind == "e8":  # the marker
+            layer = cache.layers[0]
+            layer.__class__ = _OverCountingLayer
+            layer.fault_at, layer.writes = 3, 0
         return cache
+
+
+FAULTY = KvPolicy("full", {"idle_codec": "e8"})
 
 
 @pytest.fixture
 def thread():
-    with running_server(tiny_served(), policies=PolicyRegistry([FullPolicy(), FaultyPolicy()])) as t:
+    with running_server(tiny_served(), policies=FaultyRegistry()) as t:
         yield t
 
 
@@ -102,8 +97,8 @@ def test_inv2_violation_detected_on_generate(thread):
 
 def test_inv1_violation_inside_generation_fails_mid_stream(thread):
     with Client(thread.address) as client:
-        s = client.create_session(initial_tokens=[3, 4, 5], policy=KvPolicy("faulty", {"fault_at": 3}))
-        assert s.policy == KvPolicy("faulty", {"fault_at": 3})
+        s = client.create_session(initial_tokens=[3, 4, 5], policy=FAULTY)
+        assert s.policy == KvPolicy("full", {"idle_codec": "e8", "idle_q": 38})
         received = []
         with pytest.raises(FailedPrecondition, match="inv1"):
             for tok in s.generate(max_tokens=10, ignore_eos=True):
@@ -121,5 +116,5 @@ def test_inv1_violation_inside_generation_fails_mid_stream(thread):
 
 
 def test_policy_params_are_validated_by_the_policy(thread):
-    with Client(thread.address) as client, pytest.raises(Exception, match="unknown params"):
-        client.create_session(policy=KvPolicy("faulty", {"bogus": 1}))
+    with Client(thread.address) as client, pytest.raises(InvalidArgument, match="bogus"):
+        client.create_session(policy=KvPolicy("sink_window", {"bogus": 1}))

@@ -12,10 +12,10 @@ from kakeya_runtime.sessions.errors import (
     ResourceExhausted,
     SessionNotFound,
 )
-from kakeya_runtime.sessions.policy import FullPolicy, PolicyRegistry, PolicySpec
+from kakeya_runtime.sessions.policy import PolicyRegistry, PolicySpec
 from kakeya_runtime.sessions.store import EndReason, Outcome, SessionState, SessionStore
 
-FULL = PolicySpec("full", {})
+FULL = PolicySpec.parse("full")
 
 
 class Clock:
@@ -262,18 +262,43 @@ def test_snapshot_and_live_bytes(store):
 
 def test_policy_registry():
     reg = PolicyRegistry()
-    assert reg.names() == ["full"]
-    assert reg.resolve("", None) == PolicySpec("full", {})
-    with pytest.raises(InvalidArgument, match="unknown KV policy 'restore'"):
-        reg.resolve("restore", {})
-    with pytest.raises(InvalidArgument):
+    assert reg.names() == ["full", "sink_window", "restore"]  # the default first
+    assert reg.resolve("", None) == PolicySpec.parse("full") and reg.resolve("", None).params == {}
+    # Struct numbers arrive as floats: normalised to ints, defaults filled in.
+    spec = reg.resolve("sink_window", {"window": 8.0, "sink": "2"})
+    assert spec.params == {"sink": 2, "window": 8, "codec": "identity", "spare": 0}
+    assert spec.label == "sink_window(2+8)"
+    restore = reg.resolve("restore", {"granularity": "per_turn", "codec": "d4"})
+    assert restore.params["granularity"] == "per_turn" and restore.params["q"] == 38
+    with pytest.raises(InvalidArgument, match="unknown KV policy 'sliding'"):
+        reg.resolve("sliding", {})
+    with pytest.raises(InvalidArgument, match="no parameter"):
         reg.resolve("full", {"x": 1})
+    for bad in ({"window": 0}, {"sink": -1}, {"window": True}, {"window": 2.5}, {"codec": "d5"}, {"codec": "d4", "q": 10**6},
+                {"idle_codec": "zip"}):
+        with pytest.raises(InvalidArgument):
+            reg.resolve("sink_window", bad)
+    with pytest.raises(InvalidArgument, match="granularity"):
+        reg.resolve("restore", {"granularity": "per_token"})
 
-    class Window(FullPolicy):
-        name = "window"
 
-        def validate(self, params):
-            return {"window": int(params.get("window", 64))}
+def test_policy_registry_checks_codecs_against_the_model(make_tiny_config):
+    reg = PolicyRegistry()
+    odd = make_tiny_config("llama", head_dim=12)  # not a power of two: no lattice codec fits
+    assert reg.resolve("sink_window", {"codec": "d4"}).codec.kind == "d4"  # no model: name and range only
+    with pytest.raises(InvalidArgument, match="head_dim"):
+        reg.resolve("sink_window", {"codec": "d4"}, odd)
+    with pytest.raises(InvalidArgument, match="head_dim"):
+        reg.resolve("full", {"idle_codec": "e8"}, odd)
+    assert reg.resolve("full", {"idle_codec": "identity"}, odd).idle_codec.kind == "identity"
 
-    reg.register(Window())
-    assert reg.resolve("window", {"window": 8.0}) == PolicySpec("window", {"window": 8})
+
+def test_policy_registry_can_restrict_the_policies():
+    reg = PolicyRegistry(["full", "sink_window"])
+    assert reg.names() == ["full", "sink_window"]
+    with pytest.raises(InvalidArgument, match="available: full, sink_window"):
+        reg.resolve("restore")
+    with pytest.raises(ValueError):
+        PolicyRegistry(["sink_window"])  # the default must stay
+    with pytest.raises(ValueError):
+        PolicyRegistry(["full", "bogus"])

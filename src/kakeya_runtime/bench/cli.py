@@ -38,7 +38,7 @@ def engine_cmd(
     models: str = typer.Option("smollm2,gemma3-270m", help="Comma-separated: smollm2, gemma3-270m, a .gguf path, "
                                "or tiny / tiny-gemma (random weights, for smoke tests)."),
     contexts: str = typer.Option("1024,4096", help="Prompt lengths (tokens) to prefill before decoding."),
-    formats: str = typer.Option("bf16,fp32,int8,int4", help="Weight formats of our engine."),
+    formats: str = typer.Option("bf16,fp32,int8,int4,int4-mixed", help="Weight formats of our engine."),
     compile: bool = typer.Option(True, "--compile/--no-compile", help="Compiled decode step (torch.compile)."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also run transformers and llama.cpp."),
     decode_steps: int = typer.Option(64, help="Decode steps timed per configuration."),

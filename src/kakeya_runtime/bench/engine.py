@@ -40,7 +40,7 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
                        query_pre_attn_scalar=32, sliding_window=16,
                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
 }
-ALL_FORMATS = ("bf16", "fp32", "int8", "int4")
+ALL_FORMATS = ("bf16", "fp32", "int8", "int4", "int4-mixed")
 
 
 @dataclass(slots=True)
@@ -414,7 +414,7 @@ def job_ours(job: dict[str, Any]) -> dict[str, Any]:
         "load_s": round(load_s, 2),
         "compile_s": None if compile_s is None else round(compile_s, 1),
         "weight_bytes": report.weight_bytes_after,
-        "quant": {"head": report.head_fmt.value, "modules": report.modules, **_quant_kwargs(job)},
+        "quant": {"head": report.head_fmt.value, "modules": report.kinds, **_quant_kwargs(job)},
         "prefill_s": res.prefill_s,
         "prefill_tok_s": ctx / res.prefill_s,
         "ttft_s": res.ttft_s,

@@ -21,6 +21,9 @@ PNG per configuration and `summary.md` under the output directory.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import json
 import random
 import statistics
@@ -216,6 +219,7 @@ class NiahRunner:
             compress_idle(cache, cfg.idle)
         idle_bytes = cache.nbytes
         cache.reset_stats()
+        _trim_heap()
         rss_ok = reset_peak_rss()
         rss0 = current_rss_bytes()
         t0 = time.perf_counter()
@@ -240,6 +244,24 @@ class NiahRunner:
         )
 
 
+def pin_malloc() -> bool:
+    """glibc only: a fixed 128 KiB mmap threshold, so every sizeable tensor is mmapped and its pages go
+    back to the OS when freed (the default threshold adapts upward and keeps freed blocks in the heap).
+    Then RSS follows live memory, and a turn's VmHWM delta is its transient peak. Process-wide."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 128 * 1024)) and bool(libc.mallopt(m_trim_threshold, 128 * 1024))
+
+
+def _trim_heap() -> None:
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _context_key(policy: PolicySpec) -> str:
     """Configurations whose context turn is the same computation share it (full with its idle variants;
     restore per_step with per_turn, same resident codec)."""
@@ -261,12 +283,14 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
              configs: Sequence[str] | None = None, sink: int = 4, window: int = 64, qs: Sequence[int] = (38, 10),
              seed: int = 42, max_new_tokens: int = 10, dtype: str = "fp32", threads: int | None = None,
              per_step_max_length: int | None = None, small: bool = False, out_dir: Path | str | None = None,
-             loaded=None, progress: bool = True) -> dict[str, Any]:
-    """Run the ladder; return (and, with `out_dir`, write) the evidence dict."""
+             loaded=None, progress: bool = True, memory: bool = False) -> dict[str, Any]:
+    """Run the ladder; return (and, with `out_dir`, write) the evidence dict. `memory` pins glibc's mmap
+    threshold so the RSS column is exact; it slows allocation-heavy steps, so time with it off."""
     if small:
         lengths, depths, samples = SMALL["lengths"], SMALL["depths"], SMALL["samples"]
     if threads:
         torch.set_num_threads(threads)
+    malloc_pinned = pin_malloc() if memory else False
     if loaded is None:
         from kakeya_runtime.models.loader import load_model
 
@@ -319,6 +343,7 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
         "ladder": {"lengths": list(lengths), "depths": list(depths), "samples": samples, "seed": seed,
                    "max_new_tokens": max_new_tokens, "sink": sink, "window": window, "qs": list(qs),
                    "per_step_max_length": per_step_max_length, "threads": torch.get_num_threads(),
+                   "malloc_pinned": malloc_pinned,
                    "scoring": "RULER string match: case-insensitive substring of the 7-digit value"},
         "configs": {k: {"policy": table[k].policy.label, "params": table[k].policy.params,
                         "idle_codec": table[k].idle.label if table[k].idle else None} for k in keys},
@@ -466,8 +491,8 @@ def summary_markdown(result: dict[str, Any]) -> str:
              f"cell; seed {lad['seed']}; greedy, {lad['max_new_tokens']} new tokens; {lad['threads']} thread(s); "
              f"machine: {result['machine']['cpu_model']}; wall {result['wall_s']} s.", "",
              "| config | tokens | recall | Δ vs full | identical to full | agreement | EAF | TTFT s | decode tok/s "
-             "| turn time / full | sustained KV | peak KV (step) | peak RSS Δ |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| turn time / full | idle KV | sustained KV | peak KV (step) | peak RSS Δ |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list[dict]] = {}
     for row in result["cells"]:
         groups.setdefault((row["config"], row["length"]), []).append(row)
@@ -479,6 +504,7 @@ def summary_markdown(result: dict[str, Any]) -> str:
             f"| {key} | {round(avg('prompt_tokens'))} | {avg('recall'):.2f} | {_fmt(avg('delta_recall'), '+.2f')} "
             f"| {_fmt(avg('identical'), '.2f')} | {_fmt(avg('agreement'), '.2f')} | {avg('eaf'):.3f} "
             f"| {avg('ttft_s'):.2f} | {avg('decode_tok_s'):.1f} | {_fmt(avg('turn_ratio_vs_full'), '.2f')} "
+            f"| {_bytes(max(r['idle_kv_bytes'] for r in rows))} "
             f"| {_bytes(max(r['sustained_kv_bytes'] for r in rows))} | {_bytes(max(r['peak_kv_bytes'] for r in rows))} "
             f"| {_bytes(max(r['peak_rss_delta_bytes'] for r in rows))} |")
     restore_keys = [k for k in result["configs"] if k.startswith("restore")]
@@ -492,10 +518,14 @@ def summary_markdown(result: dict[str, Any]) -> str:
                 lines.append(f"| {r['length']} | {r['config']} | {r['ttft_s']:.2f} ({full_ttft.get(r['length'], 0):.2f}) "
                              f"| {_fmt(r.get('ttft_ratio_vs_full'), '.1f')} | {_fmt(r.get('decode_ratio_vs_full'), '.2f')} "
                              f"| {_fmt(r.get('turn_ratio_vs_full'), '.1f')} | {r['restore_s']:.2f} |")
-    lines += ["", "Sustained KV: resident K/V bytes after the question turn (restore also keeps the token ids: "
-              "`history_bytes` in niah.json, 4 bytes/token). Peak KV (step): resident + the largest transient "
-              "K/V (restored) held during one step of the question turn, as the cache accounts it. Peak RSS Δ: "
-              "process peak RSS over the question turn minus RSS at its start (activations included).", ""]
+    lines += ["", "Idle KV: K/V bytes held between the two turns (packed for the idle-compressed configurations). "
+              "Sustained KV: resident K/V bytes after the question turn (full: its allocated storage; restore "
+              "also keeps the token ids, `history_bytes` in niah.json, 4 bytes/token). Peak KV (step): resident + "
+              "the largest transient K/V (restored, or decoded for a step) held during the question turn, as the "
+              "cache accounts it. Peak RSS Δ: the process's peak RSS over the question turn (VmHWM, reset just "
+              "before it) minus its RSS at the start; activations included"
+              + (" (glibc mmap threshold pinned so freed tensors leave RSS)." if lad.get("malloc_pinned") else
+                 " (allocator not pinned: freed heap blocks may hide growth; treat as a lower bound)."), ""]
     return "\n".join(lines)
 
 
@@ -547,6 +577,7 @@ def register_niah(bench_app) -> None:
         dtype: str = typer.Option("fp32", help="fp32 (restore == full bit-exact) or bf16"),
         threads: int = typer.Option(0, help="torch threads (0: leave torch's default)"),
         per_step_max_length: int = typer.Option(0, help="skip restore per_step above this length (0: never)"),
+        memory: bool = typer.Option(False, "--memory", help="pin malloc so peak RSS is exact (slower timings)"),
         small: bool = typer.Option(False, "--small", help="the CI ladder: one short cell, every configuration"),
         out: str = typer.Option(DEFAULT_OUT, help="output directory"),
     ) -> None:
@@ -556,6 +587,7 @@ def register_niah(bench_app) -> None:
             model, lengths=[int(x) for x in lengths.split(",") if x], depths=[float(x) for x in depths.split(",") if x],
             samples=samples, configs=[c for c in configs.split(",") if c] or None, sink=sink, window=window,
             qs=[int(x) for x in qs.split(",") if x], seed=seed, max_new_tokens=max_new_tokens, dtype=dtype,
-            threads=threads or None, per_step_max_length=per_step_max_length or None, small=small, out_dir=out_dir)
+            threads=threads or None, per_step_max_length=per_step_max_length or None, small=small, out_dir=out_dir,
+            memory=memory)
         typer.echo((out_dir / "summary.md").read_text())
         typer.echo(f"wrote {out_dir / 'niah.json'} ({len(result['records'])} runs)")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +67,8 @@ class CompiledDecode:
         if (trace_layer is not None or logits is not Logits.LAST or token_ids.shape[1] != 1
                 or _grows(cache)):
             return self.model(token_ids, positions, cache, logits=logits, trace_layer=trace_layer)
-        return self._fn(token_ids, positions, cache)
+        with _keep_mv():
+            return self._fn(token_ids, positions, cache)
 
     def warmup(self, engine, lengths: tuple[int, ...] = ()) -> float:  # engine.decode_forward must be self
         """Compile now rather than on the first real token: decode twice from caches of a few lengths.
@@ -90,6 +93,23 @@ class CompiledDecode:
                 engine.decode_step(cache, tok)
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
+
+
+@contextmanager
+def _keep_mv() -> Iterator[None]:
+    """While compiling, Inductor keeps aten.mv whole (an ATen call) instead of decomposing it into
+    multiply + sum: its generated reduction loop streams weights ~4x slower than ATen's mv on this CPU,
+    and every decode matmul is matrix x vector (weights.DenseLinear). Passing a custom decomposition
+    table to Inductor instead would bypass its on-disk cache, so the shared table is edited for the
+    duration of the call and restored after."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = select_decomp_table()
+    saved = {op: table.pop(op) for op in (torch.ops.aten.mv.default, torch.ops.aten.mv.out) if op in table}
+    try:
+        yield
+    finally:
+        table.update(saved)
 
 
 def compile_decode(engine, options: CompileOptions | None = None, *, warmup: bool = True) -> CompiledDecode:

@@ -35,17 +35,29 @@ def serve(
     max_concurrent: int = typer.Option(1, "--max-concurrent", help="Generations running at once."),
     context: int | None = typer.Option(None, "--context", help="Per-session context limit (default: the model's)."),
     dtype: str = typer.Option("bfloat16", "--dtype", help=f"Weights/activations dtype: {', '.join(_DTYPES)}."),
+    idle_compress_after: float | None = typer.Option(
+        None, "--idle-compress-after", metavar="SECONDS",
+        help="Compress a session's KV cache in place once it has been idle this long (default: never).",
+    ),
+    idle_codec: str = typer.Option(
+        "d4", "--idle-codec",
+        help="Idle-compression codec for sessions that name none: identity, d4, e8 (or none: only those that do).",
+    ),
+    idle_q: int = typer.Option(38, "--idle-q", help="Lattice range of the d4/e8 idle codec."),
 ) -> None:
     """Serve a model over gRPC (kakeya.v1) with server-owned sessions."""
-    from kakeya_runtime.server.grpc_app import InsecureBindError, RuntimeServer, ServedModel, ServerConfig
+    from kakeya_runtime.server.grpc_app import RuntimeServer, ServedModel, ServerConfig
+    from kakeya_runtime.sessions.policy import parse_codec
 
     console = Console(stderr=True)
     config = ServerConfig(host=host, port=port, metrics_port=None if no_metrics else metrics_port,
                           api_keys=tuple(api_key), max_sessions=max_sessions, idle_ttl_s=ttl,
-                          max_concurrent=max_concurrent, context_length=context)
+                          max_concurrent=max_concurrent, context_length=context,
+                          idle_compress_after_s=idle_compress_after, idle_codec=idle_codec, idle_q=idle_q)
     try:
         config.validate()  # before the (slow) model load: a refused bind should fail at once
-    except InsecureBindError as e:
+        parse_codec(idle_codec, idle_q)  # the model-independent checks (head_dim is checked once loaded)
+    except ValueError as e:  # InsecureBindError included
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     if dtype not in _DTYPES:
@@ -63,7 +75,11 @@ def serve(
     with console.status(f"Loading [bold]{model}[/] ({dtype})…", spinner="dots"):
         loaded = load_model(model, dtype=getattr(torch, dtype))
     console.print(f"Loaded [bold]{model}[/] in {time.perf_counter() - t0:.1f} s")
-    server = RuntimeServer(ServedModel.from_loaded(loaded, model), config)
+    try:
+        server = RuntimeServer(ServedModel.from_loaded(loaded, model), config)
+    except ValueError as e:  # e.g. an idle codec the model's head_dim cannot take
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
     asyncio.run(_serve_forever(server, console))
 
 
@@ -72,7 +88,8 @@ async def _serve_forever(server: Any, console: Console) -> None:
     cfg = server.config
     console.print(f"Kakeya serving [bold]{server.served.name}[/] on [bold cyan]{server.address}[/] "
                   f"(max_sessions={cfg.max_sessions}, ttl={cfg.idle_ttl_s:g}s, max_concurrent={cfg.max_concurrent}, "
-                  f"auth={'on' if cfg.api_keys else 'off'})")
+                  f"auth={'on' if cfg.api_keys else 'off'}, kv policies={','.join(server.service.policies.names())}, "
+                  f"idle compression={_idle_text(server)})")
     if server.metrics_port is not None:
         console.print(f"Metrics on http://{cfg.host}:{server.metrics_port}/metrics")
     print(server.address, flush=True)  # machine-readable: the last stdout line is the address
@@ -86,6 +103,14 @@ async def _serve_forever(server: Any, console: Console) -> None:
     finally:
         console.print("Shutting down…")
         await server.stop()
+
+
+def _idle_text(server: Any) -> str:
+    after = server.config.idle_compress_after_s
+    if after is None:
+        return "off"
+    codec = server.service.idle_codec
+    return f"after {after:g}s with {codec.label if codec else 'the session idle_codec only'}"
 
 
 def chat(
@@ -144,7 +169,10 @@ def chat(
                 if cmd == "/info":
                     si = session.info()
                     console.print(f"[dim]session {si.session_id}: history {si.history_length}, cached "
-                                  f"{si.cached_length}, KV {si.kv_live_bytes / 2**20:.1f} MiB, policy {si.policy.name}, "
+                                  f"{si.cached_length}, KV {si.kv_live_bytes / 2**20:.1f} MiB"
+                                  f"{' (compressed)' if si.kv_compressed else ''}, policy "
+                                  f"{si.policy_label or si.policy.name}, attends to "
+                                  f"{si.effective_attention_fraction:.0%} of the prefix, "
                                   f"invariant checks {si.inv1_checks}/{si.inv2_checks}[/]")
                     continue
                 if not cmd:

@@ -18,6 +18,7 @@ import grpc
 from google.protobuf import json_format, struct_pb2
 
 from kakeya_runtime.engine.generate import Engine, FinishReason
+from kakeya_runtime.kv.spec import CODEC_KINDS, DEFAULT_Q
 from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor
 from kakeya_runtime.server.metrics import RuntimeMetrics
@@ -91,6 +92,9 @@ class ServerConfig:
     max_concurrent: int = 1
     context_length: int | None = None  # None: the model's max positions
     sweep_interval_s: float | None = None
+    idle_compress_after_s: float | None = None  # compress sessions idle this long; None: never
+    idle_codec: str | None = "d4"  # identity | d4 | e8, for sessions without an idle_codec; None/"none": no default
+    idle_q: int = DEFAULT_Q
     grace_s: float = 2.0  # shutdown: how long in-flight RPCs get to finish
     extra_options: list[tuple[str, Any]] = field(default_factory=list)
 
@@ -99,6 +103,10 @@ class ServerConfig:
             raise InsecureBindError(
                 f"refusing to listen on non-loopback host {self.host!r} without an API key (--api-key)"
             )
+        if self.idle_compress_after_s is not None and not self.idle_compress_after_s > 0:
+            raise ValueError(f"idle_compress_after_s must be > 0, got {self.idle_compress_after_s}")
+        if self.idle_codec is not None and self.idle_codec.lower() not in (*CODEC_KINDS, "none"):
+            raise ValueError(f"idle_codec must be one of {', '.join((*CODEC_KINDS, 'none'))}, got {self.idle_codec!r}")
 
 
 class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
@@ -119,6 +127,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             max_concurrent=config.max_concurrent,
             session_idle_ttl_seconds=config.idle_ttl_s,
             kv_policies=service.policies.names(),
+            idle_compress_after_seconds=service.config.idle_compress_after_s or 0.0,
+            idle_codec=service.idle_codec.label if service.idle_codec is not None else "",
         )
 
     async def _owner(self, context: grpc.aio.ServicerContext) -> str:
@@ -171,7 +181,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                                 prefill_tokens=st.prefill_tokens, prefill_seconds=st.prefill_s,
                                 ttft_seconds=st.ttft_s, decode_seconds=st.decode_s,
                                 decode_tokens=st.decode_tokens, decode_tokens_per_second=st.decode_tokens_per_s,
-                                queue_seconds=st.queue_s,
+                                queue_seconds=st.queue_s, resume_seconds=st.resume_s,
                             ),
                         ))
                     else:
@@ -205,6 +215,12 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             context_length=snap.context_length,
             generating=snap.generating,
             history_token_ids=list(snap.history or ()),
+            policy_label=snap.policy.label,
+            kv_resident_bytes=snap.kv_resident_bytes,
+            kv_history_bytes=snap.kv_history_bytes,
+            effective_attention_fraction=snap.effective_attention_fraction,
+            kv_compressed=snap.kv_compressed,
+            idle_compressions=snap.idle_compressions,
         )
 
     async def GetModelInfo(self, request, context):
@@ -239,11 +255,12 @@ class RuntimeServer:
             eos_ids=eos,
             config=ServiceConfig(max_sessions=c.max_sessions, idle_ttl_s=c.idle_ttl_s,
                                  max_concurrent=c.max_concurrent, context_length=c.context_length,
-                                 sweep_interval_s=c.sweep_interval_s),
+                                 sweep_interval_s=c.sweep_interval_s, idle_compress_after_s=c.idle_compress_after_s,
+                                 idle_codec=c.idle_codec, idle_q=c.idle_q),
             policies=policies,
             observer=self.metrics,
         )
-        self.metrics.bind_store(self.service.store)
+        self.metrics.bind_store(self.service.store, self.service.policies.names())
         self.auth = ApiKeyAuth(c.api_keys)
         self.port: int | None = None
         self.metrics_port: int | None = None

@@ -5,7 +5,10 @@ from __future__ import annotations
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
+from kakeya_runtime.kv.idle import IdleStats
+from kakeya_runtime.kv.spec import POLICIES
 from kakeya_runtime.sessions.errors import Invariant
 from kakeya_runtime.sessions.service import GenerateStats
 from kakeya_runtime.sessions.store import EndReason, Outcome, SessionStore
@@ -13,6 +16,31 @@ from kakeya_runtime.sessions.store import EndReason, Outcome, SessionStore
 _TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKS_PER_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
+_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
+
+
+class _PerPolicyCollector:
+    """session_active_by_policy{policy} and session_kv_live_bytes_by_policy{policy}, read at scrape time."""
+
+    def __init__(self, store: SessionStore, names: list[str]) -> None:
+        self.store = store
+        self.names = names
+
+    def describe(self) -> list:
+        return [GaugeMetricFamily("session_active_by_policy", "Currently allocated sessions, by KV policy.",
+                                  labels=["policy"]),
+                GaugeMetricFamily("session_kv_live_bytes_by_policy", "Bytes of K/V held by allocated sessions, "
+                                  "by KV policy (sums to session_kv_live_bytes).", labels=["policy"])]
+
+    def collect(self):
+        stats = self.store.by_policy()
+        active, live = self.describe()
+        for name in dict.fromkeys([*self.names, *stats]):
+            n, b = stats.get(name, (0, 0))
+            active.add_metric([name], n)
+            live.add_metric([name], b)
+        yield active
+        yield live
 
 
 class RuntimeMetrics:
@@ -57,6 +85,21 @@ class RuntimeMetrics:
             "generate_queue_seconds", "Time a Generate waited for its session turn and an engine slot.",
             buckets=_SECONDS_BUCKETS, registry=r,
         )
+        self.generate_effective_attention_fraction = Histogram(
+            "generate_effective_attention_fraction",
+            "Share of the prefix the last query of a Generate attended to (1: everything; sink_window: less).",
+            buckets=_FRACTION_BUCKETS, registry=r,
+        )
+        self.session_idle_compressed_total = Counter(
+            "session_idle_compressed_total", "Session KV caches compressed in place while idle.", registry=r
+        )
+        self.session_idle_compressed_bytes_saved_total = Counter(
+            "session_idle_compressed_bytes_saved_total", "K/V bytes freed by idle compression.", registry=r
+        )
+        self.session_idle_resume_seconds = Histogram(
+            "session_idle_resume_seconds", "Decompressing an idle-compressed cache at the next Generate.",
+            buckets=_SECONDS_BUCKETS, registry=r,
+        )
         # Every label value exists from the start, so dashboards see zeros rather than gaps.
         for o in Outcome:
             self.session_total.labels(o.value)
@@ -66,9 +109,10 @@ class RuntimeMetrics:
             self.cache_invariant_violations_total.labels(inv.value)
         self._http: WSGIServer | None = None
 
-    def bind_store(self, store: SessionStore) -> None:
+    def bind_store(self, store: SessionStore, policies: list[str] | tuple[str, ...] = POLICIES) -> None:
         self.session_active.set_function(lambda: len(store))
         self.session_kv_live_bytes.set_function(store.kv_live_bytes)
+        self.registry.register(_PerPolicyCollector(store, list(policies)))
 
     # ---- observer hooks (called from the loop and the engine thread; prometheus is thread-safe) ----
 
@@ -88,8 +132,15 @@ class RuntimeMetrics:
         self.generate_prefill_duration_seconds.observe(stats.prefill_s)
         self.generate_ttft_seconds.observe(stats.ttft_s)
         self.generate_queue_seconds.observe(stats.queue_s)
+        self.generate_effective_attention_fraction.observe(stats.effective_attention_fraction)
         if stats.decode_tokens > 1:
             self.generate_decode_tokens_per_second.observe(stats.decode_tokens_per_s)
+        if stats.resume_s > 0:
+            self.session_idle_resume_seconds.observe(stats.resume_s)
+
+    def session_idle_compressed(self, stats: IdleStats) -> None:
+        self.session_idle_compressed_total.inc()
+        self.session_idle_compressed_bytes_saved_total.inc(max(0, stats.bytes_before - stats.bytes_after))
 
     # ---- exposition ------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from kakeya_runtime.sessions.errors import (
     SessionNotFound,
     Unavailable,
 )
-from kakeya_runtime.sessions.policy import CachePolicy, FullPolicy, PolicyRegistry, PolicySpec
+from kakeya_runtime.sessions.policy import PolicyRegistry, PolicySpec
 from kakeya_runtime.sessions.scheduler import Scheduler
 from kakeya_runtime.sessions.service import (
     DoneEvent,
@@ -32,7 +32,7 @@ from kakeya_runtime.sessions.store import (
 )
 
 __all__ = [
-    "CachePolicy", "DoneEvent", "EndReason", "ErrorKind", "FailedPrecondition", "FullPolicy", "GenerateParams",
+    "DoneEvent", "EndReason", "ErrorKind", "FailedPrecondition", "GenerateParams",
     "GenerateStats", "InternalError", "InvalidArgument", "Invariant", "InvariantViolation", "Outcome",
     "PolicyRegistry", "PolicySpec", "ResourceExhausted", "Scheduler", "ServiceConfig", "Session", "SessionError",
     "SessionNotFound", "SessionService", "SessionSnapshot", "SessionState", "SessionStore", "TokensEvent",

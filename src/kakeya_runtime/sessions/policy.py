@@ -1,73 +1,98 @@
-"""KV policies chosen per session at CreateSession: a name plus parameters, passed to a cache factory.
+"""KV policies chosen per session at CreateSession: resolved with kv.spec, built with kv.policy.
 
-The protocol carries `KvPolicy{name, params}` untouched; each policy validates its own parameters
-(so the store and the server need no change when a policy is added) and builds the session's
-cache on the engine thread. Only "full" (every position kept: the oracle) exists so far.
+The protocol carries `KvPolicy{name, params}` untouched. `PolicyRegistry.resolve` validates it with
+`kv.spec.PolicySpec.parse` (plus the checks that depend on the served model, e.g. a lattice codec's
+head_dim), so an unknown name or a bad parameter is refused with INVALID_ARGUMENT before a session
+exists. `build` makes the session's cache with `kv.policy.make_policy_cache` on the engine thread
+(it allocates tensors): capacity is the session's context length, dtype and device the engine's,
+and restore gets a same-checkpoint proposer (proposer = the served model, identity projection).
+
+Policies (kv.policy has the table): full (every position kept: the oracle), sink_window (sink + last
+window, fixed memory) and restore (sink + window resident, evicted K/V recomputed per step or turn).
+Every governed layer's `length` counts all positions seen, evicted or not, so the store's INV-1/INV-2
+checks read the same numbers under every policy.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from kakeya_runtime.engine.generate import Engine
-from kakeya_runtime.kv.cache import ModelKV
+from kakeya_runtime.engine.proposers import ModelProposer, same_checkpoint_proposer
+from kakeya_runtime.kv.policy import PolicyKV, make_policy_cache
+from kakeya_runtime.kv.spec import POLICIES, CodecSpec, PolicyError, PolicySpec, check_codec
+from kakeya_runtime.models.config import ModelConfig
 from kakeya_runtime.sessions.errors import InvalidArgument
 
 DEFAULT_POLICY = "full"
 
-
-@dataclass(slots=True, frozen=True)
-class PolicySpec:
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)  # validated and normalised by the policy
-
-
-class CachePolicy(Protocol):
-    name: str
-
-    def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Normalised parameters (defaults filled in); raise InvalidArgument on unknown or bad keys."""
-        ...
-
-    def build(self, engine: Engine, params: Mapping[str, Any], capacity: int) -> ModelKV:
-        """A fresh cache for one session; called on the engine thread (it allocates tensors)."""
-        ...
-
-
-class FullPolicy:
-    """Every position of the history stays resident (preallocated storage that grows by doubling)."""
-
-    name = "full"
-
-    def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        if params:
-            raise InvalidArgument(f"KV policy 'full' takes no parameters, got {sorted(params)}")
-        return {}
-
-    def build(self, engine: Engine, params: Mapping[str, Any], capacity: int) -> ModelKV:
-        return engine.new_cache(capacity=capacity)
+__all__ = ["DEFAULT_POLICY", "POLICIES", "CodecSpec", "PolicyRegistry", "PolicySpec", "parse_codec"]
 
 
 class PolicyRegistry:
-    def __init__(self, policies: Iterable[CachePolicy] = (FullPolicy(),)) -> None:
-        self._policies: dict[str, CachePolicy] = {}
-        for p in policies:
-            self.register(p)
+    """The policies a server accepts (all of kv.spec.POLICIES by default, the default policy first)."""
 
-    def register(self, policy: CachePolicy) -> None:
-        self._policies[policy.name] = policy
+    def __init__(self, names: Iterable[str] = POLICIES) -> None:
+        names = list(dict.fromkeys(names))
+        unknown = [n for n in names if n not in POLICIES]
+        if unknown:
+            raise ValueError(f"unknown KV policies {unknown} (available: {', '.join(POLICIES)})")
+        if DEFAULT_POLICY not in names:
+            raise ValueError(f"the default policy {DEFAULT_POLICY!r} must stay available")
+        self._names = names
+        self._proposers: dict[tuple[int, int], ModelProposer] = {}
+        self._lock = threading.Lock()
 
     def names(self) -> list[str]:
-        return sorted(self._policies)
+        return list(self._names)
 
-    def resolve(self, name: str, params: Mapping[str, Any] | None = None) -> PolicySpec:
+    def resolve(self, name: str | None, params: Mapping[str, Any] | None = None,
+                config: ModelConfig | None = None) -> PolicySpec:
+        """The validated spec (normalised params); InvalidArgument for unknown names or bad params.
+        With `config`, codec parameters are also checked against the model (lattice head_dim)."""
         name = name or DEFAULT_POLICY
-        policy = self._policies.get(name)
-        if policy is None:
-            raise InvalidArgument(f"unknown KV policy {name!r} (available: {', '.join(self.names())})")
-        return PolicySpec(name, policy.validate(dict(params or {})))
+        if name not in self._names:
+            raise InvalidArgument(f"unknown KV policy {name!r} (available: {', '.join(self._names)})")
+        try:
+            spec = PolicySpec.parse(name, params)
+            if config is not None:
+                if spec.name != "full":
+                    check_codec(spec.codec, "codec", config.head_dim)
+                if spec.idle_codec is not None:
+                    check_codec(spec.idle_codec, "idle_codec", config.head_dim)
+        except PolicyError as e:
+            raise InvalidArgument(str(e)) from None
+        return spec
 
-    def build(self, engine: Engine, spec: PolicySpec, capacity: int) -> ModelKV:
-        return self._policies[spec.name].build(engine, spec.params, capacity)
+    def build(self, engine: Engine, spec: PolicySpec, capacity: int) -> PolicyKV:
+        """A fresh cache for one session; called on the engine thread."""
+        proposer = self._proposer(engine, spec.chunk) if spec.name == "restore" else None
+        try:
+            return make_policy_cache(engine.config, spec, capacity=capacity, dtype=engine.dtype,
+                                     device=engine.device, proposer=proposer)
+        except PolicyError as e:  # resolve() checked everything a build checks; belt and braces
+            raise InvalidArgument(str(e)) from None
+
+    def _proposer(self, engine: Engine, chunk: int) -> ModelProposer:
+        """Proposers hold no state between calls: one per (engine, chunk), shared by sessions."""
+        key = (id(engine), chunk)
+        with self._lock:
+            proposer = self._proposers.get(key)
+            if proposer is None or proposer.model is not engine.model:
+                proposer = self._proposers[key] = same_checkpoint_proposer(engine.model, chunk=chunk)
+            return proposer
+
+
+def parse_codec(kind: str | None, q: int, config: ModelConfig | None = None) -> CodecSpec | None:
+    """A server-wide idle codec from its CLI/config form ("none"/None: no default); ValueError when bad."""
+    if kind is None or kind.lower() == "none":
+        return None
+    try:
+        spec = PolicySpec.parse("full", {"idle_codec": kind, "idle_q": q}).idle_codec
+        if config is not None and spec is not None:
+            check_codec(spec, "idle_codec", config.head_dim)
+    except PolicyError as e:
+        raise ValueError(f"idle codec: {e}") from None
+    return spec

@@ -6,6 +6,12 @@ then immediately append the next turn" safe: the cancelled Generate may still be
 current decode step on the engine thread, and the append simply queues behind it. CloseSession and
 GetSessionInfo never wait; closing cancels an in-flight Generate.
 
+Idle compression (optional, `idle_compress_after_s`): the sweeper claims sessions idle past the
+threshold, takes each one's turn like a call would (without counting as activity) and packs its cache
+in place on the engine thread with `kv.idle.compress_idle` (the session's own `idle_codec`, else the
+server default). The next Generate decompresses it on the engine thread before its prefill; appends
+and GetSessionInfo work on a compressed session as on any other.
+
 Model work is handed to the Scheduler's engine threads; the event loop only validates, moves
 Python ints and relays events. Validation happens before anything changes, so a refused call
 leaves the session exactly as it was.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -27,16 +34,22 @@ import torch
 
 from kakeya_runtime.engine.generate import Engine, FinishReason, GenerateRequest
 from kakeya_runtime.engine.sampling import SamplingError, SamplingParams
+from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
+from kakeya_runtime.kv.sink_window import PositionLimitError
+from kakeya_runtime.kv.spec import DEFAULT_Q
 from kakeya_runtime.sessions.errors import (
     InternalError,
     InvalidArgument,
     InvariantViolation,
+    ResourceExhausted,
     SessionError,
     Unavailable,
 )
-from kakeya_runtime.sessions.policy import PolicyRegistry
+from kakeya_runtime.sessions.policy import CodecSpec, PolicyRegistry, parse_codec
 from kakeya_runtime.sessions.scheduler import Scheduler
 from kakeya_runtime.sessions.store import NullObserver, Session, SessionSnapshot, SessionStore, StoreObserver
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,7 +58,10 @@ class ServiceConfig:
     idle_ttl_s: float = 1800.0  # 30 min, seed 000 §2.6
     max_concurrent: int = 1  # in-flight generations across all sessions
     context_length: int | None = None  # per-session limit; None: the model's max positions
-    sweep_interval_s: float | None = None  # TTL sweeper period; None: min(ttl / 2, 30 s)
+    sweep_interval_s: float | None = None  # sweeper period; None: min(ttl / 2, idle_compress_after_s / 2, 30 s)
+    idle_compress_after_s: float | None = None  # compress a session's KV idle this long; None: never
+    idle_codec: str | None = "d4"  # server default for sessions without an idle_codec (None/"none": only those)
+    idle_q: int = DEFAULT_Q  # the default codec's lattice range
 
 
 @dataclass(slots=True)
@@ -68,6 +84,8 @@ class GenerateStats:
     decode_tokens: int = 0
     decode_tokens_per_s: float = 0.0  # (decode_tokens - 1) / decode_s: the first token is TTFT's
     queue_s: float = 0.0
+    resume_s: float = 0.0  # decompressing an idle-compressed cache before the prefill (part of ttft_s)
+    effective_attention_fraction: float = 1.0  # the last query's share of the prefix it attended to
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,9 +106,14 @@ GenerateEvent = TokensEvent | DoneEvent
 class ServiceObserver(StoreObserver, Protocol):
     def generate_finished(self, stats: GenerateStats, history_tokens: int) -> None: ...
 
+    def session_idle_compressed(self, stats: IdleStats) -> None: ...
+
 
 class _NullServiceObserver(NullObserver):
     def generate_finished(self, stats: GenerateStats, history_tokens: int) -> None:
+        pass
+
+    def session_idle_compressed(self, stats: IdleStats) -> None:
         pass
 
 
@@ -126,28 +149,44 @@ class SessionService:
         model_context = engine.config.max_position_embeddings
         self.context_length = min(self.config.context_length or model_context, model_context)
         self.policies = policies or PolicyRegistry()
+        after = self.config.idle_compress_after_s
+        if after is not None and not after > 0:
+            raise ValueError(f"idle_compress_after_s must be > 0, got {after}")
+        # The server default idle codec (None while compression is off). Checked against the model now
+        # (lattice head_dim), so a bad default fails at startup rather than at the first sweep.
+        parse_codec(self.config.idle_codec, self.config.idle_q)  # name and range, even while off
+        self.idle_codec: CodecSpec | None = (
+            None if after is None else parse_codec(self.config.idle_codec, self.config.idle_q, engine.config)
+        )
         self.observer: ServiceObserver = observer or _NullServiceObserver()
         self.store = SessionStore(max_sessions=self.config.max_sessions, idle_ttl_s=self.config.idle_ttl_s,
                                   observer=self.observer, clock=clock)
         self.scheduler = Scheduler(self.config.max_concurrent)
         self._sweeper: asyncio.Task | None = None
+        self._compressions: set[asyncio.Task] = set()
 
     # ---- lifecycle of the service itself ---------------------------------------------------
 
     def start_sweeper(self) -> None:
-        interval = self.config.sweep_interval_s or min(self.config.idle_ttl_s / 2, 30.0)
+        periods = [self.config.idle_ttl_s / 2, 30.0]
+        if self.config.idle_compress_after_s is not None:
+            periods.append(self.config.idle_compress_after_s / 2)
+        interval = self.config.sweep_interval_s or min(periods)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(interval))
 
     async def _sweep_forever(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
             self.store.sweep()
+            self._start_idle_compression()
 
     async def shutdown(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        tasks = [t for t in (self._sweeper, *self._compressions) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+                await task
         # Running generations stop after their current step; queued ones never start.
         await asyncio.to_thread(self.scheduler.shutdown)
 
@@ -156,7 +195,7 @@ class SessionService:
     async def create(self, owner: str, initial_tokens: Sequence[int] = (), policy_name: str = "",
                      policy_params: dict[str, Any] | None = None) -> Session:
         self._check_tokens(initial_tokens, "initial_token_ids")
-        spec = self.policies.resolve(policy_name, policy_params)
+        spec = self.policies.resolve(policy_name, policy_params, self.engine.config)
         return self.store.create(owner, spec, self.context_length, initial_tokens)
 
     async def append(self, owner: str, session_id: str, tokens: Sequence[int]) -> int:
@@ -212,6 +251,66 @@ class SessionService:
                 self._release_turn(session)
             elif not job.finished:
                 job.cancel.set()  # the client went away: stop after the current step
+
+    # ---- idle compression --------------------------------------------------------------------
+
+    def idle_codec_for(self, session: Session) -> CodecSpec | None:
+        """The session's own idle_codec, else the server default (None: the session is never compressed)."""
+        return session.policy.idle_codec or self.idle_codec
+
+    def _start_idle_compression(self) -> None:
+        after = self.config.idle_compress_after_s
+        if after is None:
+            return
+        for session in self.store.claim_idle(after, lambda s: self.idle_codec_for(s) is not None):
+            codec = self.idle_codec_for(session)
+            assert codec is not None
+            task = asyncio.get_running_loop().create_task(self._compress(session, codec, after))
+            self._compressions.add(task)
+            task.add_done_callback(self._compressions.discard)
+
+    async def _compress(self, session: Session, codec: CodecSpec, after: float) -> None:
+        """Holds the session's turn (a Generate arriving now queues behind) while the engine packs it."""
+        try:
+            if session.turn is None:
+                session.turn = asyncio.Lock()
+            await session.turn.acquire()
+        except BaseException:
+            self.store.end_op(session, touch=False)
+            raise
+        try:
+            future = self.scheduler.submit(self._compress_job, session, codec, after)
+            await asyncio.wrap_future(future)
+        except RuntimeError:  # the scheduler was shut down: the cache stays as it was
+            pass
+        except Exception:  # the job handles its own failures; anything else is a bug worth a log line
+            _log.exception("idle compression of session %s failed", session.id)
+        finally:
+            session.turn.release()
+            self.store.end_op(session, touch=False)
+
+    def _compress_job(self, session: Session, codec: CodecSpec, after: float) -> IdleStats | None:
+        """Engine thread: pack the cache in place if the session is still idle (nobody came meanwhile)."""
+        store = self.store
+        if not store.still_idle(session, after):
+            return None
+        cache = session.cache
+        if cache is None or is_compressed(cache):
+            return None
+        try:
+            stats = compress_idle(cache, codec)
+        except Exception as e:  # e.g. a layer kind the codec cannot pack: leave it live, do not retry
+            with contextlib.suppress(Exception):
+                decompress(cache)
+            session.idle_compress_error = f"{type(e).__name__}: {e}"
+            return None
+        try:
+            self._mutate(session, lambda: store.check(session))  # layers keep their lengths: INV-1 holds
+        except InvariantViolation:
+            return None
+        session.idle_compressions += 1
+        self.observer.session_idle_compressed(stats)
+        return stats
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -289,10 +388,14 @@ class SessionService:
             job.emit(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=queue_s), history_at_start))
             return
         stream = None
+        resume_s = 0.0
         try:
             if session.cache is None:
                 cache = self.policies.build(self.engine, session.policy, session.context_length)
                 store.attach_cache(session, cache)
+            elif is_compressed(session.cache):
+                resume_s = decompress(session.cache).seconds  # idle-compressed: unpack before the prefill
+                store.check(session)
             pending = store.pending_tokens(session)
             ids = torch.tensor([pending], dtype=torch.long, device=self.engine.device)  # (1, T)
             stream = self.engine.stream(session.cache, ids, job.request, should_stop=job.cancel.is_set)
@@ -312,19 +415,36 @@ class SessionService:
                 store.fail(session, v)
                 job.emit(v)
                 return
-            job.emit(InternalError(f"generation failed: {type(e).__name__}: {e}"))
+            finally:
+                self._record_attention(session)
+            if isinstance(e, PositionLimitError):  # the store's context checks should make this unreachable
+                job.emit(ResourceExhausted(f"generation stopped at the model's position limit: {e}"))
+            else:
+                job.emit(InternalError(f"generation failed: {type(e).__name__}: {e}"))
             return
+        eaf = self._record_attention(session)
         result = stream.result
         assert result is not None
         n = result.decode_tokens
         stats = GenerateStats(
             prefill_tokens=result.prefill_tokens,
             prefill_s=result.prefill_s,
-            ttft_s=result.ttft_s,
             decode_s=result.decode_s,
             decode_tokens=n,
             decode_tokens_per_s=(n - 1) / result.decode_s if n > 1 and result.decode_s > 0 else 0.0,
             queue_s=queue_s,
+            resume_s=resume_s,
+            ttft_s=resume_s + result.ttft_s,
+            effective_attention_fraction=eaf,
         )
         self.observer.generate_finished(stats, history_at_start)
         job.emit(DoneEvent(result.finish_reason, stats, len(session.history)))
+
+    @staticmethod
+    def _record_attention(session: Session) -> float:
+        """Engine thread, after a Generate: remember the newest query's attention fraction for GetSessionInfo."""
+        cache = session.cache
+        if cache is not None and not is_compressed(cache):
+            with contextlib.suppress(Exception):
+                session.attention_fraction = float(cache.effective_attention_fraction)
+        return session.attention_fraction

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kakeya_runtime.kv.cache import ModelKV
+from kakeya_runtime.kv.idle import is_compressed
 from kakeya_runtime.sessions.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -117,6 +118,11 @@ class Session:
     inv2_checks: int = 0
     cancel: threading.Event | None = None  # the in-flight Generate's stop flag
     turn: Any = None  # the service's per-session asyncio.Lock (one Generate/Append at a time)
+    # Set on the engine thread after each Generate: the newest query's share of the prefix it attends to
+    # (read from here, not the cache, so GetSessionInfo never reads a cache that is being compressed).
+    attention_fraction: float = 1.0
+    idle_compressions: int = 0  # times the cache was compressed while idle
+    idle_compress_error: str | None = None  # compression failed once: the session is not retried
 
     @property
     def pending_length(self) -> int:
@@ -124,8 +130,28 @@ class Session:
 
     @property
     def kv_bytes(self) -> int:
+        """Bytes of K/V tensors held right now: resident plus transient (a restore turn's overlay)."""
         cache = self.cache
         return 0 if cache is None else cache.nbytes
+
+    @property
+    def kv_resident_bytes(self) -> int:
+        """K/V bytes kept between steps (packed codes while compressed)."""
+        cache = self.cache
+        if cache is None:
+            return 0
+        resident = getattr(cache, "resident_nbytes", None)
+        return cache.nbytes if resident is None else resident
+
+    @property
+    def kv_history_bytes(self) -> int:
+        """Token ids the cache keeps besides K/V (restore recomputes from them; O(T) int32)."""
+        return 0 if self.cache is None else getattr(self.cache, "history_nbytes", 0)
+
+    @property
+    def kv_compressed(self) -> bool:
+        cache = self.cache
+        return cache is not None and is_compressed(cache)
 
 
 @dataclass(slots=True, frozen=True)
@@ -144,6 +170,11 @@ class SessionSnapshot:
     context_length: int
     generating: bool
     history: tuple[int, ...] | None
+    kv_resident_bytes: int = 0
+    kv_history_bytes: int = 0
+    effective_attention_fraction: float = 1.0
+    kv_compressed: bool = False
+    idle_compressions: int = 0
 
 
 class SessionStore:
@@ -234,16 +265,45 @@ class SessionStore:
             session.busy_ops += 1
             self._touch_locked(session)
 
-    def end_op(self, session: Session, *, generated: bool = False) -> None:
-        """A call releases the session's turn (`generated`: it was the Generate that held the engine)."""
+    def end_op(self, session: Session, *, generated: bool = False, touch: bool = True) -> None:
+        """A call releases the session's turn (`generated`: it was the Generate that held the engine;
+        `touch=False`: server-side housekeeping such as idle compression, which is not client activity)."""
         with self._lock:
             session.busy_ops -= 1
             if generated:
                 session.generating = False
                 session.cancel = None
-            self._touch_locked(session)
+            if touch:
+                self._touch_locked(session)
             if session.state is not SessionState.ACTIVE and not session.generating:
                 session.cache = None  # ended while busy: free now that nothing uses it
+
+    # ---- idle compression (the service's sweeper; nothing here touches last_access) --------
+
+    def idle_seconds(self, session: Session) -> float:
+        with self._lock:
+            return 0.0 if self._busy(session) else self.clock() - session.last_access
+
+    def claim_idle(self, threshold_s: float, eligible: Callable[[Session], bool] = lambda s: True) -> list[Session]:
+        """Sessions idle past `threshold_s` (not past the TTL) whose cache is live and uncompressed, each
+        marked busy (so neither TTL nor LRU frees it meanwhile) without touching it: the caller releases
+        each with end_op(touch=False)."""
+        with self._lock:
+            now = self.clock()
+            claimed = []
+            for s in self._sessions.values():
+                if (s.state is SessionState.ACTIVE and not self._busy(s) and s.cache is not None
+                        and s.idle_compress_error is None and threshold_s < now - s.last_access <= self.idle_ttl_s
+                        and not is_compressed(s.cache) and eligible(s)):
+                    s.busy_ops += 1
+                    claimed.append(s)
+            return claimed
+
+    def still_idle(self, session: Session, threshold_s: float, *, own_ops: int = 1) -> bool:
+        """For a claimed session about to be compressed: nobody used or queued on it since the claim."""
+        with self._lock:
+            return (session.state is SessionState.ACTIVE and session.busy_ops == own_ops and not session.generating
+                    and session.cache is not None and self.clock() - session.last_access > threshold_s)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -251,6 +311,15 @@ class SessionStore:
     def kv_live_bytes(self) -> int:
         with self._lock:
             return sum(s.kv_bytes for s in self._sessions.values())
+
+    def by_policy(self) -> dict[str, tuple[int, int]]:
+        """policy name -> (active sessions, K/V live bytes)."""
+        out: dict[str, tuple[int, int]] = {}
+        with self._lock:
+            for s in self._sessions.values():
+                n, b = out.get(s.policy.name, (0, 0))
+                out[s.policy.name] = (n + 1, b + s.kv_bytes)
+        return out
 
     def snapshot(self, owner: str, session_id: str, *, include_history: bool = False) -> SessionSnapshot:
         with self._lock:
@@ -270,6 +339,11 @@ class SessionStore:
                 context_length=s.context_length,
                 generating=s.generating,
                 history=tuple(s.history) if include_history else None,
+                kv_resident_bytes=s.kv_resident_bytes,
+                kv_history_bytes=s.kv_history_bytes,
+                effective_attention_fraction=s.attention_fraction,
+                kv_compressed=s.kv_compressed,
+                idle_compressions=s.idle_compressions,
             )
 
     # ---- mutations (each checks the invariants before and after) --------------------------

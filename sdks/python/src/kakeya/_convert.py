@@ -43,7 +43,12 @@ def policy_pb(policy: KvPolicy | str | None) -> pb.KvPolicy | None:
 
 def policy_from_pb(p: pb.KvPolicy) -> KvPolicy:
     params: Mapping[str, Any] = json_format.MessageToDict(p.params) if p.HasField("params") else {}
-    return KvPolicy(p.name, params)
+    return KvPolicy(p.name, {k: _int_if_whole(v) for k, v in params.items()})
+
+
+def _int_if_whole(v: Any) -> Any:
+    """Struct numbers are doubles: give integral ones back as ints ({"window": 1024}, not 1024.0)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
 def create_request(initial_tokens: Iterable[int] | None, policy: KvPolicy | str | None) -> pb.CreateSessionRequest:
@@ -74,6 +79,7 @@ def stats_from_pb(s: pb.GenerateStats) -> GenerateStats:
         decode_tokens=s.decode_tokens,
         decode_tokens_per_s=s.decode_tokens_per_second,
         queue_s=s.queue_seconds,
+        resume_s=s.resume_seconds,
     )
 
 
@@ -99,6 +105,12 @@ def session_info_from_pb(r: pb.GetSessionInfoResponse, with_history: bool) -> Se
         context_length=r.context_length,
         generating=r.generating,
         history_token_ids=tuple(r.history_token_ids) if with_history else None,
+        policy_label=r.policy_label,
+        kv_resident_bytes=r.kv_resident_bytes,
+        kv_history_bytes=r.kv_history_bytes,
+        effective_attention_fraction=r.effective_attention_fraction or 1.0,  # unset (older servers): full
+        kv_compressed=r.kv_compressed,
+        idle_compressions=r.idle_compressions,
     )
 
 
@@ -116,6 +128,8 @@ def model_info_from_pb(r: pb.GetModelInfoResponse) -> ModelInfo:
         max_concurrent=r.max_concurrent,
         session_idle_ttl_s=r.session_idle_ttl_seconds,
         kv_policies=tuple(r.kv_policies),
+        idle_compress_after_s=r.idle_compress_after_seconds or None,
+        idle_codec=r.idle_codec or None,
     )
 
 

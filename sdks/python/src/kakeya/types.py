@@ -17,7 +17,12 @@ class FinishReason(enum.Enum):
 
 @dataclass(slots=True, frozen=True)
 class KvPolicy:
-    """A per-session KV policy: name plus parameters, passed through to the server's cache factory."""
+    """A per-session KV policy: name plus parameters, passed through to the server's cache factory.
+
+    Server policies: "full" (every position kept), "sink_window" (sink + window positions, fixed
+    memory), "restore" (sink + window resident, evicted K/V recomputed so attention sees everything).
+    E.g. `KvPolicy("sink_window", {"sink": 4, "window": 1024})`. Responses carry normalised params.
+    """
 
     name: str = "full"
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -32,6 +37,7 @@ class GenerateStats:
     decode_tokens: int
     decode_tokens_per_s: float
     queue_s: float
+    resume_s: float = 0.0  # decompressing an idle-compressed cache before the prefill (part of ttft_s)
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,6 +64,12 @@ class SessionInfo:
     context_length: int
     generating: bool
     history_token_ids: tuple[int, ...] | None  # only when asked for
+    policy_label: str = ""  # e.g. "sink_window(4+1024)"
+    kv_resident_bytes: int = 0  # kept between steps; kv_live_bytes adds what a step holds transiently
+    kv_history_bytes: int = 0  # token ids the cache keeps besides K/V (restore)
+    effective_attention_fraction: float = 1.0  # share of the prefix the newest query attended to
+    kv_compressed: bool = False  # compressed while idle; the next generate decompresses it
+    idle_compressions: int = 0
 
     @property
     def remaining(self) -> int:
@@ -79,3 +91,5 @@ class ModelInfo:
     max_concurrent: int
     session_idle_ttl_s: float
     kv_policies: tuple[str, ...]
+    idle_compress_after_s: float | None = None  # None: the server never compresses idle sessions
+    idle_codec: str | None = None  # the server's default idle codec, e.g. "d4/q38"
