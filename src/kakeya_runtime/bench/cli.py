@@ -47,6 +47,10 @@ def engine_cmd(
     long_prefill_model: str = typer.Option("gemma3-270m", help="Model for the long-prefill memory runs."),
     long_prefill_chunks: str = typer.Option("512,2048", help="Prefill chunk sizes for the long-prefill runs "
                                             "(the larger ones only at the two shortest lengths)."),
+    prefill_chunk: int = typer.Option(512, help="Our engine's prefill chunk (tokens per forward)."),
+    prefill_mode: str = typer.Option("dequant", help="How int formats prefill: dequant (bf16 matmul on weights "
+                                     "dequantized per call), copy (keep a bf16 copy), kernel (int kernel)."),
+    head: str = typer.Option("int8", help="LM head format for the int formats: int8 or int4."),
     threads: int = typer.Option(0, help="Threads for every engine (0: torch's default)."),
     idle_wait: float = typer.Option(90.0, help="Seconds to wait for an idle CPU before each job."),
     out: str = typer.Option("", help="Output JSON (default results/engine/engine_<machine>.json)."),
@@ -57,6 +61,10 @@ def engine_cmd(
     from kakeya_runtime.bench.engine import ALL_FORMATS, EngineBenchSpec, render_markdown, run_engine_bench
     from kakeya_runtime.bench.machine import machine_slug
 
+    if head not in ("int8", "int4"):
+        raise typer.BadParameter(f"--head must be int8 or int4, got {head!r}")
+    if prefill_mode not in ("dequant", "copy", "kernel"):
+        raise typer.BadParameter(f"--prefill-mode must be dequant, copy or kernel, got {prefill_mode!r}")
     fmts = _csv(formats)
     bad = [f for f in fmts if f not in ALL_FORMATS]
     if bad:
@@ -65,7 +73,9 @@ def engine_cmd(
         models=_csv(models), contexts=_ints(contexts), formats=fmts, compile=compile, peers=peers,
         decode_steps=decode_steps, fidelity_positions=fidelity_positions, long_prefill=_ints(long_prefill),
         long_prefill_model=long_prefill_model or None, long_prefill_chunks=_ints(long_prefill_chunks),
-        threads=threads or None, idle_wait_s=idle_wait,
+        threads=threads or None, idle_wait_s=idle_wait, prefill_chunk=prefill_chunk,
+        extra_ours={**({} if prefill_mode == "dequant" else {"prefill": prefill_mode}),
+                    **({} if head == "int8" else {"head": head})},
     )
     # The full command with every option resolved, so a reader can rerun exactly this.
     command_line = shlex.join([
@@ -73,7 +83,8 @@ def engine_cmd(
         "--compile" if compile else "--no-compile", "--peers" if peers else "--no-peers",
         "--decode-steps", str(decode_steps), "--fidelity-positions", str(fidelity_positions),
         "--long-prefill", long_prefill, "--long-prefill-model", long_prefill_model,
-        "--long-prefill-chunks", long_prefill_chunks, "--threads", str(threads), "--idle-wait", str(idle_wait),
+        "--long-prefill-chunks", long_prefill_chunks, "--prefill-chunk", str(prefill_chunk),
+        "--prefill-mode", prefill_mode, "--head", head, "--threads", str(threads), "--idle-wait", str(idle_wait),
     ])
     out_path = Path(out) if out else Path("results/engine") / f"engine_{machine_slug()}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,3 +102,30 @@ def engine_cmd(
     md.write_text(render_markdown(run))
     typer.echo(render_markdown(run))
     typer.echo(f"wrote {out_path} and {md}")
+
+
+@bench_app.command("session")
+def session_cmd(
+    model: str = typer.Option("smollm2", help="Bundled model name or path."),
+    turns: int = typer.Option(300, help="Agent turns on one session (size to fit the model's context)."),
+    reply_tokens: int = typer.Option(4, help="Tokens generated per turn."),
+    baseline_every: int = typer.Option(5, help="Run the stateless re-prefill baseline every N turns (0: never)."),
+    policies: str = typer.Option("full", help="';'-separated policies, e.g. 'full;sink_window:sink=4,window=64'."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
+    out: str = typer.Option("results/session/long_session.json", help="Output JSON (a PNG goes beside it)."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Long agent session through the Python SDK vs the stateless baseline (latency per turn, KV bytes)."""
+    from kakeya_runtime.bench.long_session import command
+
+    command(model=model, turns=turns, reply_tokens=reply_tokens, baseline_every=baseline_every,
+            policies=policies, dtype=dtype, out=Path(out), seed=seed)
+
+
+def _register_niah() -> None:
+    from kakeya_runtime.bench.niah import register_niah
+
+    register_niah(bench_app)
+
+
+_register_niah()

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import gc
 import json
+import os
 import random
 import statistics
 import time
@@ -321,6 +322,7 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
             full = runs.get("full")
             for key, run in runs.items():
                 rec = {"config": key, "policy": table[key].policy.label, "length": n, "prompt_tokens": prompt.length,
+                       "loadavg_1m": os.getloadavg()[0],  # other work on the machine skews timings
                        "depth": d, "sample": s, "needle_token": prompt.needle_token, "value": prompt.value,
                        **{f: getattr(run, f) for f in Run.__slots__}}
                 if full is not None:

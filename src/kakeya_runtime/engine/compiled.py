@@ -35,14 +35,17 @@ def inductor_cache_dir() -> str:
 class CompileOptions:
     """Inductor settings for the decode step (measured on a 2-core CPU; see results/engine/README.md)."""
 
-    freezing: bool = True  # treat weights as constants: folds/prepacks them
+    freezing: bool = False  # weights as constants; measured no gain for mv/int kernels, and may copy weights
     max_autotune: bool = False
     cpp_wrapper: bool = False  # C++ instead of Python glue around the kernels
+    # Round fused intermediates to bf16 where eager would: greedy tokens then match eager's (a near-tie
+    # otherwise flips now and then), at no measurable cost in a step dominated by weight streaming.
+    emulate_precision_casts: bool = True
     extra: dict = field(default_factory=dict)
 
     def inductor_options(self) -> dict:
         return {"freezing": self.freezing, "max_autotune": self.max_autotune, "cpp_wrapper": self.cpp_wrapper,
-                **self.extra}
+                "emulate_precision_casts": self.emulate_precision_casts, **self.extra}
 
 
 class CompiledDecode:

@@ -7,9 +7,13 @@ PyTorch's weight-only CPU kernels on bf16 activations:
 - INT8: per-output-channel symmetric int8, `aten._weight_int8pack_mm`.
 - INT4: group-wise affine int4 (group 32), `aten._weight_int4pack_mm_for_cpu`. A GGUF Q4_1 block
   (32 values, w = d*q + m) is exactly such a group: scale = d, zero = m + 8d (the kernel computes
-  (q - 8) * scale + zero). Q4_K sub-blocks are the same form. We quantize from the loader's
-  dequantized bf16 weights with min/max per group, which recovers the GGUF codes of a Q4_1/Q4_K
-  tensor up to the bf16 rounding of the scales (the kernel takes bf16 scales anyway).
+  (q - 8) * scale + zero); Q4_K sub-blocks are the same form. The loader does not expose GGUF blocks,
+  so we quantize from its dequantized weights (best loaded in fp32, where they are exact): a group
+  whose values lie on a 16-level grid gets that grid, which recovers the GGUF codes exactly, up to
+  the bf16 rounding of scale and zero that the kernel requires. Finer tensors (Q5_0, Q6_K, Q8_0)
+  are rounded to 4 bits; INT4_MIXED keeps those in int8 instead.
+- The LM head defaults to int8 (a tied head also serves the embedding lookup: `QuantEmbedding`).
+- BF16 / FP32: the weights as loaded, with one-row matmuls as matrix-vector products (`DenseLinear`).
 
 The int kernels are fast for one row (decode) but slow for many (prefill: ~600 tok/s against
 thousands with bf16 AMX matmuls), so a quantized linear switches on the number of rows: at or above
@@ -29,6 +33,10 @@ from torch import Tensor, nn
 
 INT4_GROUP = 32  # one GGUF Q4_0/Q4_1 block, one Q4_K sub-block
 _INT4_BLOCK_N = 64  # rows per block in the CPU int4 packed layout (see _unpack_int4)
+# Below this many rows the int kernel runs (decode, speculative verification); at or above it, a bf16
+# matmul on dequantized weights. Measured on SmolLM2 int4 (2 threads): the kernel costs ~2.7 ms per row
+# for the whole model; dequantizing every layer once ~0.24 s plus ~0.8 ms per row: crossover ~125 rows.
+PREFILL_ROWS = 128
 
 
 class WeightFormat(enum.Enum):
@@ -123,7 +131,7 @@ class Int8Linear(QuantLinear):
     """Symmetric per-output-channel int8: W ~= q * s[:, None], q in [-127, 127]."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, *, prefill: Prefill = Prefill.DEQUANT,
-                 prefill_rows: int = 8) -> None:
+                 prefill_rows: int = PREFILL_ROWS) -> None:
         n, k = weight.shape
         super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
         q, scales = quantize_int8(weight)
@@ -141,7 +149,7 @@ class Int4Linear(QuantLinear):
     """Group-wise affine int4 in the CPU kernel's packed layout: W ~= (q - 8) * s + z per group of 32."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, *, group_size: int = INT4_GROUP,
-                 prefill: Prefill = Prefill.DEQUANT, prefill_rows: int = 8) -> None:
+                 prefill: Prefill = Prefill.DEQUANT, prefill_rows: int = PREFILL_ROWS) -> None:
         n, k = weight.shape
         super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
         codes, scales_zeros = quantize_int4(weight, group_size)
@@ -291,7 +299,7 @@ class QuantReport:
 
 
 def quantize_model(model: nn.Module, fmt: WeightFormat | str, *, head: WeightFormat | str | None = None,
-                   prefill: Prefill | str = Prefill.DEQUANT, prefill_rows: int = 8,
+                   prefill: Prefill | str = Prefill.DEQUANT, prefill_rows: int = PREFILL_ROWS,
                    group_size: int = INT4_GROUP) -> QuantReport:
     """Convert `model` in place to `fmt`. Norms, embeddings and activations stay bf16 for the int formats.
 
