@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint proto bench clean
+.PHONY: setup run test lint proto bench bench-deps clean
 
 $(STAMP): pyproject.toml sdks/python/pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -25,6 +25,18 @@ run: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# llama.cpp's default build crashes here (AMX path); these flags build a working CPU backend.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+	-DGGML_AVX512_BF16=ON
+
+bench-deps: setup
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q -e ".[bench]"
+
+# The engine evidence: ours (every weight format) against transformers and llama.cpp, same run.
+bench: bench-deps
+	$(VENV)/bin/kakeya bench engine
 
 lint: setup
 	$(VENV)/bin/ruff check .

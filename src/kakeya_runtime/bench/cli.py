@@ -96,7 +96,9 @@ def engine_cmd(
             what = " ".join(str(job[k]) for k in ("kind", "model", "fmt", "ctx", "tokens") if k in job)
             progress.update(task, total=n, completed=i, description=what or "done")
 
-        run = run_engine_bench(spec, on_job=on_job, command_line=command_line)
+        partial = out_path.with_suffix(".partial.json")
+        run = run_engine_bench(spec, on_job=on_job, command_line=command_line, partial=partial)
+        partial.unlink(missing_ok=True)
     out_path.write_text(json.dumps(run, indent=1) + "\n")
     md = out_path.with_suffix(".md")
     md.write_text(render_markdown(run))

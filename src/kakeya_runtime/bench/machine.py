@@ -49,10 +49,20 @@ def machine_info() -> dict[str, Any]:
         "os": platform.platform(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "nice": os.nice(0),
+        "autogroup": _read("/proc/self/autogroup"),  # Linux groups a session's processes; its nice applies
     }
     for pkg in ("transformers", "llama_cpp"):
         info[pkg] = package_version(pkg)
     return info
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
 
 
 def package_version(module: str) -> str | None:
