@@ -95,12 +95,14 @@ def attend(
     mask = None
     if num_q > 1 and not (window is None and s == num_q):  # a fresh prompt: SDPA's causal kernel, no mask
         mask = attention_mask(q_pos, k_pos, window, sink)
+    groups = q.shape[1] // k.shape[1]
     if not trace:
+        if groups > 1 and (num_q == 1 or mask is not None):
+            return _attend_grouped(q, k, v, mask, scale, groups), None
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=num_q > 1 and mask is None, scale=scale, enable_gqa=True
         )
         return out, None
-    groups = q.shape[1] // k.shape[1]
     kr = k.repeat_interleave(groups, dim=1)  # (B, H, S, D)
     vr = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q.float(), kr.float().transpose(-1, -2)) * scale  # (B, H, T, S)
@@ -110,6 +112,18 @@ def attend(
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs.to(v.dtype), vr)
     return out, probs[:, :, -1, :]
+
+
+def _attend_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, groups: int) -> Tensor:
+    """GQA without repeating K/V: the `groups` query heads that share a K/V head become extra query rows
+    of that head, (B, Hk, G*T, D), so each K/V head is read once. SDPA's enable_gqa path on CPU copies
+    K/V `groups` times per call, a cost that grows with the cache (decode is memory-bound)."""
+    b, h, t, d = q.shape
+    qg = q.reshape(b, k.shape[1], groups * t, d)  # rows ordered (group, token)
+    if mask is not None:
+        mask = mask.repeat(groups, 1)  # (G*T, S), same order
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, h, t, d)
 
 
 class GatedMLP(nn.Module):
