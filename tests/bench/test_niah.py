@@ -68,6 +68,12 @@ def test_small_ladder_end_to_end(smollm2, tmp_path):
     assert cells["sink_window-d4q38"]["sustained_kv_bytes"] <= 0.45 * cells["sink_window"]["sustained_kv_bytes"] / 2
     written = json.loads((tmp_path / "niah.json").read_text())
     assert len(written["records"]) == len(cells)
+    for rec in written["records"]:  # step logits line up with the greedy tokens: both leads are >= 0
+        assert len(rec["top2_gaps"]) == len(rec["tokens"]) and min(rec["top2_gaps"]) >= 0
+        assert (rec["divergence"] is None) == rec["identical"] and "step_logits" not in rec
+        if rec["divergence"]:
+            assert rec["divergence"]["full_lead"] >= 0 and rec["divergence"]["own_lead"] >= 0
+    assert written["records"][[r["config"] for r in written["records"]].index("sink_window")]["divergence"]
     assert (tmp_path / "summary.md").read_text().startswith("# NIAH ladder")
     assert len(list(tmp_path.glob("heatmap_*.png"))) == len(cells)
     assert not (tmp_path / "records.partial.jsonl").exists()

@@ -90,6 +90,17 @@ def test_attention_rows_through_the_stream(make_tiny_model):
     assert [r.shape[-1] for r in stream.attn_rows] == [3, 4, 5, 6]
 
 
+def test_kept_step_logits_are_the_ones_sampled(make_tiny_model):
+    engine = Engine(make_tiny_model("llama"))
+    stream = engine.stream(engine.new_cache(capacity=32), torch.tensor([[1, 2, 3]]),
+                           GenerateRequest(5, keep_logits=True))
+    tokens = [ids[0] for ids in stream]
+    assert [int(lg.argmax(-1)) for lg in stream.step_logits] == tokens  # greedy: each step's argmax
+    assert all(lg.dtype == torch.float32 and lg.shape == (1, engine.config.vocab_size) for lg in stream.step_logits)
+    plain = engine.stream(engine.new_cache(capacity=32), torch.tensor([[1, 2, 3]]), GenerateRequest(5))
+    assert [ids[0] for ids in plain] == tokens and plain.step_logits == []
+
+
 class _EOSFirst(DecoderModel):
     """Wraps a real model (its cache is used as usual) but makes `eos` the argmax everywhere."""
 

@@ -52,3 +52,18 @@ def test_grouped_decode_reads_a_sliced_cache():
     pos = torch.arange(41)
     out, _ = attend(q, k, v, pos[-1:], pos, scale=0.3, window=None)
     torch.testing.assert_close(out.double(), reference(q, k, v, pos[-1:], pos, 0.3, None, 0), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("q_pos", "k_pos"), [
+    (torch.arange(20, 26), torch.arange(30)),  # queries before the newest keys: the general masked path
+    (torch.arange(40, 46), torch.cat((torch.arange(4), torch.arange(30, 46)))),  # a gapped prefix, then the chunk
+    (torch.tensor([40, 42, 41]), torch.cat((torch.arange(10), torch.tensor([40, 42, 41])))),  # not increasing
+])
+def test_chunk_paths_match_reference(q_pos, k_pos):
+    """A chunk over a cache takes the two-call (prefix + causal chunk) path only when the keys really are the
+    prefix then the chunk; every shape of positions gives the reference result."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 6, q_pos.shape[0], 8, generator=gen)
+    k, v = torch.randn(2, 1, 2, k_pos.shape[0], 8, generator=gen)
+    out, _ = attend(q, k, v, q_pos, k_pos, scale=0.3, window=None)
+    torch.testing.assert_close(out.double(), reference(q, k, v, q_pos, k_pos, 0.3, None, 0), atol=2e-5, rtol=2e-5)

@@ -171,6 +171,23 @@ class Run:
     history_bytes: int
     peak_kv_bytes: int  # resident + the largest transient K/V during the question turn
     peak_rss_delta_bytes: int | None
+    top2_gaps: list[float]  # per step: logit of the greedy token minus the runner-up's
+    step_logits: list[torch.Tensor]  # per step (1, V) fp32; not written out, used by divergence()
+
+
+RECORD_FIELDS = tuple(f for f in Run.__slots__ if f != "step_logits")
+
+
+def divergence(run: Run, full: Run) -> dict[str, Any] | None:
+    """Where `run`'s greedy tokens first leave the oracle's, and how close a call it was there: full's logit
+    lead of its own token over the one `run` chose (a near-tie is a lead small against full's median
+    top-1/top-2 gap), and `run`'s lead the other way. None when the tokens are identical."""
+    for i, (mine, oracle) in enumerate(zip(run.tokens, full.tokens, strict=False)):
+        if mine != oracle:
+            ref, own = full.step_logits[i][0], run.step_logits[i][0]
+            return {"step": i, "full_lead": float(ref[oracle] - ref[mine]), "own_lead": float(own[mine] - own[oracle]),
+                    "full_median_gap": statistics.median(full.top2_gaps)}
+    return None
 
 
 class NiahRunner:
@@ -228,7 +245,12 @@ class NiahRunner:
             decompress(cache)
             resume_s = time.perf_counter() - t0
         proposer_s0 = getattr(cache, "proposer_s", 0.0)
-        result = self.engine.generate(cache, question, GenerateRequest(self.max_new_tokens, stop_ids=self.stop_ids))
+        stream = self.engine.stream(cache, question, GenerateRequest(self.max_new_tokens, stop_ids=self.stop_ids,
+                                                                     keep_logits=True))
+        for _ in stream:
+            pass
+        result = stream.result
+        assert result is not None
         turn_s = time.perf_counter() - t0
         peak_rss = peak_rss_bytes() - rss0 if rss_ok else None
         tokens = result.token_ids[0]
@@ -242,6 +264,8 @@ class NiahRunner:
             eaf=cache.effective_attention_fraction, idle_kv_bytes=idle_bytes,
             sustained_kv_bytes=cache.resident_nbytes, history_bytes=cache.history_nbytes,
             peak_kv_bytes=cache.resident_nbytes + cache.peak_transient_bytes, peak_rss_delta_bytes=peak_rss,
+            top2_gaps=[float(g[0] - g[1]) for g in (lg[0].topk(2).values for lg in stream.step_logits)],
+            step_logits=stream.step_logits,
         )
 
 
@@ -324,10 +348,11 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
                 rec = {"config": key, "policy": table[key].policy.label, "length": n, "prompt_tokens": prompt.length,
                        "loadavg_1m": os.getloadavg()[0],  # other work on the machine skews timings
                        "depth": d, "sample": s, "needle_token": prompt.needle_token, "value": prompt.value,
-                       **{f: getattr(run, f) for f in Run.__slots__}}
+                       **{f: getattr(run, f) for f in RECORD_FIELDS}}
                 if full is not None:
                     rec["agreement"] = _agreement(run.tokens, full.tokens)
                     rec["identical"] = run.tokens == full.tokens
+                    rec["divergence"] = divergence(run, full)
                 records.append(rec)
                 if out_dir is not None:  # progress that survives an interrupted ladder
                     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -419,6 +444,8 @@ def rungs(records: list[dict[str, Any]], keys: Sequence[str]) -> list[dict[str, 
                     decode_ratio_vs_full=_ratio(row["decode_tok_s"], _mean(full, "decode_tok_s")),
                     turn_ratio_vs_full=_ratio(row["turn_s"], _mean(full, "turn_s")),
                     full_kv_bytes=max(r["sustained_kv_bytes"] for r in full))
+                leads = [r["divergence"]["full_lead"] for r in rs if r.get("divergence")]
+                row.update(divergences=len(leads), max_divergence_full_lead=max(leads, default=None))
             out.append(row)
     return out
 
@@ -520,6 +547,17 @@ def summary_markdown(result: dict[str, Any]) -> str:
                 lines.append(f"| {r['length']} | {r['config']} | {r['ttft_s']:.2f} ({full_ttft.get(r['length'], 0):.2f}) "
                              f"| {_fmt(r.get('ttft_ratio_vs_full'), '.1f')} | {_fmt(r.get('decode_ratio_vs_full'), '.2f')} "
                              f"| {_fmt(r.get('turn_ratio_vs_full'), '.1f')} | {r['restore_s']:.2f} |")
+    diverged = [r for r in result["records"] if r.get("divergence")]
+    if diverged:
+        lines += ["", "## Greedy divergences from full (is each a near-tie?)", "",
+                  "Where a configuration's greedy tokens first differ from full's: full's logit lead of its own token "
+                  "over the one the configuration chose, against full's median top-1/top-2 gap on that sample.", "",
+                  "| config | length | depth | sample | step | full's lead | config's lead | full's median gap |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in diverged:
+            d = r["divergence"]
+            lines.append(f"| {r['config']} | {r['length']} | {r['depth']} | {r['sample']} | {d['step']} "
+                         f"| {d['full_lead']:.3f} | {d['own_lead']:.3f} | {d['full_median_gap']:.2f} |")
     lines += ["", "Idle KV: K/V bytes held between the two turns (packed for the idle-compressed configurations). "
               "Sustained KV: resident K/V bytes after the question turn (full: its allocated storage; restore "
               "also keeps the token ids, `history_bytes` in niah.json, 4 bytes/token). Peak KV (step): resident + "

@@ -51,6 +51,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: tuple[int, ...] = ()
     trace_layer: int | None = None
+    keep_logits: bool = False  # TokenStream.step_logits: each step's fp32 logits (B, V), for fidelity evidence
 
 
 class Engine:
@@ -167,6 +168,7 @@ class TokenStream:
         self.should_stop = should_stop
         self.result: GenerationResult | None = None
         self.attn_rows: list[Tensor] = []  # per step, when request.trace_layer is set
+        self.step_logits: list[Tensor] = []  # per step (B, V) fp32, when request.keep_logits is set
 
     def __iter__(self) -> Iterator[list[int]]:
         return self._run()
@@ -194,6 +196,8 @@ class TokenStream:
         for step in range(req.max_new_tokens):
             if out.attn_row is not None:
                 self.attn_rows.append(out.attn_row)
+            if req.keep_logits:
+                self.step_logits.append(out.logits[:, -1].float())
             next_ids = sample(out.logits[:, -1], req.sampling, gen)  # (B,)
             ids = next_ids.tolist()  # the one sync point per step
             if t_first is None:
