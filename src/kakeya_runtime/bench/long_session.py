@@ -218,29 +218,38 @@ def command(
     dtype: str = "bfloat16",
     out: Path = Path("results/session/long_session.json"),
     seed: int = 0,
+    attention: str = "native",
 ) -> dict[str, Any]:
-    """Load the model, serve it on loopback, and run the bench once per policy (';'-separated)."""
+    """Load the model, serve it on loopback, and run the bench once per policy (';'-separated) and attention
+    backend (','-separated: `native,sdpa` runs our kernel and PyTorch's SDPA as peers in the same run)."""
     import torch
     from rich.console import Console
     from rich.progress import Progress
 
+    from kakeya_runtime.models import native
     from kakeya_runtime.models.loader import load_model
     from kakeya_runtime.server.grpc_app import RuntimeServer, ServedModel, ServerConfig, ServerThread
 
     console = Console(stderr=True)
+    backends = [b.strip() for b in attention.split(",") if b.strip()]
     loaded = load_model(model, dtype=getattr(torch, dtype))
     server = RuntimeServer(ServedModel.from_loaded(loaded, model), ServerConfig(port=0, max_sessions=8))
     results: dict[str, SessionBenchResult] = {}
     with ServerThread(server) as running, Progress(console=console) as bar:
-        for text in filter(None, (p.strip() for p in policies.split(";"))):
-            policy = parse_policy(text)
-            task = bar.add_task(f"{text}", total=turns)
-            results[text] = run_session_bench(
-                running.address, turns=turns, reply_tokens=reply_tokens,
-                baseline_every=baseline_every if not results else 0,  # the baseline once per run
-                policy=policy, seed=seed, progress=lambda n, task=task: bar.update(task, completed=n))
+        for backend in backends:
+            native.set_backend(backend)  # process-wide: the server's engine thread reads it per call
+            for text in filter(None, (p.strip() for p in policies.split(";"))):
+                name = text if len(backends) == 1 else f"{text} @{backend}"
+                task = bar.add_task(name, total=turns)
+                results[name] = run_session_bench(
+                    running.address, turns=turns, reply_tokens=reply_tokens,
+                    baseline_every=baseline_every if not results else 0,  # the baseline once per run
+                    policy=parse_policy(text), seed=seed, progress=lambda n, task=task: bar.update(task, completed=n))
+                results[name].policy = {**results[name].policy, "attention": backend}
     doc = write_evidence(results, out, {"model": model, "dtype": dtype, "turns": turns,
-                                        "reply_tokens": reply_tokens, "baseline_every": baseline_every})
+                                        "reply_tokens": reply_tokens, "baseline_every": baseline_every,
+                                        "attention_backends": backends,
+                                        "native_bf16_dot": native.bf16_dot() if "native" in backends else None})
     for name, run in doc["runs"].items():
         s = run["summary"]
         console.print(f"[bold]{name}[/]: bucket p50 first {s['bucket_p50_latency_s'][0] * 1e3:.0f} ms, last "

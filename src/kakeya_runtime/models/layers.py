@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kakeya_runtime.models import native
+
 
 class LayerKV(Protocol):
     """What a decoder layer needs from its caller-owned cache (implemented in kakeya_runtime.kv)."""
@@ -93,6 +95,15 @@ def attend(
     """
     num_q, s = q.shape[2], k.shape[2]
     groups = q.shape[1] // k.shape[1]
+    if not trace and native.enabled() and native.supports(q.shape[3], q.dtype):
+        # Decode sees every key the cache hands back; a chunk appended to a cache sees the prefix and itself
+        # causally. The kernel wins both in decode; for chunks only with bf16 dot products (SDPA's GEMMs
+        # beat its fp32 FMA path from ~64 rows on).
+        if num_q == 1:
+            return _attend_native(q, k, v, 1, scale, groups), None
+        if (window is None and s > num_q and q.dtype == torch.bfloat16 and native.bf16_dot()
+                and _chunk_follows_cache(q_pos, k_pos)):
+            return _attend_native(q, k, v, num_q, scale, groups), None
     if not trace and num_q > 1 and s > num_q and window is None and _chunk_follows_cache(q_pos, k_pos):
         return _attend_cached_chunk(q, k, v, scale, groups), None
     mask = None
@@ -125,6 +136,15 @@ def _attend_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale:
     if mask is not None:
         mask = mask.repeat(groups, 1)  # (G*T, S), same order
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, h, t, d)
+
+
+def _attend_native(q: Tensor, k: Tensor, v: Tensor, num_new: int, scale: float, groups: int) -> Tensor:
+    """The native kernel with grouped query rows (B, Hk, G*T, D), as in _attend_grouped."""
+    b, h, t, d = q.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    out = native.cached_attention(q.contiguous().reshape(b, k.shape[1], groups * t, d), k, v, num_new, scale)
     return out.reshape(b, h, t, d)
 
 

@@ -75,6 +75,15 @@ def serve(
     with console.status(f"Loading [bold]{model}[/] ({dtype})…", spinner="dots"):
         loaded = load_model(model, dtype=getattr(torch, dtype))
     console.print(f"Loaded [bold]{model}[/] in {time.perf_counter() - t0:.1f} s")
+    from kakeya_runtime.models import native
+
+    try:  # build (once per machine) and load the attention kernel now, not at the first Generate
+        with console.status("Attention kernel…", spinner="dots"):
+            kernel = "native kernel" if native.enabled() else f"PyTorch SDPA ({native.BACKEND_ENV}=sdpa)"
+    except native.NativeKernelError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(1) from None
+    console.print(f"Attention: {kernel}")
     try:
         server = RuntimeServer(ServedModel.from_loaded(loaded, model), config)
     except ValueError as e:  # e.g. an idle codec the model's head_dim cannot take

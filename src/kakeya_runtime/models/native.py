@@ -1,0 +1,181 @@
+"""Our native attention kernel (csrc/cached_attention.cpp): built once per machine, loaded as a torch op.
+
+`kakeya::cached_attention(q, k, v, num_new, scale)` attends a few new query rows over a KV cache (decode,
+and a chunk appended to a cache); `layers.attend` routes those cases to it. It is compiled with g++
+against the installed torch for this CPU (-march=native) on first use, under the kakeya cache dir, keyed
+by the source, the flags, torch's version and the CPU's feature flags; later processes load the cached
+library in milliseconds. A build takes ~10 s.
+
+`KAKEYA_ATTENTION=sdpa` turns the kernel off (PyTorch's SDPA everywhere); with the default `native`, a
+kernel that cannot be built raises NativeKernelError instead of quietly running the other path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "cached_attention.cpp"
+BACKEND_ENV = "KAKEYA_ATTENTION"
+BACKENDS = ("native", "sdpa")
+HEAD_DIMS = (32, 64, 128, 256)  # the kernel's compiled head sizes
+CXXFLAGS = ("-O3", "-march=native", "-std=c++20", "-fPIC", "-shared", "-fopenmp")
+
+
+class NativeKernelError(RuntimeError):
+    """The native attention kernel could not be built or loaded (the message has the compiler's output)."""
+
+
+_lock = threading.Lock()
+_loaded: Path | None = None
+_backend: str | None = None
+_bf16_dot = False
+
+
+def backend() -> str:
+    """The attention backend in force: $KAKEYA_ATTENTION, else "native" (read once per process)."""
+    global _backend
+    if _backend is None:
+        value = os.environ.get(BACKEND_ENV, "native").strip().lower() or "native"
+        if value not in BACKENDS:
+            raise NativeKernelError(f"{BACKEND_ENV}={value!r}: expected one of {BACKENDS}")
+        _backend = value
+    return _backend
+
+
+def set_backend(value: str) -> None:
+    """Choose the backend for this process ("native" builds/loads the kernel now)."""
+    global _backend
+    if value not in BACKENDS:
+        raise NativeKernelError(f"attention backend {value!r}: expected one of {BACKENDS}")
+    _backend = value
+    if value == "native":
+        load()
+
+
+def enabled() -> bool:
+    """Whether `layers.attend` uses the kernel: the backend is native (the kernel is built and loaded on the
+    first call). Cheap after that."""
+    if (_backend or backend()) != "native":
+        return False
+    if _loaded is None:
+        load()
+    return True
+
+
+def bf16_dot() -> bool:
+    """Whether the kernel was built with AVX512-BF16 dot products (its bf16 chunk path beats SDPA's then)."""
+    load()
+    return _bf16_dot
+
+
+def supports(head_dim: int, dtype: torch.dtype) -> bool:
+    """Shapes and dtypes the kernel has code for (anything else stays on SDPA)."""
+    return head_dim in HEAD_DIMS and dtype in (torch.float32, torch.bfloat16)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_new: int, scale: float) -> torch.Tensor:
+    """q (B, Hk, R, D) rows ordered (group, token); k, v (B, Hk, S, D), the last `num_new` keys being the
+    new tokens (token t sees keys 0..S - num_new + t). Returns (B, Hk, R, D)."""
+    return torch.ops.kakeya.cached_attention(q, k, v, num_new, scale)
+
+
+def library_path() -> Path:
+    """Where this machine's build lives: one file per (source, flags, torch, compiler, CPU features)."""
+    from kakeya_runtime.models.loader import cache_root  # loader imports the model code, which imports us
+
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join(CXXFLAGS).encode())
+    key.update(torch.__version__.encode())
+    key.update(_compiler_version().encode())
+    key.update(_cpu_flags().encode())
+    return cache_root() / "kernels" / key.hexdigest()[:16] / "cached_attention.so"
+
+
+def load() -> Path:
+    """Build (once per machine) and load the kernel library; idempotent and thread-safe."""
+    global _loaded, _bf16_dot
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        path = library_path()
+        if not path.exists():
+            build(path)
+        try:
+            torch.ops.load_library(str(path))
+        except OSError as e:
+            raise NativeKernelError(f"loading {path} failed: {e}; delete it to rebuild, or set "
+                                    f"{BACKEND_ENV}=sdpa") from None
+        _register_fake()
+        _bf16_dot = bool(torch.ops.kakeya.bf16_dot())
+        _loaded = path
+        return path
+
+
+def build(path: Path) -> Path:
+    """Compile the kernel to `path`; concurrent builders wait on a file lock and reuse the first result."""
+    from torch.utils import cpp_extension
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return path
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        lib_dir = cpp_extension.library_paths()[0]
+        cmd = [
+            os.environ.get("CXX", "g++"), *CXXFLAGS,
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()),
+            str(SOURCE), "-o", str(tmp),
+            f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}",
+        ]
+        print(f"kakeya: building the attention kernel for this CPU (once) -> {path}", file=sys.stderr)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError as e:
+            raise NativeKernelError(f"no C++ compiler ({e.filename}); install g++ or set {BACKEND_ENV}=sdpa") from None
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise NativeKernelError(f"building {SOURCE.name} failed (exit {done.returncode}); set "
+                                    f"{BACKEND_ENV}=sdpa to run without it.\n{' '.join(cmd)}\n{done.stderr[-4000:]}")
+        os.replace(tmp, path)
+        return path
+
+
+def _register_fake() -> None:
+    """Shapes for torch.compile's tracing (engine.compiled): the op returns a tensor shaped like q."""
+    if getattr(_register_fake, "done", False):
+        return
+    torch.library.register_fake("kakeya::cached_attention")(lambda q, k, v, num_new, scale: q.new_empty(q.shape))
+    _register_fake.done = True
+
+
+def _compiler_version() -> str:
+    try:
+        return subprocess.run([os.environ.get("CXX", "g++"), "--version"], capture_output=True,
+                              text=True).stdout.split("\n", 1)[0]
+    except FileNotFoundError:
+        return "no compiler"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+if __name__ == "__main__":  # `python -m kakeya_runtime.models.native`: build now (make setup does)
+    print(load())
