@@ -53,3 +53,6 @@ def test_command_runs_each_attention_backend_as_a_peer(tmp_path):
     for name, run in doc["runs"].items():
         assert run["policy"]["attention"] == name.split("@")[1]
         assert run["summary"]["turns"] == 6 and run["summary"]["invariant_violations"] == 0
+    from kakeya_runtime.models import native
+
+    assert native.backend() == "native"  # the process is left on the backend it had

@@ -13,7 +13,8 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,6 +210,17 @@ def parse_policy(text: str) -> dict[str, Any]:
     return {"name": name.strip(), "params": params}
 
 
+@contextmanager
+def _restore_backend(previous: str) -> Iterator[None]:
+    """The bench switches the process-wide attention backend per run; leave it as it was."""
+    from kakeya_runtime.models import native
+
+    try:
+        yield
+    finally:
+        native.set_backend(previous)
+
+
 def command(
     model: str = "smollm2",
     turns: int = 300,
@@ -235,7 +247,8 @@ def command(
     loaded = load_model(model, dtype=getattr(torch, dtype))
     server = RuntimeServer(ServedModel.from_loaded(loaded, model), ServerConfig(port=0, max_sessions=8))
     results: dict[str, SessionBenchResult] = {}
-    with ServerThread(server) as running, Progress(console=console) as bar:
+    previous = native.backend()
+    with ServerThread(server) as running, Progress(console=console) as bar, _restore_backend(previous):
         for backend in backends:
             native.set_backend(backend)  # process-wide: the server's engine thread reads it per call
             for text in filter(None, (p.strip() for p in policies.split(";"))):
