@@ -84,6 +84,8 @@ def supports(head_dim: int, dtype: torch.dtype) -> bool:
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_new: int, scale: float) -> torch.Tensor:
     """q (B, Hk, R, D) rows ordered (group, token); k, v (B, Hk, S, D), the last `num_new` keys being the
     new tokens (token t sees keys 0..S - num_new + t). Returns (B, Hk, R, D)."""
+    if _loaded is None:
+        load()
     return torch.ops.kakeya.cached_attention(q, k, v, num_new, scale)
 
 
