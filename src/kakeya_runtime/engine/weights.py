@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kakeya_runtime.models.layers import linear
+
 INT4_GROUP = 32  # one GGUF Q4_0/Q4_1 block, one Q4_K sub-block
 _INT4_BLOCK_N = 64  # rows per block in the CPU int4 packed layout (see _unpack_int4)
 # Below this many rows the int kernel runs (decode, speculative verification); at or above it, a bf16
@@ -62,11 +64,8 @@ class Prefill(enum.Enum):
 
 
 class DenseLinear(nn.Module):
-    """bf16/fp32 weights as loaded; a one-row input (decode) runs as a matrix-vector product.
-
-    On this CPU `torch.mv` streams bf16 weights ~1.6x faster than `F.linear`'s GEMM path does for one
-    row (measured over 530 MB of weights: 13.5 against 8.3 GB/s); the sums are the same, in another order.
-    """
+    """bf16/fp32 weights as loaded, computed by `layers.linear` (with the native backend, our kernel: a row's
+    result does not depend on how many rows share the call)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
@@ -75,13 +74,7 @@ class DenseLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.numel() != self.in_features:
-            return F.linear(x, self.weight, self.bias)
-        # engine.compiled keeps aten.mv whole: Inductor's own lowering of it streams ~4x slower here.
-        y = torch.mv(self.weight, x.reshape(-1).to(self.weight.dtype))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

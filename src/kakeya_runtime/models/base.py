@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from kakeya_runtime.models.config import ModelConfig
-from kakeya_runtime.models.layers import LayerKV
+from kakeya_runtime.models.layers import LayerKV, linear
 
 
 class Logits(enum.Enum):
@@ -51,7 +51,7 @@ class DecoderModel(nn.Module):
     def project(self, hidden: Tensor) -> Tensor:
         """Final hidden states (B, T, C) -> fp32 logits (B, T, V)."""
         if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+            return linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
     def forward(

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.models.config import SLIDING_ATTENTION, ModelConfig
-from kakeya_runtime.models.layers import Attention, GatedMLP, LayerKV, RMSNorm, Rotary
+from kakeya_runtime.models.layers import Linear, Attention, GatedMLP, LayerKV, RMSNorm, Rotary
 from kakeya_runtime.models.llama import _strip_hf_prefix
 
 
@@ -49,7 +49,7 @@ class Gemma3Model(DecoderModel):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         self.rotary_global = Rotary(config.head_dim, config.rope_theta)
         self.rotary_local = Rotary(config.head_dim, config.rope_local_base_freq or 10000.0)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self._register_load_state_dict_pre_hook(_strip_hf_prefix)
 
     def embed(self, input_ids: Tensor) -> Tensor:

@@ -88,26 +88,23 @@ def attend(
 ) -> tuple[Tensor, Tensor | None]:
     """The one attention computation used by prefill and decode.
 
-    q: (B, H, T, D); k, v: (B, Hk, S, D). Returns (out (B, H, T, D), attn row of the last query
-    (B, H, S) if `trace`). A single new token (T == 1) needs no mask: the cache hands back only
-    keys it may see. With `trace`, the probabilities are materialised and the output is computed
-    from them, so the traced row is the one that produced the output.
+    q: (B, H, T, D); k, v: (B, Hk, S, D) at positions k_pos (S,). Query t sees key j when
+    k_pos[j] <= q_pos[t] and, with a window, q_pos[t] - k_pos[j] < window or k_pos[j] < sink. Returns
+    (out (B, H, T, D), attn row of the last query (B, H, S) if `trace`).
+
+    With the native backend every case (a fresh prompt, a chunk over a cache, a decode step, any window)
+    runs on our kernel, whose result for a query depends only on the keys it sees: the same bits however
+    the history was chunked. With `trace`, the probabilities are materialised and the output is computed
+    from them, so the traced row is the one that produced the output (evidence only, not invariant).
     """
-    num_q, s = q.shape[2], k.shape[2]
+    num_q = q.shape[2]
     groups = q.shape[1] // k.shape[1]
-    if not trace and native.enabled() and native.supports(q.shape[3], q.dtype):
-        # Decode sees every key the cache hands back; a chunk appended to a cache sees the prefix and itself
-        # causally. The kernel wins both in decode; for chunks only with bf16 dot products (SDPA's GEMMs
-        # beat its fp32 FMA path from ~64 rows on).
-        if num_q == 1:
-            return _attend_native(q, k, v, 1, scale, groups), None
-        if (window is None and s > num_q and q.dtype == torch.bfloat16 and native.bf16_dot()
-                and _chunk_follows_cache(q_pos, k_pos)):
-            return _attend_native(q, k, v, num_q, scale, groups), None
-    if not trace and num_q > 1 and s > num_q and window is None and _chunk_follows_cache(q_pos, k_pos):
+    if not trace and native.enabled():
+        return _attend_native(q, k, v, q_pos, k_pos, scale, groups, window, sink), None
+    if not trace and num_q > 1 and k.shape[2] > num_q and window is None and _chunk_follows_cache(q_pos, k_pos):
         return _attend_cached_chunk(q, k, v, scale, groups), None
     mask = None
-    if num_q > 1 and not (window is None and s == num_q):  # a fresh prompt: SDPA's causal kernel, no mask
+    if num_q > 1 and not (window is None and k.shape[2] == num_q):  # a fresh prompt: SDPA's causal kernel
         mask = attention_mask(q_pos, k_pos, window, sink)
     if not trace:
         if groups > 1 and (num_q == 1 or mask is not None):
@@ -139,12 +136,14 @@ def _attend_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale:
     return out.reshape(b, h, t, d)
 
 
-def _attend_native(q: Tensor, k: Tensor, v: Tensor, num_new: int, scale: float, groups: int) -> Tensor:
-    """The native kernel with grouped query rows (B, Hk, G*T, D), as in _attend_grouped."""
+def _attend_native(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float, groups: int,
+                   window: int | None, sink: int) -> Tensor:
+    """Our kernel with grouped query rows (B, Hk, G*T, D), as in _attend_grouped."""
     b, h, t, d = q.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
-    out = native.cached_attention(q.contiguous().reshape(b, k.shape[1], groups * t, d), k, v, num_new, scale)
+    out = native.cached_attention(q.contiguous().reshape(b, k.shape[1], groups * t, d), k, v, q_pos.contiguous(),
+                                  k_pos.contiguous(), scale, window=window, sink=sink)
     return out.reshape(b, h, t, d)
 
 
@@ -178,14 +177,30 @@ def _attend_cached_chunk(q: Tensor, k: Tensor, v: Tensor, scale: float, groups: 
     return out.to(q.dtype)
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) -> (..., N). With the native backend, our kernel: each output element is computed by one
+    fixed sequence of operations, whatever the number of rows in the call (a decode step, a turn, a batch)."""
+    if not native.enabled():
+        return F.linear(x, weight, bias)
+    y = native.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters and state dict) computed by `linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)); gate and up are one fused matmul."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         if act == "silu":
             self.act = F.silu
         elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -232,8 +247,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.window = scale, window
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=False)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=True)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=True)

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.models.config import ModelConfig
-from kakeya_runtime.models.layers import Attention, GatedMLP, LayerKV, RMSNorm, Rotary
+from kakeya_runtime.models.layers import Linear, Attention, GatedMLP, LayerKV, RMSNorm, Rotary
 
 
 class LlamaBlock(nn.Module):
@@ -41,7 +41,7 @@ class LlamaModel(DecoderModel):
         self.layers = nn.ModuleList(LlamaBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self._register_load_state_dict_pre_hook(_strip_hf_prefix)
 
     def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict:

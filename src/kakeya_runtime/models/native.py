@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "cached_attention.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cached_attention.cpp", "invariant_linear.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
 HEAD_DIMS = (32, 64, 128, 256)  # the kernel's compiled head sizes
@@ -81,12 +81,28 @@ def supports(head_dim: int, dtype: torch.dtype) -> bool:
     return head_dim in HEAD_DIMS and dtype in (torch.float32, torch.bfloat16)
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_new: int, scale: float) -> torch.Tensor:
-    """q (B, Hk, R, D) rows ordered (group, token); k, v (B, Hk, S, D), the last `num_new` keys being the
-    new tokens (token t sees keys 0..S - num_new + t). Returns (B, Hk, R, D)."""
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                     scale: float, *, window: int | None = None, sink: int = 0) -> torch.Tensor:
+    """q (B, Hk, R, D) rows ordered (group, token), T = len(q_pos) tokens; k, v (B, Hk, S, D) at positions
+    k_pos (S,). Token t sees key j iff k_pos[j] <= q_pos[t] and, with a window, q_pos[t] - k_pos[j] < window
+    or k_pos[j] < sink. Each query's result depends only on the keys it sees. Returns (B, Hk, R, D)."""
     if _loaded is None:
         load()
-    return torch.ops.kakeya.cached_attention(q, k, v, num_new, scale)
+    return torch.ops.kakeya.cached_attention(q, k, v, q_pos, k_pos, window or 0, sink, scale)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) for x (M, K), W (N, K): each output element by one fixed sequence of operations,
+    whatever M is (csrc/invariant_linear.cpp)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.linear(x, weight, bias)
+
+
+def linear_path(dtype: torch.dtype, in_features: int, out_features: int) -> str:
+    """Which code a weight of this shape runs on here: "amx", "avx512-bf16", "avx512" or "generic"."""
+    load()
+    return torch.ops.kakeya.linear_path(1 if dtype == torch.bfloat16 else 0, in_features, out_features)
 
 
 def library_path() -> Path:
@@ -94,7 +110,8 @@ def library_path() -> Path:
     from kakeya_runtime.models.loader import cache_root  # loader imports the model code, which imports us
 
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.read_bytes())
     key.update(" ".join(CXXFLAGS).encode())
     key.update(torch.__version__.encode())
     key.update(_compiler_version().encode())
@@ -137,7 +154,7 @@ def build(path: Path) -> Path:
             os.environ.get("CXX", "g++"), *CXXFLAGS,
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
             *(f"-I{p}" for p in cpp_extension.include_paths()),
-            str(SOURCE), "-o", str(tmp),
+            *(str(s) for s in SOURCES), "-o", str(tmp),
             f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}",
         ]
         print(f"kakeya: building the attention kernel for this CPU (once) -> {path}", file=sys.stderr)
@@ -147,7 +164,7 @@ def build(path: Path) -> Path:
             raise NativeKernelError(f"no C++ compiler ({e.filename}); install g++ or set {BACKEND_ENV}=sdpa") from None
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
-            raise NativeKernelError(f"building {SOURCE.name} failed (exit {done.returncode}); set "
+            raise NativeKernelError(f"building the kernels failed (exit {done.returncode}); set "
                                     f"{BACKEND_ENV}=sdpa to run without it.\n{' '.join(cmd)}\n{done.stderr[-4000:]}")
         os.replace(tmp, path)
         return path
@@ -157,7 +174,9 @@ def _register_fake() -> None:
     """Shapes for torch.compile's tracing (engine.compiled): the op returns a tensor shaped like q."""
     if getattr(_register_fake, "done", False):
         return
-    torch.library.register_fake("kakeya::cached_attention")(lambda q, k, v, num_new, scale: q.new_empty(q.shape))
+    torch.library.register_fake("kakeya::cached_attention")(
+        lambda q, k, v, q_pos, k_pos, window, sink, scale: q.new_empty(q.shape))
+    torch.library.register_fake("kakeya::linear")(lambda x, w, bias: x.new_empty(x.shape[0], w.shape[0]))
     _register_fake.done = True
 
 

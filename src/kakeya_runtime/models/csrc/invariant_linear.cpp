@@ -1,0 +1,351 @@
+// y = x W^T (+ b) on the CPU whose every output element is computed by one fixed sequence of operations,
+// whatever the number of rows in the call: kakeya::linear.
+//
+// Why: library GEMMs pick kernels, K blockings and thread splits by shape, so a token's projection
+// changes in its last bits with the number of rows beside it (a decode step, a 21-token turn, a 512-token
+// prefill chunk, a batch of sessions). Here y[m][n] depends only on row m of x and row n of W:
+// - AMX (bf16, CPUs with AMX-BF16): tdpbf16ps over K in steps of 32, in order, from a zeroed tile. Rows of
+//   x are the columns of the B tile (padded to 16 with zeros), rows of W the rows of the A tile, loaded in
+//   place (no repacking of the weights, so a tied embedding serves as the head as it is).
+// - AVX-512 (fp32, and bf16 through vdpbf16ps): 16 fp32 partial sums per element over K in order, then one
+//   fixed lane-reduction tree (reduce16: every input vector goes through the same adds).
+// - elsewhere: at::vec partial sums over K in order, then at::vec's fixed reduction.
+// Threads split the output rows and columns only, never K. Accumulation is fp32; bias is added in fp32
+// before the one rounding to the output dtype.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#endif
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+template <typename T>
+inline float as_float(T x) {
+  return static_cast<float>(x);
+}
+
+// acc (+ bias) rounded once to the output dtype; the same routine on every path, vector part and tail alike
+// (at::vec's fp32 -> bf16 conversion rounds to nearest even, as c10's scalar one does).
+template <typename T>
+inline void store_row(float* acc, const float* bias, T* dst, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  if (bias) {
+    int64_t j = 0;
+    for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(acc + j) + Vec::loadu(bias + j)).store(acc + j);
+    for (; j < n; ++j) acc[j] += bias[j];
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(acc, acc + n, dst);
+  } else {
+    at::vec::convert(acc, dst, n);
+  }
+}
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// ---------------------------------------------------------------- AMX (bf16)
+constexpr bool kAmx = true;
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {  // Linux hands out the AMX tile state on request, once per process
+  static const bool ok = [] {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+inline void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {  // C 0-3 (16 x 16 fp32), A 4-5 (16 W rows x 32 k), B 6-7 (16 k-pairs x 16 x-rows)
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// C^T tiles for NN blocks of 16 W rows and NM blocks of 16 x rows. xt: x^T in pairs, (Mp/16, K/2, 16) of
+// uint32; w: W rows (N, K) bf16.
+template <int NN, int NM>
+inline void amx_block(const c10::BFloat16* w, int64_t K, const uint32_t* xt, int64_t n0, int64_t mb0, float* c) {
+  _tile_zero(0);
+  if constexpr (NM > 1) _tile_zero(1);
+  if constexpr (NN > 1) _tile_zero(2);
+  if constexpr (NN > 1 && NM > 1) _tile_zero(3);
+  const int64_t pairs = K / 2;
+  for (int64_t s = 0; s < K / 32; ++s) {
+    _tile_loadd(4, w + n0 * K + s * 32, K * 2);
+    if constexpr (NN > 1) _tile_loadd(5, w + (n0 + 16) * K + s * 32, K * 2);
+    _tile_loadd(6, xt + (mb0 * pairs + s * 16) * 16, 64);
+    if constexpr (NM > 1) _tile_loadd(7, xt + ((mb0 + 1) * pairs + s * 16) * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NM > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NN > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NN > 1 && NM > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);  // c: (NN * 16) n-rows x (NM * 16) m-columns, in (nn, nm) tiles of 16 x 16
+  if constexpr (NM > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (NN > 1) _tile_stored(2, c + NM * 256, 64);
+  if constexpr (NN > 1 && NM > 1) _tile_stored(3, c + 3 * 256, 64);
+}
+
+template <typename T>
+void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t mblocks = (M + 15) / 16, pairs = K / 2;
+  // x^T in pairs, zero-padded to whole 16-row blocks: (mblocks, K/2, 16) uint32 = (x[m][2p], x[m][2p+1]).
+  std::vector<uint32_t> xt(mblocks * pairs * 16, 0u);
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.const_data_ptr<c10::BFloat16>());
+  const int64_t x_row = x.stride(0) / 2;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < pairs; ++p) xt[((m / 16) * pairs + p) * 16 + m % 16] = xp[m * x_row + p];
+  const auto* wp = w.const_data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<T>();
+  const int64_t n_items = (N + 31) / 32, m_items = (mblocks + 1) / 2;
+  at::parallel_for(0, n_items * m_items, 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();
+    alignas(64) float c[4 * 256];
+    float row[32];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n0 = (item / m_items) * 32, mb0 = (item % m_items) * 2;
+      const int nn = N - n0 >= 32 ? 2 : 1, nm = mblocks - mb0 >= 2 ? 2 : 1;
+      if (nn == 2 && nm == 2) amx_block<2, 2>(wp, K, xt.data(), n0, mb0, c);
+      else if (nn == 2) amx_block<2, 1>(wp, K, xt.data(), n0, mb0, c);
+      else if (nm == 2) amx_block<1, 2>(wp, K, xt.data(), n0, mb0, c);
+      else amx_block<1, 1>(wp, K, xt.data(), n0, mb0, c);
+      // tile (in, im) sits at c + (in * nm + im) * 256 with element [n][m] at n * 16 + m
+      for (int im = 0; im < nm; ++im) {
+        for (int mm = 0; mm < 16; ++mm) {
+          const int64_t m = (mb0 + im) * 16 + mm;
+          if (m >= M) break;
+          for (int in = 0; in < nn; ++in)
+            for (int j = 0; j < 16; ++j) row[in * 16 + j] = c[(in * nm + im) * 256 + j * 16 + mm];
+          store_row(row, bias ? bias + n0 : nullptr, yp + m * y.stride(0) + n0, nn * 16);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+constexpr bool kAmx = false;
+bool amx_permitted() { return false; }
+#endif
+
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------- AVX-512 dot products
+// Sixteen vectors to one: lane j is the sum of a[j]'s lanes, every a[j] through the same tree of adds.
+inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// One K chunk of the partial sums: 16 fp32 elements (or 32 bf16 via vdpbf16ps), the tail masked to zero.
+template <typename T>
+struct Chunk;
+
+template <>
+struct Chunk<float> {
+  static constexpr int size = 16;
+  static inline __m512i load(const float* p, __mmask16 mask) { return _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, p)); }
+  static inline __m512 fma(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+  }
+};
+
+template <>
+struct Chunk<c10::BFloat16> {
+  static constexpr int size = 32;
+  static inline __m512i load(const c10::BFloat16* p, __mmask32 mask) { return _mm512_maskz_loadu_epi16(mask, p); }
+#if defined(__AVX512BF16__)
+  static inline __m512 fma(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+#endif
+};
+
+// RM rows of x against NJ rows of W (RM * NJ == 16 partial-sum vectors), reduced once at the end.
+template <typename T, int RM, int NJ>
+inline void dot_tile(const T* x, int64_t x_row, const T* w, int64_t K, float* out, int64_t out_row) {
+  using C = Chunk<T>;
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += C::size) {
+    const int64_t left = std::min<int64_t>(C::size, K - k0);
+    const auto mask = static_cast<std::conditional_t<C::size == 16, __mmask16, __mmask32>>(
+        left == C::size ? ~0ull : ((1ull << left) - 1));
+    __m512i xv[RM], wv[NJ];
+    for (int r = 0; r < RM; ++r) xv[r] = C::load(x + r * x_row + k0, mask);
+    for (int j = 0; j < NJ; ++j) wv[j] = C::load(w + j * K + k0, mask);
+    for (int r = 0; r < RM; ++r)
+      for (int j = 0; j < NJ; ++j) acc[r * NJ + j] = C::fma(acc[r * NJ + j], xv[r], wv[j]);
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(acc));
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < NJ; ++j) out[r * out_row + j] = sums[r * NJ + j];
+}
+
+template <typename T>
+void linear_dot(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const T* xp = x.const_data_ptr<T>();
+  const T* wp = w.const_data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const int64_t x_row = x.stride(0);
+  constexpr int64_t NB = 64;  // W rows per work item
+  constexpr int64_t MB = 32;  // x rows per work item
+  const int64_t n_items = (N + NB - 1) / NB, m_items = (M + MB - 1) / MB;
+  at::parallel_for(0, n_items * m_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(MB * NB);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n0 = (item / m_items) * NB, m0 = (item % m_items) * MB;
+      const int64_t nn = std::min(NB, N - n0), mm = std::min(MB, M - m0);
+      for (int64_t j = 0; j < nn; j += 4) {
+        int64_t r = 0;
+        if (j + 4 <= nn) {
+          for (; r + 4 <= mm; r += 4)
+            dot_tile<T, 4, 4>(xp + (m0 + r) * x_row, x_row, wp + (n0 + j) * K, K, acc.data() + r * NB + j, NB);
+        }
+        for (; r < mm; ++r) {  // one row against up to 4 W rows (as 1 x 16 with the extra W rows repeated)
+          for (int64_t jj = j; jj < std::min(j + 4, nn); ++jj)
+            dot_tile<T, 1, 1>(xp + (m0 + r) * x_row, x_row, wp + (n0 + jj) * K, K, acc.data() + r * NB + jj, NB);
+        }
+      }
+      for (int64_t r = 0; r < mm; ++r)
+        store_row(acc.data() + r * NB, bias ? bias + n0 : nullptr, yp + (m0 + r) * y.stride(0) + n0, nn);
+    }
+  });
+}
+
+#endif
+
+// ---------------------------------------------------------------- portable fallback
+template <typename T>
+void linear_generic(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int VS = Vec::size();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const T* xp = x.const_data_ptr<T>();
+  const T* wp = w.const_data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, M * N, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(K + VS, 0.f), wf(K + VS, 0.f);
+    int64_t cached_m = -1;
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t m = idx / N, n = idx % N;
+      if (m != cached_m) {
+        for (int64_t k = 0; k < K; ++k) xf[k] = as_float(xp[m * x.stride(0) + k]);
+        cached_m = m;
+      }
+      for (int64_t k = 0; k < K; ++k) wf[k] = as_float(wp[n * K + k]);
+      Vec acc(0.f);
+      for (int64_t k = 0; k < K; k += VS) acc = at::vec::fmadd(Vec::loadu(xf.data() + k), Vec::loadu(wf.data() + k), acc);
+      float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+      if (bias) s += bias[n];
+      yp[m * y.stride(0) + n] = static_cast<T>(s);
+    }
+  });
+}
+
+// Which path a (dtype, K, N) takes: fixed per weight, so every call on that weight computes alike.
+enum class Path { Amx, Dot, Generic };
+
+Path choose(at::ScalarType dtype, int64_t K, int64_t N) {
+  if (dtype == at::kBFloat16 && kAmx && K % 32 == 0 && N % 16 == 0 && amx_permitted()) return Path::Amx;
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) return Path::Dot;
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) return Path::Dot;
+#endif
+#endif
+  return Path::Generic;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear: CPU only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x (M, K) and w (N, K) expected");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and w must share a dtype");
+  TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "linear: rows of x and w must be contiguous");
+  const int64_t M = x.size(0), N = w.size(0);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  at::Tensor b32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias must be (N,)");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
+  const Path path = choose(x.scalar_type(), x.size(1), N);
+  if (x.scalar_type() == at::kBFloat16) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (path == Path::Amx) return linear_amx<c10::BFloat16>(x, w, bp, y), y;
+#endif
+#if defined(__AVX512BF16__)
+    if (path == Path::Dot) return linear_dot<c10::BFloat16>(x, w, bp, y), y;
+#endif
+    linear_generic<c10::BFloat16>(x, w, bp, y);
+  } else if (x.scalar_type() == at::kFloat) {
+#if defined(__AVX512F__)
+    if (path == Path::Dot) return linear_dot<float>(x, w, bp, y), y;
+#endif
+    linear_generic<float>(x, w, bp, y);
+  } else {
+    TORCH_CHECK(false, "linear: dtype ", x.scalar_type(), " not supported (float32, bfloat16)");
+  }
+  return y;
+}
+
+std::string linear_path(int64_t dtype_code, int64_t K, int64_t N) {
+  const auto dtype = dtype_code == 1 ? at::kBFloat16 : at::kFloat;
+  switch (choose(dtype, K, N)) {
+    case Path::Amx: return "amx";
+    case Path::Dot: return dtype == at::kBFloat16 ? "avx512-bf16" : "avx512";
+    default: return "generic";
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kakeya, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_path(int dtype, int k, int n) -> str", &linear_path);  // dtype 1: bf16, else fp32
+}
+
+TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("linear", &linear); }
