@@ -100,6 +100,10 @@ def attend(
     num_q = q.shape[2]
     groups = q.shape[1] // k.shape[1]
     if not trace and native.enabled():
+        if not native.supports(q.shape[3], q.dtype):
+            raise native.NativeKernelError(
+                f"head_dim {q.shape[3]} / {q.dtype} has no invariant attention kernel (head sizes "
+                f"{native.HEAD_DIMS}, float32 or bfloat16); set {native.BACKEND_ENV}=sdpa for PyTorch's kernels")
         return _attend_native(q, k, v, q_pos, k_pos, scale, groups, window, sink), None
     if not trace and num_q > 1 and k.shape[2] > num_q and window is None and _chunk_follows_cache(q_pos, k_pos):
         return _attend_cached_chunk(q, k, v, scale, groups), None

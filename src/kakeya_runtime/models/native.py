@@ -25,7 +25,7 @@ import torch
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cached_attention.cpp", "invariant_linear.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
-HEAD_DIMS = (32, 64, 128, 256)  # the kernel's compiled head sizes
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head sizes
 CXXFLAGS = ("-O3", "-march=native", "-std=c++20", "-fPIC", "-shared", "-fopenmp")
 
 
@@ -70,6 +70,12 @@ def enabled() -> bool:
     return True
 
 
+def bf16_amx() -> bool:
+    """Whether bf16 attention and projections run on AMX tiles here (CPUs with AMX-BF16)."""
+    load()
+    return bool(torch.ops.kakeya.bf16_amx())
+
+
 def bf16_dot() -> bool:
     """Whether the kernel was built with AVX512-BF16 dot products (its bf16 chunk path beats SDPA's then)."""
     load()
@@ -110,7 +116,7 @@ def library_path() -> Path:
     from kakeya_runtime.models.loader import cache_root  # loader imports the model code, which imports us
 
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in sorted(SOURCES[0].parent.iterdir()):  # the sources and the headers they share
         key.update(source.read_bytes())
     key.update(" ".join(CXXFLAGS).encode())
     key.update(torch.__version__.encode())

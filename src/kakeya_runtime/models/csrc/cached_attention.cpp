@@ -45,6 +45,8 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -60,13 +62,26 @@ constexpr bool kBf16Dot = true;
 constexpr bool kBf16Dot = false;
 #endif
 
+// bf16 dot products in pairs (vdpbf16ps) for this head size.
+template <typename T, int D>
+constexpr bool kPairs = kBf16Dot && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
+
 // What the rows of a call see: positions and the window rule.
 struct Rule {
   const int64_t* q_pos;  // (T,)
   int64_t T, window, sink;
-  inline bool sees(int64_t t, int64_t kp) const {
-    const int64_t qp = q_pos[t];
-    return kp <= qp && (window <= 0 || qp - kp < window || kp < sink);
+  // Lanes of the block at positions [base, base + BK) that token t sees, among the `present` ones.
+  inline uint32_t lanes(int64_t t, int64_t base, uint32_t present) const {
+    const int64_t qp = q_pos[t], hi = qp - base;  // the last lane causality allows
+    if (hi < 0) return 0u;
+    uint32_t m = hi >= BK - 1 ? 0xFFFFFFFFu : (1u << (hi + 1)) - 1;
+    if (window > 0) {
+      const int64_t lo = qp - window + 1 - base, sk = sink - base;  // first lane in the window; lanes below sink
+      uint32_t w = lo <= 0 ? 0xFFFFFFFFu : (lo >= BK ? 0u : ~((1u << lo) - 1));
+      if (sk > 0) w |= sk >= BK ? 0xFFFFFFFFu : (1u << sk) - 1;
+      m &= w;
+    }
+    return m & present;
   }
 };
 
@@ -105,8 +120,8 @@ inline __m512 reduce16(const __m512* a) {
 template <typename T, int D>
 inline void block_scores(const T* q, const T* const* krow, float* s) {
 #if defined(__AVX512F__)
-  constexpr bool pairs = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
-  if constexpr (pairs || std::is_same_v<T, float>) {
+  constexpr bool pairs = kPairs<T, D>;
+  if constexpr (pairs || (std::is_same_v<T, float> && D % 16 == 0)) {
     constexpr int CH = pairs ? 32 : 16;  // elements per vector step
     constexpr int NC = D / CH;
     static_assert(D % CH == 0, "head_dim must be a multiple of the vector step");
@@ -148,36 +163,87 @@ inline void block_scores(const T* q, const T* const* krow, float* s) {
   }
 }
 
-// Online softmax of one row over a block: s (BK lanes) scaled and masked by `visible`, folded into the
+// Online softmax of one row over a block: s (BK lanes) scaled and masked to the `vis` lanes, folded into the
 // running max and sum; leaves p in s (0 where masked) and returns alpha for the accumulator, or a negative
-// value when the row sees nothing here (its state stays as it is).
-inline float block_softmax(float* s, const bool* visible, float scale, float& m, float& l) {
-  float bmax = NEG_INF;
-  for (int j = 0; j < BK; ++j) {
-    s[j] = visible[j] ? s[j] * scale : NEG_INF;
-    bmax = std::max(bmax, s[j]);  // max is exact in any order
-  }
-  if (bmax == NEG_INF) return -1.f;
+// value when the row sees nothing here (its state stays as it is). Every lane goes through the same vector
+// exponential and the lane sum through one fixed tree, whichever lanes are visible.
+inline float block_softmax(float* s, uint32_t vis, float scale, float& m, float& l) {
+  static_assert(BK == 32, "two 16-lane halves");
+  if (vis == 0u) return -1.f;
+#if defined(__AVX512F__)
+  const __m512 ninf = _mm512_set1_ps(NEG_INF), sc = _mm512_set1_ps(scale);
+  const auto m0 = static_cast<__mmask16>(vis & 0xFFFFu), m1 = static_cast<__mmask16>(vis >> 16);
+  const __m512 x0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(s), sc);
+  const __m512 x1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(s + 16), sc);
+  const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));  // max is exact in any order
   const float m_new = std::max(m, bmax);
   const float alpha = std::exp(m - m_new);  // exp(-inf) = 0 on the row's first block
+  const Vec mv(m_new);
+  const __m512 p0 = _mm512_maskz_mov_ps(m0, static_cast<__m512>((Vec(x0) - mv).exp_u20()));
+  const __m512 p1 = _mm512_maskz_mov_ps(m1, static_cast<__m512>((Vec(x1) - mv).exp_u20()));
+  _mm512_storeu_ps(s, p0);
+  _mm512_storeu_ps(s + 16, p1);
+  const float sum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+#else
+  float bmax = NEG_INF;
+  for (int j = 0; j < BK; ++j) {
+    s[j] = (vis >> j) & 1u ? s[j] * scale : NEG_INF;
+    bmax = std::max(bmax, s[j]);
+  }
+  const float m_new = std::max(m, bmax);
+  const float alpha = std::exp(m - m_new);
   Vec vsum(0.f);
-  for (int j = 0; j < BK; j += VS) {  // every lane through the same vector exponential, then one fixed sum
+  for (int j = 0; j < BK; j += VS) {
     const Vec x = Vec::loadu(s + j);
     const Vec p = Vec::blendv(Vec(0.f), (x - Vec(m_new)).exp_u20(), x != Vec(NEG_INF));
     p.store(s + j);
     vsum = vsum + p;
   }
   const float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+#endif
   l = l * alpha + sum;
   m = m_new;
   return alpha;
 }
 
+#if defined(__AVX512F__)
+// out = in^T for 16 x 16 floats (rows 16 floats apart).
+inline void transpose16(const float* in, float* out) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + 16 * i);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  // r[4i + j] holds, in 128-bit lane L, column j of rows 4i..4i+3 for columns 4L + j
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);       // lanes 0,2 of rows 0-3 | lanes 0,2 of rows 4-7
+    t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);   // lanes 1,3
+    t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+  }
+  for (int j = 0; j < 4; ++j) {
+    _mm512_storeu_ps(out + 16 * j, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));          // column j
+    _mm512_storeu_ps(out + 16 * (j + 8), _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));    // column j + 8
+    _mm512_storeu_ps(out + 16 * (j + 4), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88));  // column j + 4
+    _mm512_storeu_ps(out + 16 * (j + 12), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd)); // column j + 12
+  }
+}
+#endif
+
 // acc = alpha * acc + sum over lanes (in lane order) of p_j v_j.
 template <typename T, int D>
 inline void block_pv(const float* p, const T* const* vrow, const uint32_t* vt2, float* acc, float alpha) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (kPairs<T, D>) {
     // p to bf16 pairs (lane 2i, 2i+1), against V interleaved by the same pairs: one vdpbf16ps per 16 dims.
     alignas(64) uint32_t p2[BK / 2];
     _mm512_storeu_si512(p2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p)));
@@ -194,6 +260,7 @@ inline void block_pv(const float* p, const T* const* vrow, const uint32_t* vt2, 
     return;
   }
 #endif
+  static_assert(D % VS == 0, "head_dim must be a multiple of the vector width");
   constexpr int DV = D / VS;
   Vec a[DV];
   for (int c = 0; c < DV; ++c) a[c] = Vec::loadu(acc + c * VS) * Vec(alpha);
@@ -232,50 +299,171 @@ inline void interleave_values(const c10::BFloat16* const* vrow, uint32_t* vt2) {
 }
 #endif
 
+template <typename T>
+inline bool amx_enabled() {
+#if defined(KAKEYA_AMX)
+  return std::is_same_v<T, c10::BFloat16> && kakeya_amx::permitted();
+#else
+  return false;
+#endif
+}
+
 // One work item: rows [0, R) of one (batch, head) over the blocks of one superblock.
 template <typename T, int D>
 void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_t v_row, int64_t R,
-                       const Rule& rule, int64_t t0, const int64_t* order, const int64_t* k_pos,
+                       const Rule& rule, const int64_t* order, const int64_t* k_pos,
                        const Block* blocks, int64_t nblocks, float scale, Partial st) {
   std::fill(st.acc, st.acc + R * D, 0.f);
   std::fill(st.m, st.m + R, NEG_INF);
   std::fill(st.l, st.l + R, 0.f);
   const T* krow[BK];
   const T* vrow[BK];
-  int64_t lane_pos[BK];
   alignas(64) float s[BK];
-  bool visible[BK];
   alignas(64) uint32_t vt2[BK / 2 * D];
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const Block& blk = blocks[bi];
+    const int64_t base = blk.min_pos / BK * BK;
     std::fill(krow, krow + BK, nullptr);
     std::fill(vrow, vrow + BK, nullptr);
+    uint32_t present = 0u;
     for (int64_t i = 0; i < blk.count; ++i) {
-      const int64_t j = order[blk.first + i], lane = k_pos[j] % BK;
+      const int64_t j = order[blk.first + i], lane = k_pos[j] - base;
       krow[lane] = k + j * k_row;
       vrow[lane] = v + j * v_row;
-      lane_pos[lane] = k_pos[j];
+      present |= 1u << lane;
     }
     bool interleaved = false;
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t t = t0 + r % rule.T;
-      const int64_t qp = rule.q_pos[t];
-      if (qp < blk.min_pos) continue;  // the whole block is in this row's future
-      if (rule.window > 0 && qp - blk.max_pos >= rule.window && blk.min_pos >= rule.sink) continue;
-      for (int j = 0; j < BK; ++j) visible[j] = krow[j] != nullptr && rule.sees(t, lane_pos[j]);
+      const uint32_t vis = rule.lanes(r % rule.T, base, present);
+      if (vis == 0u) continue;
       block_scores<T, D>(q + r * D, krow, s);
-      const float alpha = block_softmax(s, visible, scale, st.m[r], st.l[r]);
-      if (alpha < 0.f) continue;
+      const float alpha = block_softmax(s, vis, scale, st.m[r], st.l[r]);
+      if constexpr (kPairs<T, D>) {
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (!interleaved) interleave_values<D>(vrow, vt2);
-      }
 #endif
+      }
       interleaved = true;
       block_pv<T, D>(s, vrow, vt2, st.acc + r * D, alpha);
     }
   }
 }
+
+#if defined(KAKEYA_AMX)
+// The same work item on AMX tiles (bf16): scores as S^T = K . Q^T, one tdpbf16ps per 32 dims from a zeroed
+// tile; p . V of a block as P . V, one tdpbf16ps over the block's 16 key pairs from a zeroed tile, then
+// acc = alpha * acc + that in fp32. Each element's sequence depends only on its own query row, so a decode
+// row (in a 16-row tile with zero rows) and a prompt row compute alike.
+template <int D>
+void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_row,
+                           int64_t v_row, int64_t R, const Rule& rule, const int64_t* order, const int64_t* k_pos,
+                           const Block* blocks, int64_t nblocks, float scale, Partial st) {
+  using BF = c10::BFloat16;
+  static_assert(D % 32 == 0, "AMX path needs head_dim a multiple of 32");
+  std::fill(st.acc, st.acc + R * D, 0.f);
+  std::fill(st.m, st.m + R, NEG_INF);
+  std::fill(st.l, st.l + R, 0.f);
+  const int64_t RB = (R + 15) / 16;  // 16-row tiles
+  // Q^T in pairs per row tile: (RB, D/2, 16) uint32 = (q[r][2p], q[r][2p+1]); padding rows are zero.
+  std::vector<uint32_t> qt(RB * (D / 2) * 16, 0u);
+  const auto* q32 = reinterpret_cast<const uint32_t*>(q);
+  for (int64_t r = 0; r < R; ++r)
+    for (int p = 0; p < D / 2; ++p) qt[((r / 16) * (D / 2) + p) * 16 + r % 16] = q32[r * (D / 2) + p];
+  alignas(64) BF kb[BK * D];          // the block's keys by lane, zero rows where empty
+  alignas(64) uint32_t vt2[BK / 2 * D];
+  alignas(64) float st_tile[2 * 256];  // S^T: [key tile][key][row]
+  alignas(64) float s_tile[2 * 256];   // S: [key tile][row][key]
+  alignas(64) BF pb[16 * BK];          // P of a row tile, bf16, (16 rows, BK lanes)
+  alignas(64) float ob[16 * D];        // P . V of a row tile, (16 rows, D)
+  alignas(64) float s[BK];
+  const BF* vrow[BK];
+  float alpha[16];
+  uint32_t vis[16];
+  for (int64_t bi = 0; bi < nblocks; ++bi) {
+    const Block& blk = blocks[bi];
+    const int64_t base = blk.min_pos / BK * BK;
+    uint32_t present = 0u;
+    std::fill(vrow, vrow + BK, nullptr);
+    for (int64_t i = 0; i < blk.count; ++i) {
+      const int64_t j = order[blk.first + i];
+      present |= 1u << (k_pos[j] - base);
+      vrow[k_pos[j] - base] = v + j * v_row;
+    }
+    bool staged = false;
+    for (int64_t rb = 0; rb < RB; ++rb) {
+      const int64_t r0 = rb * 16, rn = std::min<int64_t>(16, R - r0);
+      uint32_t any = 0u;
+      for (int64_t i = 0; i < 16; ++i) any |= vis[i] = i < rn ? rule.lanes((r0 + i) % rule.T, base, present) : 0u;
+      if (any == 0u) continue;
+      if (!staged) {  // once per block: keys by lane, values interleaved by lane pairs
+        std::memset(kb, 0, sizeof(kb));
+        for (int64_t i = 0; i < blk.count; ++i) {
+          const int64_t j = order[blk.first + i];
+          std::memcpy(kb + (k_pos[j] - base) * D, k + j * k_row, D * sizeof(BF));
+        }
+        interleave_values<D>(vrow, vt2);
+        staged = true;
+      }
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int sd = 0; sd < D / 32; ++sd) {
+        _tile_loadd(4, kb + sd * 32, D * 2);
+        _tile_loadd(5, kb + 16 * D + sd * 32, D * 2);
+        _tile_loadd(6, qt.data() + (rb * (D / 2) + sd * 16) * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+      }
+      _tile_stored(0, st_tile, 64);
+      _tile_stored(1, st_tile + 256, 64);
+      transpose16(st_tile, s_tile);
+      transpose16(st_tile + 256, s_tile + 256);
+      for (int64_t i = 0; i < 16; ++i) {
+        alpha[i] = -1.f;
+        if (vis[i] != 0u) {
+          std::memcpy(s, s_tile + i * 16, 16 * sizeof(float));
+          std::memcpy(s + 16, s_tile + 256 + i * 16, 16 * sizeof(float));
+          alpha[i] = block_softmax(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i]);
+        } else {
+          std::fill(s, s + BK, 0.f);
+        }
+        at::vec::convert(s, pb + i * BK, BK);  // p rounded to bf16 (0 for rows with nothing here)
+      }
+      _tile_loadd(4, pb, BK * 2);
+      for (int d0 = 0; d0 < D; d0 += 64) {  // up to four 16-dim tiles at a time
+        const int nt = std::min(4, (D - d0) / 16);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(6, vt2 + d0, D * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_stored(0, ob + d0, D * 4);
+        if (nt > 1) {
+          _tile_loadd(7, vt2 + d0 + 16, D * 4);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_stored(1, ob + d0 + 16, D * 4);
+        }
+        if (nt > 2) {
+          _tile_loadd(6, vt2 + d0 + 32, D * 4);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_stored(2, ob + d0 + 32, D * 4);
+        }
+        if (nt > 3) {
+          _tile_loadd(7, vt2 + d0 + 48, D * 4);
+          _tile_dpbf16ps(3, 4, 7);
+          _tile_stored(3, ob + d0 + 48, D * 4);
+        }
+      }
+      for (int64_t i = 0; i < rn; ++i) {
+        if (alpha[i] < 0.f) continue;
+        float* acc = st.acc + (r0 + i) * D;
+        for (int d = 0; d < D; d += VS)
+          (Vec::loadu(acc + d) * Vec(alpha[i]) + Vec::loadu(ob + i * D + d)).store(acc + d);
+      }
+    }
+  }
+}
+#endif
 
 template <typename T, int D>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
@@ -306,6 +494,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t supers = static_cast<int64_t>(super_first.size()) - 1;
   const Rule rule{q_pos.const_data_ptr<int64_t>(), NT, window, sink};
 
+  // AMX on CPUs that have it (bf16), for every call alike: the choice depends on the machine, never the shape.
+  const bool use_amx = amx_enabled<T>();
   const T* qp = q.const_data_ptr<T>();
   const T* kbase = k.const_data_ptr<T>();
   const T* vbase = v.const_data_ptr<T>();
@@ -325,15 +515,33 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     const int64_t items = B * H * supers;
     state.resize(items * Rt * (D + 2));
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+#if defined(KAKEYA_AMX)
+      if (use_amx) kakeya_amx::configure();
+#endif
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / (H * supers), h = (item / supers) % H, sp = item % supers;
         float* base = state.data() + item * Rt * (D + 2);
+#if defined(KAKEYA_AMX)
+        if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
+          if (use_amx) {  // head sizes that are not a multiple of 32 take the dot-product path everywhere
+            attend_superblock_amx<D>(qtile.data() + (b * H + h) * Rt * D, kbase + b * k.stride(0) + h * k.stride(1),
+                                     vbase + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), Rt,
+                                     tile_rule, order.data(), kp, blocks.data() + super_first[sp],
+                                     super_first[sp + 1] - super_first[sp], scale,
+                                     Partial{base, base + Rt * D, base + Rt * D + Rt});
+            continue;
+          }
+        }
+#endif
         attend_superblock<T, D>(qtile.data() + (b * H + h) * Rt * D, kbase + b * k.stride(0) + h * k.stride(1),
                                 vbase + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), Rt, tile_rule,
-                                0, order.data(), kp, blocks.data() + super_first[sp],
+                                order.data(), kp, blocks.data() + super_first[sp],
                                 super_first[sp + 1] - super_first[sp], scale,
                                 Partial{base, base + Rt * D, base + Rt * D + Rt});
       }
+#if defined(KAKEYA_AMX)
+      if (use_amx) _tile_release();
+#endif
     });
     // Merge each row's superblocks in position order against its global max, normalise, write.
     at::parallel_for(0, B * H * Rt, 16, [&](int64_t begin, int64_t end) {
@@ -370,11 +578,13 @@ template <typename T>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
                   const at::Tensor& k_pos, int64_t window, int64_t sink, float scale, at::Tensor& out) {
   switch (q.size(3)) {
+    case 16: return run<T, 16>(q, k, v, q_pos, k_pos, window, sink, scale, out);
     case 32: return run<T, 32>(q, k, v, q_pos, k_pos, window, sink, scale, out);
     case 64: return run<T, 64>(q, k, v, q_pos, k_pos, window, sink, scale, out);
+    case 96: return run<T, 96>(q, k, v, q_pos, k_pos, window, sink, scale, out);
     case 128: return run<T, 128>(q, k, v, q_pos, k_pos, window, sink, scale, out);
     case 256: return run<T, 256>(q, k, v, q_pos, k_pos, window, sink, scale, out);
-    default: TORCH_CHECK(false, "cached_attention: head_dim ", q.size(3), " not in {32, 64, 128, 256}");
+    default: TORCH_CHECK(false, "cached_attention: head_dim ", q.size(3), " not in {16, 32, 64, 96, 128, 256}");
   }
 }
 
@@ -416,6 +626,7 @@ TORCH_LIBRARY(kakeya, m) {
   m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_pos, int window, int sink, "
         "float scale) -> Tensor");
   m.def("bf16_dot() -> bool", [] { return kBf16Dot; });  // built with AVX512-BF16 dot products
+  m.def("bf16_amx() -> bool", [] { return amx_enabled<c10::BFloat16>(); });  // bf16 attention on AMX tiles
 }
 
 TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("cached_attention", &cached_attention); }

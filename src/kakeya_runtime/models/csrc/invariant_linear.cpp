@@ -35,9 +35,9 @@
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
+
+#include "amx.h"
 
 namespace {
 
@@ -63,34 +63,10 @@ inline void store_row(float* acc, const float* bias, T* dst, int64_t n) {
   }
 }
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(KAKEYA_AMX)
 // ---------------------------------------------------------------- AMX (bf16)
 constexpr bool kAmx = true;
-
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_permitted() {  // Linux hands out the AMX tile state on request, once per process
-  static const bool ok = [] {
-    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-inline void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {  // C 0-3 (16 x 16 fp32), A 4-5 (16 W rows x 32 k), B 6-7 (16 k-pairs x 16 x-rows)
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+using kakeya_amx::permitted;
 
 // C^T tiles for NN blocks of 16 W rows and NM blocks of 16 x rows. xt: x^T in pairs, (Mp/16, K/2, 16) of
 // uint32; w: W rows (N, K) bf16.
@@ -131,7 +107,7 @@ void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
   auto* yp = y.data_ptr<T>();
   const int64_t n_items = (N + 31) / 32, m_items = (mblocks + 1) / 2;
   at::parallel_for(0, n_items * m_items, 1, [&](int64_t begin, int64_t end) {
-    load_tile_config();
+    kakeya_amx::configure();
     alignas(64) float c[4 * 256];
     float row[32];
     for (int64_t item = begin; item < end; ++item) {
@@ -157,7 +133,7 @@ void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
 }
 #else
 constexpr bool kAmx = false;
-bool amx_permitted() { return false; }
+inline bool permitted() { return false; }
 #endif
 
 #if defined(__AVX512F__)
@@ -288,7 +264,7 @@ void linear_generic(const at::Tensor& x, const at::Tensor& w, const float* bias,
 enum class Path { Amx, Dot, Generic };
 
 Path choose(at::ScalarType dtype, int64_t K, int64_t N) {
-  if (dtype == at::kBFloat16 && kAmx && K % 32 == 0 && N % 16 == 0 && amx_permitted()) return Path::Amx;
+  if (dtype == at::kBFloat16 && kAmx && K % 32 == 0 && N % 16 == 0 && permitted()) return Path::Amx;
 #if defined(__AVX512F__)
   if (dtype == at::kFloat) return Path::Dot;
 #if defined(__AVX512BF16__)
@@ -314,7 +290,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   const float* bp = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
   const Path path = choose(x.scalar_type(), x.size(1), N);
   if (x.scalar_type() == at::kBFloat16) {
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(KAKEYA_AMX)
     if (path == Path::Amx) return linear_amx<c10::BFloat16>(x, w, bp, y), y;
 #endif
 #if defined(__AVX512BF16__)

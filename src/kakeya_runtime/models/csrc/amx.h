@@ -1,0 +1,43 @@
+// AMX helpers shared by our kernels: the tile configuration they use and the per-process permission.
+#pragma once
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+#define KAKEYA_AMX 1
+
+namespace kakeya_amx {
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the AMX tile state on request, once per process.
+inline bool permitted() {
+  static const bool ok = [] {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// Every tile 16 rows x 64 bytes: C (16 x 16 fp32), A (16 rows x 32 bf16), B (16 pair-rows x 16 columns).
+inline void configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+}  // namespace kakeya_amx
+#endif
