@@ -1,11 +1,20 @@
-"""The one attention computation against a plain reference (K/V repeated per query head, fp64 softmax)."""
+"""The one attention computation against a plain reference (K/V repeated per query head, fp64 softmax), on our
+kernel (the default) and on PyTorch's (the sdpa backend)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kakeya_runtime.models import native
 from kakeya_runtime.models.layers import attend, attention_mask
+
+
+@pytest.fixture(params=["native", "sdpa"], autouse=True)
+def backend(request):
+    native.set_backend(request.param)
+    yield request.param
+    native.set_backend("native")
 
 
 def reference(q, k, v, q_pos, k_pos, scale, window, sink):
@@ -46,9 +55,9 @@ def test_attend_matches_reference(h, hk, t, s, window, sink, dtype):
 
 def test_grouped_decode_reads_a_sliced_cache():
     """Decode attends over the filled prefix of a preallocated buffer (a non-contiguous view)."""
-    buf_k, buf_v = torch.randn(1, 3, 64, 8), torch.randn(1, 3, 64, 8)
+    buf_k, buf_v = torch.randn(1, 3, 64, 16), torch.randn(1, 3, 64, 16)
     k, v = buf_k[:, :, :41], buf_v[:, :, :41]
-    q = torch.randn(1, 9, 1, 8)
+    q = torch.randn(1, 9, 1, 16)
     pos = torch.arange(41)
     out, _ = attend(q, k, v, pos[-1:], pos, scale=0.3, window=None)
     torch.testing.assert_close(out.double(), reference(q, k, v, pos[-1:], pos, 0.3, None, 0), atol=2e-5, rtol=2e-5)
@@ -63,7 +72,7 @@ def test_chunk_paths_match_reference(q_pos, k_pos):
     """A chunk over a cache takes the two-call (prefix + causal chunk) path only when the keys really are the
     prefix then the chunk; every shape of positions gives the reference result."""
     gen = torch.Generator().manual_seed(7)
-    q = torch.randn(1, 6, q_pos.shape[0], 8, generator=gen)
-    k, v = torch.randn(2, 1, 2, k_pos.shape[0], 8, generator=gen)
+    q = torch.randn(1, 6, q_pos.shape[0], 16, generator=gen)
+    k, v = torch.randn(2, 1, 2, k_pos.shape[0], 16, generator=gen)
     out, _ = attend(q, k, v, q_pos, k_pos, scale=0.3, window=None)
     torch.testing.assert_close(out.double(), reference(q, k, v, q_pos, k_pos, 0.3, None, 0), atol=2e-5, rtol=2e-5)

@@ -1,4 +1,5 @@
-"""The native attention kernel (kakeya::cached_attention) against an fp64 reference, and its routing in attend."""
+"""Our attention kernel (kakeya::cached_attention) against an fp64 reference, its invariance (a query's result
+depends only on the keys it sees), and its routing in attend."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from kakeya_runtime.models import native
 from kakeya_runtime.models.layers import attend, attention_mask
 
 
-def reference(q, k, v, num_new, scale):
-    """q (B, Hk, R, D) rows ordered (group, token); token t sees keys 0..S - num_new + t."""
+def reference(q, k, v, q_pos, k_pos, scale, window=None, sink=0):
+    """q (B, Hk, R, D) rows ordered (group, token); the window rule of the kernel, in fp64."""
     s = torch.einsum("bhrd,bhsd->bhrs", q.double(), k.double()) * scale
-    limit = k.shape[2] - num_new + torch.arange(q.shape[2]) % num_new
-    visible = torch.arange(k.shape[2])[None, :] <= limit[:, None]
+    token_pos = q_pos[torch.arange(q.shape[2]) % q_pos.shape[0]]
+    visible = attention_mask(token_pos, k_pos, window, sink)
     return torch.einsum("bhrs,bhsd->bhrd", s.masked_fill(~visible, float("-inf")).softmax(-1), v.double())
 
 
@@ -25,15 +26,22 @@ def cache_views(b, hk, s, d, dtype, gen, spare=37):
     return k, v
 
 
+def grouped(q_all, t0, t1):
+    """Rows of tokens t0..t1-1 from per-token queries (B, Hk, G, T, D), ordered (group, token)."""
+    b, hk, g, _, d = q_all.shape
+    return q_all[:, :, :, t0:t1].reshape(b, hk, g * (t1 - t0), d).contiguous()
+
+
 SHAPES = [  # (B, Hk, groups, new tokens, keys, head_dim)
-    (1, 3, 3, 1, 7129, 64),  # SmolLM2 decode over a long cache: split across threads
-    (1, 3, 3, 21, 1500, 64),  # an agent turn's append: tiled scores, causal tail
-    (2, 2, 2, 5, 300, 32),  # batch, few rows (dot-product path) with a causal chunk
+    (1, 3, 3, 1, 7129, 64),  # SmolLM2 decode over a long cache: many superblocks
+    (1, 3, 3, 21, 1500, 64),  # an agent turn's append
+    (2, 2, 2, 5, 300, 32),  # batch, a causal chunk
     (1, 1, 4, 1, 40, 256),  # Gemma 3's global layers: one K/V head, head_dim 256
     (1, 1, 4, 7, 1001, 256),  # odd key count: a missing key in the last pair
     (1, 3, 3, 1, 5, 64),  # fewer keys than a block
     (1, 4, 1, 3, 3, 128),  # the chunk is the whole cache
-    (1, 2, 4, 33, 97, 64),  # rows not a multiple of the row tile
+    (1, 2, 4, 70, 97, 64),  # more tokens than a row tile
+    (1, 2, 2, 9, 50, 16),  # the tiny test models' head size
 ]
 
 
@@ -43,12 +51,68 @@ def test_kernel_matches_fp64_reference(b, hk, g, t, s, d, dtype):
     gen = torch.Generator().manual_seed(b * 7 + t * 131 + s)
     q = torch.randn(b, hk, g * t, d, generator=gen).to(dtype)
     k, v = cache_views(b, hk, s, d, dtype, gen)
-    out = native.cached_attention(q, k, v, t, d**-0.5)
+    q_pos, k_pos = torch.arange(s - t, s), torch.arange(s)
+    out = native.cached_attention(q, k, v, q_pos, k_pos, d**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
-    want = reference(q, k, v, t, d**-0.5)
-    # fp32 accumulates in fp32; bf16 rounds inputs, probabilities (in the bf16 dot path) and the output.
+    # fp32 accumulates in fp32; bf16 rounds inputs, probabilities and the output.
     tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), reference(q, k, v, q_pos, k_pos, d**-0.5), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("window", "sink"), [(100, 0), (100, 4), (512, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_rule_matches_reference(window, sink, dtype):
+    gen = torch.Generator().manual_seed(window + sink)
+    s, t = 900, 40
+    q = torch.randn(1, 2, 3 * t, 64, generator=gen).to(dtype)
+    k, v = cache_views(1, 2, s, 64, dtype, gen)
+    q_pos, k_pos = torch.arange(s - t, s), torch.arange(s)
+    out = native.cached_attention(q, k, v, q_pos, k_pos, 0.125, window=window, sink=sink)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    want = reference(q, k, v, q_pos, k_pos, 0.125, window, sink)
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_gets_the_same_bits_in_any_call(dtype, d, threads):
+    """A fresh prompt, chunks over a cache and single decode rows: every token's output is bit-identical,
+    whichever call it ran in and however many threads ran it."""
+    gen = torch.Generator().manual_seed(d)
+    s, hk, g = 1300, 2, 3
+    k, v = cache_views(1, hk, s, d, dtype, gen)
+    q_all = torch.randn(1, hk, g, s, d, generator=gen).to(dtype)
+    pos = torch.arange(s)
+    whole = native.cached_attention(grouped(q_all, 0, s), k, v, pos, pos, d**-0.5).reshape(1, hk, g, s, d)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for t0, t1 in [(0, 1), (5, 6), (511, 513), (700, 721), (1000, 1300), (s - 1, s)]:
+            part = native.cached_attention(grouped(q_all, t0, t1), k[:, :, :t1], v[:, :, :t1], pos[t0:t1].clone(),
+                                           pos[:t1], d**-0.5)
+            assert torch.equal(part.reshape(1, hk, g, t1 - t0, d), whole[:, :, :, t0:t1]), (t0, t1)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_order_and_unseen_keys_do_not_matter(dtype):
+    """A ring cache hands keys back rotated, a sink + window cache with gaps: the same keys seen give the same
+    bits as the whole causal prefix under the window rule."""
+    gen = torch.Generator().manual_seed(4)
+    s, window, sink = 1000, 100, 4
+    k, v = cache_views(1, 2, s, 64, dtype, gen)
+    q_all = torch.randn(1, 2, 3, s, 64, generator=gen).to(dtype)
+    pos = torch.arange(s)
+    whole = native.cached_attention(grouped(q_all, 0, s), k, v, pos, pos, 0.125, window=window, sink=sink)
+    whole = whole.reshape(1, 2, 3, s, 64)
+    t = 900
+    held = torch.cat((torch.arange(sink), torch.arange(t - window + 1, t + 1)))
+    held = held[torch.randperm(held.shape[0], generator=gen)]
+    out = native.cached_attention(grouped(q_all, t, t + 1), k[:, :, held].contiguous(), v[:, :, held].contiguous(),
+                                  pos[t : t + 1].clone(), held, 0.125, window=window, sink=sink)
+    assert torch.equal(out.reshape(1, 2, 3, 1, 64), whole[:, :, :, t : t + 1])
 
 
 def test_causal_rows_ignore_later_keys():
@@ -56,11 +120,12 @@ def test_causal_rows_ignore_later_keys():
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, 1, 6, 64, generator=gen)  # 2 groups x 3 tokens
     k, v = torch.randn(1, 1, 50, 64, generator=gen), torch.randn(1, 1, 50, 64, generator=gen)
-    base = native.cached_attention(q, k, v, 3, 0.125)
+    q_pos, k_pos = torch.arange(47, 50), torch.arange(50)
+    base = native.cached_attention(q, k, v, q_pos, k_pos, 0.125)
     k2, v2 = k.clone(), v.clone()
     k2[:, :, -1] += 5.0  # the last token's own key: only rows of token 2 see it
     v2[:, :, -1] -= 5.0
-    moved = native.cached_attention(q, k2, v2, 3, 0.125)
+    moved = native.cached_attention(q, k2, v2, q_pos, k_pos, 0.125)
     token = torch.arange(6) % 3
     assert torch.equal(moved[0, 0, token < 2], base[0, 0, token < 2])
     assert not torch.allclose(moved[0, 0, token == 2], base[0, 0, token == 2])
@@ -75,32 +140,38 @@ def test_result_does_not_depend_on_the_batch_neighbour(threads):
         gen = torch.Generator().manual_seed(11)
         q = torch.randn(2, 3, 3, 64, generator=gen)
         k, v = torch.randn(2, 3, 900, 64, generator=gen), torch.randn(2, 3, 900, 64, generator=gen)
-        out = native.cached_attention(q, k, v, 1, 0.125)
+        q_pos, k_pos = torch.tensor([899]), torch.arange(900)
+        out = native.cached_attention(q, k, v, q_pos, k_pos, 0.125)
         q2, k2 = q.clone(), k.clone()
         q2[1], k2[1] = torch.randn(3, 3, 64, generator=gen), torch.randn(3, 900, 64, generator=gen)
-        assert torch.equal(native.cached_attention(q2, k2, v, 1, 0.125)[0], out[0])
+        assert torch.equal(native.cached_attention(q2, k2, v, q_pos, k_pos, 0.125)[0], out[0])
     finally:
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize(("q_shape", "k_shape", "num_new", "message"), [
-    ((1, 3, 3, 64), (1, 2, 10, 64), 1, "disagree"),  # K/V heads differ
-    ((1, 3, 3, 48), (1, 3, 10, 48), 1, "head_dim 48"),  # no compiled head size
-    ((1, 3, 4, 64), (1, 3, 10, 64), 3, "num_new"),  # rows not a multiple of the new tokens
-    ((1, 3, 3, 64), (1, 3, 2, 64), 3, "num_new"),  # more new tokens than keys
+@pytest.mark.parametrize(("q_shape", "k_shape", "q_pos", "k_pos", "message"), [
+    ((1, 3, 3, 64), (1, 2, 10, 64), [9], list(range(10)), "disagree"),  # K/V heads differ
+    ((1, 3, 3, 48), (1, 3, 10, 48), [9], list(range(10)), "head_dim 48"),  # no compiled head size
+    ((1, 3, 4, 64), (1, 3, 10, 64), [7, 8, 9], list(range(10)), "multiple of the new tokens"),
+    ((1, 3, 3, 64), (1, 3, 10, 64), [9], list(range(9)), "k_pos has 9 positions"),
+    ((1, 3, 3, 64), (1, 3, 3, 64), [2], [0, 1, 1], "given twice"),  # a position twice
+    ((1, 3, 3, 64), (1, 3, 3, 64), [2], [-1, 1, 2], "negative key position"),
 ])
-def test_bad_shapes_raise(q_shape, k_shape, num_new, message):
+def test_bad_shapes_raise(q_shape, k_shape, q_pos, k_pos, message):
     q, k = torch.randn(q_shape), torch.randn(k_shape)
     with pytest.raises(RuntimeError, match=message):
-        native.cached_attention(q, k, k.clone(), num_new, 0.1)
+        native.cached_attention(q, k, k.clone(), torch.tensor(q_pos), torch.tensor(k_pos), 0.1)
 
 
 def test_bad_dtypes_raise():
     q, k = torch.randn(1, 1, 2, 64, dtype=torch.float16), torch.randn(1, 1, 5, 64, dtype=torch.float16)
+    pos, k_pos = torch.tensor([3, 4]), torch.arange(5)
     with pytest.raises(RuntimeError, match="not supported"):
-        native.cached_attention(q, k, k, 1, 0.1)
+        native.cached_attention(q, k, k, pos, k_pos, 0.1)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        native.cached_attention(q.float(), k, k, 1, 0.1)
+        native.cached_attention(q.float(), k, k, pos, k_pos, 0.1)
+    with pytest.raises(RuntimeError, match="int64"):
+        native.cached_attention(q.float(), k.float(), k.float(), pos.int(), k_pos, 0.1)
 
 
 def _ran_native(fn) -> bool:
@@ -109,16 +180,17 @@ def _ran_native(fn) -> bool:
     return any(e.key == "kakeya::cached_attention" for e in prof.key_averages())
 
 
-@pytest.mark.parametrize(("t", "dtype", "routed"), [
-    (1, torch.float32, True),  # decode: the kernel in both dtypes
-    (1, torch.bfloat16, True),
-    (9, torch.float32, False),  # an fp32 chunk: SDPA's GEMMs
-    (9, torch.bfloat16, None),  # a bf16 chunk: the kernel where the CPU has bf16 dot products
+@pytest.mark.parametrize(("t", "s", "window"), [
+    (1, 400, None),  # decode
+    (9, 400, None),  # a chunk over a cache
+    (40, 40, None),  # a fresh prompt
+    (9, 400, 64),  # a windowed chunk (Gemma's sliding layers, sink_window)
 ])
-def test_attend_routes_to_the_kernel(t, dtype, routed):
-    """attend takes the kernel where it is faster and gives the reference result either way."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_routes_every_case_to_the_kernel(t, s, window, dtype):
+    """With the native backend every attention call runs on the kernel (one computation for every shape) and
+    gives the reference result."""
     gen = torch.Generator().manual_seed(5)
-    s = 400
     q = torch.randn(1, t, 9, 64, generator=gen).transpose(1, 2).to(dtype)  # (B, H, T, D) strided like the model's
     k, v = cache_views(1, 3, s, 64, dtype, gen)
     q_pos, k_pos = torch.arange(s - t, s), torch.arange(s)
@@ -126,14 +198,21 @@ def test_attend_routes_to_the_kernel(t, dtype, routed):
 
     def call():
         nonlocal out
-        out, _ = attend(q, k, v, q_pos, k_pos, scale=0.125, window=None)
+        out, _ = attend(q, k, v, q_pos, k_pos, scale=0.125, window=window)
 
-    expected = native.bf16_dot() if routed is None else routed
-    assert _ran_native(call) is expected
+    assert _ran_native(call)
     kr, vr = k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1)
-    scores = (q.double() @ kr.transpose(-1, -2) * 0.125).masked_fill(~attention_mask(q_pos, k_pos, None), float("-inf"))
+    mask = attention_mask(q_pos, k_pos, window)
+    scores = (q.double() @ kr.transpose(-1, -2) * 0.125).masked_fill(~mask, float("-inf"))
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), scores.softmax(-1) @ vr, atol=tol, rtol=tol)
+
+
+def test_unsupported_head_size_is_an_error_not_a_fallback():
+    q, k = torch.randn(1, 2, 1, 48), torch.randn(1, 2, 10, 48)
+    pos = torch.arange(10)
+    with pytest.raises(native.NativeKernelError, match="head_dim 48"):
+        attend(q, k, k, pos[-1:], pos, scale=0.1, window=None)
 
 
 def test_sdpa_backend_turns_the_kernel_off():
@@ -162,18 +241,24 @@ def test_build_is_keyed_by_source_and_machine():
 
 
 def test_compiles_under_torch_compile():
-    """engine.compiled traces attend: the op has a fake implementation and runs inside the compiled graph."""
+    """engine.compiled traces attend and the projections: both ops have fake implementations."""
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(1, 3, 3, 64, generator=gen)
     k, v = torch.randn(1, 3, 200, 64, generator=gen), torch.randn(1, 3, 200, 64, generator=gen)
-    fn = torch.compile(lambda q, k, v: native.cached_attention(q, k, v, 1, 0.125) * 2.0, fullgraph=True)
-    torch.testing.assert_close(fn(q, k, v), native.cached_attention(q, k, v, 1, 0.125) * 2.0)
+    q_pos, k_pos = torch.tensor([199]), torch.arange(200)
+    w = torch.randn(32, 64, generator=gen)
+
+    def fn(q, k, v):
+        out = native.cached_attention(q, k, v, q_pos, k_pos, 0.125)
+        return native.linear(out.reshape(-1, 64), w) * 2.0
+
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True)(q, k, v), fn(q, k, v))
 
 
 @pytest.mark.real_model
 def test_real_model_turn_matches_sdpa(smollm2_bf16, english_text):
-    """SmolLM2 in bf16, an agent-shaped turn (a long prefill, a 21-token append, decode steps) with the kernel
-    and with SDPA: the same greedy tokens and next-token distributions within bf16 noise."""
+    """SmolLM2 in bf16, an agent-shaped turn (a long prefill, a 21-token append, decode steps) on our kernels
+    and on PyTorch's: the same greedy tokens and next-token distributions within bf16 noise."""
     from kakeya_runtime.engine.generate import Engine
 
     engine = Engine(smollm2_bf16.model)

@@ -131,6 +131,33 @@ class Engine:
         finally:
             cache.end_step()
 
+    @torch.inference_mode()
+    def decode_rows(self, caches: Sequence[ModelKV], token_ids: Sequence[int]) -> Tensor:
+        """One decode step for several independent sequences at once (one token each, each cache its own
+        length and policy): projections and MLP batched, attention per row. Returns fp32 logits (N, V), row i
+        bit-identical to `decode_step(caches[i], ...)` alone."""
+        if len(caches) != len(token_ids) or not caches:
+            raise GenerationError(f"need one token per cache, got {len(token_ids)} tokens for {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise GenerationError("a cache appears twice in one batched step")
+        for c in caches:
+            if c.batch != 1:
+                raise GenerationError(f"decode_rows takes single-sequence caches, got batch {c.batch}")
+            if c.length >= c.capacity:
+                raise GenerationError(f"cache overflow: t={c.length} must be < capacity={c.capacity}")
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device).T  # (N, 1)
+        self._check_ids(_Rows(len(caches)), ids)
+        positions = torch.tensor([c.length for c in caches], device=self.device)
+        begun: list[ModelKV] = []
+        try:
+            for i, c in enumerate(caches):
+                c.begin_step(ids[i : i + 1], c.length)
+                begun.append(c)
+            return self.model.forward_rows(ids, positions, caches).logits[:, -1]
+        finally:
+            for c in begun:
+                c.end_step()
+
     def stream(self, cache: ModelKV, new_ids: Tensor, request: GenerateRequest,
                should_stop: Callable[[], bool] | None = None) -> TokenStream:
         """Prefill `new_ids` (B, T >= 1) onto the cache, then sample up to max_new_tokens.
@@ -157,6 +184,13 @@ class Engine:
             pass
         assert stream.result is not None
         return stream.result
+
+
+class _Rows:
+    """What _check_ids reads of a cache, for a batch of single-sequence caches."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
 
 
 class TokenStream:

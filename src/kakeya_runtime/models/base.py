@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from kakeya_runtime.models.config import ModelConfig
-from kakeya_runtime.models.layers import LayerKV, linear
+from kakeya_runtime.models.layers import LayerKV, RowCaches, linear
 
 
 class Logits(enum.Enum):
@@ -92,3 +92,21 @@ class DecoderModel(nn.Module):
         elif logits is Logits.LAST:
             out = self.project(h[:, -1:])
         return ForwardOutput(out, row, h if return_hidden else None)
+
+    def forward_rows(self, input_ids: Tensor, positions: Tensor, caches: Sequence[Sequence[LayerKV]]) -> ForwardOutput:
+        """One new token for each of B independent sequences (a batched decode step across sessions):
+        input_ids (B, 1), positions (B,), caches[b] row b's per-layer caches. Returns logits (B, 1, V); each row's
+        are bit-identical to running that row alone."""
+        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            raise ValueError(f"input_ids must be (B, 1), got shape {tuple(input_ids.shape)}")
+        if positions.shape != (input_ids.shape[0],) or len(caches) != input_ids.shape[0]:
+            raise ValueError(f"need one position and one cache per row: {input_ids.shape[0]} rows, "
+                             f"positions {tuple(positions.shape)}, {len(caches)} caches")
+        num_layers = len(self.layers)
+        if any(len(c) != num_layers for c in caches):
+            raise ValueError(f"every cache needs {num_layers} layers")
+        h = self.embed(input_ids)  # (B, 1, C)
+        rope = self.rope_tables(positions, h.dtype)  # tables (B, D): one position per row
+        for i in range(num_layers):
+            h, _ = self.layer_forward(i, h, positions, rope, RowCaches([c[i] for c in caches]), False)
+        return ForwardOutput(self.project(self.norm(h)), None)

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.models.config import SLIDING_ATTENTION, ModelConfig
-from kakeya_runtime.models.layers import Linear, Attention, GatedMLP, LayerKV, RMSNorm, Rotary
+from kakeya_runtime.models.layers import Attention, GatedMLP, LayerKV, Linear, RMSNorm, Rotary
 from kakeya_runtime.models.llama import _strip_hf_prefix
 
 

@@ -5,6 +5,7 @@ Shapes: B batch, T new tokens, S keys attended, H query heads, Hk key/value head
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -21,6 +22,17 @@ class LayerKV(Protocol):
         """Store the new post-RoPE K/V (B, Hk, T, D) at `positions` (T,); return the keys and values
         the new queries may attend to, (B, Hk, S, D) each, and their positions (S,)."""
         ...
+
+
+class RowCaches:
+    """One layer's caches for rows that are independent sequences, one new token each (a decode step of several
+    sessions in one forward): projections and MLP run over all rows at once, attention per row over its own
+    cache. Every op is row-wise or row-invariant, so a row's result is the one it gets alone."""
+
+    __slots__ = ("caches",)
+
+    def __init__(self, caches: Sequence[LayerKV]) -> None:
+        self.caches = list(caches)
 
 
 class RMSNorm(nn.Module):
@@ -276,6 +288,12 @@ class Attention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if isinstance(cache, RowCaches):  # positions (B,): row b's token sits at positions[b]
+            cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            out = torch.cat([self._attend_row(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1], c)
+                             for i, c in enumerate(cache.caches)])
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.q_size)), None
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             k_all, v_all, k_pos = k, v, positions
@@ -287,3 +305,8 @@ class Attention(nn.Module):
                           sink=sink)
         out = out.transpose(1, 2).reshape(b, t, self.q_size)  # (B, T, H*D)
         return self.o_proj(out), row
+
+    def _attend_row(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache: LayerKV) -> Tensor:
+        k_all, v_all, k_pos = cache.update_and_fetch(k, v, positions)
+        sink, window = getattr(cache, "attention_rule", None) or (0, self.window)
+        return attend(q, k_all, v_all, positions, k_pos, scale=self.scale, window=window, sink=sink)[0]
