@@ -53,17 +53,40 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotate-half RoPE (the Hugging Face convention) with a fixed base."""
+    """Rotate-half RoPE (the Hugging Face convention) with a fixed base.
+
+    cos/sin come from a table built in blocks of TABLE_BLOCK positions, each by the same fixed-shape float64
+    computation (small enough to run on one thread), then read by position. A position's angles are therefore
+    the same bits in a decode step, a turn or a prompt (a vectorised cos over a tensor whose size varies sends
+    some elements through a scalar tail with other rounding), and the same at any thread count.
+    """
+
+    TABLE_BLOCK = 256
 
     def __init__(self, head_dim: int, base: float) -> None:
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._tables: dict[torch.dtype, tuple[Tensor, Tensor]] = {}  # per dtype: cos, sin (positions, D)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 0, dtype)
+        return cos[positions], sin[positions]  # (T, D): copies of table rows
+
+    def _table(self, needed: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        cos, sin = self._tables.get(dtype, (None, None))
+        have = 0 if cos is None else cos.shape[0]
+        if have >= needed:
+            return cos, sin
+        new_cos, new_sin = [cos] if cos is not None else [], [sin] if sin is not None else []
+        for start in range(have, needed, self.TABLE_BLOCK):
+            pos = torch.arange(start, start + self.TABLE_BLOCK, device=self.inv_freq.device)
+            freqs = pos.float()[:, None] * self.inv_freq[None, :]  # (block, D/2): fp32, exact products
+            half_cos, half_sin = freqs.double().cos().float(), freqs.double().sin().float()
+            new_cos.append(torch.cat((half_cos, half_cos), dim=-1).to(dtype))
+            new_sin.append(torch.cat((half_sin, half_sin), dim=-1).to(dtype))
+        self._tables[dtype] = (torch.cat(new_cos), torch.cat(new_sin))
+        return self._tables[dtype]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -1,0 +1,89 @@
+"""Our projection kernel (kakeya::linear): right against an fp64 reference, and a row's result independent of the
+rows beside it and of the thread count (decode, turns, prompts and batches of sessions compute alike)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kakeya_runtime.models import native
+from kakeya_runtime.models.layers import Linear, linear
+
+SHAPES = [  # (N, K): SmolLM2's fused qkv, o, fused gate/up, down; Gemma 3's head width; odd sizes
+    (960, 576), (576, 576), (3072, 576), (576, 1536), (1536, 640), (100, 70), (17, 33), (48, 16),
+]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_fp64_reference(n, k, dtype, bias):
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(37, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    y = native.linear(x, w, b)
+    assert y.shape == (37, n) and y.dtype == dtype
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the fp32 sum
+    torch.testing.assert_close(y.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (3072, 576), (100, 70), (1536, 640)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_in_any_call(n, k, dtype, threads):
+    """Row i of a 512-row call equals row i computed in calls of 1, 2, 3, 7, 16, 17, 21, 33, 64 and 100 rows, at
+    any offset, on 1 or 2 threads. A library GEMM fails this (its kernels and blockings change with M)."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(512, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    whole = native.linear(x, w)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 2, 3, 7, 16, 17, 21, 33, 64, 100):
+            for off in (0, 3, 200):
+                assert torch.equal(native.linear(x[off : off + m], w), whole[off : off + m]), (m, off)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_layers_linear_keeps_leading_dims_and_strided_rows():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 3, 64, generator=gen).transpose(1, 2)  # (2, 3, 5, 64), rows not contiguous overall
+    w = torch.randn(48, 64, generator=gen)
+    y = linear(x, w)
+    assert y.shape == (2, 3, 5, 48)
+    torch.testing.assert_close(y, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_module_is_an_nn_linear_with_the_same_state_dict():
+    lin = torch.nn.Linear(64, 32)
+    ours = Linear(64, 32)
+    ours.load_state_dict(lin.state_dict())
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(ours(x), lin(x), atol=1e-5, rtol=1e-5)
+    assert isinstance(ours, torch.nn.Linear)
+
+
+def test_path_is_chosen_per_weight_not_per_call():
+    """The code a weight runs on depends on its dtype and shape (and the CPU), never on the number of rows."""
+    path = native.linear_path(torch.bfloat16, 576, 960)
+    assert path in ("amx", "avx512-bf16", "generic")
+    assert native.linear_path(torch.float32, 576, 960) in ("avx512", "generic")
+    if native.bf16_amx():
+        assert path == "amx"
+
+
+def test_bad_inputs_raise():
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        native.linear(x.bfloat16(), w)
+    with pytest.raises(RuntimeError, match=r"\(M, K\)"):
+        native.linear(x, torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="bias must be"):
+        native.linear(x, w, torch.randn(5))
+    with pytest.raises(RuntimeError, match="not supported"):
+        native.linear(x.half(), w.half())
