@@ -26,14 +26,19 @@ def test_bench_engine_cli_on_tiny_model_writes_valid_json(tmp_path):
     errors = [r for r in run["jobs"] if "error" in r]
     assert not errors, errors
     kinds = [r["job"]["kind"] for r in run["jobs"]]
-    assert kinds.count("ours") == 2 and kinds.count("fidelity") == 1 and kinds.count("long_prefill") == 1
+    # bf16 twice (our invariant kernels, and PyTorch's as the previous path), int4 once
+    assert kinds.count("ours") == 3 and kinds.count("fidelity") == 1 and kinds.count("long_prefill") == 1
+    assert sorted(r["kernels"] for r in run["jobs"] if r["job"]["kind"] == "ours") == ["native", "native", "sdpa"]
     for r in run["jobs"]:
         if r["job"]["kind"] == "ours":
             assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["ttft_s"] > 0
             assert r["decode_steps"] == 4 and r["peak_rss_process"] >= r["peak_rss_run"] > 0
             assert r["weight_bytes"] > 0
     (row,) = run["summary"]["rows"]
-    assert set(row["formats"]) == {"bf16", "int4"} and row["peers"] == {}
+    assert set(row["formats"]) == {"bf16", "int4", "bf16@sdpa"} and row["peers"] == {}
+    ratios = row["invariant_vs_previous"]["bf16"]
+    assert ratios["prefill"] > 0 and ratios["decode"] > 0
+    assert "Invariant kernels (default) vs PyTorch's" in out.with_suffix(".md").read_text()
     fid = run["summary"]["fidelity"]["tiny"]["int4"]
     assert fid["positions"] == 32 and 0.0 <= fid["top1_agree"] <= 1.0 and fid["kl_mean"] >= 0.0
     assert out.with_suffix(".md").read_text().startswith("# Engine benchmark")
@@ -42,8 +47,11 @@ def test_bench_engine_cli_on_tiny_model_writes_valid_json(tmp_path):
 def test_plan_runs_fidelity_before_speed_and_peers_once_per_model():
     spec = EngineBenchSpec(models=("smollm2",), contexts=(1024, 4096), formats=("bf16", "int4"),
                            long_prefill=(), long_prefill_model=None)
-    kinds = [j["kind"] for j in plan_jobs(spec)]
-    assert kinds == ["fidelity", "ours", "ours", "ours", "ours", "transformers", "llamacpp", "llamacpp"]
+    jobs = plan_jobs(spec)
+    kinds = [j["kind"] for j in jobs]
+    assert kinds == ["fidelity"] + ["ours"] * 6 + ["transformers", "llamacpp", "llamacpp"]
+    assert [(j["fmt"], j["kernels"]) for j in jobs if j["kind"] == "ours"][:3] == [
+        ("bf16", "native"), ("bf16", "sdpa"), ("int4", "native")]
 
 
 def test_summary_ratios_and_targets():

@@ -53,6 +53,8 @@ def engine_cmd(
     head: str = typer.Option("int8", help="LM head format for the int formats: int8 or int4."),
     threads: int = typer.Option(0, help="Threads for every engine (0: torch's default)."),
     idle_wait: float = typer.Option(90.0, help="Seconds to wait for an idle CPU before each job."),
+    previous: str = typer.Option("bf16,fp32", help="Formats also run on PyTorch's kernels (not invariant) as the "
+                                 "peer of our invariant ones ('' to skip)."),
     out: str = typer.Option("", help="Output JSON (default results/engine/engine_<machine>.json)."),
 ) -> None:
     """Prefill/decode tok/s, TTFT, peak RSS and fidelity per model x context x format, vs peers."""
@@ -73,7 +75,7 @@ def engine_cmd(
         models=_csv(models), contexts=_ints(contexts), formats=fmts, compile=compile, peers=peers,
         decode_steps=decode_steps, fidelity_positions=fidelity_positions, long_prefill=_ints(long_prefill),
         long_prefill_model=long_prefill_model or None, long_prefill_chunks=_ints(long_prefill_chunks),
-        threads=threads or None, idle_wait_s=idle_wait, prefill_chunk=prefill_chunk,
+        threads=threads or None, idle_wait_s=idle_wait, prefill_chunk=prefill_chunk, previous_formats=_csv(previous),
         extra_ours={**({} if prefill_mode == "dequant" else {"prefill": prefill_mode}),
                     **({} if head == "int8" else {"head": head})},
     )
@@ -85,6 +87,7 @@ def engine_cmd(
         "--long-prefill", long_prefill, "--long-prefill-model", long_prefill_model,
         "--long-prefill-chunks", long_prefill_chunks, "--prefill-chunk", str(prefill_chunk),
         "--prefill-mode", prefill_mode, "--head", head, "--threads", str(threads), "--idle-wait", str(idle_wait),
+        "--previous", previous,
     ])
     out_path = Path(out) if out else Path("results/engine") / f"engine_{machine_slug()}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)

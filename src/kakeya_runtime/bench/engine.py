@@ -60,6 +60,9 @@ class EngineBenchSpec:
     idle_wait_s: float = 90.0  # per job, wait at most this long for an idle machine
     job_timeout_s: float = 1800.0
     extra_ours: dict[str, Any] = field(default_factory=dict)  # passed to every `ours` job (head, prefill ...)
+    # Formats also run on PyTorch's own kernels (the sdpa backend: library GEMMs and SDPA, not invariant), as the
+    # peer of our invariant kernels in the same run; they show as "<fmt>@sdpa".
+    previous_formats: tuple[str, ...] = ("bf16", "fp32")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -75,8 +78,10 @@ def plan_jobs(spec: EngineBenchSpec) -> list[dict[str, Any]]:
                      "positions": spec.fidelity_positions, "ref_file": ref, **spec.extra_ours})
         for ctx in spec.contexts:
             for fmt in spec.formats:
-                jobs.append({"kind": "ours", "model": model, "fmt": fmt, "ctx": ctx, "compile": spec.compile,
-                             "steps": spec.decode_steps, "chunk": spec.prefill_chunk, **spec.extra_ours})
+                for kernels in ("native", "sdpa") if fmt in spec.previous_formats else ("native",):
+                    jobs.append({"kind": "ours", "model": model, "fmt": fmt, "ctx": ctx, "compile": spec.compile,
+                                 "steps": spec.decode_steps, "chunk": spec.prefill_chunk, "kernels": kernels,
+                                 **spec.extra_ours})
         if spec.peers and model not in TINY_MODELS:
             jobs.append({"kind": "transformers", "model": model, "contexts": list(spec.contexts),
                          "steps": spec.decode_steps, "positions": spec.fidelity_positions, "ref_file": ref})
@@ -174,7 +179,8 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         if "error" in r:
             continue
         if job["kind"] == "ours":
-            ours[(job["model"], job["ctx"], job["fmt"])] = r
+            kernels = job.get("kernels", "native")
+            ours[(job["model"], job["ctx"], job["fmt"] if kernels == "native" else f"{job['fmt']}@{kernels}")] = r
         elif job["kind"] == "transformers":
             for ctx, m in r["contexts"].items():
                 peers[(job["model"], int(ctx), "transformers")] = {**m, "cpu_busy_before": r.get("cpu_busy_before")}
@@ -204,6 +210,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
                     row["peers"][name] = _speed(r)
             for s in row["formats"].values():
                 s["vs"] = {name: _ratios(s, p) for name, p in row["peers"].items()}
+            # The invariant kernels against PyTorch's on the same format (ratio > 1: ours faster).
+            row["invariant_vs_previous"] = {fmt: _ratios(row["formats"][fmt], row["formats"][f"{fmt}@sdpa"])
+                                            for fmt in list(row["formats"]) if f"{fmt}@sdpa" in row["formats"]}
             rows.append(row)
             targets += _targets(row)
     return {"rows": rows, "fidelity": fidelity, "long_prefill": long_prefill, "targets": targets}
@@ -286,6 +295,12 @@ def render_markdown(run: dict[str, Any]) -> str:
         for r in s["long_prefill"]:
             lines.append(f"| {r['model']} | {r['tokens']} | {r['chunk']} | {r['prefill_s']:.1f} | "
                          f"{_mib(r['kv_bytes'])} | {_mib(r['prefill_peak_over_before'])} |")
+    pairs = [(row, fmt, r) for row in s["rows"] for fmt, r in row.get("invariant_vs_previous", {}).items()]
+    if pairs:
+        lines += ["", "## Invariant kernels (default) vs PyTorch's (`KAKEYA_ATTENTION=sdpa`), same format", "",
+                  "| model | ctx | format | prefill ratio | decode ratio |", "|---|---|---|---|---|"]
+        for row, fmt, r in pairs:
+            lines.append(f"| {row['model']} | {row['ctx']} | {fmt} | {_x(r['prefill'])} | {_x(r['decode'])} |")
     if s["targets"]:
         lines += ["", "## Targets (met: on the mean; the median ratio beside it)", "",
                   "| target | where | format | ratio | median ratio | met |", "|---|---|---|---|---|---|"]
@@ -391,8 +406,10 @@ def job_ours(job: dict[str, Any]) -> dict[str, Any]:
     from kakeya_runtime.bench.machine import current_rss_bytes, peak_rss_bytes, reset_peak_rss
     from kakeya_runtime.engine.generate import Engine, GenerateRequest
     from kakeya_runtime.engine.weights import WeightFormat, quantize_model
+    from kakeya_runtime.models import native
 
     threads = _set_threads(job.get("threads"))
+    native.set_backend(job.get("kernels", "native"))  # this job's process only
     fmt = WeightFormat(job["fmt"])
     t0 = time.perf_counter()
     # Quantized formats start from fp32 weights: the loader's fp32 copy holds the GGUF values exactly.
@@ -425,6 +442,8 @@ def job_ours(job: dict[str, Any]) -> dict[str, Any]:
     decode_steps = res.decode_tokens - 1  # the first token comes from prefill
     return {
         "threads": threads,
+        "kernels": native.backend(),
+        "amx": native.bf16_amx() if native.enabled() else None,  # our kernels' bf16 path here
         "load_s": round(load_s, 2),
         "compile_s": None if compile_s is None else round(compile_s, 1),
         "weight_bytes": report.weight_bytes_after,
