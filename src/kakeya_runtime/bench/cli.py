@@ -133,14 +133,15 @@ def attention_cmd(
     lengths: str = typer.Option("1024,4096,7168", help="Cache lengths (keys)."),
     chunks: str = typer.Option("1,21,128", help="New tokens per call (1: decode)."),
     dtypes: str = typer.Option("bfloat16,float32", help="K/V and query dtypes."),
+    prompts: str = typer.Option("512", help="Fresh prompt lengths (causal attention over themselves; '' to skip)."),
     threads: int = typer.Option(0, help="Threads (0: torch's default)."),
     out: str = typer.Option("results/attention/attention.json", help="Output JSON."),
 ) -> None:
-    """Per-layer attention over a cache: our kernel vs PyTorch's SDPA path, SmolLM2 shapes, same run."""
+    """Per-layer attention: our invariant kernel vs PyTorch's SDPA path, SmolLM2 shapes, same run."""
     from kakeya_runtime.bench.attention import command
 
-    command(lengths=_ints(lengths), chunks=_ints(chunks), dtypes=_csv(dtypes), threads=threads or None,
-            out=Path(out))
+    command(lengths=_ints(lengths), chunks=_ints(chunks), dtypes=_csv(dtypes), prompts=_ints(prompts),
+            threads=threads or None, out=Path(out))
 
 
 def _register_niah() -> None:
