@@ -43,8 +43,12 @@ class SamplingParams:
 
 
 def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Temperature, then top-k, then top-p over (B, V) fp32 logits; removed entries become -inf."""
-    x = logits / params.temperature
+    """Temperature, then top-k, then top-p over (B, V) fp32 logits; removed entries become -inf.
+
+    The max is subtracted before dividing by the temperature, so any temperature in (0, 100] is exact and
+    finite: the best logit maps to 0 and the rest to at most 0 (-inf when a tiny temperature underflows them),
+    where dividing first overflows to inf - inf = NaN below ~1e-37."""
+    x = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = x.shape[-1]
     if params.top_k and params.top_k < vocab:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]

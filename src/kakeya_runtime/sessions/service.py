@@ -408,10 +408,10 @@ class SessionService:
             store.fail(session, v)
             job.emit(v)
             return
-        except Exception as e:  # an engine error: the session survives only if still consistent
+        except Exception as e:  # an engine error: roll the session back to its last consistent state
             try:
-                store.check(session)
-            except InvariantViolation as v:
+                store.roll_back(session)
+            except InvariantViolation as v:  # the session's own record broke: that is a real violation
                 store.fail(session, v)
                 job.emit(v)
                 return
@@ -420,7 +420,9 @@ class SessionService:
             if isinstance(e, PositionLimitError):  # the store's context checks should make this unreachable
                 job.emit(ResourceExhausted(f"generation stopped at the model's position limit: {e}"))
             else:
-                job.emit(InternalError(f"generation failed: {type(e).__name__}: {e}"))
+                _log.exception("Generate on session %s failed; the session was rolled back", session.id)
+                job.emit(InternalError(f"generation failed ({type(e).__name__}); the session was rolled back to "
+                                       f"its last committed token and can be used again"))
             return
         eaf = self._record_attention(session)
         result = stream.result

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kakeya_runtime.kv.cache import ModelKV
+from kakeya_runtime.kv.cache import CacheError, ModelKV
 from kakeya_runtime.kv.idle import is_compressed
 from kakeya_runtime.sessions.errors import (
     FailedPrecondition,
@@ -387,6 +387,27 @@ class SessionStore:
         with self._lock:
             session.cache = cache
             self.check(session)
+
+    def roll_back(self, session: Session) -> bool:
+        """After an engine error mid-Generate: bring the cache back to the session's record (history[:cached_length],
+        every token committed before the error included). A cache that cannot trim that far (a ring that already
+        overwrote the positions it would need) is dropped instead, and the next Generate rebuilds it from the
+        history: bit-exact, since a position's K/V do not depend on how its prefill was chunked. Returns whether
+        the cache was kept. Raises InvariantViolation only if the session's own record is inconsistent."""
+        with self._lock:
+            cache = session.cache
+            kept = True
+            if cache is not None and not is_compressed(cache) and cache.length != session.cached_length:
+                try:
+                    cache.trim(session.cached_length)
+                except (CacheError, ValueError):
+                    kept = False
+            if not kept:
+                session.cache = None
+                session.cached_length = 0
+                session.position_high_water = 0  # the rebuild starts again from position 0
+            self.check(session)
+            return kept
 
     def pending_tokens(self, session: Session) -> list[int]:
         """What the next prefill consumes: history[cached_length:] (incremental prefill)."""

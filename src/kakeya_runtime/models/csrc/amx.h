@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #define KAKEYA_AMX 1
 
@@ -38,6 +39,16 @@ inline void configure() {
   }
   _tile_loadconfig(&cfg);
 }
+
+// Tile rows are 64 bytes: buffers that tiles load from start on a cache line, so no row straddles two.
+template <typename T>
+struct AlignedBuffer {
+  T* data = nullptr;
+  explicit AlignedBuffer(size_t n) : data(static_cast<T*>(std::aligned_alloc(64, ((n * sizeof(T) + 63) / 64) * 64))) {}
+  ~AlignedBuffer() { std::free(data); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+};
 
 }  // namespace kakeya_amx
 #endif

@@ -46,6 +46,7 @@
 #endif
 
 #include "amx.h"
+#include "transpose.h"
 
 namespace {
 
@@ -206,38 +207,6 @@ inline float block_softmax(float* s, uint32_t vis, float scale, float& m, float&
   return alpha;
 }
 
-#if defined(__AVX512F__)
-// out = in^T for 16 x 16 floats (rows 16 floats apart).
-inline void transpose16(const float* in, float* out) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + 16 * i);
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  // r[4i + j] holds, in 128-bit lane L, column j of rows 4i..4i+3 for columns 4L + j
-  for (int j = 0; j < 4; ++j) {
-    t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);       // lanes 0,2 of rows 0-3 | lanes 0,2 of rows 4-7
-    t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);   // lanes 1,3
-    t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
-    t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
-  }
-  for (int j = 0; j < 4; ++j) {
-    _mm512_storeu_ps(out + 16 * j, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));          // column j
-    _mm512_storeu_ps(out + 16 * (j + 8), _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));    // column j + 8
-    _mm512_storeu_ps(out + 16 * (j + 4), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88));  // column j + 4
-    _mm512_storeu_ps(out + 16 * (j + 12), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd)); // column j + 12
-  }
-}
-#endif
 
 // acc = alpha * acc + sum over lanes (in lane order) of p_j v_j.
 template <typename T, int D>
@@ -282,13 +251,13 @@ inline void block_pv(const float* p, const T* const* vrow, const uint32_t* vt2, 
 }
 
 #if defined(__AVX512BF16__)
-// V of a block interleaved by lane pairs, vt2 (BK/2, D) of (v[2i][d], v[2i+1][d]); empty lanes are zero.
-template <int D>
+// V of a block of NL lanes interleaved by lane pairs, vt2 (NL/2, D) of (v[2i][d], v[2i+1][d]); empty lanes are zero.
+template <int D, int NL = BK>
 inline void interleave_values(const c10::BFloat16* const* vrow, uint32_t* vt2) {
   static const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                              39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   static const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int j = 0; j < BK; j += 2) {
+  for (int j = 0; j < NL; j += 2) {
     for (int c = 0; c < D / 32; ++c) {
       const __m512i va = vrow[j] ? _mm512_loadu_si512(vrow[j] + c * 32) : _mm512_setzero_si512();
       const __m512i vb = vrow[j + 1] ? _mm512_loadu_si512(vrow[j + 1] + c * 32) : _mm512_setzero_si512();
@@ -350,115 +319,172 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
 }
 
 #if defined(KAKEYA_AMX)
-// The same work item on AMX tiles (bf16): scores as S^T = K . Q^T, one tdpbf16ps per 32 dims from a zeroed
-// tile; p . V of a block as P . V, one tdpbf16ps over the block's 16 key pairs from a zeroed tile, then
-// acc = alpha * acc + that in fp32. Each element's sequence depends only on its own query row, so a decode
-// row (in a 16-row tile with zero rows) and a prompt row compute alike.
+constexpr int BKA = 128;  // positions per block on the AMX path: four 32-lane words
+
+// Online softmax of one row over an AMX block: the BKA lanes of s scaled and masked to `vis` (one word per 32
+// lanes), folded into the running max and sum; p left in s. The same vector ops and fixed trees for every row.
+inline float group_softmax(float* s, const uint32_t* vis, float scale, float& m, float& l) {
+  constexpr int NV = BKA / 16;
+  const __m512 ninf = _mm512_set1_ps(NEG_INF), sc = _mm512_set1_ps(scale);
+  __mmask16 mk[NV];
+  __m512 x[NV];
+  for (int i = 0; i < NV; ++i) {
+    mk[i] = static_cast<__mmask16>((vis[i / 2] >> (16 * (i % 2))) & 0xFFFFu);
+    x[i] = _mm512_mask_mul_ps(ninf, mk[i], _mm512_loadu_ps(s + 16 * i), sc);
+  }
+  __m512 mx = x[0];
+  for (int i = 1; i < NV; ++i) mx = _mm512_max_ps(mx, x[i]);
+  const float bmax = _mm512_reduce_max_ps(mx);  // max is exact in any order
+  const float m_new = std::max(m, bmax);
+  const float alpha = std::exp(m - m_new);
+  const Vec mv(m_new);
+  __m512 p[NV];
+  for (int i = 0; i < NV; ++i) {
+    p[i] = _mm512_maskz_mov_ps(mk[i], static_cast<__m512>((Vec(x[i]) - mv).exp_u20()));
+    _mm512_storeu_ps(s + 16 * i, p[i]);
+  }
+  for (int w = NV / 2; w >= 1; w /= 2)  // pairwise: ((p0 + p4) + (p2 + p6)) + ... , one fixed tree
+    for (int i = 0; i < w; ++i) p[i] = _mm512_add_ps(p[i], p[i + w]);
+  l = l * alpha + _mm512_reduce_add_ps(p[0]);
+  m = m_new;
+  return alpha;
+}
+
+// The same work item on AMX tiles (bf16), blocks of BKA positions: scores as S^T = K . Q^T, one tdpbf16ps per
+// 32 dims from a zeroed tile; p . V of a block as P . V, four tdpbf16ps (32 keys each, in order) from a zeroed
+// tile, then acc = alpha * acc + that in fp32. Each element's sequence depends only on its own query row, so a
+// decode row (in a 16-row tile with zero rows) and a prompt row compute alike.
 template <int D>
 void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_row,
                            int64_t v_row, int64_t R, const Rule& rule, const int64_t* order, const int64_t* k_pos,
                            const Block* blocks, int64_t nblocks, float scale, Partial st) {
   using BF = c10::BFloat16;
   static_assert(D % 32 == 0, "AMX path needs head_dim a multiple of 32");
+  constexpr int KT = BKA / 16;  // key tiles per block
+  constexpr int WORDS = BKA / 32;
   std::fill(st.acc, st.acc + R * D, 0.f);
   std::fill(st.m, st.m + R, NEG_INF);
   std::fill(st.l, st.l + R, 0.f);
   const int64_t RB = (R + 15) / 16;  // 16-row tiles
   // Q^T in pairs per row tile: (RB, D/2, 16) uint32 = (q[r][2p], q[r][2p+1]); padding rows are zero.
-  std::vector<uint32_t> qt(RB * (D / 2) * 16, 0u);
+  kakeya_amx::AlignedBuffer<uint32_t> qt(RB * (D / 2) * 16);
+  std::memset(qt.data, 0, RB * (D / 2) * 16 * sizeof(uint32_t));
   const auto* q32 = reinterpret_cast<const uint32_t*>(q);
   for (int64_t r = 0; r < R; ++r)
-    for (int p = 0; p < D / 2; ++p) qt[((r / 16) * (D / 2) + p) * 16 + r % 16] = q32[r * (D / 2) + p];
-  alignas(64) BF kb[BK * D];          // the block's keys by lane, zero rows where empty
-  alignas(64) uint32_t vt2[BK / 2 * D];
-  alignas(64) float st_tile[2 * 256];  // S^T: [key tile][key][row]
-  alignas(64) float s_tile[2 * 256];   // S: [key tile][row][key]
-  alignas(64) BF pb[16 * BK];          // P of a row tile, bf16, (16 rows, BK lanes)
-  alignas(64) float ob[16 * D];        // P . V of a row tile, (16 rows, D)
-  alignas(64) float s[BK];
-  const BF* vrow[BK];
+    for (int p = 0; p < D / 2; ++p) qt.data[((r / 16) * (D / 2) + p) * 16 + r % 16] = q32[r * (D / 2) + p];
+  kakeya_amx::AlignedBuffer<BF> kb(BKA * D);             // the block's keys by lane, zero rows where empty
+  kakeya_amx::AlignedBuffer<uint32_t> vt2(BKA / 2 * D);  // values interleaved by lane pairs
+  kakeya_amx::AlignedBuffer<float> st_tile(KT * 256);    // S^T: [key tile][key][row]
+  kakeya_amx::AlignedBuffer<float> s_tile(KT * 256);     // S: [key tile][row][key]
+  kakeya_amx::AlignedBuffer<BF> pb(16 * BKA);            // P of a row tile, bf16, (16 rows, BKA lanes)
+  kakeya_amx::AlignedBuffer<float> ob(16 * D);           // P . V of a row tile, (16 rows, D)
+  alignas(64) float s[BKA];
+  const BF* vrow[BKA];
   float alpha[16];
-  uint32_t vis[16];
+  uint32_t vis[16][WORDS];
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const Block& blk = blocks[bi];
-    const int64_t base = blk.min_pos / BK * BK;
-    uint32_t present = 0u;
-    std::fill(vrow, vrow + BK, nullptr);
+    const int64_t base = blk.min_pos / BKA * BKA;
+    uint32_t present[WORDS] = {};
+    std::fill(vrow, vrow + BKA, nullptr);
     for (int64_t i = 0; i < blk.count; ++i) {
-      const int64_t j = order[blk.first + i];
-      present |= 1u << (k_pos[j] - base);
-      vrow[k_pos[j] - base] = v + j * v_row;
+      const int64_t j = order[blk.first + i], lane = k_pos[j] - base;
+      present[lane / 32] |= 1u << (lane % 32);
+      vrow[lane] = v + j * v_row;
     }
     bool staged = false;
     for (int64_t rb = 0; rb < RB; ++rb) {
       const int64_t r0 = rb * 16, rn = std::min<int64_t>(16, R - r0);
       uint32_t any = 0u;
-      for (int64_t i = 0; i < 16; ++i) any |= vis[i] = i < rn ? rule.lanes((r0 + i) % rule.T, base, present) : 0u;
+      for (int64_t i = 0; i < 16; ++i)
+        for (int w = 0; w < WORDS; ++w)
+          any |= vis[i][w] = i < rn ? rule.lanes((r0 + i) % rule.T, base + 32 * w, present[w]) : 0u;
       if (any == 0u) continue;
       if (!staged) {  // once per block: keys by lane, values interleaved by lane pairs
-        std::memset(kb, 0, sizeof(kb));
+        if (blk.count < BKA) std::memset(kb.data, 0, BKA * D * sizeof(BF));
         for (int64_t i = 0; i < blk.count; ++i) {
           const int64_t j = order[blk.first + i];
-          std::memcpy(kb + (k_pos[j] - base) * D, k + j * k_row, D * sizeof(BF));
+          std::memcpy(kb.data + (k_pos[j] - base) * D, k + j * k_row, D * sizeof(BF));
         }
-        interleave_values<D>(vrow, vt2);
+        interleave_values<D, BKA>(vrow, vt2.data);
         staged = true;
       }
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int sd = 0; sd < D / 32; ++sd) {
-        _tile_loadd(4, kb + sd * 32, D * 2);
-        _tile_loadd(5, kb + 16 * D + sd * 32, D * 2);
-        _tile_loadd(6, qt.data() + (rb * (D / 2) + sd * 16) * 16, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 5, 6);
+      for (int pass = 0; pass < KT / 4; ++pass) {  // four key tiles at a time in C tiles 0-3
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const BF* kp = kb.data + pass * 64 * D;
+        for (int sd = 0; sd < D / 32; ++sd) {
+          _tile_loadd(6, qt.data + (rb * (D / 2) + sd * 16) * 16, 64);
+          _tile_loadd(4, kp + sd * 32, D * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(5, kp + 16 * D + sd * 32, D * 2);
+          _tile_dpbf16ps(1, 5, 6);
+          _tile_loadd(4, kp + 32 * D + sd * 32, D * 2);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_loadd(5, kp + 48 * D + sd * 32, D * 2);
+          _tile_dpbf16ps(3, 5, 6);
+        }
+        float* out = st_tile.data + pass * 4 * 256;
+        _tile_stored(0, out, 64);
+        _tile_stored(1, out + 256, 64);
+        _tile_stored(2, out + 512, 64);
+        _tile_stored(3, out + 768, 64);
       }
-      _tile_stored(0, st_tile, 64);
-      _tile_stored(1, st_tile + 256, 64);
-      transpose16(st_tile, s_tile);
-      transpose16(st_tile + 256, s_tile + 256);
+      const bool transpose = rn > 4;  // a decode step's few rows read their columns directly (same values)
+      if (transpose)
+        for (int kt = 0; kt < KT; ++kt) transpose16(st_tile.data + kt * 256, s_tile.data + kt * 256);
       for (int64_t i = 0; i < 16; ++i) {
         alpha[i] = -1.f;
-        if (vis[i] != 0u) {
-          std::memcpy(s, s_tile + i * 16, 16 * sizeof(float));
-          std::memcpy(s + 16, s_tile + 256 + i * 16, 16 * sizeof(float));
-          alpha[i] = block_softmax(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i]);
+        uint32_t row_any = 0u;
+        for (int w = 0; w < WORDS; ++w) row_any |= vis[i][w];
+        if (row_any != 0u) {
+          if (transpose) {
+            for (int kt = 0; kt < KT; ++kt) std::memcpy(s + kt * 16, s_tile.data + kt * 256 + i * 16, 64);
+          } else {
+            for (int j = 0; j < BKA; ++j) s[j] = st_tile.data[(j / 16) * 256 + (j % 16) * 16 + i];
+          }
+          alpha[i] = group_softmax(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i]);
         } else {
-          std::fill(s, s + BK, 0.f);
+          std::fill(s, s + BKA, 0.f);
         }
-        at::vec::convert(s, pb + i * BK, BK);  // p rounded to bf16 (0 for rows with nothing here)
+        at::vec::convert(s, pb.data + i * BKA, BKA);  // p rounded to bf16 (0 for rows with nothing here)
       }
-      _tile_loadd(4, pb, BK * 2);
-      for (int d0 = 0; d0 < D; d0 += 64) {  // up to four 16-dim tiles at a time
+      for (int d0 = 0; d0 < D; d0 += 64) {  // up to four 16-dim output tiles at a time
         const int nt = std::min(4, (D - d0) / 16);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        _tile_loadd(6, vt2 + d0, D * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_stored(0, ob + d0, D * 4);
-        if (nt > 1) {
-          _tile_loadd(7, vt2 + d0 + 16, D * 4);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_stored(1, ob + d0 + 16, D * 4);
+        for (int c = 0; c < BKA / 32; ++c) {  // 32 keys (16 pairs) per step, in order
+          _tile_loadd(4, pb.data + c * 32, BKA * 2);
+          const uint32_t* vb = vt2.data + c * 16 * D + d0;
+          _tile_loadd(6, vb, D * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          if (nt > 1) {
+            _tile_loadd(7, vb + 16, D * 4);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (nt > 2) {
+            _tile_loadd(6, vb + 32, D * 4);
+            _tile_dpbf16ps(2, 4, 6);
+          }
+          if (nt > 3) {
+            _tile_loadd(7, vb + 48, D * 4);
+            _tile_dpbf16ps(3, 4, 7);
+          }
         }
-        if (nt > 2) {
-          _tile_loadd(6, vt2 + d0 + 32, D * 4);
-          _tile_dpbf16ps(2, 4, 6);
-          _tile_stored(2, ob + d0 + 32, D * 4);
-        }
-        if (nt > 3) {
-          _tile_loadd(7, vt2 + d0 + 48, D * 4);
-          _tile_dpbf16ps(3, 4, 7);
-          _tile_stored(3, ob + d0 + 48, D * 4);
-        }
+        _tile_stored(0, ob.data + d0, D * 4);
+        if (nt > 1) _tile_stored(1, ob.data + d0 + 16, D * 4);
+        if (nt > 2) _tile_stored(2, ob.data + d0 + 32, D * 4);
+        if (nt > 3) _tile_stored(3, ob.data + d0 + 48, D * 4);
       }
       for (int64_t i = 0; i < rn; ++i) {
         if (alpha[i] < 0.f) continue;
         float* acc = st.acc + (r0 + i) * D;
         for (int d = 0; d < D; d += VS)
-          (Vec::loadu(acc + d) * Vec(alpha[i]) + Vec::loadu(ob + i * D + d)).store(acc + d);
+          (Vec::loadu(acc + d) * Vec(alpha[i]) + Vec::loadu(ob.data + i * D + d)).store(acc + d);
       }
     }
   }
@@ -477,13 +503,20 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   bool sorted = true;
   for (int64_t j = 1; j < S && sorted; ++j) sorted = kp[j] > kp[j - 1];
   if (!sorted) std::sort(order.begin(), order.end(), [kp](int64_t a, int64_t b) { return kp[a] < kp[b]; });
+  // AMX on CPUs that have it (bf16), for every call alike: the choice depends on the machine, never the shape.
+  const bool use_amx = amx_enabled<T>() && D % 32 == 0;
+#if defined(KAKEYA_AMX)
+  const int64_t bk = use_amx ? BKA : BK;
+#else
+  const int64_t bk = BK;
+#endif
   std::vector<Block> blocks;
   std::vector<int64_t> super_first;  // index of each superblock's first block, plus an end marker
   for (int64_t i = 0; i < S; ++i) {
     const int64_t p = kp[order[i]];
     TORCH_CHECK(p >= 0, "cached_attention: negative key position");
     TORCH_CHECK(i == 0 || p != kp[order[i - 1]], "cached_attention: key position ", p, " given twice");
-    if (blocks.empty() || p / BK != blocks.back().min_pos / BK) {
+    if (blocks.empty() || p / bk != blocks.back().min_pos / bk) {
       if (blocks.empty() || p / SPLIT != blocks.back().min_pos / SPLIT) super_first.push_back(blocks.size());
       blocks.push_back(Block{i, 0, p, p});
     }
@@ -494,8 +527,6 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t supers = static_cast<int64_t>(super_first.size()) - 1;
   const Rule rule{q_pos.const_data_ptr<int64_t>(), NT, window, sink};
 
-  // AMX on CPUs that have it (bf16), for every call alike: the choice depends on the machine, never the shape.
-  const bool use_amx = amx_enabled<T>();
   const T* qp = q.const_data_ptr<T>();
   const T* kbase = k.const_data_ptr<T>();
   const T* vbase = v.const_data_ptr<T>();

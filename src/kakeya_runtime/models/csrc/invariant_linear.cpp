@@ -38,6 +38,7 @@
 #endif
 
 #include "amx.h"
+#include "transpose.h"
 
 namespace {
 
@@ -68,18 +69,20 @@ inline void store_row(float* acc, const float* bias, T* dst, int64_t n) {
 constexpr bool kAmx = true;
 using kakeya_amx::permitted;
 
-// C^T tiles for NN blocks of 16 W rows and NM blocks of 16 x rows. xt: x^T in pairs, (Mp/16, K/2, 16) of
-// uint32; w: W rows (N, K) bf16.
+// C^T tiles for NN blocks of 16 W rows and NM blocks of 16 x rows, over K in steps of 32. A tile s of W block i
+// sits at wa + i * w_block + s * w_step with rows w_stride bytes apart (the weights in place, or a packed
+// slice); xt: x^T in pairs, (Mp/16, K/2, 16) of uint32.
 template <int NN, int NM>
-inline void amx_block(const c10::BFloat16* w, int64_t K, const uint32_t* xt, int64_t n0, int64_t mb0, float* c) {
+inline void amx_block(const c10::BFloat16* wa, int64_t w_block, int64_t w_step, int64_t w_stride, int64_t K,
+                      const uint32_t* xt, int64_t mb0, float* c) {
   _tile_zero(0);
   if constexpr (NM > 1) _tile_zero(1);
   if constexpr (NN > 1) _tile_zero(2);
   if constexpr (NN > 1 && NM > 1) _tile_zero(3);
   const int64_t pairs = K / 2;
   for (int64_t s = 0; s < K / 32; ++s) {
-    _tile_loadd(4, w + n0 * K + s * 32, K * 2);
-    if constexpr (NN > 1) _tile_loadd(5, w + (n0 + 16) * K + s * 32, K * 2);
+    _tile_loadd(4, wa + s * w_step, w_stride);
+    if constexpr (NN > 1) _tile_loadd(5, wa + w_block + s * w_step, w_stride);
     _tile_loadd(6, xt + (mb0 * pairs + s * 16) * 16, 64);
     if constexpr (NM > 1) _tile_loadd(7, xt + ((mb0 + 1) * pairs + s * 16) * 16, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -87,43 +90,75 @@ inline void amx_block(const c10::BFloat16* w, int64_t K, const uint32_t* xt, int
     if constexpr (NN > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (NN > 1 && NM > 1) _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, c, 64);  // c: (NN * 16) n-rows x (NM * 16) m-columns, in (nn, nm) tiles of 16 x 16
+  _tile_stored(0, c, 64);  // c: tile (in, im) at (in * NM + im) * 256, element [n][m] at n * 16 + m
   if constexpr (NM > 1) _tile_stored(1, c + 256, 64);
   if constexpr (NN > 1) _tile_stored(2, c + NM * 256, 64);
   if constexpr (NN > 1 && NM > 1) _tile_stored(3, c + 3 * 256, 64);
 }
 
+// x^T in pairs, zero-padded to whole 16-row blocks: (mblocks, K/2, 16) uint32 = (x[m][2p], x[m][2p+1]), built by
+// 16 x 16 transposes of (rows, pairs) blocks.
+inline void pack_x(const uint32_t* xp, int64_t x_row, int64_t M, int64_t pairs, uint32_t* xt) {
+  alignas(64) uint32_t in[256], out[256];
+  for (int64_t mb = 0; mb < (M + 15) / 16; ++mb) {
+    const int64_t rows = std::min<int64_t>(16, M - mb * 16);
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      for (int64_t r = 0; r < 16; ++r) {
+        if (r < rows) std::memcpy(in + r * 16, xp + (mb * 16 + r) * x_row + p0, 64);
+        else std::memset(in + r * 16, 0, 64);
+      }
+      transpose16(reinterpret_cast<const float*>(in), reinterpret_cast<float*>(out));
+      std::memcpy(xt + (mb * pairs + p0) * 16, out, sizeof(out));
+    }
+  }
+}
+
 template <typename T>
 void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const int64_t mblocks = (M + 15) / 16, pairs = K / 2;
-  // x^T in pairs, zero-padded to whole 16-row blocks: (mblocks, K/2, 16) uint32 = (x[m][2p], x[m][2p+1]).
-  std::vector<uint32_t> xt(mblocks * pairs * 16, 0u);
-  const auto* xp = reinterpret_cast<const uint32_t*>(x.const_data_ptr<c10::BFloat16>());
-  const int64_t x_row = x.stride(0) / 2;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t p = 0; p < pairs; ++p) xt[((m / 16) * pairs + p) * 16 + m % 16] = xp[m * x_row + p];
+  const int64_t mblocks = (M + 15) / 16, pairs = K / 2, steps = K / 32;
+  kakeya_amx::AlignedBuffer<uint32_t> xt(mblocks * pairs * 16);
+  pack_x(reinterpret_cast<const uint32_t*>(x.const_data_ptr<c10::BFloat16>()), x.stride(0) / 2, M, pairs, xt.data);
   const auto* wp = w.const_data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<T>();
   const int64_t n_items = (N + 31) / 32, m_items = (mblocks + 1) / 2;
+  // With several row blocks, each thread copies its 32 W rows into tile order once (each tile one contiguous
+  // KiB, streamed well) and reuses them for every row block; a decode step reads W in place. Same values, same
+  // instructions: the packing changes no result.
+  const bool pack_w = false && mblocks > 1;
   at::parallel_for(0, n_items * m_items, 1, [&](int64_t begin, int64_t end) {
     kakeya_amx::configure();
     alignas(64) float c[4 * 256];
+    alignas(64) float ct[2 * 256];
     float row[32];
+    std::vector<c10::BFloat16> wpack(pack_w ? 2 * steps * 512 : 0);
+    int64_t packed_n0 = -1;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n0 = (item / m_items) * 32, mb0 = (item % m_items) * 2;
       const int nn = N - n0 >= 32 ? 2 : 1, nm = mblocks - mb0 >= 2 ? 2 : 1;
-      if (nn == 2 && nm == 2) amx_block<2, 2>(wp, K, xt.data(), n0, mb0, c);
-      else if (nn == 2) amx_block<2, 1>(wp, K, xt.data(), n0, mb0, c);
-      else if (nm == 2) amx_block<1, 2>(wp, K, xt.data(), n0, mb0, c);
-      else amx_block<1, 1>(wp, K, xt.data(), n0, mb0, c);
-      // tile (in, im) sits at c + (in * nm + im) * 256 with element [n][m] at n * 16 + m
+      const c10::BFloat16* wa = wp + n0 * K;
+      int64_t w_block = 16 * K, w_step = 32, w_stride = K * 2;
+      if (pack_w) {
+        if (packed_n0 != n0) {  // [block i][step s][16 rows][32]
+          for (int i = 0; i < nn; ++i)
+            for (int r = 0; r < 16; ++r)
+              for (int64_t s = 0; s < steps; ++s)
+                std::memcpy(wpack.data() + (i * steps + s) * 512 + r * 32, wp + (n0 + i * 16 + r) * K + s * 32, 64);
+          packed_n0 = n0;
+        }
+        wa = wpack.data();
+        w_block = steps * 512, w_step = 512, w_stride = 64;
+      }
+      if (nn == 2 && nm == 2) amx_block<2, 2>(wa, w_block, w_step, w_stride, K, xt.data, mb0, c);
+      else if (nn == 2) amx_block<2, 1>(wa, w_block, w_step, w_stride, K, xt.data, mb0, c);
+      else if (nm == 2) amx_block<1, 2>(wa, w_block, w_step, w_stride, K, xt.data, mb0, c);
+      else amx_block<1, 1>(wa, w_block, w_step, w_stride, K, xt.data, mb0, c);
       for (int im = 0; im < nm; ++im) {
+        for (int in = 0; in < nn; ++in) transpose16(c + (in * nm + im) * 256, ct + in * 256);  // [m][n] tiles
         for (int mm = 0; mm < 16; ++mm) {
           const int64_t m = (mb0 + im) * 16 + mm;
           if (m >= M) break;
-          for (int in = 0; in < nn; ++in)
-            for (int j = 0; j < 16; ++j) row[in * 16 + j] = c[(in * nm + im) * 256 + j * 16 + mm];
+          for (int in = 0; in < nn; ++in) std::memcpy(row + in * 16, ct + in * 256 + mm * 16, 64);
           store_row(row, bias ? bias + n0 : nullptr, yp + m * y.stride(0) + n0, nn * 16);
         }
       }
