@@ -122,33 +122,16 @@ void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
   const auto* wp = w.const_data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<T>();
   const int64_t n_items = (N + 31) / 32, m_items = (mblocks + 1) / 2;
-  // With several row blocks, each thread copies its 32 W rows into tile order once (each tile one contiguous
-  // KiB, streamed well) and reuses them for every row block; a decode step reads W in place. Same values, same
-  // instructions: the packing changes no result.
-  const bool pack_w = false && mblocks > 1;
   at::parallel_for(0, n_items * m_items, 1, [&](int64_t begin, int64_t end) {
     kakeya_amx::configure();
     alignas(64) float c[4 * 256];
     alignas(64) float ct[2 * 256];
     float row[32];
-    std::vector<c10::BFloat16> wpack(pack_w ? 2 * steps * 512 : 0);
-    int64_t packed_n0 = -1;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n0 = (item / m_items) * 32, mb0 = (item % m_items) * 2;
       const int nn = N - n0 >= 32 ? 2 : 1, nm = mblocks - mb0 >= 2 ? 2 : 1;
-      const c10::BFloat16* wa = wp + n0 * K;
-      int64_t w_block = 16 * K, w_step = 32, w_stride = K * 2;
-      if (pack_w) {
-        if (packed_n0 != n0) {  // [block i][step s][16 rows][32]
-          for (int i = 0; i < nn; ++i)
-            for (int r = 0; r < 16; ++r)
-              for (int64_t s = 0; s < steps; ++s)
-                std::memcpy(wpack.data() + (i * steps + s) * 512 + r * 32, wp + (n0 + i * 16 + r) * K + s * 32, 64);
-          packed_n0 = n0;
-        }
-        wa = wpack.data();
-        w_block = steps * 512, w_step = 512, w_stride = 64;
-      }
+      const c10::BFloat16* wa = wp + n0 * K;  // W rows in place: tile s of block i at wa + i * 16K + 32s
+      const int64_t w_block = 16 * K, w_step = 32, w_stride = K * 2;
       if (nn == 2 && nm == 2) amx_block<2, 2>(wa, w_block, w_step, w_stride, K, xt.data, mb0, c);
       else if (nn == 2) amx_block<2, 1>(wa, w_block, w_step, w_stride, K, xt.data, mb0, c);
       else if (nm == 2) amx_block<1, 2>(wa, w_block, w_step, w_stride, K, xt.data, mb0, c);
