@@ -449,7 +449,9 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
         } else {
           std::fill(s, s + BKA, 0.f);
         }
-        at::vec::convert(s, pb.data + i * BKA, BKA);  // p rounded to bf16 (0 for rows with nothing here)
+        for (int j = 0; j < BKA; j += 32)  // p rounded to bf16, nearest even (0 for rows with nothing here)
+          _mm512_storeu_si512(pb.data + i * BKA + j,
+                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j)));
       }
       for (int d0 = 0; d0 < D; d0 += 64) {  // up to four 16-dim output tiles at a time
         const int nt = std::min(4, (D - d0) / 16);
@@ -598,7 +600,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         if constexpr (std::is_same_v<T, float>) {
           std::copy(row, row + D, dst);
         } else {
-          for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(row[d]);
+          at::vec::convert(row, dst, D);  // round to nearest even, as the scalar conversion does
         }
       }
     });

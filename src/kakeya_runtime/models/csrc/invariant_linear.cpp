@@ -126,7 +126,6 @@ void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
     kakeya_amx::configure();
     alignas(64) float c[4 * 256];
     alignas(64) float ct[2 * 256];
-    float row[32];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n0 = (item / m_items) * 32, mb0 = (item % m_items) * 2;
       const int nn = N - n0 >= 32 ? 2 : 1, nm = mblocks - mb0 >= 2 ? 2 : 1;
@@ -141,8 +140,12 @@ void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
         for (int mm = 0; mm < 16; ++mm) {
           const int64_t m = (mb0 + im) * 16 + mm;
           if (m >= M) break;
-          for (int in = 0; in < nn; ++in) std::memcpy(row + in * 16, ct + in * 256 + mm * 16, 64);
-          store_row(row, bias ? bias + n0 : nullptr, yp + m * y.stride(0) + n0, nn * 16);
+          for (int in = 0; in < nn; ++in) {  // + bias in fp32, one rounding to bf16 (nearest even)
+            __m512 v = _mm512_loadu_ps(ct + in * 256 + mm * 16);
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + in * 16));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + m * y.stride(0) + n0 + in * 16),
+                                (__m256i)_mm512_cvtneps_pbh(v));
+          }
         }
       }
     }
