@@ -21,9 +21,12 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Linux hands out the AMX tile state on request, once per process.
+// Linux hands out the AMX tile state on request, once per process. KAKEYA_AMX=0 declines it, so a machine with
+// AMX can run (and test) the AVX-512 paths that CPUs without it take.
 inline bool permitted() {
   static const bool ok = [] {
+    const char* env = std::getenv("KAKEYA_AMX");
+    if (env != nullptr && env[0] == '0') return false;
     constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();
