@@ -50,6 +50,21 @@ def test_a_row_gets_the_same_bits_in_any_call(n, k, dtype, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_output_is_the_unrounded_sum(dtype):
+    """out_fp32 (the LM head's logits) returns the fp32 sums; the default output is exactly their rounding to
+    the input dtype, and the fp32 rows are invariant too."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 576, generator=gen).to(dtype)
+    w = (torch.randn(960, 576, generator=gen) * 0.04).to(dtype)
+    b = torch.randn(960, generator=gen).to(dtype)
+    y32 = native.linear(x, w, b, out_fp32=True)
+    assert y32.dtype == torch.float32
+    assert torch.equal(y32.to(dtype), native.linear(x, w, b))
+    for m, off in ((1, 0), (3, 17), (21, 19)):
+        assert torch.equal(native.linear(x[off : off + m], w, b, out_fp32=True), y32[off : off + m])
+
+
 def test_layers_linear_keeps_leading_dims_and_strided_rows():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 5, 3, 64, generator=gen).transpose(1, 2)  # (2, 3, 5, 64), rows not contiguous overall

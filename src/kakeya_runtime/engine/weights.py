@@ -76,6 +76,9 @@ class DenseLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
+    def forward_fp32(self, x: Tensor) -> Tensor:
+        return linear(x.to(self.weight.dtype), self.weight, self.bias, out_fp32=True)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 

@@ -49,10 +49,12 @@ class DecoderModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def project(self, hidden: Tensor) -> Tensor:
-        """Final hidden states (B, T, C) -> fp32 logits (B, T, V)."""
+        """Final hidden states (B, T, C) -> fp32 logits (B, T, V), summed in fp32 and never rounded to the
+        activation dtype where the head allows it (bf16 logits near 25 are 0.125 apart and tie)."""
         if self.lm_head is None:
-            return linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return linear(hidden, self.embed_tokens.weight, out_fp32=True)
+        fp32 = getattr(self.lm_head, "forward_fp32", None)
+        return fp32(hidden) if fp32 is not None else self.lm_head(hidden).float()
 
     def forward(
         self,

@@ -216,12 +216,14 @@ def _attend_cached_chunk(q: Tensor, k: Tensor, v: Tensor, scale: float, groups: 
     return out.to(q.dtype)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, out_fp32: bool = False) -> Tensor:
     """x (..., K) -> (..., N). With the native backend, our kernel: each output element is computed by one
-    fixed sequence of operations, whatever the number of rows in the call (a decode step, a turn, a batch)."""
+    fixed sequence of operations, whatever the number of rows in the call (a decode step, a turn, a batch).
+    `out_fp32`: fp32 results (the LM head's logits), without rounding the sums to x's dtype first."""
     if not native.enabled():
-        return F.linear(x, weight, bias)
-    y = native.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        y = F.linear(x, weight, bias)
+        return y.float() if out_fp32 else y
+    y = native.linear(x.reshape(-1, x.shape[-1]), weight, bias, out_fp32=out_fp32)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -230,6 +232,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+    def forward_fp32(self, x: Tensor) -> Tensor:
+        """The same sums, returned in fp32 (logits: no bf16 rounding that could tie the top tokens)."""
+        return linear(x, self.weight, self.bias, out_fp32=True)
 
 
 class GatedMLP(nn.Module):

@@ -97,12 +97,13 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return torch.ops.kakeya.cached_attention(q, k, v, q_pos, k_pos, window or 0, sink, scale)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_fp32: bool = False) -> torch.Tensor:
     """y = x W^T (+ b) for x (M, K), W (N, K): each output element by one fixed sequence of operations,
-    whatever M is (csrc/invariant_linear.cpp)."""
+    whatever M is (csrc/invariant_linear.cpp). `out_fp32`: the fp32 sums, not rounded to x's dtype."""
     if _loaded is None:
         load()
-    return torch.ops.kakeya.linear(x, weight, bias)
+    return torch.ops.kakeya.linear(x, weight, bias, out_fp32)
 
 
 def linear_path(dtype: torch.dtype, in_features: int, out_features: int) -> str:
@@ -182,7 +183,9 @@ def _register_fake() -> None:
         return
     torch.library.register_fake("kakeya::cached_attention")(
         lambda q, k, v, q_pos, k_pos, window, sink, scale: q.new_empty(q.shape))
-    torch.library.register_fake("kakeya::linear")(lambda x, w, bias: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake("kakeya::linear")(
+        lambda x, w, bias, out_fp32=False: x.new_empty(x.shape[0], w.shape[0],
+                                                       dtype=torch.float32 if out_fp32 else x.dtype))
     _register_fake.done = True
 
 

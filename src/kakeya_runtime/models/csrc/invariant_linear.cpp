@@ -140,11 +140,15 @@ void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
         for (int mm = 0; mm < 16; ++mm) {
           const int64_t m = (mb0 + im) * 16 + mm;
           if (m >= M) break;
-          for (int in = 0; in < nn; ++in) {  // + bias in fp32, one rounding to bf16 (nearest even)
+          for (int in = 0; in < nn; ++in) {  // + bias in fp32, then one rounding to bf16 (nearest even) or none
             __m512 v = _mm512_loadu_ps(ct + in * 256 + mm * 16);
             if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + in * 16));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + m * y.stride(0) + n0 + in * 16),
-                                (__m256i)_mm512_cvtneps_pbh(v));
+            T* dst = yp + m * y.stride(0) + n0 + in * 16;
+            if constexpr (std::is_same_v<T, float>) {
+              _mm512_storeu_ps(dst, v);
+            } else {
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+            }
           }
         }
       }
@@ -219,12 +223,12 @@ inline void dot_tile(const T* x, int64_t x_row, const T* w, int64_t K, float* ou
     for (int j = 0; j < NJ; ++j) out[r * out_row + j] = sums[r * NJ + j];
 }
 
-template <typename T>
+template <typename T, typename O>
 void linear_dot(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const T* xp = x.const_data_ptr<T>();
   const T* wp = w.const_data_ptr<T>();
-  T* yp = y.data_ptr<T>();
+  O* yp = y.data_ptr<O>();
   const int64_t x_row = x.stride(0);
   constexpr int64_t NB = 64;  // W rows per work item
   constexpr int64_t MB = 32;  // x rows per work item
@@ -254,14 +258,14 @@ void linear_dot(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
 #endif
 
 // ---------------------------------------------------------------- portable fallback
-template <typename T>
+template <typename T, typename O>
 void linear_generic(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int VS = Vec::size();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const T* xp = x.const_data_ptr<T>();
   const T* wp = w.const_data_ptr<T>();
-  T* yp = y.data_ptr<T>();
+  O* yp = y.data_ptr<O>();
   at::parallel_for(0, M * N, 256, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(K + VS, 0.f), wf(K + VS, 0.f);
     int64_t cached_m = -1;
@@ -276,7 +280,7 @@ void linear_generic(const at::Tensor& x, const at::Tensor& w, const float* bias,
       for (int64_t k = 0; k < K; k += VS) acc = at::vec::fmadd(Vec::loadu(xf.data() + k), Vec::loadu(wf.data() + k), acc);
       float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
       if (bias) s += bias[n];
-      yp[m * y.stride(0) + n] = static_cast<T>(s);
+      yp[m * y.stride(0) + n] = static_cast<O>(s);
     }
   });
 }
@@ -295,13 +299,34 @@ Path choose(at::ScalarType dtype, int64_t K, int64_t N) {
   return Path::Generic;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+template <typename O>
+void dispatch(Path path, const at::Tensor& x, const at::Tensor& w, const float* bp, at::Tensor& y) {
+  if (x.scalar_type() == at::kBFloat16) {
+#if defined(KAKEYA_AMX)
+    if (path == Path::Amx) return linear_amx<O>(x, w, bp, y);
+#endif
+#if defined(__AVX512BF16__)
+    if (path == Path::Dot) return linear_dot<c10::BFloat16, O>(x, w, bp, y);
+#endif
+    return linear_generic<c10::BFloat16, O>(x, w, bp, y);
+  }
+#if defined(__AVX512F__)
+  if (path == Path::Dot) return linear_dot<float, O>(x, w, bp, y);
+#endif
+  linear_generic<float, O>(x, w, bp, y);
+}
+
+// out_fp32: return the fp32 sums (+ bias) without the final rounding to x's dtype (the LM head's logits).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear: CPU only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x (M, K) and w (N, K) expected");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and w must share a dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear: dtype ", x.scalar_type(),
+              " not supported (float32, bfloat16)");
   TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "linear: rows of x and w must be contiguous");
   const int64_t M = x.size(0), N = w.size(0);
-  auto y = at::empty({M, N}, x.options());
+  const bool fp32 = out_fp32 || x.scalar_type() == at::kFloat;
+  auto y = at::empty({M, N}, x.options().dtype(fp32 ? at::kFloat : x.scalar_type()));
   if (M == 0 || N == 0) return y;
   at::Tensor b32;
   if (bias.has_value()) {
@@ -310,21 +335,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   }
   const float* bp = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
   const Path path = choose(x.scalar_type(), x.size(1), N);
-  if (x.scalar_type() == at::kBFloat16) {
-#if defined(KAKEYA_AMX)
-    if (path == Path::Amx) return linear_amx<c10::BFloat16>(x, w, bp, y), y;
-#endif
-#if defined(__AVX512BF16__)
-    if (path == Path::Dot) return linear_dot<c10::BFloat16>(x, w, bp, y), y;
-#endif
-    linear_generic<c10::BFloat16>(x, w, bp, y);
-  } else if (x.scalar_type() == at::kFloat) {
-#if defined(__AVX512F__)
-    if (path == Path::Dot) return linear_dot<float>(x, w, bp, y), y;
-#endif
-    linear_generic<float>(x, w, bp, y);
+  if (fp32) {
+    dispatch<float>(path, x, w, bp, y);
   } else {
-    TORCH_CHECK(false, "linear: dtype ", x.scalar_type(), " not supported (float32, bfloat16)");
+    dispatch<c10::BFloat16>(path, x, w, bp, y);
   }
   return y;
 }
@@ -341,7 +355,7 @@ std::string linear_path(int64_t dtype_code, int64_t K, int64_t N) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
-  m.def("linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, Tensor? bias, bool out_fp32=False) -> Tensor");
   m.def("linear_path(int dtype, int k, int n) -> str", &linear_path);  // dtype 1: bf16, else fp32
 }
 
