@@ -1,13 +1,17 @@
-"""Our native attention kernel (csrc/cached_attention.cpp): built once per machine, loaded as a torch op.
+"""Our CPU kernels (csrc/): built once per machine, loaded as torch ops.
 
-`kakeya::cached_attention(q, k, v, num_new, scale)` attends a few new query rows over a KV cache (decode,
-and a chunk appended to a cache); `layers.attend` routes those cases to it. It is compiled with g++
-against the installed torch for this CPU (-march=native) on first use, under the kakeya cache dir, keyed
-by the source, the flags, torch's version and the CPU's feature flags; later processes load the cached
-library in milliseconds. A build takes ~10 s.
+- `kakeya::cached_attention(q, k, v, q_pos, k_pos, window, sink, scale)`: every attention call of the models
+  (fresh prompts, chunks over a cache, decode steps, windows), one fixed order of operations per query.
+- `kakeya::linear(x, w, bias, out_fp32)`: every projection and the LM head, one fixed order per output element.
 
-`KAKEYA_ATTENTION=sdpa` turns the kernel off (PyTorch's SDPA everywhere); with the default `native`, a
-kernel that cannot be built raises NativeKernelError instead of quietly running the other path.
+So a position's K/V and logits do not depend on the shape of the step they ran in (see layers.attend and
+layers.linear). The library is compiled with g++ against the installed torch for this CPU (-march=native) on
+first use, under the kakeya cache dir, keyed by the sources, the flags, torch's version, the compiler and the
+CPU's feature flags; later processes load it in milliseconds. A build takes ~16 s.
+
+`KAKEYA_ATTENTION=sdpa` switches to PyTorch's SDPA and GEMMs (faster on long fresh prompts, not invariant);
+with the default `native`, kernels that cannot be built raise NativeKernelError instead of quietly running the
+other path. `KAKEYA_AMX=0` keeps the kernels off AMX tiles (the AVX-512 paths CPUs without AMX take).
 """
 
 from __future__ import annotations

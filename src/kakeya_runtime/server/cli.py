@@ -77,13 +77,16 @@ def serve(
     console.print(f"Loaded [bold]{model}[/] in {time.perf_counter() - t0:.1f} s")
     from kakeya_runtime.models import native
 
-    try:  # build (once per machine) and load the attention kernel now, not at the first Generate
-        with console.status("Attention kernel…", spinner="dots"):
-            kernel = "native kernel" if native.enabled() else f"PyTorch SDPA ({native.BACKEND_ENV}=sdpa)"
+    try:  # build (once per machine) and load our kernels now, not at the first Generate
+        with console.status("Kernels…", spinner="dots"):
+            if native.enabled():
+                kernel = f"invariant ({'AMX' if native.bf16_amx() else 'AVX-512 / vector'} kernels)"
+            else:
+                kernel = f"PyTorch's SDPA and GEMMs ({native.BACKEND_ENV}=sdpa: not invariant)"
     except native.NativeKernelError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(1) from None
-    console.print(f"Attention: {kernel}")
+    console.print(f"Numerics: {kernel}")
     try:
         server = RuntimeServer(ServedModel.from_loaded(loaded, model), config)
     except ValueError as e:  # e.g. an idle codec the model's head_dim cannot take
