@@ -13,32 +13,7 @@
 // Threads split the output rows and columns only, never K. Accumulation is fp32; bias is added in fp32
 // before the one rounding to the output dtype.
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#define CPU_CAPABILITY AVX2
-#endif
-
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
-#include "amx.h"
-#include "transpose.h"
+#include "common.h"
 
 namespace {
 
@@ -163,22 +138,6 @@ inline bool permitted() { return false; }
 
 #if defined(__AVX512F__)
 // ---------------------------------------------------------------- AVX-512 dot products
-// Sixteen vectors to one: lane j is the sum of a[j]'s lanes, every a[j] through the same tree of adds.
-inline __m512 reduce16(const __m512* a) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // One K chunk of the partial sums: 16 fp32 elements (or 32 bf16 via vdpbf16ps), the tail masked to zero.
 template <typename T>
 struct Chunk;
