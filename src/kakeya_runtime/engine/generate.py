@@ -145,8 +145,9 @@ class Engine:
                 raise GenerationError(f"decode_rows takes single-sequence caches, got batch {c.batch}")
             if c.length >= c.capacity:
                 raise GenerationError(f"cache overflow: t={c.length} must be < capacity={c.capacity}")
+        if any(not 0 <= t < self.config.vocab_size for t in token_ids):
+            raise GenerationError(f"token ids must be in [0, {self.config.vocab_size})")
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device).T  # (N, 1)
-        self._check_ids(_Rows(len(caches)), ids)
         positions = torch.tensor([c.length for c in caches], device=self.device)
         begun: list[ModelKV] = []
         try:
@@ -184,13 +185,6 @@ class Engine:
             pass
         assert stream.result is not None
         return stream.result
-
-
-class _Rows:
-    """What _check_ids reads of a cache, for a batch of single-sequence caches."""
-
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
 
 
 class TokenStream:
