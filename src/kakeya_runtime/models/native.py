@@ -3,6 +3,8 @@
 - `kakeya::cached_attention(q, k, v, q_pos, k_pos, window, sink, scale)`: every attention call of the models
   (fresh prompts, chunks over a cache, decode steps, windows), one fixed order of operations per query.
 - `kakeya::linear(x, w, bias, out_fp32)`: every projection and the LM head, one fixed order per output element.
+- `kakeya::sparse_attention` / `kakeya::block_select`: the sparse KV policy's attention over an exact hot set and
+  selected cold blocks, and its indexer (kv.sparse), with the same per-query invariance.
 
 So a position's K/V and logits do not depend on the shape of the step they ran in (see layers.attend and
 layers.linear). The library is compiled with g++ against the installed torch for this CPU (-march=native) on
@@ -26,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cached_attention.cpp", "invariant_linear.cpp"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head sizes
@@ -99,6 +102,30 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     if _loaded is None:
         load()
     return torch.ops.kakeya.cached_attention(q, k, v, q_pos, k_pos, window or 0, sink, scale)
+
+
+def sparse_attention(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     cold: tuple[torch.Tensor, torch.Tensor, torch.Tensor], select: torch.Tensor, q_pos: torch.Tensor,
+                     scale: float, *, window: int, sink: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over two key sources: `hot` (k, v, positions) exact, seen by token t at positions below `sink`
+    or in its hot range hot_lo(t)..t (the last `window` positions extended down to a block boundary counted
+    from `sink`), and `cold` (k, v, positions: decoded blocks), seen where token t's `select` bitset (B, Hk, T,
+    words) has the block (p - sink) // block and the block lies wholly below hot_lo(t). Returns the output
+    (B, Hk, R, D) and the keys each row saw, (B, Hk, R, 2) int64 (hot, cold)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.sparse_attention(q, *hot, *cold, select, q_pos, window, sink, block, scale)
+
+
+def block_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, q_pos: torch.Tensor, *, window: int,
+                 sink: int, block: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse policy's indexer: for each token (rows of q (B, Hk, R, D) ordered (group, token)) the top-k
+    cold blocks by Quest's bound over the per-block key min/max (B, Hk, N, D), among the n(t) blocks wholly
+    outside its window. Returns (select (B, Hk, T, words) int64 bitsets, scored (B, Hk, T) int64 = n(t));
+    raises when a token could select a block that has no summary."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.block_select(q, kmin, kmax, q_pos, window, sink, block, topk)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -187,6 +214,8 @@ def _register_fake() -> None:
         return
     torch.library.register_fake("kakeya::cached_attention")(
         lambda q, k, v, q_pos, k_pos, window, sink, scale: q.new_empty(q.shape))
+    torch.library.register_fake("kakeya::sparse_attention")(
+        lambda q, *args: (q.new_empty(q.shape), q.new_empty(*q.shape[:3], 2, dtype=torch.long)))
     torch.library.register_fake("kakeya::linear")(
         lambda x, w, bias, out_fp32=False: x.new_empty(x.shape[0], w.shape[0],
                                                        dtype=torch.float32 if out_fp32 else x.dtype))

@@ -39,22 +39,58 @@ constexpr bool kBf16Dot = false;
 template <typename T, int D>
 constexpr bool kPairs = kBf16Dot && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
 
-// What the rows of a call see: positions and the window rule.
+// How a key source is seen (kakeya::sparse_attention splits the keys into an exact hot set and decoded cold
+// blocks; cached_attention has one Plain source).
+enum class Kind : int { Plain = 0, Hot = 1, Cold = 2 };
+
+// Lanes [a, b) of a 32-lane word, 0 <= a < b <= 32.
+inline uint32_t lane_range(int64_t a, int64_t b) {
+  const uint32_t upto = b >= 32 ? 0xFFFFFFFFu : (1u << b) - 1;
+  return upto & ~((1u << a) - 1);
+}
+
+// What the rows of a call see: positions, the window rule and, for sparse sources, the block split.
 struct Rule {
   const int64_t* q_pos;  // (T,)
   int64_t T, window, sink;
-  // Lanes of the block at positions [base, base + BK) that token t sees, among the `present` ones.
+  Kind kind = Kind::Plain;
+  int64_t block = 0;              // Hot/Cold: positions per cold block, counted from `sink`
+  const uint64_t* sel = nullptr;  // Cold: each token's selected blocks, `words` bits words per token
+  int64_t words = 0;
+
+  // Hot/Cold: the first position of a query's hot range, the last `window` positions extended down to a block
+  // boundary; every block below it lies wholly outside the window (a cold block).
+  inline int64_t hot_lo(int64_t qp) const {
+    const int64_t out = qp + 1 - window - sink;
+    return out <= 0 ? sink : sink + out / block * block;
+  }
+
+  // Lanes of the 32 positions [base, base + 32) that token t sees, among the `present` ones.
   inline uint32_t lanes(int64_t t, int64_t base, uint32_t present) const {
     const int64_t qp = q_pos[t], hi = qp - base;  // the last lane causality allows
     if (hi < 0) return 0u;
-    uint32_t m = hi >= BK - 1 ? 0xFFFFFFFFu : (1u << (hi + 1)) - 1;
-    if (window > 0) {
-      const int64_t lo = qp - window + 1 - base, sk = sink - base;  // first lane in the window; lanes below sink
-      uint32_t w = lo <= 0 ? 0xFFFFFFFFu : (lo >= BK ? 0u : ~((1u << lo) - 1));
-      if (sk > 0) w |= sk >= BK ? 0xFFFFFFFFu : (1u << sk) - 1;
+    uint32_t m = hi >= 31 ? 0xFFFFFFFFu : (1u << (hi + 1)) - 1;
+    if (kind == Kind::Cold) return m & cold_lanes(t, qp, base) & present;
+    if (kind == Kind::Hot || window > 0) {
+      // first lane in the window (the hot range); lanes below sink
+      const int64_t lo = (kind == Kind::Hot ? hot_lo(qp) : qp - window + 1) - base, sk = sink - base;
+      uint32_t w = lo <= 0 ? 0xFFFFFFFFu : (lo >= 32 ? 0u : ~((1u << lo) - 1));
+      if (sk > 0) w |= sk >= 32 ? 0xFFFFFFFFu : (1u << sk) - 1;
       m &= w;
     }
     return m & present;
+  }
+
+  // Cold lanes: positions in [sink, hot_lo) whose block token t selected.
+  inline uint32_t cold_lanes(int64_t t, int64_t qp, int64_t base) const {
+    const int64_t lo_p = std::max(sink, base), hi_p = std::min(hot_lo(qp), base + 32);
+    uint32_t m = 0u;
+    const uint64_t* row = sel + t * words;
+    for (int64_t j = (lo_p - sink) / block; lo_p < hi_p && sink + j * block < hi_p; ++j) {
+      if (((row[j >> 6] >> (j & 63)) & 1u) == 0u) continue;
+      m |= lane_range(std::max(lo_p, sink + j * block) - base, std::min(hi_p, sink + (j + 1) * block) - base);
+    }
+    return m;
   }
 };
 
@@ -69,6 +105,7 @@ struct Partial {
   float* acc;  // (R, D) unnormalised sum of p * v
   float* m;    // (R,) running max score
   float* l;    // (R,) running sum of p
+  float* n;    // (R,) keys seen (exact as a float up to 2^24)
 };
 
 
@@ -240,6 +277,7 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
   std::fill(st.acc, st.acc + R * D, 0.f);
   std::fill(st.m, st.m + R, NEG_INF);
   std::fill(st.l, st.l + R, 0.f);
+  std::fill(st.n, st.n + R, 0.f);
   const T* krow[BK];
   const T* vrow[BK];
   alignas(64) float s[BK];
@@ -260,6 +298,7 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
     for (int64_t r = 0; r < R; ++r) {
       const uint32_t vis = rule.lanes(r % rule.T, base, present);
       if (vis == 0u) continue;
+      st.n[r] += static_cast<float>(__builtin_popcount(vis));
       block_scores<T, D>(q + r * D, krow, s);
       const float alpha = block_softmax(s, vis, scale, st.m[r], st.l[r]);
       if constexpr (kPairs<T, D>) {
@@ -320,6 +359,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   std::fill(st.acc, st.acc + R * D, 0.f);
   std::fill(st.m, st.m + R, NEG_INF);
   std::fill(st.l, st.l + R, 0.f);
+  std::fill(st.n, st.n + R, 0.f);
   const int64_t RB = (R + 15) / 16;  // 16-row tiles
   // Q^T in pairs per row tile: (RB, D/2, 16) uint32 = (q[r][2p], q[r][2p+1]); padding rows are zero.
   kakeya_amx::AlignedBuffer<uint32_t> qt(RB * (D / 2) * 16);
@@ -393,8 +433,13 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
       for (int64_t i = 0; i < 16; ++i) {
         alpha[i] = -1.f;
         uint32_t row_any = 0u;
-        for (int w = 0; w < WORDS; ++w) row_any |= vis[i][w];
+        int seen = 0;
+        for (int w = 0; w < WORDS; ++w) {
+          row_any |= vis[i][w];
+          seen += __builtin_popcount(vis[i][w]);
+        }
         if (row_any != 0u) {
+          st.n[r0 + i] += static_cast<float>(seen);
           if (transpose) {
             for (int kt = 0; kt < KT; ++kt) std::memcpy(s + kt * 16, s_tile.data + kt * 256 + i * 16, 64);
           } else {
@@ -448,46 +493,66 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
 }
 #endif
 
-template <typename T, int D>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
-         const at::Tensor& k_pos, int64_t window, int64_t sink, float scale, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), S = k.size(2), NT = q_pos.size(0);
-  const int64_t G = R / NT;
-  const int64_t* kp = k_pos.const_data_ptr<int64_t>();
-  // Keys in position order (a cache usually hands them sorted: then no sort), cut into blocks and superblocks.
-  std::vector<int64_t> order(S);
-  std::iota(order.begin(), order.end(), 0);
-  bool sorted = true;
-  for (int64_t j = 1; j < S && sorted; ++j) sorted = kp[j] > kp[j - 1];
-  if (!sorted) std::sort(order.begin(), order.end(), [kp](int64_t a, int64_t b) { return kp[a] < kp[b]; });
-  // AMX on CPUs that have it (bf16), for every call alike: the choice depends on the machine, never the shape.
-  const bool use_amx = amx_enabled<T>() && D % 32 == 0;
-#if defined(KAKEYA_AMX)
-  const int64_t bk = use_amx ? BKA : BK;
-#else
-  const int64_t bk = BK;
-#endif
+// One key source of a call: K/V (B, Hk, S, D) with their positions, cut into blocks and superblocks.
+struct Source {
+  const at::Tensor* k;
+  const at::Tensor* v;
+  const int64_t* kp;
+  Kind kind;
+  std::vector<int64_t> order;       // keys in position order
   std::vector<Block> blocks;
   std::vector<int64_t> super_first;  // index of each superblock's first block, plus an end marker
-  for (int64_t i = 0; i < S; ++i) {
-    const int64_t p = kp[order[i]];
-    TORCH_CHECK(p >= 0, "cached_attention: negative key position");
-    TORCH_CHECK(i == 0 || p != kp[order[i - 1]], "cached_attention: key position ", p, " given twice");
-    if (blocks.empty() || p / bk != blocks.back().min_pos / bk) {
-      if (blocks.empty() || p / SPLIT != blocks.back().min_pos / SPLIT) super_first.push_back(blocks.size());
-      blocks.push_back(Block{i, 0, p, p});
+
+  Source(const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& k_pos, Kind kind_, int64_t bk)
+      : k(&k_), v(&v_), kp(k_pos.const_data_ptr<int64_t>()), kind(kind_) {
+    const int64_t S = k_.size(2);
+    order.resize(S);
+    std::iota(order.begin(), order.end(), 0);
+    bool sorted = true;  // a cache usually hands keys sorted: then no sort
+    for (int64_t j = 1; j < S && sorted; ++j) sorted = kp[j] > kp[j - 1];
+    if (!sorted) std::sort(order.begin(), order.end(), [this](int64_t a, int64_t b) { return kp[a] < kp[b]; });
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t p = kp[order[i]];
+      TORCH_CHECK(p >= 0, "cached_attention: negative key position");
+      TORCH_CHECK(i == 0 || p != kp[order[i - 1]], "cached_attention: key position ", p, " given twice");
+      if (blocks.empty() || p / bk != blocks.back().min_pos / bk) {
+        if (blocks.empty() || p / SPLIT != blocks.back().min_pos / SPLIT) super_first.push_back(blocks.size());
+        blocks.push_back(Block{i, 0, p, p});
+      }
+      blocks.back().count += 1;
+      blocks.back().max_pos = p;
     }
-    blocks.back().count += 1;
-    blocks.back().max_pos = p;
+    super_first.push_back(blocks.size());
   }
-  super_first.push_back(blocks.size());
-  const int64_t supers = static_cast<int64_t>(super_first.size()) - 1;
-  const Rule rule{q_pos.const_data_ptr<int64_t>(), NT, window, sink};
+  int64_t supers() const { return static_cast<int64_t>(super_first.size()) - 1; }
+};
+
+// The sparse split of a call (kakeya::sparse_attention), or none.
+struct Split {
+  int64_t block = 0;
+  const uint64_t* sel = nullptr;  // (B, Hk, T, words)
+  int64_t words = 0;
+};
+
+// Attention of q over every source, one softmax: each (batch, head, source superblock) is a work item, and a
+// row's partial states are merged in (source, position) order against its global max. `seen` (B, Hk, R,
+// sources), when given, receives the keys each row saw per source.
+template <typename T, int D>
+void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_pos, int64_t window, int64_t sink,
+         const Split& split, float scale, at::Tensor& out, int64_t* seen) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), NT = q_pos.size(0);
+  const int64_t G = R / NT, NS = static_cast<int64_t>(sources.size());
+  // AMX on CPUs that have it (bf16), for every call alike: the choice depends on the machine, never the shape.
+  const bool use_amx = amx_enabled<T>() && D % 32 == 0;
+  std::vector<std::pair<int64_t, int64_t>> supers;  // (source, superblock) in merge order
+  for (int64_t s = 0; s < NS; ++s)
+    for (int64_t sp = 0; sp < sources[s].supers(); ++sp) supers.emplace_back(s, sp);
+  const int64_t NSP = static_cast<int64_t>(supers.size());
+  const int64_t* qpos = q_pos.const_data_ptr<int64_t>();
 
   const T* qp = q.const_data_ptr<T>();
-  const T* kbase = k.const_data_ptr<T>();
-  const T* vbase = v.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
+  constexpr int64_t W = D + 3;  // per row: acc (D), m, l, n
   std::vector<float> state;
   std::vector<T> qtile;
   for (int64_t t0 = 0; t0 < NT; t0 += ROW_TILE) {
@@ -499,49 +564,53 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         for (int64_t g = 0; g < G; ++g)
           std::memcpy(qtile.data() + ((b * H + h) * Rt + g * tn) * D,
                       qp + b * q.stride(0) + h * q.stride(1) + (g * NT + t0) * D, tn * D * sizeof(T));
-    const Rule tile_rule{rule.q_pos + t0, tn, window, sink};
-    const int64_t items = B * H * supers;
-    state.resize(items * Rt * (D + 2));
+    const int64_t items = B * H * NSP;
+    state.resize(items * Rt * W);
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
 #if defined(KAKEYA_AMX)
       if (use_amx) kakeya_amx::configure();
 #endif
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / (H * supers), h = (item / supers) % H, sp = item % supers;
-        float* base = state.data() + item * Rt * (D + 2);
+        const int64_t b = item / (H * NSP), h = (item / NSP) % H;
+        const auto [si, sp] = supers[item % NSP];
+        const Source& src = sources[si];
+        Rule rule{qpos + t0, tn, window, sink, src.kind, split.block, nullptr, split.words};
+        if (src.kind == Kind::Cold) rule.sel = split.sel + ((b * H + h) * NT + t0) * split.words;
+        const T* kb = src.k->template const_data_ptr<T>() + b * src.k->stride(0) + h * src.k->stride(1);
+        const T* vb = src.v->template const_data_ptr<T>() + b * src.v->stride(0) + h * src.v->stride(1);
+        const Block* blocks = src.blocks.data() + src.super_first[sp];
+        const int64_t nblocks = src.super_first[sp + 1] - src.super_first[sp];
+        float* base = state.data() + item * Rt * W;
+        const Partial st{base, base + Rt * D, base + Rt * D + Rt, base + Rt * D + 2 * Rt};
 #if defined(KAKEYA_AMX)
         if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
           if (use_amx) {  // head sizes that are not a multiple of 32 take the dot-product path everywhere
-            attend_superblock_amx<D>(qtile.data() + (b * H + h) * Rt * D, kbase + b * k.stride(0) + h * k.stride(1),
-                                     vbase + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), Rt,
-                                     tile_rule, order.data(), kp, blocks.data() + super_first[sp],
-                                     super_first[sp + 1] - super_first[sp], scale,
-                                     Partial{base, base + Rt * D, base + Rt * D + Rt});
+            attend_superblock_amx<D>(qtile.data() + (b * H + h) * Rt * D, kb, vb, src.k->stride(2),
+                                     src.v->stride(2), Rt, rule, src.order.data(), src.kp, blocks, nblocks, scale, st);
             continue;
           }
         }
 #endif
-        attend_superblock<T, D>(qtile.data() + (b * H + h) * Rt * D, kbase + b * k.stride(0) + h * k.stride(1),
-                                vbase + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), Rt, tile_rule,
-                                order.data(), kp, blocks.data() + super_first[sp],
-                                super_first[sp + 1] - super_first[sp], scale,
-                                Partial{base, base + Rt * D, base + Rt * D + Rt});
+        attend_superblock<T, D>(qtile.data() + (b * H + h) * Rt * D, kb, vb, src.k->stride(2), src.v->stride(2), Rt,
+                                rule, src.order.data(), src.kp, blocks, nblocks, scale, st);
       }
 #if defined(KAKEYA_AMX)
       if (use_amx) _tile_release();
 #endif
     });
-    // Merge each row's superblocks in position order against its global max, normalise, write.
+    // Merge each row's superblocks in (source, position) order against its global max, normalise, write.
     at::parallel_for(0, B * H * Rt, 16, [&](int64_t begin, int64_t end) {
       float row[D];
       for (int64_t idx = begin; idx < end; ++idx) {
         const int64_t bh = idx / Rt, r = idx % Rt;
         float m = NEG_INF;
-        for (int64_t sp = 0; sp < supers; ++sp) m = std::max(m, state[(bh * supers + sp) * Rt * (D + 2) + Rt * D + r]);
+        for (int64_t sp = 0; sp < NSP; ++sp) m = std::max(m, state[((bh * NSP + sp) * Rt) * W + Rt * D + r]);
         float l = 0.f;
         std::fill(row, row + D, 0.f);
-        for (int64_t sp = 0; sp < supers; ++sp) {
-          const float* base = state.data() + (bh * supers + sp) * Rt * (D + 2);
+        int64_t counts[4] = {0, 0, 0, 0};
+        for (int64_t sp = 0; sp < NSP; ++sp) {
+          const float* base = state.data() + (bh * NSP + sp) * Rt * W;
+          counts[supers[sp].first] += static_cast<int64_t>(base[Rt * D + 2 * Rt + r]);
           const float ms = base[Rt * D + r];
           if (ms == NEG_INF) continue;  // this superblock holds nothing the row sees
           const float w = std::exp(ms - m);
@@ -557,55 +626,124 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         } else {
           at::vec::convert(row, dst, D);  // round to nearest even, as the scalar conversion does
         }
+        if (seen != nullptr)
+          for (int64_t s = 0; s < NS; ++s) seen[((bh * R) + g * NT + t) * NS + s] = counts[s];
       }
     });
   }
 }
 
 template <typename T>
-void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
-                  const at::Tensor& k_pos, int64_t window, int64_t sink, float scale, at::Tensor& out) {
+void dispatch_dim(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_pos, int64_t window,
+                  int64_t sink, const Split& split, float scale, at::Tensor& out, int64_t* seen) {
   switch (q.size(3)) {
-    case 16: return run<T, 16>(q, k, v, q_pos, k_pos, window, sink, scale, out);
-    case 32: return run<T, 32>(q, k, v, q_pos, k_pos, window, sink, scale, out);
-    case 64: return run<T, 64>(q, k, v, q_pos, k_pos, window, sink, scale, out);
-    case 96: return run<T, 96>(q, k, v, q_pos, k_pos, window, sink, scale, out);
-    case 128: return run<T, 128>(q, k, v, q_pos, k_pos, window, sink, scale, out);
-    case 256: return run<T, 256>(q, k, v, q_pos, k_pos, window, sink, scale, out);
+    case 16: return run<T, 16>(q, sources, q_pos, window, sink, split, scale, out, seen);
+    case 32: return run<T, 32>(q, sources, q_pos, window, sink, split, scale, out, seen);
+    case 64: return run<T, 64>(q, sources, q_pos, window, sink, split, scale, out, seen);
+    case 96: return run<T, 96>(q, sources, q_pos, window, sink, split, scale, out, seen);
+    case 128: return run<T, 128>(q, sources, q_pos, window, sink, split, scale, out, seen);
+    case 256: return run<T, 256>(q, sources, q_pos, window, sink, split, scale, out, seen);
     default: TORCH_CHECK(false, "cached_attention: head_dim ", q.size(3), " not in {16, 32, 64, 96, 128, 256}");
   }
 }
 
-at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
-                            const at::Tensor& k_pos, int64_t window, int64_t sink, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "cached_attention: CPU only");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "cached_attention: q, k, v must be 4-D");
+// Positions per block of the path this machine runs (AMX: BKA, else BK).
+template <typename T>
+int64_t block_size() {
+#if defined(KAKEYA_AMX)
+  if (amx_enabled<T>()) return BKA;
+#endif
+  return BK;
+}
+
+void check_source(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pos) {
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "cached_attention: CPU only");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "cached_attention: k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "cached_attention: q, k, v must share a dtype");
   TORCH_CHECK(k.sizes() == v.sizes(), "cached_attention: k and v differ in shape");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "cached_attention: q (B, Hk, R, D) and k (B, Hk, S, D) disagree");
-  TORCH_CHECK(q_pos.dim() == 1 && k_pos.dim() == 1 && q_pos.scalar_type() == at::kLong &&
-                  k_pos.scalar_type() == at::kLong && q_pos.is_contiguous() && k_pos.is_contiguous(),
-              "cached_attention: q_pos (T,) and k_pos (S,) must be contiguous int64");
+  TORCH_CHECK(k_pos.dim() == 1 && k_pos.scalar_type() == at::kLong && k_pos.is_contiguous(),
+              "cached_attention: k_pos (S,) must be contiguous int64");
   TORCH_CHECK(k_pos.size(0) == k.size(2), "cached_attention: k_pos has ", k_pos.size(0), " positions for ",
               k.size(2), " keys");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "cached_attention: k/v last dim must have unit stride");
+}
+
+void check_query(const at::Tensor& q, const at::Tensor& q_pos) {
+  TORCH_CHECK(q.device().is_cpu(), "cached_attention: CPU only");
+  TORCH_CHECK(q.dim() == 4, "cached_attention: q must be 4-D");
+  TORCH_CHECK(q_pos.dim() == 1 && q_pos.scalar_type() == at::kLong && q_pos.is_contiguous(),
+              "cached_attention: q_pos (T,) must be contiguous int64");
   TORCH_CHECK(q_pos.size(0) >= 1 && q.size(2) % q_pos.size(0) == 0,
               "cached_attention: the query rows must be a multiple of the new tokens (q_pos)");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && q.stride(2) == q.size(3),
-              "cached_attention: rows must be contiguous (q rows packed, k/v last dim unit stride)");
+  TORCH_CHECK(q.stride(3) == 1 && q.stride(2) == q.size(3), "cached_attention: q rows must be packed");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "cached_attention: dtype ",
+              q.scalar_type(), " not supported (float32, bfloat16)");
+}
+
+void dispatch(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_pos, int64_t window,
+              int64_t sink, const Split& split, double scale, at::Tensor& out, int64_t* seen) {
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    dispatch_dim<float>(q, sources, q_pos, window, sink, split, s, out, seen);
+  } else {
+    dispatch_dim<c10::BFloat16>(q, sources, q_pos, window, sink, split, s, out, seen);
+  }
+}
+
+int64_t path_block(const at::Tensor& q) {
+  return q.scalar_type() == at::kBFloat16 && q.size(3) % 32 == 0 ? block_size<c10::BFloat16>() : BK;
+}
+
+at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
+                            const at::Tensor& k_pos, int64_t window, int64_t sink, double scale) {
+  check_query(q, q_pos);
+  check_source(q, k, v, k_pos);
   auto out = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return out;
   if (k.size(2) == 0) return out.zero_();
-  const float s = static_cast<float>(scale);
-  if (q.scalar_type() == at::kFloat) {
-    dispatch_dim<float>(q, k, v, q_pos, k_pos, window, sink, s, out);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    dispatch_dim<c10::BFloat16>(q, k, v, q_pos, k_pos, window, sink, s, out);
-  } else {
-    TORCH_CHECK(false, "cached_attention: dtype ", q.scalar_type(), " not supported (float32, bfloat16)");
-  }
+  std::vector<Source> sources;
+  sources.emplace_back(k, v, k_pos, Kind::Plain, path_block(q));
+  dispatch(q, sources, q_pos, window, sink, Split{}, scale, out, nullptr);
   return out;
+}
+
+// Sparse attention: the exact hot set (sinks and each query's hot range, hot_lo..q, the last `window` positions
+// extended down to a multiple of `block` after the sinks) and the cold blocks each token selected (`select`
+// (B, Hk, T, words) bitsets over blocks j = (p - sink) / block, only blocks wholly below the query's hot range
+// count), one softmax over both. Returns the output and the keys each row saw from each source,
+// (B, Hk, R, 2) int64: [..., 0] hot, [..., 1] cold.
+std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& hot_k,
+                                                    const at::Tensor& hot_v, const at::Tensor& hot_pos,
+                                                    const at::Tensor& cold_k, const at::Tensor& cold_v,
+                                                    const at::Tensor& cold_pos, const at::Tensor& select,
+                                                    const at::Tensor& q_pos, int64_t window, int64_t sink,
+                                                    int64_t block, double scale) {
+  check_query(q, q_pos);
+  check_source(q, hot_k, hot_v, hot_pos);
+  check_source(q, cold_k, cold_v, cold_pos);
+  TORCH_CHECK(window >= 1 && sink >= 0 && block >= 1, "sparse_attention: need window >= 1, sink >= 0, block >= 1");
+  TORCH_CHECK(select.dim() == 4 && select.scalar_type() == at::kLong && select.is_contiguous() &&
+                  select.size(0) == q.size(0) && select.size(1) == q.size(1) && select.size(2) == q_pos.size(0),
+              "sparse_attention: select must be contiguous int64 (B, Hk, T, words)");
+  // Every block a token may select lies below its hot range: the bitsets must cover them all.
+  const int64_t* qp = q_pos.const_data_ptr<int64_t>();
+  int64_t most = 0;
+  for (int64_t t = 0; t < q_pos.size(0); ++t) most = std::max(most, (qp[t] + 1 - window - sink) / block);
+  TORCH_CHECK(select.size(3) * 64 >= most, "sparse_attention: select has ", select.size(3) * 64,
+              " block bits, a query may select among ", most);
+  auto out = at::empty(q.sizes(), q.options());
+  auto seen = at::empty({q.size(0), q.size(1), q.size(2), 2}, q.options().dtype(at::kLong));
+  seen.zero_();
+  if (q.numel() == 0) return {out, seen};
+  std::vector<Source> sources;
+  sources.emplace_back(hot_k, hot_v, hot_pos, Kind::Hot, path_block(q));
+  sources.emplace_back(cold_k, cold_v, cold_pos, Kind::Cold, path_block(q));
+  const Split split{block, reinterpret_cast<const uint64_t*>(select.const_data_ptr<int64_t>()), select.size(3)};
+  dispatch(q, sources, q_pos, window, sink, split, scale, out, seen.data_ptr<int64_t>());
+  return {out, seen};
 }
 
 }  // namespace
@@ -613,8 +751,14 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::
 TORCH_LIBRARY(kakeya, m) {
   m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_pos, int window, int sink, "
         "float scale) -> Tensor");
+  m.def("sparse_attention(Tensor q, Tensor hot_k, Tensor hot_v, Tensor hot_pos, Tensor cold_k, Tensor cold_v, "
+        "Tensor cold_pos, Tensor select, Tensor q_pos, int window, int sink, int block, float scale) -> "
+        "(Tensor, Tensor)");
   m.def("bf16_dot() -> bool", [] { return kBf16Dot; });  // built with AVX512-BF16 dot products
   m.def("bf16_amx() -> bool", [] { return amx_enabled<c10::BFloat16>(); });  // bf16 attention on AMX tiles
 }
 
-TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("cached_attention", &cached_attention); }
+TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
+  m.impl("cached_attention", &cached_attention);
+  m.impl("sparse_attention", &sparse_attention);
+}

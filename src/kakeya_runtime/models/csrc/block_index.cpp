@@ -1,0 +1,120 @@
+// The indexer of the sparse KV policy: kakeya::block_select scores every cold block of a KV head against each
+// query token and keeps the top-k, with one fixed order of operations per (token, block), so a token selects
+// the same blocks in a decode step, a chunk or a prompt.
+//
+// q (B, Hk, R, D): the R = G * T query rows sharing K/V head h, ordered (group, token) as in cached_attention.
+// kmin, kmax (B, Hk, N, D): per block and head, the per-channel min and max of its keys (Quest's summary).
+// The bound of a query q on a block is sum_d max(q_d * kmin_d, q_d * kmax_d) >= q . k for every key k of the
+// block; a token's score for a block is the largest bound over the G query heads that share the K/V head.
+// Token t (position p) may select among the blocks wholly outside its window, n(p) = max(0, p + 1 - window -
+// sink) / block of them (blocks j cover positions sink + j * block ...); it keeps min(topk, n(p)) of them, the
+// highest scores first, ties to the lower block. Missing summaries (N < n(p)) are an error, never a smaller
+// choice. Returns select (B, Hk, T, words) int64 bitsets and scored (B, Hk, T) int64 = n(p).
+
+#include "common.h"
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int VS = Vec::size();
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& q_pos,
+         int64_t window, int64_t sink, int64_t block, int64_t topk, at::Tensor& select, at::Tensor& scored) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), NT = q_pos.size(0);
+  const int64_t G = R / NT, N = kmin.size(2), words = select.size(3);
+  const int64_t* qp = q_pos.const_data_ptr<int64_t>();
+  const T* qd = q.const_data_ptr<T>();
+  const T* mn = kmin.const_data_ptr<T>();
+  const T* mx = kmax.const_data_ptr<T>();
+  auto* sel = reinterpret_cast<uint64_t*>(select.data_ptr<int64_t>());
+  int64_t* nsc = scored.data_ptr<int64_t>();
+  at::parallel_for(0, B * H * NT, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), lo(D), hi(D), score;
+    std::vector<int64_t> idx;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bh = item / NT, t = item % NT, b = bh / H, h = bh % H;
+      const int64_t n = std::max<int64_t>(0, qp[t] + 1 - window - sink) / block;
+      nsc[item] = n;
+      uint64_t* row = sel + item * words;
+      std::fill(row, row + words, 0ull);
+      if (n == 0) continue;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = static_cast<float>(qd[b * q.stride(0) + h * q.stride(1) + (g * NT + t) * q.stride(2) + d]);
+      if (n <= topk) {  // every block: no scores needed
+        for (int64_t j = 0; j < n; ++j) row[j >> 6] |= 1ull << (j & 63);
+        continue;
+      }
+      score.resize(n);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t off = b * kmin.stride(0) + h * kmin.stride(1) + j * kmin.stride(2);
+        for (int64_t d = 0; d < D; ++d) {
+          lo[d] = static_cast<float>(mn[off + d]);
+          hi[d] = static_cast<float>(mx[off + d]);
+        }
+        float best = -std::numeric_limits<float>::infinity();
+        for (int64_t g = 0; g < G; ++g) {
+          Vec acc(0.f);  // D / VS vector steps in order, then one fixed lane tree
+          for (int64_t d = 0; d < D; d += VS) {
+            const Vec qv = Vec::loadu(qf.data() + g * D + d);
+            acc = acc + at::vec::maximum(qv * Vec::loadu(lo.data() + d), qv * Vec::loadu(hi.data() + d));
+          }
+          const float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, acc);
+          best = std::max(best, std::isnan(s) ? -std::numeric_limits<float>::infinity() : s);
+        }
+        score[j] = best;
+      }
+      idx.resize(n);
+      std::iota(idx.begin(), idx.end(), 0);
+      // A strict total order (score, then the lower block), so the kept set is one set whatever the sort does.
+      std::nth_element(idx.begin(), idx.begin() + topk, idx.end(), [&](int64_t a, int64_t c) {
+        return score[a] > score[c] || (score[a] == score[c] && a < c);
+      });
+      for (int64_t i = 0; i < topk; ++i) row[idx[i] >> 6] |= 1ull << (idx[i] & 63);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax,
+                                                const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block,
+                                                int64_t topk) {
+  TORCH_CHECK(q.device().is_cpu() && kmin.device().is_cpu() && kmax.device().is_cpu(), "block_select: CPU only");
+  TORCH_CHECK(q.dim() == 4 && kmin.dim() == 4 && kmin.sizes() == kmax.sizes(),
+              "block_select: q (B, Hk, R, D), kmin and kmax (B, Hk, N, D)");
+  TORCH_CHECK(q.scalar_type() == kmin.scalar_type() && q.scalar_type() == kmax.scalar_type(),
+              "block_select: q and the summaries must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "block_select: float32 or bfloat16");
+  TORCH_CHECK(kmin.size(0) == q.size(0) && kmin.size(1) == q.size(1) && kmin.size(3) == q.size(3),
+              "block_select: q and the summaries disagree in batch, heads or head_dim");
+  TORCH_CHECK(q.size(3) % VS == 0, "block_select: head_dim must be a multiple of ", VS);
+  TORCH_CHECK(q.stride(3) == 1 && kmin.stride(3) == 1 && kmax.stride(3) == 1 && kmin.strides() == kmax.strides(),
+              "block_select: the last dims must have unit stride, kmin and kmax the same layout");
+  TORCH_CHECK(q_pos.dim() == 1 && q_pos.scalar_type() == at::kLong && q_pos.is_contiguous() && q_pos.size(0) >= 1 &&
+                  q.size(2) % q_pos.size(0) == 0,
+              "block_select: q_pos (T,) contiguous int64, the query rows a multiple of T");
+  TORCH_CHECK(window >= 1 && sink >= 0 && block >= 1 && topk >= 1, "block_select: need window, block, topk >= 1");
+  const int64_t* qp = q_pos.const_data_ptr<int64_t>();
+  int64_t most = 0;
+  for (int64_t t = 0; t < q_pos.size(0); ++t) most = std::max(most, (qp[t] + 1 - window - sink) / block);
+  TORCH_CHECK(most <= kmin.size(2), "block_select: a query may select among ", most, " cold blocks but only ",
+              kmin.size(2), " have summaries");
+  const int64_t words = std::max<int64_t>(1, (most + 63) / 64);
+  auto select = at::empty({q.size(0), q.size(1), q_pos.size(0), words}, q.options().dtype(at::kLong));
+  auto scored = at::empty({q.size(0), q.size(1), q_pos.size(0)}, q.options().dtype(at::kLong));
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(q, kmin, kmax, q_pos, window, sink, block, topk, select, scored);
+  } else {
+    run<c10::BFloat16>(q, kmin, kmax, q_pos, window, sink, block, topk, select, scored);
+  }
+  return {select, scored};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kakeya, m) {
+  m.def("block_select(Tensor q, Tensor kmin, Tensor kmax, Tensor q_pos, int window, int sink, int block, int topk) "
+        "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("block_select", &block_select); }

@@ -1,0 +1,176 @@
+"""The sparse policy's kernels (kakeya::sparse_attention, kakeya::block_select) against fp64 references, and
+their invariance: a token's result and choice depend only on what it sees, however the tokens are batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kakeya_runtime.models import native
+
+
+def hot_lo(p: int, window: int, sink: int, block: int) -> int:
+    out = p + 1 - window - sink
+    return sink if out <= 0 else sink + out // block * block
+
+
+def reference(q, hot, cold, select, q_pos, scale, window, sink, block):
+    """fp64 softmax over each row's visible keys: the hot rule and the selected cold blocks."""
+    (hk, hv, hp), (ck, cv, cp) = hot, cold
+    b, h, r, d = q.shape
+    t_n = q_pos.shape[0]
+    out = torch.zeros(b, h, r, d, dtype=torch.float64)
+    seen = torch.zeros(b, h, r, 2, dtype=torch.long)
+    for bi in range(b):
+        for hi in range(h):
+            for ri in range(r):
+                t = ri % t_n
+                p = int(q_pos[t])
+                lo = hot_lo(p, window, sink, block)
+                keys, vals = [], []
+                for j, kp in enumerate(hp.tolist()):
+                    if kp <= p and (kp < sink or kp >= lo):
+                        keys.append(hk[bi, hi, j])
+                        vals.append(hv[bi, hi, j])
+                        seen[bi, hi, ri, 0] += 1
+                word = select[bi, hi, t].tolist()
+                for j, kp in enumerate(cp.tolist()):
+                    blk = (kp - sink) // block
+                    if sink <= kp < lo and (word[blk // 64] >> (blk % 64)) & 1:
+                        keys.append(ck[bi, hi, j])
+                        vals.append(cv[bi, hi, j])
+                        seen[bi, hi, ri, 1] += 1
+                if not keys:
+                    continue
+                kk, vv = torch.stack(keys).double(), torch.stack(vals).double()
+                w = torch.softmax(kk @ q[bi, hi, ri].double() * scale, dim=0)
+                out[bi, hi, ri] = w @ vv
+    return out, seen
+
+
+def bitsets(chosen: list[list[list[list[int]]]], words: int) -> torch.Tensor:
+    """(B, Hk, T, words) int64 bitsets from per-token block lists."""
+    out = torch.zeros(len(chosen), len(chosen[0]), len(chosen[0][0]), words, dtype=torch.long)
+    for b, heads in enumerate(chosen):
+        for h, toks in enumerate(heads):
+            for t, blocks in enumerate(toks):
+                for j in blocks:
+                    w = out[b, h, t, j // 64].item() | (1 << (j % 64))
+                    out[b, h, t, j // 64] = w - (1 << 64) if w >= 1 << 63 else w
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 256])
+def test_sparse_attention_matches_reference(dtype, d):
+    torch.manual_seed(0)
+    sink, window, block, hkv, g = 4, 40, 16, 2, 3
+    n = 400  # positions 0..399; tokens at the end
+    q_pos = torch.tensor([371, 385, 399])
+    q = torch.randn(1, hkv, g * 3, d).to(dtype)
+    kv = torch.randn(2, 1, hkv, n, d).to(dtype)
+    # hot: sinks and the last window + block positions (what the cache holds), in ring order
+    hot_p = torch.cat((torch.arange(sink), torch.arange(n - window - block - 5, n).roll(7)))
+    n_blocks = (n - sink) // block
+    chosen = [[[[0, 3, 7, 19], [1, 20, 21], [2, 5, 8, 13, 22]] for _ in range(hkv)]]
+    chosen[0][1][0] = [4, 6]
+    sel = bitsets(chosen, 1)
+    cold_blocks = sorted({j for heads in chosen[0] for toks in heads for j in toks})
+    cold_p = torch.cat([torch.arange(sink + j * block, sink + (j + 1) * block) for j in cold_blocks])
+    cold_kv = kv[:, :, :, cold_p] + 0.01  # decoded copies differ from the exact ones
+    hot = (kv[0][:, :, hot_p].contiguous(), kv[1][:, :, hot_p].contiguous(), hot_p)
+    cold = (cold_kv[0].contiguous(), cold_kv[1].contiguous(), cold_p)
+    assert n_blocks > 22
+    out, seen = native.sparse_attention(q, hot, cold, sel, q_pos, d**-0.5, window=window, sink=sink, block=block)
+    ref, ref_seen = reference(q, hot, cold, sel, q_pos, d**-0.5, window, sink, block)
+    assert torch.equal(seen, ref_seen)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert (out.double() - ref).abs().max() < tol
+    # a block above a token's hot boundary is never attended from the cold side, even when selected
+    assert seen[0, 0, 2, 1] == 16 * len([j for j in chosen[0][0][2] if sink + (j + 1) * block <= hot_lo(399, window,
+                                                                                                       sink, block)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_row_invariant(dtype):
+    """A token's output is the same bits alone or among other tokens (a decode step vs a chunk)."""
+    torch.manual_seed(1)
+    sink, window, block, d = 4, 64, 32, 64
+    n = 700
+    q_pos = torch.arange(600, 700)
+    q = torch.randn(1, 1, 2 * 100, d).to(dtype)
+    k, v = torch.randn(2, 1, 1, n, d).to(dtype)
+    hot_p = torch.cat((torch.arange(sink), torch.arange(600 - window - block, n)))
+    chosen = [[[[j % 17, (3 * j) % 17, 17] for j in range(100)]]]
+    sel = bitsets(chosen, 1)
+    cold_p = torch.cat([torch.arange(sink + j * block, sink + (j + 1) * block) for j in range(18)])
+    hot = (k[:, :, hot_p].contiguous(), v[:, :, hot_p].contiguous(), hot_p)
+    cold = (k[:, :, cold_p].contiguous(), v[:, :, cold_p].contiguous(), cold_p)
+    whole, _ = native.sparse_attention(q, hot, cold, sel, q_pos, 0.125, window=window, sink=sink, block=block)
+    for t in (0, 37, 99):
+        qt = q.view(1, 1, 2, 100, d)[:, :, :, t].contiguous().view(1, 1, 2, d)
+        held = hot_p <= 600 + t
+        one, _ = native.sparse_attention(qt, (hot[0][:, :, held].contiguous(), hot[1][:, :, held].contiguous(),
+                                              hot_p[held].contiguous()), cold, sel[:, :, t : t + 1].contiguous(),
+                                         q_pos[t : t + 1].contiguous(), 0.125, window=window, sink=sink, block=block)
+        assert torch.equal(one[0, 0], whole.view(1, 1, 2, 100, d)[0, 0, :, t])
+
+
+def quest_reference(q, kmin, kmax, q_pos, window, sink, block, topk):
+    b, h, r, d = q.shape
+    t_n = q_pos.shape[0]
+    g = r // t_n
+    chosen = []
+    for bi in range(b):
+        for hi in range(h):
+            for t in range(t_n):
+                n = max(0, int(q_pos[t]) + 1 - window - sink) // block
+                qs = q[bi, hi].view(g, t_n, d)[:, t].double()  # (G, D)
+                bound = torch.maximum(qs[:, None] * kmin[bi, hi, :n].double(), qs[:, None] * kmax[bi, hi, :n].double())
+                score = bound.sum(-1).max(0).values  # (n,)
+                order = sorted(range(n), key=lambda j: (-float(score[j]), j))
+                chosen.append(sorted(order[:topk]))
+    return chosen
+
+
+def decode_bits(select: torch.Tensor) -> list[list[int]]:
+    out = []
+    for row in select.reshape(-1, select.shape[-1]).tolist():
+        out.append([w * 64 + i for w, word in enumerate(row) for i in range(64) if (word >> i) & 1])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_select_top_k(dtype):
+    torch.manual_seed(2)
+    sink, window, block, topk, d, g = 4, 64, 16, 5, 64, 3
+    keys = torch.randn(1, 2, 2000, d)
+    n_blocks = (2000 - sink) // block
+    blocks = keys[:, :, sink : sink + n_blocks * block].reshape(1, 2, n_blocks, block, d)
+    kmin, kmax = blocks.amin(3).to(dtype), blocks.amax(3).to(dtype)
+    q_pos = torch.tensor([10, 70, 90, 500, 1999])
+    q = torch.randn(1, 2, g * 5, d).to(dtype)
+    select, scored = native.block_select(q, kmin, kmax, q_pos, window=window, sink=sink, block=block, topk=topk)
+    expect_n = [max(0, p + 1 - window - sink) // block for p in q_pos.tolist()]
+    assert scored[0, 0].tolist() == expect_n
+    got = decode_bits(select)
+    want = quest_reference(q.float(), kmin.float(), kmax.float(), q_pos, window, sink, block, topk)
+    assert got == want
+    assert [len(x) for x in got[:5]] == [min(topk, n) for n in expect_n]
+
+
+def test_block_select_row_invariant_and_missing_summaries():
+    torch.manual_seed(3)
+    d = 64
+    kmin = torch.randn(1, 1, 60, d).bfloat16()
+    kmax = kmin + torch.rand(1, 1, 60, d).bfloat16()
+    q_pos = torch.arange(800, 900)
+    q = torch.randn(1, 1, 100, d).bfloat16()
+    whole, _ = native.block_select(q, kmin, kmax, q_pos, window=64, sink=4, block=16, topk=8)
+    for t in (0, 50, 99):
+        one, _ = native.block_select(q[:, :, t : t + 1].contiguous(), kmin, kmax, q_pos[t : t + 1].contiguous(),
+                                     window=64, sink=4, block=16, topk=8)
+        assert torch.equal(one[:, :, 0], whole[:, :, t])
+    with pytest.raises(RuntimeError, match="have summaries"):  # a missing summary is an error, not fewer blocks
+        native.block_select(q, kmin[:, :, :40].contiguous(), kmax[:, :, :40].contiguous(), q_pos, window=64, sink=4,
+                            block=16, topk=8)
