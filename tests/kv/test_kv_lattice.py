@@ -27,6 +27,12 @@ def _kv_like(n: int, d: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
+def _same_point(ours: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per vector: the same lattice point. Our Hadamard rotation runs on our fixed-order kernel (a vector's code
+    is the same bits in any batch), so outputs may differ from the reference's matmul in the last bits."""
+    return (ours - ref).abs().amax(-1) <= 1e-5 * x.abs().amax(-1)
+
+
 def _rel_mse(a: torch.Tensor, x: torch.Tensor) -> float:
     return float(((a - x) ** 2).sum() / (x**2).sum())
 
@@ -47,13 +53,13 @@ def test_pack_bits_is_a_dense_little_endian_stream(bits, k):
 
 @pytest.mark.parametrize("d", [64, 256])
 @pytest.mark.parametrize("q", [2, 38, 76])
-def test_d4_matches_the_reference_roundtrip_bit_for_bit(d, q):
-    """Identical except the rare vector whose parity flip the reference steps out of [-Q, Q] and then
+def test_d4_matches_the_reference_roundtrip(d, q):
+    """The same lattice point as the reference except the rare vector whose parity flip the reference steps out of [-Q, Q] and then
     clamps off the lattice (~1e-4 of vectors): there we keep the in-box point."""
     x = _kv_like(1500, d)
     ours = LatticeCodec("d4", q, d).roundtrip(x)
     ref = _reference("d4", q, d).roundtrip(x)
-    same = (ours == ref).all(-1)
+    same = _same_point(ours, ref, x)
     assert int((~same).sum()) <= 2
     assert _rel_mse(ours, x) <= 1.001 * _rel_mse(ref, x)
 
@@ -67,7 +73,7 @@ def test_e8_within_the_reference_envelope(d, q):
     ref = _reference("e8", q, d).roundtrip(x)
     ours = LatticeCodec("e8", q, d).roundtrip(x)
     assert _rel_mse(ours, x) <= 1.03 * _rel_mse(ref, x)
-    assert (ours == ref).all(-1).float().mean() > 0.7
+    assert _same_point(ours, ref, x).float().mean() > 0.7
 
 
 @pytest.mark.parametrize("kind", ["d4", "e8"])
@@ -127,3 +133,17 @@ def test_bad_lattice_parameters_are_typed():
         check_lattice("d4", 38, head_dim=48)  # not a power of two
     with pytest.raises(LatticeError):
         check_lattice("a2", 38)
+
+
+@pytest.mark.parametrize("kind,q,d", [("d4", 38, 64), ("e8", 10, 64), ("d4", 38, 256)])
+def test_codes_do_not_depend_on_the_batch(kind, q, d):
+    """A vector's code and its decoded values are the same bits alone or among thousands (the sparse policy
+    encodes a block once and decodes it in steps of any size)."""
+    c = LatticeCodec(kind, q, d)
+    x = _kv_like(3000, d, seed=4)
+    code, scales = c.encode(x)
+    dec = c.decode(code, scales, torch.bfloat16)
+    for i in (0, 1, 1777, 2999):
+        one_code, one_scales = c.encode(x[i : i + 1])
+        assert torch.equal(one_code[0], code[i]) and torch.equal(one_scales[0], scales[i])
+        assert torch.equal(c.decode(code[i : i + 1], scales[i : i + 1], torch.bfloat16)[0], dec[i])

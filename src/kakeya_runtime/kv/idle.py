@@ -19,6 +19,7 @@ from torch import Tensor
 from kakeya_runtime.kv.cache import CacheError, FullLayerKV, SlidingLayerKV
 from kakeya_runtime.kv.compress import KVCodec, make_codec
 from kakeya_runtime.kv.sink_window import SinkWindowLayerKV
+from kakeya_runtime.kv.sparse import SparseLayerKV
 from kakeya_runtime.kv.spec import CodecSpec, PolicyError
 
 
@@ -74,7 +75,7 @@ class IdleLayer:
 
 def _rebuilder(layer):
     """A function returning a fresh, empty layer of the same kind and shape."""
-    if isinstance(layer, SinkWindowLayerKV):
+    if isinstance(layer, SinkWindowLayerKV | SparseLayerKV):
         return layer.clone_empty
     if isinstance(layer, FullLayerKV):
         b, hk, _, d = layer.k.shape

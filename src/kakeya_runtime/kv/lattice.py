@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from kakeya_runtime.kv.packed import pack_bits, packed_nbytes, unpack_bits
+from kakeya_runtime.models.layers import linear
 
 LATTICES = ("d4", "e8")
 MAX_BLOCK_BITS = 62  # indices are int64 arithmetic
@@ -128,7 +129,7 @@ class LatticeCodec:
         eps = torch.finfo(torch.float32).eps
         norms = flat.norm(dim=1, keepdim=True).clamp(min=eps)
         norms16 = norms.clamp(max=torch.finfo(torch.float16).max).to(torch.float16)
-        y = (flat / norms) @ self.h.to(flat.device)
+        y = _rotate(flat / norms, self.h)
         qmax16 = y.abs().amax(dim=1, keepdim=True).clamp(min=eps).to(torch.float16)
         scale = qmax16.float() / float(self.q)
         blocks = (y / scale).reshape(-1, self.num_blocks, self.block)  # (N, K, b)
@@ -147,7 +148,7 @@ class LatticeCodec:
         """Lattice points (N, K, b) -> (N, D) fp32, the reference's decode arithmetic."""
         scale = qmax16.float().unsqueeze(1) / float(self.q)  # (N, 1)
         y_hat = (pts * scale.unsqueeze(-1)).reshape(-1, self.head_dim)
-        return (y_hat @ self.h.to(pts.device)) * norms16.float().unsqueeze(1)
+        return _rotate(y_hat, self.h) * norms16.float().unsqueeze(1)
 
     # -- lattice point <-> index -----------------------------------------------------------------
 
@@ -198,6 +199,12 @@ class LatticeCodec:
         """Encode then decode, fp32 (the packed counterpart of the reference's `roundtrip`)."""
         code, scales = self.encode(x)
         return self.decode(code, scales)
+
+
+def _rotate(x: Tensor, h: Tensor) -> Tensor:
+    """x @ H for the symmetric Hadamard H, by the models' linear (with our kernels: each vector's result is the
+    same bits whatever else is encoded in the call, so a position's code does not depend on the step)."""
+    return linear(x, h.to(x.device))
 
 
 def _horner(digits: Tensor, radix: int) -> Tensor:

@@ -5,6 +5,7 @@
 | full | every position (grows with T) | everything | idle_codec, idle_q |
 | sink_window | sink + window (+ spare) slots, fixed | sinks + last window | sink, window, spare, codec, q |
 | restore | sink + window slots, fixed (+ O(T) int32 token ids) | everything (evicted K/V recomputed) | sink, window, granularity, chunk, codec, q |
+| sparse | sink + window + block hot slots, fixed; every older block packed (codec, d4 by default) + its key min/max | sinks + hot range + the top-k cold blocks by the indexer | sink, window, block, topk, spare, codec, q |
 
 `codec` (identity | d4 | e8, range `q`) is the resident store's codec; `idle_codec` names what
 `compress_idle` should use for the session. Gemma 3's native sliding layers keep their native ring under
@@ -25,11 +26,13 @@ from kakeya_runtime.kv.compress import make_codec
 from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
 from kakeya_runtime.kv.restore import RestoreKV, RestoreLayerKV
 from kakeya_runtime.kv.sink_window import PositionLimitError, SinkWindowKV, SinkWindowLayerKV
+from kakeya_runtime.kv.sparse import SparseIndexError, SparseKV, SparseLayerKV
 from kakeya_runtime.kv.spec import CodecSpec, PolicyError, PolicyKV, PolicySpec, check_codec
 from kakeya_runtime.models.config import ModelConfig
 
 __all__ = [
     "CacheError", "CodecSpec", "IdleStats", "PolicyError", "PolicyKV", "PolicySpec", "PositionLimitError",
+    "SparseIndexError", "SparseKV",
     "compress_idle", "decompress", "is_compressed", "make_policy_cache", "governed_layers",
 ]
 
@@ -62,18 +65,36 @@ def make_policy_cache(config: ModelConfig, spec: PolicySpec, *, batch: int = 1, 
     if spec.name == "restore" and proposer is None:
         raise PolicyError("the restore policy needs a proposer (engine.proposers.same_checkpoint_proposer)")
     codec = make_codec(spec.codec.kind, spec.codec.q, config.head_dim, device)
-    layer_cls = RestoreLayerKV if spec.name == "restore" else SinkWindowLayerKV
     shape = (batch, config.num_key_value_heads, config.head_dim)
+    if spec.name == "sparse":
+        too_big = {k: v for k, v in (("sink + window", spec.sink + spec.window), ("block", spec.block),
+                                     ("spare", spec.spare)) if v > cap}
+        if too_big:
+            raise PolicyError(f"{', '.join(f'{k} = {v}' for k, v in too_big.items())} exceeds the context of {cap} "
+                              "positions")
+        return SparseKV(_layers(config, cap, shape, dtype, device, lambda: SparseLayerKV(
+            *shape, sink=spec.sink, window=spec.window, block=spec.block, topk=spec.topk, spare=spec.spare,
+            max_positions=cap, codec=codec, dtype=dtype, device=device)), **common)
+    layer_cls = RestoreLayerKV if spec.name == "restore" else SinkWindowLayerKV
+    layers = _layers(config, cap, shape, dtype, device, lambda: layer_cls(
+        *shape, sink=spec.sink, window=spec.window, max_positions=cap, spare=spec.spare, codec=codec, dtype=dtype,
+        device=device))
+    if spec.name == "restore":
+        return RestoreKV(layers, proposer=proposer, **common)
+    return SinkWindowKV(layers, **common)
+
+
+def _layers(config: ModelConfig, cap: int, shape: tuple[int, int, int], dtype: torch.dtype,
+            device: torch.device | str, governed_layer) -> list:
+    """`governed_layer()` for every layer without a native window; the native ring (or a full layer, when the
+    window covers the context) for the others."""
     layers: list = []
     for i in range(config.num_hidden_layers):
         window = config.layer_window(i)
         if window is None:
-            layers.append(layer_cls(*shape, sink=spec.sink, window=spec.window, max_positions=cap,
-                                    spare=spec.spare, codec=codec, dtype=dtype, device=device))
+            layers.append(governed_layer())
         elif window < cap:
             layers.append(SlidingLayerKV(*shape, window, dtype=dtype, device=device))
         else:
             layers.append(FullLayerKV(*shape, cap, dtype=dtype, device=device))
-    if spec.name == "restore":
-        return RestoreKV(layers, proposer=proposer, **common)
-    return SinkWindowKV(layers, **common)
+    return layers

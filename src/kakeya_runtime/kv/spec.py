@@ -17,7 +17,7 @@ import torch
 from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.kv.lattice import LatticeError, check_lattice
 
-POLICIES = ("full", "sink_window", "restore")
+POLICIES = ("full", "sink_window", "restore", "sparse")
 GRANULARITIES = ("per_step", "per_turn")
 CODEC_KINDS = ("identity", "d4", "e8")
 DEFAULT_Q = 38  # D4 at head_dim 64: 54 bytes/vector = 0.42x bf16 (tests/kv/test_lattice.py)
@@ -43,6 +43,8 @@ _KEYS: dict[str, dict[str, Any]] = {
                     "idle_codec": "none", "idle_q": DEFAULT_Q},
     "restore": {"sink": 4, "window": 1024, "granularity": "per_step", "chunk": 512, "codec": "identity",
                 "q": DEFAULT_Q, "idle_codec": "none", "idle_q": DEFAULT_Q},
+    "sparse": {"sink": 4, "window": 512, "block": 32, "topk": 32, "spare": 0, "codec": "d4", "q": DEFAULT_Q,
+               "idle_codec": "none", "idle_q": DEFAULT_Q},
 }
 
 
@@ -53,7 +55,9 @@ class PolicySpec:
     name: str = "full"
     sink: int = 0
     window: int = 0
-    spare: int = 0  # sink_window: extra ring slots, so a trim may roll back that many positions
+    spare: int = 0  # sink_window, sparse: extra ring slots, so a trim may roll back that many positions
+    block: int = 0  # sparse: positions per cold block
+    topk: int = 0  # sparse: cold blocks each query attends to
     granularity: str = "per_step"  # restore: recompute every decode step, or once per generation
     chunk: int = 512  # restore: proposer forward chunk (bounds its activations)
     codec: CodecSpec = CodecSpec()  # resident-cache codec (sink_window, restore)
@@ -80,6 +84,8 @@ class PolicySpec:
         common = dict(sink=_int(p, "sink", 0), window=_int(p, "window", 1), codec=codec, idle_codec=idle)
         if name == "sink_window":
             return cls(name, spare=_int(p, "spare", 0), **common)
+        if name == "sparse":
+            return cls(name, spare=_int(p, "spare", 0), block=_int(p, "block", 1), topk=_int(p, "topk", 1), **common)
         return cls(name, granularity=_choice(p, "granularity", GRANULARITIES), chunk=_int(p, "chunk", 1), **common)
 
     @property
@@ -89,8 +95,10 @@ class PolicySpec:
             out.update(sink=self.sink, window=self.window, codec=self.codec.kind)
             if self.codec.kind != "identity":
                 out["q"] = self.codec.q
-        if self.name == "sink_window":
+        if self.name in ("sink_window", "sparse"):
             out["spare"] = self.spare
+        if self.name == "sparse":
+            out.update(block=self.block, topk=self.topk)
         if self.name == "restore":
             out.update(granularity=self.granularity, chunk=self.chunk)
         if self.idle_codec is not None:
@@ -108,6 +116,8 @@ class PolicySpec:
             parts = [f"{self.sink}+{self.window}"]
             if self.name == "restore":
                 parts.append(self.granularity)
+            if self.name == "sparse":
+                parts.append(f"top {self.topk} x {self.block}")
             if self.codec.kind != "identity":
                 parts.append(self.codec.label)
             inner = ", ".join(parts)

@@ -324,6 +324,11 @@ class Attention(nn.Module):
                              for i, c in enumerate(cache.caches)])
             return self.o_proj(out.transpose(1, 2).reshape(b, t, self.q_size)), None
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if getattr(cache, "owns_attention", False):  # kv.sparse: the cache picks the keys from the queries
+            if trace:
+                raise ValueError("attention rows cannot be traced through a cache that attends itself")
+            out = cache.attend(q, k, v, positions, scale=self.scale).transpose(1, 2).reshape(b, t, self.q_size)
+            return self.o_proj(out), None
         if cache is None:
             k_all, v_all, k_pos = k, v, positions
         else:
@@ -336,6 +341,8 @@ class Attention(nn.Module):
         return self.o_proj(out), row
 
     def _attend_row(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache: LayerKV) -> Tensor:
+        if getattr(cache, "owns_attention", False):
+            return cache.attend(q, k, v, positions, scale=self.scale)
         k_all, v_all, k_pos = cache.update_and_fetch(k, v, positions)
         sink, window = getattr(cache, "attention_rule", None) or (0, self.window)
         return attend(q, k_all, v_all, positions, k_pos, scale=self.scale, window=window, sink=sink)[0]

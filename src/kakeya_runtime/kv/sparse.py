@@ -1,0 +1,375 @@
+"""The sparse policy: an exact hot set, every older position in a packed cold tier, and an indexer that picks
+the cold blocks each query attends to (seed 003's design; the indexer is Quest's per-block key bound).
+
+Per governed layer:
+- hot: `sink` slots for positions 0..sink-1 and a ring of `window + block + spare` slots, in the cache dtype;
+- cold: every complete block of `block` positions after the sinks, packed with the codec (d4 by default),
+  appended as it completes (so a block is encoded once, whatever the step), plus per block and KV head the
+  per-channel min and max of its (decoded) keys: the indexer's summary.
+
+A query at position p attends, in one softmax (kakeya::sparse_attention), to the sinks, its hot range
+hot_lo(p)..p (the last `window` positions extended down to a block boundary) and the `topk` cold blocks below
+hot_lo(p) with the highest bound sum_d max(q_d min_d, q_d max_d), taken over the query heads sharing the KV
+head (kakeya::block_select). Both kernels compute each query alone, so a position's result is the same bits
+in a decode step, a chunk or a prompt: sessions stay reproducible turn by turn (INV-3).
+
+Tripwires: a sparse step never falls back to dense or window-only attention. The kernel counts the keys each
+query saw from each side; the step raises SparseIndexError unless every query saw exactly its hot range and
+min(topk, blocks below it) whole cold blocks, and block_select raises when a selectable block has no summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from kakeya_runtime.kv.cache import CacheError, _check_new
+from kakeya_runtime.kv.compress import KVCodec, stored_nbytes, take
+from kakeya_runtime.kv.sink_window import PositionLimitError
+from kakeya_runtime.kv.spec import PolicyKV
+from kakeya_runtime.models import native
+
+
+class SparseIndexError(CacheError):
+    """The indexer or the sparse attention did not do what the step requires (never silently degraded)."""
+
+
+@dataclass(slots=True)
+class SparseCounters:
+    """What the sparse layers did, summed over steps, query tokens and KV heads (one query head per group)."""
+
+    steps: int = 0
+    queries: int = 0  # query tokens x KV heads
+    blocks_scored: int = 0  # cold blocks each query could select, summed
+    blocks_selected: int = 0  # cold blocks attended, summed
+    positions_attended: int = 0  # hot + cold keys attended, summed
+    positions_visible: int = 0  # causally visible positions (what full attention reads), summed
+
+    def add(self, other: SparseCounters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class SparseLayerKV:
+    """One governed layer's hot ring, packed cold blocks and block summaries; it runs its own attention."""
+
+    owns_attention = True  # models.layers.Attention hands it the queries (the indexer needs them)
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, sink: int, window: int, block: int,
+                 topk: int, max_positions: int, codec: KVCodec, spare: int = 0, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", initial_blocks: int = 16) -> None:
+        if sink < 0 or window < 1 or block < 1 or topk < 1 or spare < 0:
+            raise CacheError(f"need sink >= 0, window, block, topk >= 1, spare >= 0; got {sink}, {window}, {block}, "
+                             f"{topk}, {spare}")
+        self._init = dict(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, sink=sink, window=window,
+                          block=block, topk=topk, max_positions=max_positions, codec=codec, spare=spare, dtype=dtype,
+                          device=device)
+        self.sink, self.window, self.block, self.topk, self.spare = sink, window, block, topk, spare
+        self.ring = window + block + spare
+        self.max_positions = max_positions
+        self.codec, self.dtype = codec, dtype
+        n = sink + self.ring
+        self.k_hot = torch.zeros(batch, num_kv_heads, n, head_dim, dtype=dtype, device=device)
+        self.v_hot = torch.zeros_like(self.k_hot)
+        self.hot_pos = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.n_blocks = 0  # complete blocks in the cold tier
+        self._alloc_cold(initial_blocks)
+        self.length = 0
+        self.counters = SparseCounters()
+        self.last_fraction = 1.0  # the newest query's attended share of its prefix
+        self.peak_decoded_bytes = 0  # decoded cold K/V held during a step, at its largest
+
+    def _alloc_cold(self, blocks: int) -> None:
+        b, hk, _, d = self.k_hot.shape
+        lead = (b, hk, blocks, self.block)
+        self.cold_k = self.codec.alloc(lead, d, self.dtype, self.k_hot.device)
+        self.cold_v = self.codec.alloc(lead, d, self.dtype, self.k_hot.device)
+        self.kmin = torch.zeros(b, hk, blocks, d, dtype=self.dtype, device=self.k_hot.device)
+        self.kmax = torch.zeros_like(self.kmin)
+
+    def _reserve_blocks(self, needed: int) -> None:
+        have = self.kmin.shape[2]
+        if needed <= have:
+            return
+        old = (self.cold_k, self.cold_v, self.kmin, self.kmax)
+        self._alloc_cold(max(needed, 2 * have))
+        n = self.n_blocks
+        for new, prev in ((self.cold_k, old[0]), (self.cold_v, old[1])):
+            for name, t in new.items():
+                t[:, :, :n] = prev[name][:, :, :n]
+        self.kmin[:, :, :n], self.kmax[:, :, :n] = old[2][:, :, :n], old[3][:, :, :n]
+
+    def clone_empty(self) -> SparseLayerKV:
+        return type(self)(**self._init)
+
+    # -- bytes ---------------------------------------------------------------------------------------------
+
+    @property
+    def hot_nbytes(self) -> int:
+        return self.k_hot.nbytes + self.v_hot.nbytes
+
+    @property
+    def cold_nbytes(self) -> int:
+        """Packed bytes of the complete blocks (allocated spare blocks not counted)."""
+        per_block = (stored_nbytes(self.cold_k) + stored_nbytes(self.cold_v)) // max(1, self.kmin.shape[2])
+        return per_block * self.n_blocks
+
+    @property
+    def index_nbytes(self) -> int:
+        return 2 * self.kmin[:, :, : self.n_blocks].nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.hot_nbytes + self.cold_nbytes + self.index_nbytes
+
+    # -- positions -----------------------------------------------------------------------------------------
+
+    def slot(self, p: int) -> int:
+        return p if p < self.sink else self.sink + (p - self.sink) % self.ring
+
+    def _slots(self, lo: int, hi: int) -> Tensor:
+        """Ring slots of positions lo..hi-1 (all >= sink)."""
+        return self.sink + (torch.arange(lo, hi, device=self.hot_pos.device) - self.sink) % self.ring
+
+    def hot_lo(self, p: Tensor | int):
+        out = p + 1 - self.window - self.sink
+        if isinstance(out, Tensor):
+            return self.sink + out.clamp(min=0) // self.block * self.block
+        return self.sink + max(0, out) // self.block * self.block
+
+    def _write_hot(self, k: Tensor, v: Tensor, positions: Tensor, start: int) -> None:
+        """Keep the chunk's sink positions and its last `ring` positions."""
+        end = start + k.shape[2]
+        if start < self.sink:
+            n = min(end, self.sink) - start
+            self.k_hot[:, :, start : start + n], self.v_hot[:, :, start : start + n] = k[:, :, :n], v[:, :, :n]
+            self.hot_pos[start : start + n] = positions[:n]
+        lo = max(self.sink, end - self.ring, start)
+        if lo >= end:
+            return
+        off, first = lo - start, self.slot(lo)
+        if first + (end - lo) <= self.hot_pos.shape[0]:
+            sl = slice(first, first + end - lo)
+            self.k_hot[:, :, sl], self.v_hot[:, :, sl] = k[:, :, off:], v[:, :, off:]
+            self.hot_pos[sl] = positions[off:]
+        else:
+            slots = self._slots(lo, end)
+            self.k_hot.index_copy_(2, slots, k[:, :, off:])
+            self.v_hot.index_copy_(2, slots, v[:, :, off:])
+            self.hot_pos.index_copy_(0, slots, positions[off:])
+
+    def _ring_kv(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        """Exact K/V of positions lo..hi-1 from the ring (they must be held there)."""
+        slots = self._slots(lo, hi)
+        if not torch.equal(self.hot_pos[slots], torch.arange(lo, hi, device=slots.device)):
+            raise SparseIndexError(f"positions {lo}..{hi - 1} are no longer in the hot ring")
+        return self.k_hot.index_select(2, slots), self.v_hot.index_select(2, slots)
+
+    # -- the cold tier -------------------------------------------------------------------------------------
+
+    def _complete_blocks(self, k_new: Tensor, v_new: Tensor, start: int, end: int) -> None:
+        """Encode every block that is complete at `end` and not in the cold tier yet; its K/V come from the
+        ring (positions before `start`) and the step's own K/V (from `start`)."""
+        target = max(0, end - self.sink) // self.block
+        if target <= self.n_blocks:
+            return
+        lo, hi = self.sink + self.n_blocks * self.block, self.sink + target * self.block
+        parts_k, parts_v = [], []
+        if lo < start:
+            k_old, v_old = self._ring_kv(lo, min(hi, start))
+            parts_k.append(k_old)
+            parts_v.append(v_old)
+        if hi > start:
+            parts_k.append(k_new[:, :, max(lo, start) - start : hi - start])
+            parts_v.append(v_new[:, :, max(lo, start) - start : hi - start])
+        kb = torch.cat(parts_k, dim=2) if len(parts_k) > 1 else parts_k[0]
+        vb = torch.cat(parts_v, dim=2) if len(parts_v) > 1 else parts_v[0]
+        b, hk, _, d = kb.shape
+        n = target - self.n_blocks
+        kb, vb = kb.reshape(b, hk, n, self.block, d), vb.reshape(b, hk, n, self.block, d)
+        self._reserve_blocks(target)
+        enc_k, enc_v = self.codec.encode(kb), self.codec.encode(vb)
+        sl = slice(self.n_blocks, target)
+        for store, enc in ((self.cold_k, enc_k), (self.cold_v, enc_v)):
+            for name, t in store.items():
+                t[:, :, sl] = enc[name]
+        seen = kb if self.codec.lossless else self.codec.decode(enc_k, self.dtype)  # what queries will read
+        self.kmin[:, :, sl], self.kmax[:, :, sl] = seen.amin(3), seen.amax(3)
+        self.n_blocks = target
+
+    def _decode_blocks(self, select: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The blocks any token selected, decoded for every head, with their positions."""
+        words = select.shape[-1]
+        shifts = torch.arange(64, device=select.device)
+        bits = ((select.reshape(-1, words, 1) >> shifts) & 1).any(0).reshape(-1)  # (words * 64,)
+        ids = bits.nonzero().squeeze(1)
+        if ids.numel() == 0:
+            empty = self.k_hot[:, :, :0]
+            return empty, empty, self.hot_pos[:0]
+        k = self.codec.decode(take(self.cold_k, 2, ids), self.dtype)  # (B, Hk, U, block, D)
+        v = self.codec.decode(take(self.cold_v, 2, ids), self.dtype)
+        b, hk, u, _, d = k.shape
+        pos = (self.sink + ids[:, None] * self.block + torch.arange(self.block, device=ids.device)).reshape(-1)
+        k, v = k.reshape(b, hk, u * self.block, d), v.reshape(b, hk, u * self.block, d)
+        self.peak_decoded_bytes = max(self.peak_decoded_bytes, 0 if self.codec.lossless else k.nbytes + v.nbytes)
+        return k, v, pos
+
+    # -- the step ------------------------------------------------------------------------------------------
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, *, scale: float) -> Tensor:
+        """Store the new post-RoPE K/V (B, Hk, T, D) at `positions` (T,) and attend the queries q (B, H, T, D)
+        over sinks, hot ranges and selected cold blocks. Returns (B, H, T, D)."""
+        _check_new(self.k_hot, k, v)
+        b, h, t, d = q.shape
+        start, end = self.length, self.length + t
+        if end > self.max_positions:
+            raise PositionLimitError(f"position {end - 1} is past the model's limit of {self.max_positions} positions")
+        if t == 1:  # in place: the ring now holds everything the token sees
+            self._write_hot(k, v, positions, start)
+            self._complete_blocks(k, v, end, end)
+            n = min(end, self.hot_pos.shape[0])
+            held = slice(0, n) if end <= n or bool((self.hot_pos >= 0).all()) else (self.hot_pos >= 0).nonzero()[:, 0]
+            hot = (self.k_hot[:, :, held], self.v_hot[:, :, held], self.hot_pos[held])
+        else:
+            held = (self.hot_pos >= 0).nonzero()[:, 0]
+            hot = (torch.cat((self.k_hot.index_select(2, held), k), dim=2),
+                   torch.cat((self.v_hot.index_select(2, held), v), dim=2),
+                   torch.cat((self.hot_pos.index_select(0, held), positions)))
+            self._complete_blocks(k, v, start, end)
+            self._write_hot(k, v, positions, start)
+        self.length = end
+        qg = q.reshape(b, k.shape[1], (h // k.shape[1]) * t, d)  # (B, Hk, G*T, D): rows (group, token)
+        if not qg.is_contiguous():
+            qg = qg.contiguous()
+        try:
+            select, scored = native.block_select(qg, self.kmin[:, :, : self.n_blocks],
+                                                 self.kmax[:, :, : self.n_blocks], positions, window=self.window,
+                                                 sink=self.sink, block=self.block, topk=self.topk)
+        except RuntimeError as e:  # the kernel's checks: e.g. a selectable block without a summary
+            raise SparseIndexError(str(e).split("\n")[0]) from None
+        cold = self._decode_blocks(select)
+        out, seen = native.sparse_attention(qg, hot, cold, select, positions, scale, window=self.window,
+                                            sink=self.sink, block=self.block)
+        self._check(seen, scored, positions, t)
+        return out.reshape(b, h, t, d)
+
+    def _check(self, seen: Tensor, scored: Tensor, positions: Tensor, t: int) -> None:
+        """Every query saw exactly its sinks and hot range, and min(topk, scored) whole cold blocks."""
+        first = seen[:, :, :t]  # (B, Hk, T, 2): the first query head of each group
+        lo = self.hot_lo(positions)
+        want_hot = (positions + 1).clamp(max=self.sink) + (positions + 1 - lo).clamp(min=0)
+        want_cold = scored.clamp(max=self.topk) * self.block
+        bad_hot = first[..., 0] != want_hot
+        if bool(bad_hot.any()):
+            i = bad_hot.nonzero()[0]
+            raise SparseIndexError(f"the query at position {int(positions[i[2]])} saw {int(first[..., 0][tuple(i)])} "
+                                   f"keys of its sinks and hot range, not {int(want_hot[i[2]])}")
+        bad_cold = first[..., 1] != want_cold
+        if bool(bad_cold.any()):
+            i = tuple(bad_cold.nonzero()[0])
+            raise SparseIndexError(
+                f"the indexer's blocks were not attended: the query at position {int(positions[i[2]])} saw "
+                f"{int(first[..., 1][i])} cold keys, not {int(want_cold[i])} (top-{self.topk} of {int(scored[i])} "
+                f"blocks of {self.block})")
+        c = self.counters
+        c.steps += 1
+        c.queries += first.shape[0] * first.shape[1] * t
+        c.blocks_scored += int(scored.sum())
+        c.blocks_selected += int(want_cold.sum()) // self.block
+        c.positions_attended += int(first.sum())
+        c.positions_visible += int((positions + 1).sum()) * first.shape[0] * first.shape[1]
+        last = first[:, :, -1].sum(-1).double().mean()
+        self.last_fraction = float(last) / (int(positions[-1]) + 1)
+
+    def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor):
+        raise CacheError("a sparse layer attends itself (models.layers.Attention calls attend with the queries)")
+
+    # -- rollback and state --------------------------------------------------------------------------------
+
+    def trim(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise CacheError(f"cannot trim a cache of length {self.length} to {length}")
+        if length == self.length:
+            return
+        lo = max(self.sink, min(self.hot_lo(length), self.sink + max(0, length - self.sink) // self.block * self.block))
+        if lo < length:
+            slots = self._slots(lo, length)
+            if not torch.equal(self.hot_pos[slots], torch.arange(lo, length, device=slots.device)):
+                raise CacheError(f"sparse has moved positions below {max(self.sink, self.length - self.ring)} out of "
+                                 f"its hot ring; trimming to {length} needs them (roll back at most {self.spare} "
+                                 "positions with the `spare` parameter)")
+        self.hot_pos[self.hot_pos >= length] = -1
+        self.n_blocks = min(self.n_blocks, max(0, length - self.sink) // self.block)
+        self.length = length
+
+    def state(self) -> dict[str, Tensor]:
+        n = self.n_blocks
+        out = {"k": self.k_hot.clone(), "v": self.v_hot.clone(), "hot_pos": self.hot_pos.clone(),
+               "kmin": self.kmin[:, :, :n].clone(), "kmax": self.kmax[:, :, :n].clone(),
+               "length": torch.tensor(self.length)}
+        for prefix, store in (("cold_k", self.cold_k), ("cold_v", self.cold_v)):
+            out.update({f"{prefix}.{name}": t[:, :, :n].clone() for name, t in store.items()})
+        return out
+
+    def load_state(self, state: dict[str, Tensor]) -> None:
+        n = state["kmin"].shape[2]
+        self.n_blocks = 0
+        self._reserve_blocks(n)
+        self.k_hot.copy_(state["k"])
+        self.v_hot.copy_(state["v"])
+        self.hot_pos.copy_(state["hot_pos"])
+        self.kmin[:, :, :n], self.kmax[:, :, :n] = state["kmin"], state["kmax"]
+        for prefix, store in (("cold_k", self.cold_k), ("cold_v", self.cold_v)):
+            for name, t in store.items():
+                src = state.get(f"{prefix}.{name}")
+                if src is None or src.shape[:3] != t[:, :, :n].shape[:3]:
+                    raise CacheError(f"sparse state lacks {prefix}.{name} for {n} blocks (codec {self.codec.name})")
+                t[:, :, :n] = src
+        self.n_blocks = n
+        self.length = int(state["length"])
+
+
+class SparseKV(PolicyKV):
+    """The sparse policy for a whole model: governed layers are SparseLayerKV, Gemma 3's native sliding layers
+    keep their ring. Hot bytes are fixed; cold bytes grow with the history, packed."""
+
+    def _sparse(self) -> list[SparseLayerKV]:
+        return [layer for layer in self.layers if isinstance(layer, SparseLayerKV)]
+
+    @property
+    def effective_attention_fraction(self) -> float:
+        layers = self._sparse()
+        if self.length == 0 or not layers:
+            return 1.0
+        return sum(layer.last_fraction for layer in layers) / len(layers)
+
+    def counters(self) -> SparseCounters:
+        total = SparseCounters()
+        for layer in self._sparse():
+            total.add(layer.counters)
+        return total
+
+    def layer_counters(self) -> list[dict[str, int]]:
+        return [layer.counters.as_dict() for layer in self._sparse()]
+
+    def end_step(self) -> None:
+        """Decoded blocks live while their layer attends: the step's peak is its largest layer's."""
+        peak = max((layer.peak_decoded_bytes for layer in self._sparse()), default=0)
+        self.peak_transient_bytes = max(self.peak_transient_bytes, peak)
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        for layer in self._sparse():
+            layer.peak_decoded_bytes = 0
+
+    def memory_stats(self) -> dict[str, int]:
+        layers = self._sparse()
+        out = super().memory_stats()
+        out.update(hot_bytes=sum(x.hot_nbytes for x in layers), cold_bytes=sum(x.cold_nbytes for x in layers),
+                   index_bytes=sum(x.index_nbytes for x in layers))
+        return out

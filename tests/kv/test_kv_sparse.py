@@ -1,0 +1,200 @@
+"""sparse: an exact hot set, a packed cold tier and an indexer; chunk-invariant, tripwired, bounded hot bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kakeya_runtime.engine.generate import Engine, GenerateRequest, GenerationError
+from kakeya_runtime.kv.cache import CacheError
+from kakeya_runtime.kv.idle import compress_idle, decompress
+from kakeya_runtime.kv.policy import PolicyError, PolicySpec, PositionLimitError, make_policy_cache
+from kakeya_runtime.kv.sparse import SparseIndexError, SparseKV, SparseLayerKV
+from kakeya_runtime.models import native
+from kakeya_runtime.models.base import Logits
+
+SMALL = {"sink": 3, "window": 8, "block": 4, "topk": 3}
+
+
+def _ids(n: int, seed: int = 0, vocab: int = 97) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefill(model, params, ids, chunk, policy="sparse"):
+    cache = make_policy_cache(model.config, PolicySpec.parse(policy, params))
+    logits = Engine(model, prefill_chunk=chunk).prefill(cache, ids, logits=Logits.ALL).logits
+    return logits, cache
+
+
+@pytest.mark.parametrize("codec", ["identity", "d4"])
+def test_chunked_prefill_is_bit_identical_to_token_by_token(tiny_model, codec):
+    """A position's result does not depend on the step it ran in: blocks are encoded once, the indexer and the
+    attention compute each query alone (INV-3 under the sparse policy)."""
+    ids = _ids(90)
+    ref, cache = _prefill(tiny_model, {**SMALL, "codec": codec}, ids, 90)
+    assert isinstance(cache, SparseKV) and cache.layer_lengths() == [90] * len(cache)
+    for chunk in (1, 7, 16):
+        got, _ = _prefill(tiny_model, {**SMALL, "codec": codec}, ids, chunk)
+        assert torch.equal(got, ref), chunk
+
+
+def test_every_block_selected_matches_full_attention(tiny_model):
+    """With top-k covering every block and lossless cold storage, the sparse set is the whole prefix."""
+    ids = _ids(90, seed=1)
+    full, _ = _prefill(tiny_model, {}, ids, 16, policy="full")
+    every, _ = _prefill(tiny_model, {**SMALL, "topk": 100, "codec": "identity"}, ids, 16)
+    torch.testing.assert_close(every, full, atol=1e-5, rtol=1e-5)
+    few, cache = _prefill(tiny_model, {**SMALL, "codec": "identity"}, ids, 16)
+    assert (few[:, 40:] - full[:, 40:]).abs().max() > 1e-3  # top-3 of up to 20 blocks does drop keys
+    c = cache.counters()
+    assert c.blocks_selected < c.blocks_scored and c.positions_attended < c.positions_visible
+
+
+def test_counters_and_fraction(tiny_llama):
+    _, cache = _prefill(tiny_llama, SMALL, _ids(90), 90)
+    c = cache.counters()
+    # 90 queries x 2 KV heads x 3 layers; the query at p scores (p + 1 - 8 - 3) // 4 blocks and keeps <= 3
+    scored = sum(max(0, p + 1 - 11) // 4 for p in range(90))
+    assert c.queries == 90 * 2 * 3 and c.blocks_scored == scored * 2 * 3
+    assert c.blocks_selected == sum(min(3, max(0, p + 1 - 11) // 4) for p in range(90)) * 2 * 3
+    assert c.positions_visible == sum(range(1, 91)) * 2 * 3
+    # the newest query (p = 89): 3 sinks + hot range from 3 + (79 // 4) * 4 = 79 (11 keys) + 3 blocks of 4
+    assert cache.effective_attention_fraction == pytest.approx((3 + 11 + 12) / 90)
+    assert len(cache.layer_counters()) == 3
+
+
+def test_tripwire_zero_blocks_selected(tiny_llama, monkeypatch):
+    real = native.block_select
+
+    def none_selected(*args, **kwargs):
+        select, scored = real(*args, **kwargs)
+        return torch.zeros_like(select), scored
+
+    monkeypatch.setattr(native, "block_select", none_selected)
+    with pytest.raises(SparseIndexError, match="indexer's blocks were not attended"):
+        _prefill(tiny_llama, SMALL, _ids(60), 16)
+
+
+def test_tripwire_missing_summaries(tiny_llama, monkeypatch):
+    """Blocks that never reach the cold tier cannot be scored: the kernel refuses, nothing falls back."""
+    monkeypatch.setattr(SparseLayerKV, "_complete_blocks", lambda self, *a: None)
+    with pytest.raises(SparseIndexError, match="have summaries"):
+        _prefill(tiny_llama, SMALL, _ids(60), 16)
+
+
+def test_tripwire_blocks_lost_before_attention(tiny_llama, monkeypatch):
+    real = SparseLayerKV._decode_blocks
+
+    def drop_one(self, select):
+        k, v, pos = real(self, select)
+        return k[:, :, self.block :], v[:, :, self.block :], pos[self.block :]
+
+    monkeypatch.setattr(SparseLayerKV, "_decode_blocks", drop_one)
+    with pytest.raises(SparseIndexError, match="not attended"):
+        _prefill(tiny_llama, SMALL, _ids(60), 16)
+
+
+def test_tripwire_hot_range_lost(tiny_llama, monkeypatch):
+    real = SparseLayerKV._write_hot
+
+    def forget(self, k, v, positions, start):
+        real(self, k, v, positions, start)
+        self.hot_pos[self.sink] = 10_000  # one ring slot no longer holds its position
+
+    monkeypatch.setattr(SparseLayerKV, "_write_hot", forget)
+    with pytest.raises(SparseIndexError, match="hot range|hot ring"):
+        _prefill(tiny_llama, SMALL, _ids(60), 1)
+
+
+def test_hot_bytes_flat_cold_bytes_packed(tiny_llama):
+    eng = Engine(tiny_llama, prefill_chunk=16)
+    hot, cold = [], {}
+    for codec in ("identity", "d4"):
+        for n in (40, 120, 300):
+            cache = make_policy_cache(tiny_llama.config, PolicySpec.parse("sparse", {**SMALL, "codec": codec}),
+                                      dtype=torch.bfloat16)
+            eng_b = Engine(tiny_llama.to(torch.bfloat16), prefill_chunk=16)
+            eng_b.prefill(cache, _ids(n))
+            stats = cache.memory_stats()
+            hot.append(stats["hot_bytes"])
+            cold[(codec, n)] = stats["cold_bytes"]
+            assert stats["resident_bytes"] == stats["hot_bytes"] + stats["cold_bytes"] + stats["index_bytes"]
+    tiny_llama.float()
+    del eng
+    assert len(set(hot)) == 1
+    blocks = (300 - 3) // 4
+    assert cold[("identity", 300)] == blocks * 4 * 2 * 2 * 16 * 2 * 3  # positions x K,V x Hk x D x bf16 x layers
+    assert cold[("d4", 300)] < 0.6 * cold[("identity", 300)]  # D4 at head_dim 16: 14 bytes vs 32 per vector
+
+
+def test_trim_within_the_ring_then_continue(tiny_llama):
+    params = {**SMALL, "spare": 4}
+    ids = _ids(70)
+    ref, _ = _prefill(tiny_llama, params, ids, 16)
+    cache = make_policy_cache(tiny_llama.config, PolicySpec.parse("sparse", params))
+    eng = Engine(tiny_llama, prefill_chunk=16)
+    eng.prefill(cache, ids[:, :66])
+    eng.prefill(cache, _ids(3, seed=9))  # a draft that is rolled back
+    cache.trim(66)
+    got = eng.prefill(cache, ids[:, 66:], logits=Logits.ALL).logits
+    assert torch.equal(got, ref[:, 66:])
+    with pytest.raises(CacheError, match="hot ring"):
+        cache.trim(20)
+
+
+def test_state_round_trip_and_idle_compression(tiny_model):
+    ids = _ids(80)
+    ref, _ = _prefill(tiny_model, SMALL, ids, 16)
+    cache = make_policy_cache(tiny_model.config, PolicySpec.parse("sparse", SMALL))
+    eng = Engine(tiny_model, prefill_chunk=16)
+    eng.prefill(cache, ids[:, :50])
+    copy = make_policy_cache(tiny_model.config, PolicySpec.parse("sparse", SMALL))
+    copy.load_state(cache.state())
+    compress_idle(cache, "identity")
+    decompress(cache)
+    for c in (cache, copy):
+        assert torch.equal(eng.prefill(c, ids[:, 50:], logits=Logits.ALL).logits, ref[:, 50:])
+
+
+def test_position_limit_and_params_past_the_context(tiny_llama):
+    cache = make_policy_cache(tiny_llama.config, PolicySpec.parse("sparse", SMALL), capacity=40)
+    eng = Engine(tiny_llama, prefill_chunk=16)
+    eng.prefill(cache, _ids(38))
+    with pytest.raises(GenerationError):
+        eng.generate(cache, _ids(1), GenerateRequest(4))
+    with pytest.raises(PositionLimitError):
+        cache[0].attend(*[torch.zeros(1, 4, 3, 16)], *[torch.zeros(1, 2, 3, 16)] * 2, torch.arange(38, 41), scale=1.0)
+    for bad in ({"window": 600}, {"block": 1000}, {"sink": 500, "window": 20}):
+        with pytest.raises(PolicyError, match="exceeds the context"):
+            make_policy_cache(tiny_llama.config, PolicySpec.parse("sparse", bad))
+    with pytest.raises(PolicyError):
+        PolicySpec.parse("sparse", {"topk": 0})
+    with pytest.raises(PolicyError):
+        PolicySpec.parse("sparse", {"stride": 2})
+    spec = PolicySpec.parse("sparse", {"block": 16})
+    assert spec.params["block"] == 16 and spec.params["codec"] == "d4" and spec.label.startswith("sparse(4+512")
+
+
+def test_gemma_native_sliding_layers_keep_their_ring(tiny_gemma):
+    cache = make_policy_cache(tiny_gemma.config, PolicySpec.parse("sparse", SMALL))
+    kinds = [type(layer).__name__ for layer in cache]
+    assert kinds == ["SlidingLayerKV", "SlidingLayerKV", "SparseLayerKV", "SlidingLayerKV"]
+
+
+def test_batched_decode_rows_equal_single(tiny_llama):
+    """decode_rows: sparse rows beside full and sink_window rows get the bits they get alone."""
+    eng = Engine(tiny_llama, prefill_chunk=16)
+    specs = [PolicySpec.parse("sparse", SMALL), PolicySpec.parse("full"), PolicySpec.parse("sparse", {**SMALL,
+                                                                                                     "codec": "d4"})]
+    lengths = [60, 33, 75]
+    caches, alone = [], []
+    for spec, n in zip(specs, lengths, strict=True):
+        for bucket in (caches, alone):
+            c = make_policy_cache(tiny_llama.config, spec)
+            eng.prefill(c, _ids(n, seed=n))
+            bucket.append(c)
+    tokens = torch.tensor([5, 6, 7])
+    together = eng.decode_rows(caches, tokens)
+    for i, c in enumerate(alone):
+        single = eng.decode_rows([c], tokens[i : i + 1])
+        assert torch.equal(single[0], together[i])
