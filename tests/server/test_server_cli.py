@@ -32,6 +32,12 @@ def test_serve_rejects_bad_idle_compression_settings_before_loading():
         assert result.exit_code == 2 and message in result.output, (args, result.output)
 
 
+def test_serve_rejects_a_bad_max_request_bytes_before_loading():
+    for value in ("0", "-5", str(2**31)):
+        result = CliRunner().invoke(_app(), ["serve", "--model", "does-not-matter", "--max-request-bytes", value])
+        assert result.exit_code == 2 and "max_request_bytes" in result.output, (value, result.output)
+
+
 def test_chat_streams_and_reports_prefill(server):
     session_count = len(server.server.service.store)
     result = CliRunner().invoke(

@@ -47,7 +47,7 @@ class ApiKeyAuth:
 def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
     for name, value in metadata or ():
         if name.lower() == AUTH_HEADER:
-            text = value.decode() if isinstance(value, bytes) else value
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
             scheme, _, token = text.partition(" ")
             if scheme.lower() == "bearer" and token.strip():
                 return token.strip()
@@ -55,10 +55,12 @@ def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every RPC without a valid key with UNAUTHENTICATED, before any handler runs."""
+    """Refuses every RPC without a valid key with UNAUTHENTICATED, before any handler runs (and, as the
+    outermost interceptor, before its request is even decoded); `on_refusal` counts each refusal."""
 
-    def __init__(self, auth: ApiKeyAuth) -> None:
+    def __init__(self, auth: ApiKeyAuth, on_refusal: Callable[[grpc.StatusCode], None] | None = None) -> None:
         self.auth = auth
+        self.on_refusal = on_refusal or (lambda code: None)
 
     async def intercept_service(
         self,
@@ -68,22 +70,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or self.auth.owner(handler_call_details.invocation_metadata) is not None:
             return handler
-        return _deny(handler)
+        return self._deny(handler)
 
+    async def _abort(self, request, context: grpc.aio.ServicerContext):
+        self.on_refusal(grpc.StatusCode.UNAUTHENTICATED)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (authorization: Bearer ...)")
 
-async def _abort(request, context: grpc.aio.ServicerContext):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (authorization: Bearer ...)")
+    async def _abort_stream(self, request, context: grpc.aio.ServicerContext):
+        await self._abort(request, context)
+        yield  # pragma: no cover - never reached; makes this an async generator
 
-
-async def _abort_stream(request, context: grpc.aio.ServicerContext):
-    await _abort(request, context)
-    yield  # pragma: no cover - never reached; makes this an async generator
-
-
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(_abort_stream, **kw)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(_abort, **kw)
-    raise NotImplementedError("client-streaming RPCs are not part of kakeya.v1")
+    def _deny(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        # The request is never looked at (its deserializer, the StatusBoundary's, never raises).
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(self._abort_stream, **kw)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._abort, **kw)
+        raise NotImplementedError("client-streaming RPCs are not part of kakeya.v1")

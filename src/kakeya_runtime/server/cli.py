@@ -44,6 +44,11 @@ def serve(
         help="Idle-compression codec for sessions that name none: identity, d4, e8 (or none: only those that do).",
     ),
     idle_q: int = typer.Option(38, "--idle-q", help="Lattice range of the d4/e8 idle codec."),
+    max_request_bytes: int | None = typer.Option(
+        None, "--max-request-bytes", metavar="BYTES",
+        help="Largest request accepted (gRPC receive limit; bigger ones get RESOURCE_EXHAUSTED). Default: sized "
+             "to the context, 5 bytes per token id + 1 MiB.",
+    ),
 ) -> None:
     """Serve a model over gRPC (kakeya.v1) with server-owned sessions."""
     from kakeya_runtime.server.grpc_app import RuntimeServer, ServedModel, ServerConfig
@@ -53,7 +58,8 @@ def serve(
     config = ServerConfig(host=host, port=port, metrics_port=None if no_metrics else metrics_port,
                           api_keys=tuple(api_key), max_sessions=max_sessions, idle_ttl_s=ttl,
                           max_concurrent=max_concurrent, context_length=context,
-                          idle_compress_after_s=idle_compress_after, idle_codec=idle_codec, idle_q=idle_q)
+                          idle_compress_after_s=idle_compress_after, idle_codec=idle_codec, idle_q=idle_q,
+                          max_request_bytes=max_request_bytes)
     try:
         config.validate()  # before the (slow) model load: a refused bind should fail at once
         parse_codec(idle_codec, idle_q)  # the model-independent checks (head_dim is checked once loaded)
@@ -101,7 +107,7 @@ async def _serve_forever(server: Any, console: Console) -> None:
     console.print(f"Kakeya serving [bold]{server.served.name}[/] on [bold cyan]{server.address}[/] "
                   f"(max_sessions={cfg.max_sessions}, ttl={cfg.idle_ttl_s:g}s, max_concurrent={cfg.max_concurrent}, "
                   f"auth={'on' if cfg.api_keys else 'off'}, kv policies={','.join(server.service.policies.names())}, "
-                  f"idle compression={_idle_text(server)})")
+                  f"idle compression={_idle_text(server)}, max request={server.max_request_bytes / 2**20:.2f} MiB)")
     if server.metrics_port is not None:
         console.print(f"Metrics on http://{cfg.host}:{server.metrics_port}/metrics")
     print(server.address, flush=True)  # machine-readable: the last stdout line is the address

@@ -9,20 +9,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import math
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 
 from kakeya_runtime.engine.generate import Engine, FinishReason
 from kakeya_runtime.kv.spec import CODEC_KINDS, DEFAULT_Q
 from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor
+from kakeya_runtime.server.boundary import StatusBoundary
 from kakeya_runtime.server.metrics import RuntimeMetrics
-from kakeya_runtime.sessions.errors import ErrorKind, SessionError
+from kakeya_runtime.sessions.errors import InvalidArgument, quoted
 from kakeya_runtime.sessions.policy import PolicyRegistry, PolicySpec
 from kakeya_runtime.sessions.service import DoneEvent, GenerateParams, ServiceConfig, SessionService
 
@@ -33,16 +35,11 @@ except ImportError as e:  # pragma: no cover - a checkout that skipped `make pro
     raise ImportError("gRPC stubs missing: run `python -m kakeya_runtime.protogen` (or `make proto`)") from e
 
 # Gemma 3's tokenizer.json alone is ~33 MB: GetModelInfo must be allowed to carry it.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-_STATUS = {
-    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
-    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
-}
+MAX_SEND_BYTES = 256 * 1024 * 1024
+# The receive limit, by default sized to the largest valid request: a context full of token ids (a valid id is
+# a non-negative int32, at most 5 varint bytes) plus headroom for the policy params, the id and the framing.
+TOKEN_ID_WIRE_BYTES = 5
+REQUEST_HEADROOM_BYTES = 1024 * 1024
 _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -96,6 +93,7 @@ class ServerConfig:
     idle_codec: str | None = "d4"  # identity | d4 | e8, for sessions without an idle_codec; None/"none": no default
     idle_q: int = DEFAULT_Q
     grace_s: float = 2.0  # shutdown: how long in-flight RPCs get to finish
+    max_request_bytes: int | None = None  # gRPC receive limit; None: request_bytes_for(the context length)
     extra_options: list[tuple[str, Any]] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -107,6 +105,13 @@ class ServerConfig:
             raise ValueError(f"idle_compress_after_s must be > 0, got {self.idle_compress_after_s}")
         if self.idle_codec is not None and self.idle_codec.lower() not in (*CODEC_KINDS, "none"):
             raise ValueError(f"idle_codec must be one of {', '.join((*CODEC_KINDS, 'none'))}, got {self.idle_codec!r}")
+        if self.max_request_bytes is not None and not 0 < self.max_request_bytes < 2**31:
+            raise ValueError(f"max_request_bytes must be in [1, 2**31), got {self.max_request_bytes}")
+
+
+def request_bytes_for(context_length: int) -> int:
+    """The default receive limit: what the largest valid request (a context of token ids) needs, plus headroom."""
+    return context_length * TOKEN_ID_WIRE_BYTES + REQUEST_HEADROOM_BYTES
 
 
 class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
@@ -137,22 +142,19 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
         return owner
 
+    # SessionErrors raised here become their typed statuses at the StatusBoundary interceptor. Token id lists
+    # go to the service as protobuf containers: it checks their length against the context before copying.
+
     async def CreateSession(self, request, context):
         owner = await self._owner(context)
-        params = json_format.MessageToDict(request.policy.params) if request.policy.HasField("params") else {}
-        try:
-            session = await self.service.create(owner, list(request.initial_token_ids), request.policy.name, params)
-        except SessionError as e:
-            await _abort(context, e)
+        params = params_from_struct(request.policy.params) if request.policy.HasField("params") else {}
+        session = await self.service.create(owner, request.initial_token_ids, request.policy.name, params)
         return pb.CreateSessionResponse(session_id=session.id, history_length=len(session.history),
                                         policy=_policy_pb(session.policy))
 
     async def AppendTokens(self, request, context):
         owner = await self._owner(context)
-        try:
-            n = await self.service.append(owner, request.session_id, list(request.token_ids))
-        except SessionError as e:
-            await _abort(context, e)
+        n = await self.service.append(owner, request.session_id, request.token_ids)
         return pb.AppendTokensResponse(history_length=n)
 
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
@@ -168,41 +170,32 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             ignore_eos=request.ignore_eos,
         )
         events = self.service.generate(owner, request.session_id, params)
-        try:
-            # aclosing: a client that goes away cancels the engine job via the generator's finally.
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    if isinstance(event, DoneEvent):
-                        st = event.stats
-                        yield pb.GenerateResponse(done=pb.GenerateDone(
-                            finish_reason=_FINISH[event.finish_reason],
-                            history_length=event.history_length,
-                            stats=pb.GenerateStats(
-                                prefill_tokens=st.prefill_tokens, prefill_seconds=st.prefill_s,
-                                ttft_seconds=st.ttft_s, decode_seconds=st.decode_s,
-                                decode_tokens=st.decode_tokens, decode_tokens_per_second=st.decode_tokens_per_s,
-                                queue_seconds=st.queue_s, resume_seconds=st.resume_s,
-                            ),
-                        ))
-                    else:
-                        yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=event.token_ids))
-        except SessionError as e:
-            await _abort(context, e)
+        # aclosing: a client that goes away cancels the engine job via the generator's finally.
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, DoneEvent):
+                    st = event.stats
+                    yield pb.GenerateResponse(done=pb.GenerateDone(
+                        finish_reason=_FINISH[event.finish_reason],
+                        history_length=event.history_length,
+                        stats=pb.GenerateStats(
+                            prefill_tokens=st.prefill_tokens, prefill_seconds=st.prefill_s,
+                            ttft_seconds=st.ttft_s, decode_seconds=st.decode_s,
+                            decode_tokens=st.decode_tokens, decode_tokens_per_second=st.decode_tokens_per_s,
+                            queue_seconds=st.queue_s, resume_seconds=st.resume_s,
+                        ),
+                    ))
+                else:
+                    yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=event.token_ids))
 
     async def CloseSession(self, request, context):
         owner = await self._owner(context)
-        try:
-            await self.service.close(owner, request.session_id)
-        except SessionError as e:
-            await _abort(context, e)
+        await self.service.close(owner, request.session_id)
         return pb.CloseSessionResponse()
 
     async def GetSessionInfo(self, request, context):
         owner = await self._owner(context)
-        try:
-            snap = self.service.info(owner, request.session_id, include_history=request.include_history)
-        except SessionError as e:
-            await _abort(context, e)
+        snap = self.service.info(owner, request.session_id, include_history=request.include_history)
         return pb.GetSessionInfoResponse(
             session_id=snap.session_id,
             history_length=snap.history_length,
@@ -228,8 +221,33 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         return self.model_info
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: SessionError) -> None:
-    await context.abort(_STATUS[error.kind], error.message)
+MAX_PARAM_MAGNITUDE = 2.0**53  # beyond it a JSON number is not an exact integer
+
+
+def params_from_struct(params: struct_pb2.Struct, where: str = "KV policy params") -> dict[str, Any]:
+    """A google.protobuf.Struct as a dict; InvalidArgument for NaN, infinities (JSON has neither) and numbers
+    beyond ±2**53."""
+    return {key: _value(value, f"{where}[{quoted(key)}]") for key, value in params.fields.items()}
+
+
+def _value(value: struct_pb2.Value, where: str) -> Any:
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        x = value.number_value
+        if not math.isfinite(x):
+            raise InvalidArgument(f"{where} must be a finite number, got {x}")
+        if abs(x) > MAX_PARAM_MAGNITUDE:
+            raise InvalidArgument(f"{where} is out of range ({x:.3g}; numbers must be within ±2**53)")
+        return x
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "struct_value":
+        return params_from_struct(value.struct_value, where)
+    if kind == "list_value":
+        return [_value(v, f"{where}[{i}]") for i, v in enumerate(value.list_value.values)]
+    return None  # null_value, or no value set
 
 
 def _policy_pb(spec: PolicySpec) -> pb.KvPolicy:
@@ -262,6 +280,7 @@ class RuntimeServer:
         )
         self.metrics.bind_store(self.service.store, self.service.policies.names())
         self.auth = ApiKeyAuth(c.api_keys)
+        self.max_request_bytes = c.max_request_bytes or request_bytes_for(self.service.context_length)
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -275,11 +294,15 @@ class RuntimeServer:
     async def start(self) -> None:
         options = [
             ("grpc.so_reuseport", 0),  # two servers must never share a port silently
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ("grpc.max_receive_message_length", self.max_request_bytes),
             *self.config.extra_options,
         ]
-        server = grpc.aio.server(interceptors=[AuthInterceptor(self.auth)], options=options)
+        # Auth first (a caller without a key learns nothing, not even that its bytes were malformed), then the
+        # boundary that decodes requests safely and turns every failure into a typed status; both count refusals.
+        refused = self.metrics.request_refused
+        interceptors = [AuthInterceptor(self.auth, on_refusal=refused), StatusBoundary(on_refusal=refused)]
+        server = grpc.aio.server(interceptors=interceptors, options=options)
         pb_grpc.add_RuntimeServiceServicer_to_server(
             RuntimeServicer(self.service, self.served, self.auth, self.config), server
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from wsgiref.simple_server import WSGIServer
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
@@ -17,6 +18,10 @@ _TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKS_PER_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
 _FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
+# The statuses the runtime answers with (server.boundary, server.auth): their series exist from the start.
+REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE,
+                 grpc.StatusCode.INTERNAL)
 
 
 class _PerPolicyCollector:
@@ -96,6 +101,11 @@ class RuntimeMetrics:
         self.session_idle_compressed_bytes_saved_total = Counter(
             "session_idle_compressed_bytes_saved_total", "K/V bytes freed by idle compression.", registry=r
         )
+        self.rpc_refusals_total = Counter(
+            "rpc_refusals_total", "RPCs the server answered with an error status, by gRPC status code (requests "
+            "over the receive limit are refused by gRPC before the server sees them and are not counted).",
+            ["code"], registry=r,
+        )
         self.session_idle_resume_seconds = Histogram(
             "session_idle_resume_seconds", "Decompressing an idle-compressed cache at the next Generate.",
             buckets=_SECONDS_BUCKETS, registry=r,
@@ -107,6 +117,8 @@ class RuntimeMetrics:
             self.session_evicted_total.labels(reason.value)
         for inv in Invariant:
             self.cache_invariant_violations_total.labels(inv.value)
+        for code in REFUSAL_CODES:
+            self.rpc_refusals_total.labels(code.name)
         self._http: WSGIServer | None = None
 
     def bind_store(self, store: SessionStore, policies: list[str] | tuple[str, ...] = POLICIES) -> None:
@@ -137,6 +149,10 @@ class RuntimeMetrics:
             self.generate_decode_tokens_per_second.observe(stats.decode_tokens_per_s)
         if stats.resume_s > 0:
             self.session_idle_resume_seconds.observe(stats.resume_s)
+
+    def request_refused(self, code: grpc.StatusCode) -> None:
+        """An RPC answered with an error status (called on the server's event loop)."""
+        self.rpc_refusals_total.labels(code.name).inc()
 
     def session_idle_compressed(self, stats: IdleStats) -> None:
         self.session_idle_compressed_total.inc()

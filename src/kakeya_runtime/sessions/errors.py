@@ -51,6 +51,21 @@ class InternalError(SessionError):
     kind = ErrorKind.INTERNAL
 
 
+def quoted(text: str, limit: int = 40) -> str:
+    """repr() of client input for a message, cut to a prefix when long: 'ses_AbC…' (10240 characters)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters, saying how long it was."""
+    if len(text) <= limit:
+        return text
+    tail = f"… ({len(text)} characters)"
+    return text[: max(0, limit - len(tail))] + tail
+
+
 class InvariantViolation(FailedPrecondition):
     """A session's cache and history disagree: a bug. The session is failed and freed, never repaired."""
 

@@ -24,7 +24,7 @@ from kakeya_runtime.engine.proposers import ModelProposer, same_checkpoint_propo
 from kakeya_runtime.kv.policy import PolicyKV, make_policy_cache
 from kakeya_runtime.kv.spec import POLICIES, CodecSpec, PolicyError, PolicySpec, check_codec
 from kakeya_runtime.models.config import ModelConfig
-from kakeya_runtime.sessions.errors import InvalidArgument
+from kakeya_runtime.sessions.errors import InvalidArgument, quoted
 
 DEFAULT_POLICY = "full"
 
@@ -54,7 +54,7 @@ class PolicyRegistry:
         With `config`, codec parameters are also checked against the model (lattice head_dim)."""
         name = name or DEFAULT_POLICY
         if name not in self._names:
-            raise InvalidArgument(f"unknown KV policy {name!r} (available: {', '.join(self._names)})")
+            raise InvalidArgument(f"unknown KV policy {quoted(name)} (available: {', '.join(self._names)})")
         try:
             spec = PolicySpec.parse(name, params)
             if config is not None:

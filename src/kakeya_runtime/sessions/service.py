@@ -51,6 +51,12 @@ from kakeya_runtime.sessions.store import NullObserver, Session, SessionSnapshot
 
 _log = logging.getLogger(__name__)
 
+# Temperatures in (0, MIN_TEMPERATURE) decode greedily, as temperature 0 does (the proto and the SDK say so).
+# 1e-4 is a normal number in every float format logits may be sampled in (fp16's smallest is 6.1e-5), so no
+# denormal or flush-to-zero path turns it into a division by zero; and at 1e-4 a sample already differs from
+# the argmax only among logits within about 1e-3 of the top one.
+MIN_TEMPERATURE = 1e-4
+
 
 @dataclass(slots=True, frozen=True)
 class ServiceConfig:
@@ -194,6 +200,9 @@ class SessionService:
 
     async def create(self, owner: str, initial_tokens: Sequence[int] = (), policy_name: str = "",
                      policy_params: dict[str, Any] | None = None) -> Session:
+        if len(initial_tokens) > self.context_length:  # before anything walks or copies the ids
+            raise ResourceExhausted(f"initial history of {len(initial_tokens)} tokens exceeds the context length "
+                                    f"{self.context_length}")
         self._check_tokens(initial_tokens, "initial_token_ids")
         spec = self.policies.resolve(policy_name, policy_params, self.engine.config)
         return self.store.create(owner, spec, self.context_length, initial_tokens)
@@ -201,6 +210,8 @@ class SessionService:
     async def append(self, owner: str, session_id: str, tokens: Sequence[int]) -> int:
         if not tokens:
             raise InvalidArgument("AppendTokens needs at least one token id")
+        if len(tokens) > self.context_length:  # before anything walks or copies the ids
+            raise ResourceExhausted(f"{len(tokens)} appended tokens exceed the context length {self.context_length}")
         self._check_tokens(tokens, "token_ids")
         session = self.store.get(owner, session_id)
         await self._take_turn(session)
@@ -328,8 +339,10 @@ class SessionService:
             raise InvalidArgument(f"top_k must be >= 0, got {p.top_k}")
         if p.top_p is not None and not math.isfinite(p.top_p):
             raise InvalidArgument(f"top_p must be in (0, 1], got {p.top_p}")
+        # Below the floor the sampler's scaled logits may overflow (or the temperature flush to zero): greedy.
+        temperature = 0.0 if 0.0 <= p.temperature < MIN_TEMPERATURE else p.temperature
         try:
-            sampling = SamplingParams(temperature=p.temperature, top_k=p.top_k or None, top_p=p.top_p, seed=p.seed)
+            sampling = SamplingParams(temperature=temperature, top_k=p.top_k or None, top_p=p.top_p, seed=p.seed)
         except SamplingError as e:
             raise InvalidArgument(str(e)) from None
         self._check_tokens(p.stop_token_ids, "stop_token_ids")

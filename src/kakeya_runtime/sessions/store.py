@@ -39,6 +39,7 @@ from kakeya_runtime.sessions.errors import (
     InvariantViolation,
     ResourceExhausted,
     SessionNotFound,
+    quoted,
 )
 from kakeya_runtime.sessions.policy import PolicySpec
 
@@ -511,4 +512,4 @@ class SessionStore:
                    EndReason.FAILED: "failed an invariant check and was freed"}[ended[1]]
             return SessionNotFound(f"session {session_id} {why}")
         # Unknown and foreign ids read the same, so ids owned by another key are not revealed.
-        return SessionNotFound(f"session {session_id!r} not found")
+        return SessionNotFound(f"session {quoted(session_id)} not found")

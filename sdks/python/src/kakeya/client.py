@@ -89,7 +89,14 @@ class Session:
     def generate(self, max_tokens: int = 256, *, seed: int | None = None, temperature: float = 0.0,
                  top_k: int = 0, top_p: float | None = None, stop_tokens: Iterable[int] = (),
                  ignore_eos: bool = False) -> Generation:
-        """Start a Generate; iterate the result for token ids. Breaking out early cancels it."""
+        """Start a Generate; iterate the result for token ids. Breaking out early cancels it.
+
+        `temperature` 0 (the default) is greedy; otherwise it must be in (0, 100], and temperatures below
+        1e-4 (the server's sampling floor) decode greedily too, exactly as 0 does (the seed is then unused).
+        `top_k` 0 keeps the whole vocabulary, `top_p` is a nucleus mass in (0, 1], and a `seed` in
+        [0, 2**63) makes sampling reproducible. `stop_tokens` stop on top of the model's EOS ids (unless
+        `ignore_eos`). Bad values raise InvalidArgument and leave the session unchanged.
+        """
         req = cv.generate_request(self.id, max_tokens=max_tokens, seed=seed, temperature=temperature, top_k=top_k,
                                   top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
         call = self.client._stub.Generate(req, metadata=self.client._metadata)
