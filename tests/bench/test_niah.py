@@ -24,7 +24,8 @@ def test_standard_configs_cover_every_policy_kind():
     table = standard_configs(4, 64, (38, 10))
     assert list(table) == ["full", "full+idle-d4q38", "full+idle-d4q10", "sink_window", "sink_window-d4q38",
                            "sink_window-d4q10", "restore-per_step", "restore-per_turn", "restore-per_turn-d4q38",
-                           "restore-per_turn-d4q10"]
+                           "restore-per_turn-d4q10", "sparse-d4q38", "sparse-d4q10", "sparse-identity"]
+    assert table["sparse-d4q38"].policy.label == "sparse(4+512, top 32 x 32, d4/q38)"
     assert table["restore-per_turn-d4q38"].policy.label == "restore(4+64, per_turn, d4/q38)"
 
 
@@ -65,6 +66,9 @@ def test_small_ladder_end_to_end(smollm2, tmp_path):
         assert cells[key]["sustained_kv_bytes"] == cells["sink_window"]["sustained_kv_bytes"]
         assert cells[key]["peak_kv_bytes"] > cells[key]["sustained_kv_bytes"]  # restored K/V, transiently
     assert cells["sink_window"]["eaf"] < 0.3
+    for key in ("sparse-d4q38", "sparse-d4q10", "sparse-identity"):  # half the prefix attended, the needle kept
+        assert cells[key]["recall"] == 1.0 and cells[key]["eaf"] < 0.6
+    assert cells["sparse-d4q38"]["sustained_kv_bytes"] < cells["sparse-identity"]["sustained_kv_bytes"]
     assert cells["sink_window-d4q38"]["sustained_kv_bytes"] <= 0.45 * cells["sink_window"]["sustained_kv_bytes"] / 2
     written = json.loads((tmp_path / "niah.json").read_text())
     assert len(written["records"]) == len(cells)

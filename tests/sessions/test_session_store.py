@@ -262,7 +262,7 @@ def test_snapshot_and_live_bytes(store):
 
 def test_policy_registry():
     reg = PolicyRegistry()
-    assert reg.names() == ["full", "sink_window", "restore"]  # the default first
+    assert reg.names() == ["full", "sink_window", "restore", "sparse"]  # the default first
     assert reg.resolve("", None) == PolicySpec.parse("full") and reg.resolve("", None).params == {}
     # Struct numbers arrive as floats: normalised to ints, defaults filled in.
     spec = reg.resolve("sink_window", {"window": 8.0, "sink": "2"})

@@ -144,6 +144,28 @@ def attention_cmd(
             threads=threads or None, out=Path(out))
 
 
+@bench_app.command("sparse")
+def sparse_cmd(
+    model: str = typer.Option("smollm2", help="Bundled model: smollm2 or gemma3-270m."),
+    lengths: str = typer.Option("2048,4096,7680", help="Context lengths (tokens of real text)."),
+    dtype: str = typer.Option("bf16", help="bf16 or fp32."),
+    sink: int = typer.Option(4), window: int = typer.Option(512, help="Hot window."),
+    block: int = typer.Option(32, help="Positions per cold block."),
+    topk: int = typer.Option(32, help="Cold blocks each query attends to."),
+    codec: str = typer.Option("d4", help="Cold-tier codec: identity, d4 or e8."),
+    q: int = typer.Option(38, help="Lattice range of the codec."),
+    oracle_steps: int = typer.Option(8, help="Decode steps whose full attention is measured (oracle mass)."),
+    decode_tokens: int = typer.Option(32, help="Tokens decoded per policy for the speed columns."),
+    threads: int = typer.Option(0, help="Threads (0: torch's default)."),
+    out: str = typer.Option("results/sparse/latest", help="Output directory."),
+) -> None:
+    """The sparse KV policy against full attention: oracle attention mass, agreement, decode speed, memory."""
+    from kakeya_runtime.bench.sparse import command
+
+    params = {"sink": sink, "window": window, "block": block, "topk": topk, "codec": codec, "q": q}
+    command(model, _ints(lengths), dtype, params, oracle_steps, decode_tokens, threads or None, Path(out))
+
+
 def _register_niah() -> None:
     from kakeya_runtime.bench.niah import register_niah
 

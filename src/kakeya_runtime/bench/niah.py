@@ -61,9 +61,11 @@ class NiahConfig:
     idle: CodecSpec | None = None
 
 
-def standard_configs(sink: int = 4, window: int = 64, qs: Sequence[int] = (38, 10)) -> dict[str, NiahConfig]:
+def standard_configs(sink: int = 4, window: int = 64, qs: Sequence[int] = (38, 10),
+                     sparse: dict[str, int] | None = None) -> dict[str, NiahConfig]:
     """full; full + idle lattice at each Q; sink_window and restore (both granularities) at sink+window;
-    sink_window and restore per_turn with a lattice-coded resident cache at each Q."""
+    sink_window and restore per_turn with a lattice-coded resident cache at each Q; sparse with its own hot
+    window, block and top-k (`sparse`), cold tier d4 at each Q and bf16 (identity)."""
     sw = {"sink": sink, "window": window}
     out = {"full": NiahConfig("full", PolicySpec.parse("full"))}
     for q in qs:
@@ -78,7 +80,14 @@ def standard_configs(sink: int = 4, window: int = 64, qs: Sequence[int] = (38, 1
         key = f"restore-per_turn-d4q{q}"
         out[key] = NiahConfig(key, PolicySpec.parse("restore", {**sw, "granularity": "per_turn", "codec": "d4",
                                                                 "q": q}))
+    sp = {"sink": sink, **SPARSE, **(sparse or {})}
+    for q in qs:
+        out[f"sparse-d4q{q}"] = NiahConfig(f"sparse-d4q{q}", PolicySpec.parse("sparse", {**sp, "codec": "d4", "q": q}))
+    out["sparse-identity"] = NiahConfig("sparse-identity", PolicySpec.parse("sparse", {**sp, "codec": "identity"}))
     return out
+
+
+SPARSE = {"window": 512, "block": 32, "topk": 32}  # the sparse columns' defaults (the policy's own)
 
 
 # -- prompts ------------------------------------------------------------------------------------------
@@ -308,7 +317,8 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
              configs: Sequence[str] | None = None, sink: int = 4, window: int = 64, qs: Sequence[int] = (38, 10),
              seed: int = 42, max_new_tokens: int = 10, dtype: str = "fp32", threads: int | None = None,
              per_step_max_length: int | None = None, small: bool = False, out_dir: Path | str | None = None,
-             loaded=None, progress: bool = True, memory: bool = False) -> dict[str, Any]:
+             loaded=None, progress: bool = True, memory: bool = False,
+             sparse: dict[str, int] | None = None) -> dict[str, Any]:
     """Run the ladder; return (and, with `out_dir`, write) the evidence dict. `memory` pins glibc's mmap
     threshold so the RSS column is exact; it slows allocation-heavy steps, so time with it off."""
     if small:
@@ -321,7 +331,10 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
 
         loaded = load_model(model, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     style = MODELS.get(model, "chat" if loaded.chat_template else "completion")
-    table = standard_configs(sink, window, qs)
+    sparse = {**SPARSE, **(sparse or {})}
+    if small:  # the CI cell is short: a sparse window that still leaves cold blocks to select
+        sparse = {"window": 64, "block": 16, "topk": 4}
+    table = standard_configs(sink, window, qs, sparse)
     keys = list(configs) if configs else list(table)
     unknown = [k for k in keys if k not in table]
     if unknown:
@@ -369,6 +382,7 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
                   "max_positions": loaded.config.max_position_embeddings},
         "ladder": {"lengths": list(lengths), "depths": list(depths), "samples": samples, "seed": seed,
                    "max_new_tokens": max_new_tokens, "sink": sink, "window": window, "qs": list(qs),
+                   "sparse": sparse,
                    "per_step_max_length": per_step_max_length, "threads": torch.get_num_threads(),
                    "malloc_pinned": malloc_pinned,
                    "scoring": "RULER string match: case-insensitive substring of the 7-digit value"},
@@ -612,6 +626,9 @@ def register_niah(bench_app) -> None:
         samples: int = typer.Option(2, help="samples per (length, depth) cell"),
         configs: str = typer.Option("", help="comma-separated configurations (default: all)"),
         sink: int = typer.Option(4), window: int = typer.Option(64),
+        sparse_window: int = typer.Option(SPARSE["window"], help="the sparse columns' hot window"),
+        block: int = typer.Option(SPARSE["block"], help="the sparse columns' cold block size"),
+        topk: int = typer.Option(SPARSE["topk"], help="the sparse columns' selected blocks per query"),
         qs: str = typer.Option("38,10", help="lattice ranges Q for the packed-lattice configurations"),
         seed: int = typer.Option(42), max_new_tokens: int = typer.Option(10),
         dtype: str = typer.Option("fp32", help="fp32 (restore == full bit-exact) or bf16"),
@@ -628,6 +645,6 @@ def register_niah(bench_app) -> None:
             samples=samples, configs=[c for c in configs.split(",") if c] or None, sink=sink, window=window,
             qs=[int(x) for x in qs.split(",") if x], seed=seed, max_new_tokens=max_new_tokens, dtype=dtype,
             threads=threads or None, per_step_max_length=per_step_max_length or None, small=small, out_dir=out_dir,
-            memory=memory)
+            memory=memory, sparse={"window": sparse_window, "block": block, "topk": topk})
         typer.echo((out_dir / "summary.md").read_text())
         typer.echo(f"wrote {out_dir / 'niah.json'} ({len(result['records'])} runs)")

@@ -33,8 +33,19 @@ from kakeya_runtime.models.config import ModelConfig
 __all__ = [
     "CacheError", "CodecSpec", "IdleStats", "PolicyError", "PolicyKV", "PolicySpec", "PositionLimitError",
     "SparseIndexError", "SparseKV",
-    "compress_idle", "decompress", "is_compressed", "make_policy_cache", "governed_layers",
+    "check_fits", "compress_idle", "decompress", "is_compressed", "make_policy_cache", "governed_layers",
 ]
+
+
+def check_fits(spec: PolicySpec, context: int) -> None:
+    """PolicyError when a sparse spec's sizes exceed the session's context (a window past the context would
+    allocate slots no position can fill)."""
+    if spec.name != "sparse":
+        return
+    too_big = [f"{k} = {v}" for k, v in (("sink + window", spec.sink + spec.window), ("block", spec.block),
+                                         ("spare", spec.spare)) if v > context]
+    if too_big:
+        raise PolicyError(f"{', '.join(too_big)} exceeds the context of {context} positions")
 
 
 def governed_layers(config: ModelConfig) -> list[int]:
@@ -67,11 +78,7 @@ def make_policy_cache(config: ModelConfig, spec: PolicySpec, *, batch: int = 1, 
     codec = make_codec(spec.codec.kind, spec.codec.q, config.head_dim, device)
     shape = (batch, config.num_key_value_heads, config.head_dim)
     if spec.name == "sparse":
-        too_big = {k: v for k, v in (("sink + window", spec.sink + spec.window), ("block", spec.block),
-                                     ("spare", spec.spare)) if v > cap}
-        if too_big:
-            raise PolicyError(f"{', '.join(f'{k} = {v}' for k, v in too_big.items())} exceeds the context of {cap} "
-                              "positions")
+        check_fits(spec, cap)
         return SparseKV(_layers(config, cap, shape, dtype, device, lambda: SparseLayerKV(
             *shape, sink=spec.sink, window=spec.window, block=spec.block, topk=spec.topk, spare=spec.spare,
             max_positions=cap, codec=codec, dtype=dtype, device=device)), **common)

@@ -55,6 +55,21 @@ class SparseCounters:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+@dataclass(slots=True)
+class OracleProbe:
+    """Evidence only (kakeya bench sparse): the layer keeps every exact key it is given and, while `active`, measures
+    for the newest query of each step the share of its full fp32 attention (every position, exact keys) that falls
+    on the set the policy attended. Off (None) in serving."""
+
+    keys: list[Tensor]
+    active: bool = False
+    masses: list[list[float]] | None = None  # per measured step: one mass per query head
+
+    @classmethod
+    def new(cls) -> OracleProbe:
+        return cls(keys=[], masses=[])
+
+
 class SparseLayerKV:
     """One governed layer's hot ring, packed cold blocks and block summaries; it runs its own attention."""
 
@@ -83,6 +98,7 @@ class SparseLayerKV:
         self.counters = SparseCounters()
         self.last_fraction = 1.0  # the newest query's attended share of its prefix
         self.peak_decoded_bytes = 0  # decoded cold K/V held during a step, at its largest
+        self.probe: OracleProbe | None = None
 
     def _alloc_cold(self, blocks: int) -> None:
         b, hk, _, d = self.k_hot.shape
@@ -203,7 +219,14 @@ class SparseLayerKV:
         self.n_blocks = target
 
     def _decode_blocks(self, select: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The blocks any token selected, decoded for every head, with their positions."""
+        """The cold keys the step may read, with their positions. Lossless storage is handed over in place (the
+        kernel reads only the selected blocks); lossy codes are decoded for the blocks some token selected."""
+        if self.codec.lossless:
+            b, hk, _, _, d = self.cold_k["x"].shape
+            n = self.n_blocks * self.block
+            k = self.cold_k["x"][:, :, : self.n_blocks].reshape(b, hk, n, d)
+            v = self.cold_v["x"][:, :, : self.n_blocks].reshape(b, hk, n, d)
+            return k, v, torch.arange(self.sink, self.sink + n, device=k.device)
         words = select.shape[-1]
         shifts = torch.arange(64, device=select.device)
         bits = ((select.reshape(-1, words, 1) >> shifts) & 1).any(0).reshape(-1)  # (words * 64,)
@@ -216,7 +239,7 @@ class SparseLayerKV:
         b, hk, u, _, d = k.shape
         pos = (self.sink + ids[:, None] * self.block + torch.arange(self.block, device=ids.device)).reshape(-1)
         k, v = k.reshape(b, hk, u * self.block, d), v.reshape(b, hk, u * self.block, d)
-        self.peak_decoded_bytes = max(self.peak_decoded_bytes, 0 if self.codec.lossless else k.nbytes + v.nbytes)
+        self.peak_decoded_bytes = max(self.peak_decoded_bytes, k.nbytes + v.nbytes)
         return k, v, pos
 
     # -- the step ------------------------------------------------------------------------------------------
@@ -256,7 +279,28 @@ class SparseLayerKV:
         out, seen = native.sparse_attention(qg, hot, cold, select, positions, scale, window=self.window,
                                             sink=self.sink, block=self.block)
         self._check(seen, scored, positions, t)
+        if self.probe is not None:
+            self._measure(q, k, select, positions, scale)
         return out.reshape(b, h, t, d)
+
+    def _measure(self, q: Tensor, k: Tensor, select: Tensor, positions: Tensor, scale: float) -> None:
+        """OracleProbe: the full fp32 attention of the step's newest query, its mass on the attended set."""
+        probe = self.probe
+        probe.keys.append(k.float())
+        if not probe.active:
+            return
+        keys = torch.cat(probe.keys, dim=2)[0]  # (Hk, P, D): every position so far, exact
+        p = int(positions[-1])
+        if keys.shape[1] != p + 1:
+            raise SparseIndexError(f"oracle probe holds {keys.shape[1]} keys for a query at position {p}")
+        hk, g = keys.shape[0], q.shape[1] // keys.shape[0]
+        probs = torch.softmax(torch.einsum("hgd,hpd->hgp", q[0, :, -1].float().view(hk, g, -1), keys) * scale, -1)
+        pos = torch.arange(p + 1)
+        word = select[0, :, -1]  # (Hk, words)
+        blk = ((pos - self.sink).clamp(min=0) // self.block)
+        chosen = ((word[:, blk // 64] >> (blk % 64)) & 1).bool()  # (Hk, P)
+        attended = (pos < self.sink) | (pos >= self.hot_lo(p)) | (chosen & (pos < self.hot_lo(p)))
+        probe.masses.append((probs * attended[:, None, :]).sum(-1).flatten().tolist())
 
     def _check(self, seen: Tensor, scored: Tensor, positions: Tensor, t: int) -> None:
         """Every query saw exactly its sinks and hot range, and min(topk, scored) whole cold blocks."""

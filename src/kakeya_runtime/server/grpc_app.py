@@ -214,6 +214,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             effective_attention_fraction=snap.effective_attention_fraction,
             kv_compressed=snap.kv_compressed,
             idle_compressions=snap.idle_compressions,
+            sparse=_sparse_pb(snap.sparse),
         )
 
     async def GetModelInfo(self, request, context):
@@ -388,3 +389,12 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _sparse_pb(sparse: dict | None) -> pb.SparseStats | None:
+    if not sparse:
+        return None
+    return pb.SparseStats(total=pb.SparseCounters(**sparse["total"]),
+                          layers=[pb.SparseCounters(**x) for x in sparse["layers"]],
+                          hot_bytes=sparse["hot_bytes"], cold_bytes=sparse["cold_bytes"],
+                          index_bytes=sparse["index_bytes"])

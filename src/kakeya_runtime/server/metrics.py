@@ -106,6 +106,15 @@ class RuntimeMetrics:
             "over the receive limit are refused by gRPC before the server sees them and are not counted).",
             ["code"], registry=r,
         )
+        self.sparse_total = {
+            name: Counter(f"sparse_{name}_total", text, ["layer"], registry=r) for name, text in (
+                ("blocks_scored", "Cold blocks the sparse policy's queries could select among (per query token "
+                 "and KV head), by governed layer."),
+                ("blocks_selected", "Cold blocks the sparse policy's queries attended, by governed layer."),
+                ("positions_attended", "Keys the sparse policy's queries attended (hot + cold), by governed layer."),
+                ("positions_visible", "Keys causally visible to those queries (what full attention reads), by "
+                 "governed layer."),
+            )}
         self.session_idle_resume_seconds = Histogram(
             "session_idle_resume_seconds", "Decompressing an idle-compressed cache at the next Generate.",
             buckets=_SECONDS_BUCKETS, registry=r,
@@ -149,6 +158,10 @@ class RuntimeMetrics:
             self.generate_decode_tokens_per_second.observe(stats.decode_tokens_per_s)
         if stats.resume_s > 0:
             self.session_idle_resume_seconds.observe(stats.resume_s)
+        if stats.sparse:
+            for i, layer in enumerate(stats.sparse["layers"]):
+                for name, counter in self.sparse_total.items():
+                    counter.labels(str(i)).inc(layer[name])
 
     def request_refused(self, code: grpc.StatusCode) -> None:
         """An RPC answered with an error status (called on the server's event loop)."""

@@ -8,7 +8,8 @@ exists. `build` makes the session's cache with `kv.policy.make_policy_cache` on 
 and restore gets a same-checkpoint proposer (proposer = the served model, identity projection).
 
 Policies (kv.policy has the table): full (every position kept: the oracle), sink_window (sink + last
-window, fixed memory) and restore (sink + window resident, evicted K/V recomputed per step or turn).
+window, fixed memory), restore (sink + window resident, evicted K/V recomputed per step or turn) and
+sparse (an exact hot window, packed cold blocks, the top-k blocks per query by an indexer).
 Every governed layer's `length` counts all positions seen, evicted or not, so the store's INV-1/INV-2
 checks read the same numbers under every policy.
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 from kakeya_runtime.engine.generate import Engine
 from kakeya_runtime.engine.proposers import ModelProposer, same_checkpoint_proposer
-from kakeya_runtime.kv.policy import PolicyKV, make_policy_cache
+from kakeya_runtime.kv.policy import PolicyKV, check_fits, make_policy_cache
 from kakeya_runtime.kv.spec import POLICIES, CodecSpec, PolicyError, PolicySpec, check_codec
 from kakeya_runtime.models.config import ModelConfig
 from kakeya_runtime.sessions.errors import InvalidArgument, quoted
@@ -49,9 +50,10 @@ class PolicyRegistry:
         return list(self._names)
 
     def resolve(self, name: str | None, params: Mapping[str, Any] | None = None,
-                config: ModelConfig | None = None) -> PolicySpec:
+                config: ModelConfig | None = None, context_length: int | None = None) -> PolicySpec:
         """The validated spec (normalised params); InvalidArgument for unknown names or bad params.
-        With `config`, codec parameters are also checked against the model (lattice head_dim)."""
+        With `config`, codec parameters are also checked against the model (lattice head_dim); with
+        `context_length`, sizes against the session's context."""
         name = name or DEFAULT_POLICY
         if name not in self._names:
             raise InvalidArgument(f"unknown KV policy {quoted(name)} (available: {', '.join(self._names)})")
@@ -62,6 +64,8 @@ class PolicyRegistry:
                     check_codec(spec.codec, "codec", config.head_dim)
                 if spec.idle_codec is not None:
                     check_codec(spec.idle_codec, "idle_codec", config.head_dim)
+            if context_length is not None:
+                check_fits(spec, context_length)
         except PolicyError as e:
             raise InvalidArgument(str(e)) from None
         return spec

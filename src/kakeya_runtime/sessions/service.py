@@ -36,6 +36,7 @@ from kakeya_runtime.engine.generate import Engine, FinishReason, GenerateRequest
 from kakeya_runtime.engine.sampling import SamplingError, SamplingParams
 from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
 from kakeya_runtime.kv.sink_window import PositionLimitError
+from kakeya_runtime.kv.sparse import SparseKV
 from kakeya_runtime.kv.spec import DEFAULT_Q
 from kakeya_runtime.sessions.errors import (
     InternalError,
@@ -92,6 +93,7 @@ class GenerateStats:
     queue_s: float = 0.0
     resume_s: float = 0.0  # decompressing an idle-compressed cache before the prefill (part of ttft_s)
     effective_attention_fraction: float = 1.0  # the last query's share of the prefix it attended to
+    sparse: dict[str, Any] | None = None  # the sparse policy's counters for this Generate: total, per layer
 
 
 @dataclass(slots=True, frozen=True)
@@ -204,7 +206,7 @@ class SessionService:
             raise ResourceExhausted(f"initial history of {len(initial_tokens)} tokens exceeds the context length "
                                     f"{self.context_length}")
         self._check_tokens(initial_tokens, "initial_token_ids")
-        spec = self.policies.resolve(policy_name, policy_params, self.engine.config)
+        spec = self.policies.resolve(policy_name, policy_params, self.engine.config, self.context_length)
         return self.store.create(owner, spec, self.context_length, initial_tokens)
 
     async def append(self, owner: str, session_id: str, tokens: Sequence[int]) -> int:
@@ -437,6 +439,7 @@ class SessionService:
                 job.emit(InternalError(f"generation failed ({type(e).__name__}); the session was rolled back to "
                                        f"its last committed token and can be used again"))
             return
+        sparse_before = session.sparse
         eaf = self._record_attention(session)
         result = stream.result
         assert result is not None
@@ -451,6 +454,7 @@ class SessionService:
             resume_s=resume_s,
             ttft_s=resume_s + result.ttft_s,
             effective_attention_fraction=eaf,
+            sparse=_sparse_delta(session.sparse, sparse_before) if session.sparse else None,
         )
         self.observer.generate_finished(stats, history_at_start)
         job.emit(DoneEvent(result.finish_reason, stats, len(session.history)))
@@ -462,4 +466,17 @@ class SessionService:
         if cache is not None and not is_compressed(cache):
             with contextlib.suppress(Exception):
                 session.attention_fraction = float(cache.effective_attention_fraction)
+            if isinstance(cache, SparseKV):
+                memory = cache.memory_stats()
+                session.sparse = {"total": cache.counters().as_dict(), "layers": cache.layer_counters(),
+                                  **{k: memory[k] for k in ("hot_bytes", "cold_bytes", "index_bytes")}}
         return session.attention_fraction
+
+
+def _sparse_delta(now: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
+    """This Generate's counts, in total and per layer; a cache rebuilt since (roll back) counts from zero."""
+    if before is None or any(v < before["total"].get(k, 0) for k, v in now["total"].items()):
+        return {"total": dict(now["total"]), "layers": [dict(x) for x in now["layers"]]}
+    diff = lambda a, b: {k: v - b.get(k, 0) for k, v in a.items()}  # noqa: E731
+    return {"total": diff(now["total"], before["total"]),
+            "layers": [diff(a, b) for a, b in zip(now["layers"], before["layers"], strict=True)]}

@@ -123,6 +123,7 @@ class Session:
     # (read from here, not the cache, so GetSessionInfo never reads a cache that is being compressed).
     attention_fraction: float = 1.0
     idle_compressions: int = 0  # times the cache was compressed while idle
+    sparse: dict | None = None  # the sparse policy's counters and bytes after the last Generate (kv.sparse)
     idle_compress_error: str | None = None  # compression failed once: the session is not retried
 
     @property
@@ -176,6 +177,7 @@ class SessionSnapshot:
     effective_attention_fraction: float = 1.0
     kv_compressed: bool = False
     idle_compressions: int = 0
+    sparse: dict | None = None
 
 
 class SessionStore:
@@ -345,6 +347,7 @@ class SessionStore:
                 effective_attention_fraction=s.attention_fraction,
                 kv_compressed=s.kv_compressed,
                 idle_compressions=s.idle_compressions,
+                sparse=s.sparse,
             )
 
     # ---- mutations (each checks the invariants before and after) --------------------------

@@ -25,7 +25,15 @@ from kakeya.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kakeya.types import FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo
+from kakeya.types import (
+    FinishReason,
+    GenerateResult,
+    GenerateStats,
+    KvPolicy,
+    ModelInfo,
+    SessionInfo,
+    SparseStats,
+)
 
 __version__ = "0.1.0"
 
@@ -33,5 +41,5 @@ __all__ = [
     "Aborted", "AsyncClient", "AsyncGeneration", "AsyncSession", "Cancelled", "Client", "DeadlineExceeded",
     "FailedPrecondition", "FinishReason", "GenerateResult", "GenerateStats", "Generation", "InternalError",
     "InvalidArgument", "KakeyaError", "KvPolicy", "ModelInfo", "PermissionDenied", "ResourceExhausted", "Session",
-    "SessionInfo", "SessionNotFound", "Unauthenticated", "Unavailable",
+    "SessionInfo", "SessionNotFound", "SparseStats", "Unauthenticated", "Unavailable",
 ]

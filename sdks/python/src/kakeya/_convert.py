@@ -9,7 +9,15 @@ from google.protobuf import json_format, struct_pb2
 
 from kakeya._proto import runtime_pb2 as pb
 from kakeya.errors import InvalidArgument
-from kakeya.types import FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo
+from kakeya.types import (
+    FinishReason,
+    GenerateResult,
+    GenerateStats,
+    KvPolicy,
+    ModelInfo,
+    SessionInfo,
+    SparseStats,
+)
 
 _FINISH = {
     pb.FINISH_REASON_STOP: FinishReason.STOP,
@@ -111,7 +119,17 @@ def session_info_from_pb(r: pb.GetSessionInfoResponse, with_history: bool) -> Se
         effective_attention_fraction=r.effective_attention_fraction or 1.0,  # unset (older servers): full
         kv_compressed=r.kv_compressed,
         idle_compressions=r.idle_compressions,
+        sparse=_sparse_from_pb(r.sparse) if r.HasField("sparse") else None,
     )
+
+
+_SPARSE_FIELDS = ("steps", "queries", "blocks_scored", "blocks_selected", "positions_attended", "positions_visible")
+
+
+def _sparse_from_pb(r: pb.SparseStats) -> SparseStats:
+    counters = lambda c: {f: getattr(c, f) for f in _SPARSE_FIELDS}  # noqa: E731
+    return SparseStats(total=counters(r.total), layers=tuple(counters(x) for x in r.layers), hot_bytes=r.hot_bytes,
+                       cold_bytes=r.cold_bytes, index_bytes=r.index_bytes)
 
 
 def model_info_from_pb(r: pb.GetModelInfoResponse) -> ModelInfo:

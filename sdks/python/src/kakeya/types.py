@@ -20,7 +20,9 @@ class KvPolicy:
     """A per-session KV policy: name plus parameters, passed through to the server's cache factory.
 
     Server policies: "full" (every position kept), "sink_window" (sink + window positions, fixed
-    memory), "restore" (sink + window resident, evicted K/V recomputed so attention sees everything).
+    memory), "restore" (sink + window resident, evicted K/V recomputed so attention sees everything),
+    "sparse" (an exact hot window plus packed cold blocks, each query attending to the top-k blocks an
+    indexer picks for it).
     E.g. `KvPolicy("sink_window", {"sink": 4, "window": 1024})`. Responses carry normalised params.
     """
 
@@ -49,6 +51,24 @@ class GenerateResult:
 
 
 @dataclass(slots=True, frozen=True)
+class SparseStats:
+    """What the sparse policy did so far: counters summed over steps, query tokens and KV heads (in total and
+    per governed layer: steps, queries, blocks_scored, blocks_selected, positions_attended, positions_visible),
+    and the bytes of its hot set, packed cold blocks and index."""
+
+    total: dict[str, int]
+    layers: tuple[dict[str, int], ...]
+    hot_bytes: int
+    cold_bytes: int
+    index_bytes: int
+
+    @property
+    def attended_fraction(self) -> float:
+        """Keys attended over keys full attention would have read."""
+        return self.total["positions_attended"] / max(1, self.total["positions_visible"])
+
+
+@dataclass(slots=True, frozen=True)
 class SessionInfo:
     session_id: str
     history_length: int
@@ -70,6 +90,7 @@ class SessionInfo:
     effective_attention_fraction: float = 1.0  # share of the prefix the newest query attended to
     kv_compressed: bool = False  # compressed while idle; the next generate decompresses it
     idle_compressions: int = 0
+    sparse: SparseStats | None = None  # the sparse policy's counters and memory split (None under others)
 
     @property
     def remaining(self) -> int:

@@ -1,0 +1,185 @@
+"""`kakeya bench sparse`: what the sparse KV policy keeps of full attention, what it costs, what it saves.
+
+Per context length, on real text (the engine bench's text: CPython's language reference), one run:
+- oracle attention-mass recall: for sampled decode steps, every governed layer computes its newest query's full
+  fp32 attention over every position with exact keys and reports the share of that mass on the set the policy
+  attended (sinks, hot range, selected cold blocks); mean and worst per layer, over query heads and steps;
+- greedy agreement: the tokens sparse decodes against full's, position by position;
+- decode speed: ms per token for full, sink_window (the bounded floor) and sparse, same prompt, same run;
+- memory: hot bytes (fixed), cold bytes (packed) and index bytes against full's K/V bytes at that length, and the
+  step's peak of decoded cold blocks; the attended share of the prefix.
+Writes sparse.json (+ summary.md) with the machine and whether it was idle before the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kakeya_runtime.bench.engine import bench_text
+from kakeya_runtime.bench.machine import machine_info
+from kakeya_runtime.engine.generate import Engine, GenerateRequest
+from kakeya_runtime.kv.policy import PolicySpec, make_policy_cache
+from kakeya_runtime.kv.sparse import OracleProbe, SparseKV, SparseLayerKV
+
+SCHEMA = "kakeya.bench.sparse"
+SCHEMA_VERSION = 1
+DEFAULT_OUT = "results/sparse/latest"
+
+
+def cpu_busy(seconds: float = 1.0) -> float:
+    """Share of the CPUs busy over `seconds` (from /proc/stat): other work skews timings."""
+    def read() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]
+
+    try:
+        t0, i0 = read()
+        time.sleep(seconds)
+        t1, i1 = read()
+    except OSError:
+        return float("nan")
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048, 4096, 7680), dtype: str = "bf16",
+                     params: dict[str, Any] | None = None, sink_window: dict[str, Any] | None = None,
+                     oracle_steps: int = 8, decode_tokens: int = 32, prefill_chunk: int = 512,
+                     threads: int | None = None, loaded=None, out_dir: Path | str | None = None) -> dict[str, Any]:
+    if threads:
+        torch.set_num_threads(threads)
+    busy = cpu_busy()
+    if loaded is None:
+        from kakeya_runtime.models.loader import load_model
+
+        loaded = load_model(model, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    cfg = loaded.config
+    sparse = PolicySpec.parse("sparse", params or {})
+    floor = PolicySpec.parse("sink_window", sink_window or {"sink": sparse.sink, "window": sparse.window})
+    engine = Engine(loaded.model, prefill_chunk=prefill_chunk)
+    text = loaded.tokenizer.encode(bench_text()).ids
+    started = time.time()
+    rows = []
+    for n in lengths:
+        n = min(n, cfg.max_position_embeddings - decode_tokens - oracle_steps - 2)
+        ids = torch.tensor([text[:n]], dtype=torch.long)
+        row: dict[str, Any] = {"length": n}
+        # oracle mass and agreement: full and sparse decode greedily from the same prompt
+        full_tokens = _generate(engine, cfg, PolicySpec.parse("full"), ids, oracle_steps)
+        cache = make_policy_cache(cfg, sparse, capacity=n + decode_tokens + oracle_steps + 2, dtype=engine.dtype)
+        layers = [layer for layer in cache if isinstance(layer, SparseLayerKV)]
+        for layer in layers:
+            layer.probe = OracleProbe.new()
+        engine.prefill(cache, ids[:, :-1])
+        for layer in layers:
+            layer.probe.active = True
+        stream = engine.stream(cache, ids[:, -1:], GenerateRequest(oracle_steps, stop_ids=()))
+        sparse_tokens = [step[0] for step in stream]
+        per_layer = [_mass_stats(layer.probe.masses) for layer in layers]
+        for layer in layers:
+            layer.probe = None
+        row["oracle_mass"] = {
+            "mean": statistics.fmean(x["mean"] for x in per_layer),
+            "worst_layer_mean": min(x["mean"] for x in per_layer),
+            "worst_layer": min(range(len(per_layer)), key=lambda i: per_layer[i]["mean"]),
+            "worst_head_step": min(x["min"] for x in per_layer),
+            "per_layer": per_layer,
+            "steps": oracle_steps,
+        }
+        row["greedy_agreement"] = _agreement(sparse_tokens, full_tokens)
+        # decode speed and memory: each policy prefilled and decoding the same greedy continuation length
+        timing: dict[str, Any] = {}
+        for name, spec in (("full", PolicySpec.parse("full")), ("sink_window", floor), ("sparse", sparse)):
+            c = make_policy_cache(cfg, spec, capacity=n + decode_tokens + 2, dtype=engine.dtype)
+            engine.prefill(c, ids[:, :-1])
+            c.reset_stats()
+            s = engine.stream(c, ids[:, -1:], GenerateRequest(decode_tokens, stop_ids=()))
+            for _ in s:
+                pass
+            res = s.result
+            timing[name] = {"ms_per_token": 1000 * res.decode_s / max(1, res.decode_tokens - 1),
+                            "kv_bytes": c.resident_nbytes, "peak_transient_bytes": c.peak_transient_bytes}
+            if isinstance(c, SparseKV):
+                timing[name].update(c.memory_stats())
+                timing[name]["attended_fraction"] = c.effective_attention_fraction
+            del c
+        row["decode"] = timing
+        ms = {k: v["ms_per_token"] for k, v in timing.items()}
+        row["speedup_vs_full"] = ms["full"] / ms["sparse"]
+        row["vs_sink_window"] = ms["sparse"] / ms["sink_window"]
+        governed = len(layers)
+        full_bf16 = governed * 2 * n * cfg.num_key_value_heads * cfg.head_dim * 2
+        row["memory"] = {"full_bf16_kv_bytes_governed": full_bf16,
+                         "cold_over_full_bf16": timing["sparse"]["cold_bytes"] / full_bf16,
+                         "cold_and_index_over_full_bf16":
+                             (timing["sparse"]["cold_bytes"] + timing["sparse"]["index_bytes"]) / full_bf16,
+                         "hot_bytes": timing["sparse"]["hot_bytes"],
+                         "peak_decoded_bytes": timing["sparse"]["peak_transient_bytes"]}
+        rows.append(row)
+    result = {
+        "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "created_unix": int(time.time()),
+        "wall_s": round(time.time() - started, 1), "machine": machine_info(), "cpu_busy_before": busy,
+        "threads": torch.get_num_threads(), "loadavg_1m_after": os.getloadavg()[0],
+        "model": {"name": model, "dtype": dtype, "layers": cfg.num_hidden_layers, "governed_layers": governed},
+        "policy": {"sparse": sparse.params, "sparse_label": sparse.label, "sink_window": floor.params},
+        "settings": {"oracle_steps": oracle_steps, "decode_tokens": decode_tokens, "prefill_chunk": prefill_chunk,
+                     "text": "pydoc_data.topics (CPython language reference), topics in sorted order"},
+        "rows": rows,
+        "method": __doc__,
+    }
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sparse.json").write_text(json.dumps(result, indent=1))
+        (out / "summary.md").write_text(summary_markdown(result))
+    return result
+
+
+def _generate(engine: Engine, cfg, spec: PolicySpec, ids: torch.Tensor, n: int) -> list[int]:
+    """Greedy tokens after the prompt `ids` (its last token is the first decode input, as in the probed run)."""
+    cache = make_policy_cache(cfg, spec, capacity=ids.shape[1] + n + 2, dtype=engine.dtype)
+    engine.prefill(cache, ids[:, :-1])
+    stream = engine.stream(cache, ids[:, -1:], GenerateRequest(n, stop_ids=()))
+    return [step[0] for step in stream]
+
+
+def _mass_stats(masses: list[list[float]]) -> dict[str, float]:
+    flat = [m for step in masses for m in step]
+    return {"mean": statistics.fmean(flat), "min": min(flat), "samples": len(flat)}
+
+
+def _agreement(tokens: list[int], ref: list[int]) -> float:
+    return sum(a == b for a, b in zip(tokens, ref, strict=False)) / max(1, len(ref))
+
+
+def summary_markdown(result: dict[str, Any]) -> str:
+    lines = [f"# Sparse policy: {result['policy']['sparse_label']} on {result['model']['name']} "
+             f"({result['model']['dtype']})", "",
+             f"Machine: {result['machine'].get('cpu_model')}, {result['threads']} threads, CPU busy before the run "
+             f"{result['cpu_busy_before']:.0%}.", "",
+             "| length | oracle mass (mean) | worst layer | greedy agreement | attended | full ms/tok | sink_window "
+             "ms/tok | sparse ms/tok | vs full | vs sink_window | cold / full bf16 | + index |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        d, m, o = r["decode"], r["memory"], r["oracle_mass"]
+        lines.append(f"| {r['length']} | {o['mean']:.4f} | {o['worst_layer_mean']:.4f} (layer {o['worst_layer']}) | "
+                     f"{r['greedy_agreement']:.2f} | {d['sparse']['attended_fraction']:.1%} | "
+                     f"{d['full']['ms_per_token']:.1f} | {d['sink_window']['ms_per_token']:.1f} | "
+                     f"{d['sparse']['ms_per_token']:.1f} | {r['speedup_vs_full']:.2f}x faster | "
+                     f"{r['vs_sink_window']:.2f}x | {m['cold_over_full_bf16']:.3f} | "
+                     f"{m['cold_and_index_over_full_bf16']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def command(model: str, lengths: tuple[int, ...], dtype: str, params: dict[str, Any], oracle_steps: int,
+            decode_tokens: int, threads: int | None, out: Path) -> None:
+    result = run_sparse_bench(model, lengths=lengths, dtype=dtype, params=params, oracle_steps=oracle_steps,
+                              decode_tokens=decode_tokens, threads=threads, out_dir=out)
+    print(summary_markdown(result))
+    print(f"wrote {out / 'sparse.json'}")
