@@ -297,7 +297,7 @@ class SparseLayerKV:
         probs = torch.softmax(torch.einsum("hgd,hpd->hgp", q[0, :, -1].float().view(hk, g, -1), keys) * scale, -1)
         pos = torch.arange(p + 1)
         word = select[0, :, -1]  # (Hk, words)
-        blk = ((pos - self.sink).clamp(min=0) // self.block)
+        blk = ((pos - self.sink).clamp(min=0) // self.block).clamp(max=select.shape[-1] * 64 - 1)
         chosen = ((word[:, blk // 64] >> (blk % 64)) & 1).bool()  # (Hk, P)
         attended = (pos < self.sink) | (pos >= self.hot_lo(p)) | (chosen & (pos < self.hot_lo(p)))
         probe.masses.append((probs * attended[:, None, :]).sum(-1).flatten().tolist())
