@@ -7,6 +7,7 @@ from kakeya.tokenization import (
     ChatTemplateError,
     ChatTemplateMismatch,
     Tokenizer,
+    chat_messages_from_openai,
     from_openai_messages,
     tokens_for_chat,
 )
@@ -89,8 +90,8 @@ def test_stream_decoder_never_splits_characters(tok):
     assert any(p == "" for p in pieces)  # held back mid-character
 
 
-def test_from_openai_messages():
-    msgs = from_openai_messages([
+def test_chat_messages_from_openai():
+    msgs = chat_messages_from_openai([
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "u1"},
         {"role": "assistant", "content": None,
@@ -105,9 +106,19 @@ def test_from_openai_messages():
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
     with pytest.raises(ValueError, match="image_url"):
-        from_openai_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+        chat_messages_from_openai([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(ValueError, match="role"):
-        from_openai_messages([{"content": "x"}])
+        chat_messages_from_openai([{"content": "x"}])
+
+
+def test_from_openai_messages_gives_the_session_tokens(tok):
+    openai = [{"role": "developer", "content": "be brief"},
+              {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
+    ids = from_openai_messages(openai, tok)
+    assert tok.decode(ids, skip_special_tokens=False) == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n")
+    prompt = tok.encode("<|im_start|>assistant\n")
+    assert from_openai_messages(openai, tok, add_generation_prompt=False) == ids[: -len(prompt)]
 
 
 def test_tokens_for_chat_accepts_a_transformers_style_tokenizer():

@@ -177,7 +177,21 @@ def tokens_for_chat(messages: Sequence[Mapping[str, Any]], tokenizer: Any, *, ad
     raise TypeError(f"cannot render a chat template with {type(tokenizer).__name__}")
 
 
-def from_openai_messages(messages: Iterable[Any]) -> list[Message]:
+def from_openai_messages(messages: Iterable[Any], tokenizer: Any, *, add_generation_prompt: bool = True,
+                         **template_kwargs: Any) -> list[int]:
+    """OpenAI chat-completions messages + the model's tokenizer -> the token ids a session takes.
+
+    The one-helper migration from the HTTP shim to sessions: what `POST /v1/chat/completions` would have
+    prompted with becomes `client.create_session(initial_tokens=from_openai_messages(messages, tok))`.
+    `messages` are dicts or the openai package's message objects; `tokenizer` is a kakeya Tokenizer (from
+    GetModelInfo) or anything with Hugging Face's `apply_chat_template`. For later turns of the same
+    session append `tokenizer.chat_delta(history, chat_messages_from_openai(messages))` instead.
+    """
+    return tokens_for_chat(chat_messages_from_openai(messages), tokenizer,
+                           add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+
+def chat_messages_from_openai(messages: Iterable[Any]) -> list[Message]:
     """OpenAI chat-completions messages -> the plain dicts chat templates expect.
 
     Text content parts are joined; `developer` becomes `system` (templates rarely know it); tool
