@@ -8,7 +8,7 @@ import enum
 class ErrorKind(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"  # the request is wrong; nothing changed
     NOT_FOUND = "not_found"  # unknown, closed, evicted or foreign session
-    RESOURCE_EXHAUSTED = "resource_exhausted"  # context or store capacity; nothing changed
+    RESOURCE_EXHAUSTED = "resource_exhausted"  # a context, session or KV byte limit; nothing changed
     FAILED_PRECONDITION = "failed_precondition"  # invariant violation (session failed) or empty history
     UNAVAILABLE = "unavailable"  # the server is shutting down
     INTERNAL = "internal"  # an engine error that left the session consistent
@@ -36,7 +36,14 @@ class SessionNotFound(SessionError):
 
 
 class ResourceExhausted(SessionError):
+    """A limit was reached; `limit` names which (the label of kakeya_limit_refusals_total): context,
+    model_positions, sessions, sessions_per_key, kv_budget, kv_budget_per_key."""
+
     kind = ErrorKind.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, *, limit: str = "context") -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class FailedPrecondition(SessionError):

@@ -2,8 +2,8 @@
 
 The protocol carries `KvPolicy{name, params}` untouched. `PolicyRegistry.resolve` validates it with
 `kv.spec.PolicySpec.parse` (plus the checks that depend on the served model, e.g. a lattice codec's
-head_dim), so an unknown name or a bad parameter is refused with INVALID_ARGUMENT before a session
-exists. `build` makes the session's cache with `kv.policy.make_policy_cache` on the engine thread
+head_dim, and on the session's context: no window, sink or block larger than it), so an unknown name or a
+bad parameter is refused with INVALID_ARGUMENT before a session exists. `build` makes the session's cache with `kv.policy.make_policy_cache` on the engine thread
 (it allocates tensors): capacity is the session's context length, dtype and device the engine's,
 and restore gets a same-checkpoint proposer (proposer = the served model, identity projection).
 
@@ -66,6 +66,7 @@ class PolicyRegistry:
                     check_codec(spec.idle_codec, "idle_codec", config.head_dim)
             if context_length is not None:
                 check_fits(spec, context_length)
+                _check_window_fits(spec, context_length)
         except PolicyError as e:
             raise InvalidArgument(str(e)) from None
         return spec
@@ -87,6 +88,17 @@ class PolicyRegistry:
             if proposer is None or proposer.model is not engine.model:
                 proposer = self._proposers[key] = same_checkpoint_proposer(engine.model, chunk=chunk)
             return proposer
+
+
+def _check_window_fits(spec: PolicySpec, context: int) -> None:
+    """sink_window and restore preallocate sink + window (+ spare) slots per layer at the first Generate: sizes past
+    the session's context would allocate slots no position can fill (kv.policy.check_fits does this for sparse)."""
+    if spec.name not in ("sink_window", "restore"):
+        return
+    too_big = [f"{k} = {v}" for k, v in (("sink + window", spec.sink + spec.window), ("spare", spec.spare))
+               if v > context]
+    if too_big:
+        raise PolicyError(f"{', '.join(too_big)} exceeds the context of {context} positions")
 
 
 def parse_codec(kind: str | None, q: int, config: ModelConfig | None = None) -> CodecSpec | None:

@@ -38,6 +38,7 @@ from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_comp
 from kakeya_runtime.kv.sink_window import PositionLimitError
 from kakeya_runtime.kv.sparse import SparseKV
 from kakeya_runtime.kv.spec import DEFAULT_Q
+from kakeya_runtime.sessions.budget import kv_worst_case_bytes
 from kakeya_runtime.sessions.errors import (
     InternalError,
     InvalidArgument,
@@ -46,7 +47,8 @@ from kakeya_runtime.sessions.errors import (
     SessionError,
     Unavailable,
 )
-from kakeya_runtime.sessions.policy import CodecSpec, PolicyRegistry, parse_codec
+from kakeya_runtime.sessions.limits import Limits
+from kakeya_runtime.sessions.policy import CodecSpec, PolicyRegistry, PolicySpec, parse_codec
 from kakeya_runtime.sessions.scheduler import Scheduler
 from kakeya_runtime.sessions.store import NullObserver, Session, SessionSnapshot, SessionStore, StoreObserver
 
@@ -69,6 +71,7 @@ class ServiceConfig:
     idle_compress_after_s: float | None = None  # compress a session's KV idle this long; None: never
     idle_codec: str | None = "d4"  # server default for sessions without an idle_codec (None/"none": only those)
     idle_q: int = DEFAULT_Q  # the default codec's lattice range
+    limits: Limits | None = None  # per-key and global session and KV byte limits; None: max_sessions only
 
 
 @dataclass(slots=True)
@@ -167,8 +170,10 @@ class SessionService:
             None if after is None else parse_codec(self.config.idle_codec, self.config.idle_q, engine.config)
         )
         self.observer: ServiceObserver = observer or _NullServiceObserver()
-        self.store = SessionStore(max_sessions=self.config.max_sessions, idle_ttl_s=self.config.idle_ttl_s,
-                                  observer=self.observer, clock=clock)
+        limits = self.config.limits or Limits(max_sessions=self.config.max_sessions)
+        self.store = SessionStore(idle_ttl_s=self.config.idle_ttl_s, observer=self.observer, clock=clock,
+                                  limits=limits)
+        self._worst_case: dict[PolicySpec, int] = {}
         self.scheduler = Scheduler(self.config.max_concurrent)
         self._sweeper: asyncio.Task | None = None
         self._compressions: set[asyncio.Task] = set()
@@ -207,7 +212,15 @@ class SessionService:
                                     f"{self.context_length}")
         self._check_tokens(initial_tokens, "initial_token_ids")
         spec = self.policies.resolve(policy_name, policy_params, self.engine.config, self.context_length)
-        return self.store.create(owner, spec, self.context_length, initial_tokens)
+        return self.store.create(owner, spec, self.context_length, initial_tokens, reserve_bytes=self.kv_reserve(spec))
+
+    def kv_reserve(self, spec: PolicySpec) -> int:
+        """The KV bytes a session with this policy reserves against the budget: its worst case at the context."""
+        cost = self._worst_case.get(spec)
+        if cost is None:
+            cost = self._worst_case[spec] = kv_worst_case_bytes(self.engine.config, spec, self.context_length,
+                                                                self.engine.dtype)
+        return cost
 
     async def append(self, owner: str, session_id: str, tokens: Sequence[int]) -> int:
         if not tokens:
@@ -433,7 +446,8 @@ class SessionService:
             finally:
                 self._record_attention(session)
             if isinstance(e, PositionLimitError):  # the store's context checks should make this unreachable
-                job.emit(ResourceExhausted(f"generation stopped at the model's position limit: {e}"))
+                job.emit(ResourceExhausted(f"generation stopped at the model's position limit: {e}",
+                                           limit="model_positions"))
             else:
                 _log.exception("Generate on session %s failed; the session was rolled back", session.id)
                 job.emit(InternalError(f"generation failed ({type(e).__name__}); the session was rolled back to "

@@ -14,6 +14,10 @@ The binding (the invariants, checked inside every mutation):
 A violation raises InvariantViolation; the caller fails the session (`fail`), which frees its
 cache and counts it. Nothing is ever repaired in place.
 
+Admission (sessions.limits): a new session reserves its worst-case KV bytes and must fit the per-key and global
+session and byte limits; the owner's own least recently used idle sessions make room, other keys' only when the
+operator allows it. A session that ends while busy keeps its reservation until its cache is actually freed.
+
 Thread model: the store's lock guards the session table and every history/cache bookkeeping
 field; the engine thread commits generated tokens under it, handler code appends under it. Tensor
 work (building a cache, prefill, decode) happens only on the engine thread, outside the lock.
@@ -41,6 +45,7 @@ from kakeya_runtime.sessions.errors import (
     SessionNotFound,
     quoted,
 )
+from kakeya_runtime.sessions.limits import Limits, plan_admission
 from kakeya_runtime.sessions.policy import PolicySpec
 
 SESSION_ID_BYTES = 24  # 192 bits from the OS CSPRNG
@@ -59,7 +64,7 @@ class EndReason(enum.Enum):
 
     CLOSE = "close"
     TTL = "ttl"
-    LRU = "lru"
+    LRU = "lru"  # made room for a new session (its owner's, or any key's with evict_across_keys)
     FAILED = "failed"
 
 
@@ -107,6 +112,7 @@ class Session:
     created_at: float
     last_access: float
     history: list[int] = field(default_factory=list)  # append-only raw token ids
+    reserved_bytes: int = 0  # worst-case KV bytes held against the budget (sessions.budget) until the cache is freed
     cache: ModelKV | None = None  # built lazily on the engine thread by the first Generate
     cached_length: int = 0  # INV-1: history[:cached_length] is what the cache holds
     position_high_water: int = 0  # INV-2: no layer's next position may fall below this
@@ -182,41 +188,42 @@ class SessionSnapshot:
 
 class SessionStore:
     def __init__(self, *, max_sessions: int = 64, idle_ttl_s: float = 1800.0,
-                 observer: StoreObserver | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        if max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+                 observer: StoreObserver | None = None, clock: Callable[[], float] = time.monotonic,
+                 limits: Limits | None = None) -> None:
+        """`limits` (sessions.limits) replaces `max_sessions`, its shorthand."""
         if idle_ttl_s <= 0:
             raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s}")
-        self.max_sessions = max_sessions
+        self.limits = limits or Limits(max_sessions=max_sessions)
+        self.max_sessions = self.limits.max_sessions
         self.idle_ttl_s = idle_ttl_s
         self.observer: StoreObserver = observer or NullObserver()
         self.clock = clock
         self._lock = threading.RLock()
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._ended: OrderedDict[str, tuple[str, EndReason]] = OrderedDict()  # id -> (owner, why)
+        self._draining: dict[str, Session] = {}  # ended while busy: their cache (and reservation) not yet freed
 
     # ---- lookup and lifecycle -------------------------------------------------------------
 
     def create(self, owner: str, policy: PolicySpec, context_length: int,
-               initial_tokens: Sequence[int] = ()) -> Session:
-        """Admit a new session (evicting the least recently used idle one when full)."""
+               initial_tokens: Sequence[int] = (), reserve_bytes: int = 0) -> Session:
+        """Admit a new session reserving `reserve_bytes` of the KV budget (sessions.limits: the owner's least
+        recently used idle sessions make room; ResourceExhausted, nothing evicted, when they cannot)."""
         if len(initial_tokens) > context_length:
             raise ResourceExhausted(
                 f"initial history of {len(initial_tokens)} tokens exceeds the context length {context_length}"
             )
         with self._lock:
             self._sweep_locked()
-            if len(self._sessions) >= self.max_sessions:
-                victim = next((s for s in self._sessions.values() if not self._busy(s)), None)
-                if victim is None:
-                    raise ResourceExhausted(
-                        f"all {self.max_sessions} sessions are busy; close one or retry later"
-                    )
-                self._end_locked(victim, EndReason.LRU)
+            held = list(self._sessions.values())
+            victims = plan_admission(held, [self._busy(s) for s in held], owner, reserve_bytes, self.limits,
+                                     draining=list(self._draining.values()))
+            for i in victims:
+                self._end_locked(held[i], EndReason.LRU)
             now = self.clock()
             sid = "ses_" + secrets.token_urlsafe(SESSION_ID_BYTES)
             session = Session(sid, owner, policy, context_length, created_at=now, last_access=now,
-                              history=list(initial_tokens))
+                              history=list(initial_tokens), reserved_bytes=reserve_bytes)
             session.history_high_water = len(session.history)
             self._sessions[sid] = session
         self.observer.session_created()
@@ -256,7 +263,7 @@ class SessionStore:
         with self._lock:
             if session.state is SessionState.ACTIVE:
                 self._end_locked(session, EndReason.FAILED)
-            session.cache = None
+            self._free_locked(session)
 
     def sweep(self) -> int:
         """Evict sessions idle past the TTL; returns how many."""
@@ -279,7 +286,7 @@ class SessionStore:
             if touch:
                 self._touch_locked(session)
             if session.state is not SessionState.ACTIVE and not session.generating:
-                session.cache = None  # ended while busy: free now that nothing uses it
+                self._free_locked(session)  # ended while busy: free now that nothing uses it
 
     # ---- idle compression (the service's sweeper; nothing here touches last_access) --------
 
@@ -314,6 +321,11 @@ class SessionStore:
     def kv_live_bytes(self) -> int:
         with self._lock:
             return sum(s.kv_bytes for s in self._sessions.values())
+
+    def kv_reserved_bytes(self) -> int:
+        """KV bytes reserved against the budget: live sessions' and those of ended ones not yet freed."""
+        with self._lock:
+            return sum(s.reserved_bytes for s in (*self._sessions.values(), *self._draining.values()))
 
     def by_policy(self) -> dict[str, tuple[int, int]]:
         """policy name -> (active sessions, K/V live bytes)."""
@@ -500,18 +512,24 @@ class SessionStore:
         session.state = _STATE[reason]
         if session.cancel is not None:
             session.cancel.set()  # an in-flight Generate stops after its current step
-        if not self._busy(session):
-            session.cache = None  # free the K/V now; a busy session frees it when its call ends
+        if self._busy(session):
+            self._draining[session.id] = session  # its call frees the K/V (and the reservation) when it ends
+        else:
+            self._free_locked(session)
         self._ended[session.id] = (session.owner, reason)
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
         self.observer.session_ended(_OUTCOME[reason], reason)
 
+    def _free_locked(self, session: Session) -> None:
+        session.cache = None
+        self._draining.pop(session.id, None)
+
     def _not_found(self, owner: str, session_id: str) -> SessionNotFound:
         ended = self._ended.get(session_id)
         if ended is not None and ended[0] == owner:
             why = {EndReason.CLOSE: "was closed", EndReason.TTL: "was evicted after its idle TTL",
-                   EndReason.LRU: "was evicted (least recently used, store full)",
+                   EndReason.LRU: "was evicted to make room for a new session (least recently used)",
                    EndReason.FAILED: "failed an invariant check and was freed"}[ended[1]]
             return SessionNotFound(f"session {session_id} {why}")
         # Unknown and foreign ids read the same, so ids owned by another key are not revealed.

@@ -1,0 +1,140 @@
+"""Admission: the session limits, per API key and global, and which idle sessions a new one may evict.
+
+Four limits, all checked before a session exists (so before its cache is ever allocated):
+
+* `max_sessions_per_key`: sessions one key (owner) holds at once;
+* `kv_budget_per_key`: KV bytes one key's sessions may reserve;
+* `max_sessions`: sessions in the store;
+* `kv_budget`: KV bytes all sessions may reserve.
+
+A session reserves its worst-case KV bytes (sessions.budget) when it is created and gives them back when it ends,
+so what the budget admits can never outgrow it, whatever the sessions later do. When a limit would be exceeded,
+the owner's own least recently used idle sessions are evicted, oldest first, until the new one fits; other keys'
+sessions only with `evict_across_keys` (an operator's choice). Busy sessions are never evicted. If evicting
+everything allowed still would not make room, nothing is evicted and the refusal names the limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kakeya_runtime.sessions.errors import ResourceExhausted
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    max_sessions: int = 64
+    max_sessions_per_key: int | None = None  # None: max_sessions
+    kv_budget: int | None = None  # bytes; None: no byte budget
+    kv_budget_per_key: int | None = None  # bytes; None: kv_budget
+    evict_across_keys: bool = False  # may a key's new session evict another key's idle sessions?
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_sessions_per_key", "kv_budget", "kv_budget_per_key"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @classmethod
+    def fair_share(cls, num_keys: int, *, max_sessions: int = 64, max_sessions_per_key: int | None = None,
+                   kv_budget: int | None = None, kv_budget_per_key: int | None = None,
+                   evict_across_keys: bool = False) -> Limits:
+        """Per-key limits left unset default to an equal share of the global ones among `num_keys` keys, so one
+        key can never crowd the others out (one key, or none: the key gets everything)."""
+        n = max(1, num_keys)
+        return cls(max_sessions=max_sessions,
+                   max_sessions_per_key=max_sessions_per_key or max(1, max_sessions // n),
+                   kv_budget=kv_budget,
+                   kv_budget_per_key=kv_budget_per_key or (None if kv_budget is None else max(1, kv_budget // n)),
+                   evict_across_keys=evict_across_keys)
+
+    @property
+    def key_sessions(self) -> int:
+        return self.max_sessions_per_key or self.max_sessions
+
+    @property
+    def key_budget(self) -> int | None:
+        return self.kv_budget_per_key or self.kv_budget
+
+
+class Held(Protocol):
+    """What admission reads of a session in the store."""
+
+    owner: str
+    reserved_bytes: int
+
+
+def plan_admission(held: Sequence[Held], busy: Sequence[bool], owner: str, cost: int, limits: Limits,
+                   draining: Sequence[Held] = ()) -> list[int]:
+    """Indices into `held` (least recently used first) of the sessions to evict so that one more session of
+    `owner` reserving `cost` bytes fits every limit; ResourceExhausted (evicting nothing) when it cannot.
+    `draining`: sessions that ended while busy and still hold their cache (their bytes count, nothing else)."""
+    for budget, what, limit in ((limits.key_budget, "per API key", "kv_budget_per_key"),
+                                (limits.kv_budget, "of the server", "kv_budget")):
+        if budget is not None and cost > budget:  # would not fit in an empty store: evict nothing
+            raise ResourceExhausted(
+                f"this session may need up to {_size(cost)} of KV cache, more than the whole KV budget {what} "
+                f"({_size(budget)}): choose a bounded KV policy or a shorter context", limit=limit)
+    use = _Usage(held, owner, draining)
+    own = [i for i, s in enumerate(held) if s.owner == owner and not busy[i]]
+    others = [i for i, s in enumerate(held) if s.owner != owner and not busy[i]] if limits.evict_across_keys else []
+    victims: list[int] = []
+    while _key_over(use, cost, limits) and own:  # a key's own limits: only its own sessions make room
+        victims.append(use.drop(own.pop(0)))
+    candidates = own + others  # the owner's first, then (if allowed) other keys', each least recently used first
+    while _server_over(use, cost, limits) and candidates:
+        victims.append(use.drop(candidates.pop(0)))
+    refusal = _key_over(use, cost, limits) or _server_over(use, cost, limits)
+    if refusal is not None:
+        limit, reason = refusal
+        busy_note = "; the sessions that could make room are busy" if any(busy) else ""
+        scope = "" if limits.evict_across_keys else " (other keys' sessions are never evicted for it)"
+        raise ResourceExhausted(f"{reason}{busy_note}: close a session or retry later{scope}", limit=limit)
+    return victims
+
+
+class _Usage:
+    """Sessions and reserved bytes, in total and the owner's, as planned evictions take them away."""
+
+    def __init__(self, held: Sequence[Held], owner: str, draining: Sequence[Held]) -> None:
+        self.held, self.owner = held, owner
+        self.count = len(held)
+        self.total = sum(s.reserved_bytes for s in (*held, *draining))
+        self.key_count = sum(1 for s in held if s.owner == owner)
+        self.key_total = sum(s.reserved_bytes for s in (*held, *draining) if s.owner == owner)
+
+    def drop(self, i: int) -> int:
+        s = self.held[i]
+        self.count -= 1
+        self.total -= s.reserved_bytes
+        if s.owner == self.owner:
+            self.key_count -= 1
+            self.key_total -= s.reserved_bytes
+        return i
+
+
+def _key_over(use: _Usage, cost: int, limits: Limits) -> tuple[str, str] | None:
+    if use.key_count + 1 > limits.key_sessions:
+        return "sessions_per_key", f"the session quota of {limits.key_sessions} per API key is reached"
+    if limits.key_budget is not None and use.key_total + cost > limits.key_budget:
+        return "kv_budget_per_key", (f"the KV budget of {_size(limits.key_budget)} per API key is exhausted "
+                                     f"({_size(use.key_total)} reserved, this session may need up to {_size(cost)})")
+    return None
+
+
+def _server_over(use: _Usage, cost: int, limits: Limits) -> tuple[str, str] | None:
+    if use.count + 1 > limits.max_sessions:
+        return "sessions", f"the server's limit of {limits.max_sessions} sessions is reached"
+    if limits.kv_budget is not None and use.total + cost > limits.kv_budget:
+        return "kv_budget", (f"the server's KV budget of {_size(limits.kv_budget)} is exhausted ({_size(use.total)} "
+                             f"reserved, this session may need up to {_size(cost)})")
+    return None
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
