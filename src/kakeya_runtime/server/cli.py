@@ -26,6 +26,13 @@ def serve(
     port: int = typer.Option(50051, help="gRPC port (0: any free port)."),
     metrics_port: int = typer.Option(9464, "--metrics-port", help="Prometheus /metrics HTTP port (0: any)."),
     no_metrics: bool = typer.Option(False, "--no-metrics", help="Do not serve /metrics."),
+    openai_port: int | None = typer.Option(
+        None, "--openai-port",
+        help="Also serve the deprecated OpenAI-style HTTP API (/v1/chat/completions, /v1/completions, /v1/models; "
+             "single-shot, no sessions) on this port of --host, with the same API keys (default: off; 0: any).",
+    ),
+    openai_max_queue: int = typer.Option(
+        16, "--openai-max-queue", help="OpenAI-style requests waiting beyond --max-concurrent before 429s."),
     api_key: list[str] = typer.Option(  # noqa: B008 - typer reads defaults at definition time
         [], "--api-key", envvar="KAKEYA_API_KEY",
         help="Accepted bearer key (repeatable). Each key sees only the sessions it created.",
@@ -59,7 +66,8 @@ def serve(
                           api_keys=tuple(api_key), max_sessions=max_sessions, idle_ttl_s=ttl,
                           max_concurrent=max_concurrent, context_length=context,
                           idle_compress_after_s=idle_compress_after, idle_codec=idle_codec, idle_q=idle_q,
-                          max_request_bytes=max_request_bytes)
+                          max_request_bytes=max_request_bytes, openai_port=openai_port,
+                          openai_max_queue=openai_max_queue)
     try:
         config.validate()  # before the (slow) model load: a refused bind should fail at once
         parse_codec(idle_codec, idle_q)  # the model-independent checks (head_dim is checked once loaded)
@@ -110,6 +118,8 @@ async def _serve_forever(server: Any, console: Console) -> None:
                   f"idle compression={_idle_text(server)}, max request={server.max_request_bytes / 2**20:.2f} MiB)")
     if server.metrics_port is not None:
         console.print(f"Metrics on http://{cfg.host}:{server.metrics_port}/metrics")
+    if server.openai_port is not None:
+        console.print(f"Deprecated OpenAI-style API on http://{cfg.host}:{server.openai_port}/v1 (single-shot)")
     print(server.address, flush=True)  # machine-readable: the last stdout line is the address
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

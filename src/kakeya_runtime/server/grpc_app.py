@@ -94,6 +94,8 @@ class ServerConfig:
     idle_q: int = DEFAULT_Q
     grace_s: float = 2.0  # shutdown: how long in-flight RPCs get to finish
     max_request_bytes: int | None = None  # gRPC receive limit; None: request_bytes_for(the context length)
+    openai_port: int | None = None  # the deprecated OpenAI-style HTTP shim (server/openai_shim.py); None: off
+    openai_max_queue: int = 16  # shim requests beyond max_concurrent + this many answer 429
     extra_options: list[tuple[str, Any]] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -284,6 +286,12 @@ class RuntimeServer:
         self.max_request_bytes = c.max_request_bytes or request_bytes_for(self.service.context_length)
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.openai_port: int | None = None
+        self._openai: Any = None  # the OpenAIShim, when configured
+        if c.openai_port is not None:  # built now: a model it cannot serve fails before anything binds
+            from kakeya_runtime.server.openai_shim import OpenAIShim
+
+            self._openai = OpenAIShim(self.service, served, self.auth, max_queue=c.openai_max_queue)
         self._server: grpc.aio.Server | None = None
 
     @property
@@ -317,8 +325,13 @@ class RuntimeServer:
         self.service.start_sweeper()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(host, self.config.metrics_port)
+        if self._openai is not None:
+            self.openai_port = await self._openai.start(host, self.config.openai_port, grace_s=self.config.grace_s,
+                                                        grpc_address=self.address)
 
     async def stop(self) -> None:
+        if self._openai is not None:  # first: its in-flight requests are sessions of the service
+            await self._openai.stop()
         if self._server is not None:
             await self._server.stop(self.config.grace_s)
             self._server = None

@@ -1,0 +1,286 @@
+"""The deprecated OpenAI-style shim, driven by the official `openai` client (and raw SSE) against real servers."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx2
+import openai
+import pytest
+from kakeya import Client
+from kakeya.tokenization import Tokenizer
+
+from kakeya_runtime.server.grpc_app import ServedModel, ServerThread
+from kakeya_runtime.server.openai_shim import StopMatcher
+from kakeya_runtime.server.testing import SlowModel, running_server, tiny_model, tiny_served
+
+KEY = "shim-test-key"
+MODEL = "tiny-llama"
+HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+DEPRECATION = ("deprecation", "sunset", "link")
+
+
+@pytest.fixture(scope="module")
+def shim() -> Iterator[ServerThread]:
+    with running_server(tiny_served("llama"), api_keys=(KEY,), openai_port=0) as thread:
+        yield thread
+
+
+def _base(thread: ServerThread) -> str:
+    return f"http://127.0.0.1:{thread.server.openai_port}/v1"
+
+
+def _client(thread: ServerThread, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=_base(thread), api_key=key, max_retries=0, timeout=30)
+
+
+def _tokenizer(thread: ServerThread) -> Tokenizer:
+    served = thread.server.served
+    return Tokenizer(served.tokenizer_json, chat_template=served.chat_template, eos_token_ids=served.eos_ids)
+
+
+def _grpc_text(thread: ServerThread, ids: list[int], max_tokens: int) -> tuple[str, list[int]]:
+    """What the session API generates greedily from the same ids: the shim must say exactly this."""
+    with Client(thread.address, api_key=KEY) as client, client.create_session(initial_tokens=ids) as session:
+        gen = session.generate(max_tokens=max_tokens, temperature=0)
+        tokens = list(gen)
+    return _tokenizer(thread).decode(tokens), tokens
+
+
+def _chat(thread: ServerThread, **kw) -> openai.types.chat.ChatCompletion:
+    return _client(thread).chat.completions.create(model=MODEL, messages=kw.pop("messages", HELLO), **kw)
+
+
+def test_chat_completion_matches_the_session_api(shim):
+    ids = _tokenizer(shim).tokens_for_chat(HELLO)
+    text, tokens = _grpc_text(shim, ids, 12)
+    reply = _chat(shim, max_tokens=12, temperature=0)
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion" and reply.model == MODEL
+    assert choice.message.role == "assistant" and choice.message.content == text and text
+    assert choice.finish_reason == ("length" if len(tokens) == 12 else "stop")
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(tokens))
+    assert reply.usage.total_tokens == len(ids) + len(tokens)
+    assert len(shim.server.service.store) == 0  # single-shot: the session is closed
+
+
+def test_chat_streaming_chunks_and_usage(shim):
+    whole = _chat(shim, max_tokens=12, temperature=0).choices[0].message.content
+    chunks = list(_chat(shim, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:-1])
+    with_choices = [c for c in chunks if c.choices]
+    assert [c.choices[0].finish_reason for c in with_choices][:-1] == [None] * (len(with_choices) - 1)
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == whole
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+    plain = list(_chat(shim, max_tokens=4, temperature=0, stream=True))
+    assert all(c.choices for c in plain) and all(c.usage is None for c in plain)
+
+
+def test_raw_sse_stream(shim):
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx2.stream("POST", f"{_base(shim)}/chat/completions", json=body,
+                       headers={"authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert all(h in r.headers for h in DEPRECATION)
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"  # every event ends with a blank line
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert payloads[0]["object"] == "chat.completion.chunk"
+    assert payloads[-2]["choices"][0]["finish_reason"] == "length" and payloads[-2]["choices"][0]["delta"] == {}
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_completions_stream_and_not(shim):
+    tok = _tokenizer(shim)
+    text, tokens = _grpc_text(shim, tok.encode("Once upon a time", add_special_tokens=True), 10)
+    client = _client(shim)
+    reply = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
+    assert reply.object == "text_completion" and reply.choices[0].text == text
+    assert reply.usage.completion_tokens == len(tokens) and reply.usage.prompt_tokens == 16
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 16 + len(tokens)
+    ids = client.completions.create(model=MODEL, prompt=tok.encode("Once upon a time"), max_tokens=10, temperature=0)
+    assert ids.choices[0].text == text  # a prompt of token ids
+
+
+def test_stop_strings_trim_and_stop_early(shim):
+    full = _chat(shim, max_tokens=24, temperature=0).choices[0].message.content
+    at = next(i for i in range(3, len(full) - 2) if full.find(full[i:i + 2]) == i)
+    stop = full[at:at + 2]
+    reply = _chat(shim, max_tokens=24, temperature=0, stop=[stop, "never-seen-text"])
+    assert reply.choices[0].message.content == full[:at] and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens < 24  # the generation stopped, not only the text
+    streamed = list(_chat(shim, max_tokens=24, temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == full[:at]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_matcher_holds_back_partial_matches():
+    m = StopMatcher(("END",))
+    assert [m.push(p) for p in ("abcE", "N", "x", "yE", "ND tail")] == ["abc", "", "ENx", "y", ""]
+    assert m.stopped and m.flush() == ""
+    m = StopMatcher(("ab", "bcd"))
+    assert m.push("xb") == "x" and m.push("c") == "" and m.push("d") == "" and m.stopped
+    m = StopMatcher(("zz",))
+    assert m.push("az") == "a" and m.flush() == "z" and not m.stopped
+
+
+def test_seeded_sampling_is_deterministic(shim):
+    def sample(seed: int) -> str:
+        return _chat(shim, max_tokens=16, temperature=1.0, seed=seed).choices[0].message.content
+
+    first = sample(7)
+    assert sample(7) == first
+    assert any(sample(s) != first for s in (8, 9, 10))
+
+
+def test_models_list_and_retrieve(shim):
+    client = _client(shim)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).owned_by == "kakeya"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_error_codes(shim):
+    with pytest.raises(openai.AuthenticationError) as e:
+        _client(shim, key="wrong-key-123").chat.completions.create(model=MODEL, messages=HELLO)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as e:
+        _client(shim).chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    bad = [({"n": 2}, "n"), ({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"),
+           ({"max_tokens": 0}, "max_tokens"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+           ({"stream_options": {"include_usage": True}}, "stream_options"), ({"messages": []}, "messages"),
+           ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+           ({"seed": "x"}, "seed"), ({"presence_penalty": 1.0}, "presence_penalty")]
+    for kwargs, param in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(shim, **kwargs)
+        assert e.value.status_code == 400 and e.value.param == param, (kwargs, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:  # over-long prompt, in tokens
+        _chat(shim, messages=[{"role": "user", "content": "x" * 600}])
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:  # prompt + max_tokens over the context
+        _chat(shim, max_tokens=500)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+    with pytest.raises(openai.APIStatusError) as e:  # over-long body, refused before it is parsed
+        _chat(shim, messages=[{"role": "user", "content": "x" * 1_200_000}])
+    assert e.value.status_code == 413 and e.value.code == "request_too_large"
+    r = httpx2.post(f"{_base(shim)}/chat/completions", content=b"{not json",
+                    headers={"authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert len(shim.server.service.store) == 0
+
+
+def test_deprecation_headers_on_every_response(shim):
+    auth = {"authorization": f"Bearer {KEY}"}
+    responses = [
+        httpx2.get(f"{_base(shim)}/models", headers=auth),
+        httpx2.get(f"{_base(shim)}/models"),  # 401
+        httpx2.get(f"{_base(shim)}/nowhere", headers=auth),  # 404
+        httpx2.get(f"{_base(shim)}/chat/completions", headers=auth),  # 405
+        httpx2.post(f"{_base(shim)}/completions", headers=auth,
+                    json={"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+    ]
+    assert [r.status_code for r in responses] == [200, 401, 404, 405, 200]
+    for r in responses:
+        assert r.headers["deprecation"].startswith("@") and r.headers["sunset"].endswith("GMT"), r.headers
+        assert 'rel="deprecation"' in r.headers["link"]
+        if r.status_code != 200:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    link = responses[0].headers["link"].split(";")[0].strip("<>")
+    docs = httpx2.get(f"http://127.0.0.1:{shim.server.openai_port}{link}")
+    assert docs.status_code == 200 and "gRPC" in docs.text and shim.address in docs.text
+
+
+@pytest.fixture(scope="module")
+def slow() -> Iterator[tuple[ServerThread, SlowModel]]:
+    model = SlowModel(tiny_model("llama"), delay_s=0.05)
+    served = ServedModel("tiny-llama", model, tiny_served("llama").tokenizer_json, eos_ids=(2,))
+    with running_server(served, openai_port=0, max_concurrent=1, openai_max_queue=0) as thread:
+        yield thread, model
+
+
+def _wait_idle(thread: ServerThread, timeout: float = 5.0) -> None:
+    """Until no session is open and the engine is idle (a closed stream is cancelled asynchronously)."""
+    service = thread.server.service
+    deadline = time.monotonic() + timeout
+    while (len(service.store) or service.scheduler.running) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(service.store) == 0 and service.scheduler.running == 0
+
+
+def _open_stream(thread: ServerThread, max_tokens: int) -> tuple[httpx2.Client, httpx2.Response, Iterator[str]]:
+    """A streaming request that is generating (its first chunk read) and stays open until closed."""
+    _wait_idle(thread)
+    client = httpx2.Client(timeout=30)
+    body = {"model": MODEL, "prompt": "slow", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    response = client.send(client.build_request("POST", f"{_base(thread)}/completions", json=body), stream=True)
+    assert response.status_code == 200
+    lines = response.iter_lines()  # kept: dropping a half-read iterator closes the connection
+    for line in lines:
+        if line.startswith("data: {"):
+            break
+    return client, response, lines
+
+
+def test_queue_full_answers_429(slow):
+    thread, _ = slow
+    client, response, _lines = _open_stream(thread, 200)
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            _client(thread).completions.create(model=MODEL, prompt="second", max_tokens=2)
+        assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+    finally:
+        response.close()
+        client.close()
+
+
+def test_client_disconnect_cancels_the_generation(slow):
+    thread, model = slow
+    before = model.forwards
+    client, response, _lines = _open_stream(thread, 200)  # 200 tokens would take >= 10 s
+    assert len(thread.server.service.store) == 1
+    response.close()
+    client.close()
+    _wait_idle(thread)
+    assert model.forwards - before < 60
+    assert _client(thread).completions.create(model=MODEL, prompt="next", max_tokens=2).choices  # free again
+
+
+def test_shutting_down_answers_503():
+    with running_server(tiny_served("llama"), openai_port=0) as thread:
+        thread.call(thread.server.service.shutdown())
+        with pytest.raises(openai.InternalServerError) as e:
+            _client(thread).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+        assert e.value.status_code == 503
+
+
+@pytest.mark.real_model
+def test_smollm2_chat_template_through_the_openai_client(smollm2_bf16):
+    served = ServedModel.from_loaded(smollm2_bf16, "smollm2")
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    with running_server(served, openai_port=0) as thread:
+        client = openai.OpenAI(base_url=_base(thread), api_key="unused", max_retries=0, timeout=60)
+        chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    tok = Tokenizer(served.tokenizer_json, chat_template=served.chat_template, bos_token_id=served.bos_id,
+                    eos_token_ids=served.eos_ids)
+    assert chunks[-1].usage.prompt_tokens == len(tok.tokens_for_chat(messages))
+    assert "<|im_start|>" not in text and "<|im_end|>" not in text
