@@ -12,6 +12,8 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from kakeya_runtime.server.ports import Listen, port_problem
+
 _DTYPES = ("bfloat16", "float32", "float16")
 
 
@@ -74,6 +76,10 @@ def serve(
     except ValueError as e:  # InsecureBindError included
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
+    problem = port_problem(_listens(config, no_metrics))  # before the model load, not after it
+    if problem:
+        console.print(f"[red]error:[/] {problem}", soft_wrap=True)
+        raise typer.Exit(2)
     if dtype not in _DTYPES:
         console.print(f"[red]error:[/] --dtype must be one of {', '.join(_DTYPES)}")
         raise typer.Exit(2)
@@ -107,6 +113,13 @@ def serve(
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     asyncio.run(_serve_forever(server, console))
+
+
+def _listens(config: Any, no_metrics: bool) -> list[Listen]:
+    metrics_host = getattr(config, "metrics_host", config.host)  # /metrics may bind elsewhere
+    return [Listen("--port", config.host, config.port),
+            *([] if no_metrics else [Listen("--metrics-port", metrics_host, config.metrics_port)]),
+            *([] if config.openai_port is None else [Listen("--openai-port", config.host, config.openai_port)])]
 
 
 async def _serve_forever(server: Any, console: Console) -> None:

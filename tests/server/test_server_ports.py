@@ -1,0 +1,58 @@
+"""`kakeya serve` checks its ports before loading the model and names the flag to change in one line."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from kakeya_runtime.server import cli
+from kakeya_runtime.server.ports import Listen, port_problem
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port another listener holds for the test."""
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        yield sock.getsockname()[1]
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        return sock.getsockname()[1]
+
+
+def _serve(*args: str) -> tuple[int, str]:
+    app = typer.Typer()
+    cli.register(app)
+    # A model that does not exist: reaching the load would fail differently (and only after the check).
+    result = CliRunner().invoke(app, ["serve", "--model", "/no/such/model.gguf", *args])
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--openai-port"])
+def test_serve_names_the_flag_of_a_port_in_use_before_loading(busy_port, flag):
+    ports = {"--port": str(_free_port()), "--metrics-port": str(_free_port()), flag: str(busy_port)}
+    code, output = _serve(*[x for kv in ports.items() for x in kv])
+    assert code == 2, output
+    lines = output.strip().splitlines()
+    assert len(lines) == 1 and f"port {busy_port}" in lines[0] and "in use" in lines[0], output
+    assert lines[0].endswith(flag)
+    assert "Loading" not in output and "Traceback" not in output
+
+
+def test_serve_refuses_two_flags_on_one_port():
+    port = str(_free_port())
+    code, output = _serve("--port", port, "--openai-port", port, "--metrics-port", "0")
+    assert code == 2 and "--port and --openai-port both ask for port" in output
+    assert len(output.strip().splitlines()) == 1
+
+
+def test_port_problem_passes_free_and_any_ports(busy_port):
+    assert port_problem([Listen("--port", "127.0.0.1", 0), Listen("--metrics-port", "127.0.0.1", _free_port())]) is None
+    assert port_problem([Listen("--metrics-port", "127.0.0.1", busy_port)]) is not None
+    bad_host = port_problem([Listen("--port", "no-such-host.invalid", 5)])
+    assert bad_host is not None and "--host" in bad_host
