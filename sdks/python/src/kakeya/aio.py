@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -46,9 +46,15 @@ class AsyncClient:
 
         return Tokenizer.from_model_info(await self.model_info())
 
-    async def create_session(self, initial_tokens: Iterable[int] | None = None,
-                             policy: KvPolicy | str | None = None) -> AsyncSession:
-        resp = await self._unary(self._stub.CreateSession, cv.create_request(initial_tokens, policy))
+    def create_session(self, initial_tokens: Iterable[int] | None = None,
+                       policy: KvPolicy | str | None = None) -> SessionCreation:
+        """`async with client.create_session(...) as session:` (closed at the end, as with `Client`), or
+        `session = await client.create_session(...)`."""
+        request = cv.create_request(initial_tokens, policy)  # argument errors raise here, as in the sync client
+        return SessionCreation(self, request)
+
+    async def _create_session(self, request: Any) -> AsyncSession:
+        resp = await self._unary(self._stub.CreateSession, request)
         return AsyncSession(self, resp.session_id, history_length=resp.history_length,
                             policy=cv.policy_from_pb(resp.policy))
 
@@ -63,6 +69,27 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class SessionCreation:
+    """What `AsyncClient.create_session` returns: awaitable (the session) and an async context manager
+    (creates the session on entry, closes it on exit)."""
+
+    def __init__(self, client: AsyncClient, request: Any) -> None:
+        self._client = client
+        self._request = request
+        self._session: AsyncSession | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncSession]:
+        return self._client._create_session(self._request).__await__()
+
+    async def __aenter__(self) -> AsyncSession:
+        self._session = await self._client._create_session(self._request)
+        return self._session
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.__aexit__(*exc)
 
 
 class AsyncSession:

@@ -1,0 +1,53 @@
+"""`AsyncClient.create_session` works as the sync one does: `async with` without `await`, and also awaited."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from kakeya import AsyncClient, InvalidArgument, SessionNotFound
+
+
+def test_async_with_create_session_closes_it(server):
+    async def main() -> None:
+        async with AsyncClient(server.address) as client:
+            async with client.create_session(initial_tokens=[10, 11, 12]) as session:
+                assert session.history_length == 3 and len(server.server.service.store) == 1
+                gen = session.generate(max_tokens=3, ignore_eos=True)
+                assert len(await gen.collect()) == 3
+                assert (await session.info()).history_length == 6
+            assert len(server.server.service.store) == 0  # closed on exit
+            with pytest.raises(SessionNotFound):
+                await session.info()
+
+    asyncio.run(main())
+
+
+def test_async_create_session_is_still_awaitable(server):
+    async def main() -> None:
+        async with AsyncClient(server.address) as client:
+            session = await client.create_session(initial_tokens=[5])
+            async with session:
+                assert (await session.info()).history_length == 1
+            with pytest.raises(SessionNotFound):
+                await session.info()
+            async with await client.create_session(initial_tokens=[6]) as again:
+                assert again.history_length == 1
+
+    asyncio.run(main())
+
+
+def test_async_with_closes_the_session_when_the_body_raises(server):
+    async def main() -> None:
+        async with AsyncClient(server.address) as client:
+            with pytest.raises(RuntimeError, match="boom"):
+                async with client.create_session(initial_tokens=[1, 2]) as session:
+                    raise RuntimeError("boom")
+            with pytest.raises(SessionNotFound):
+                await session.info()
+            with pytest.raises(InvalidArgument):  # a refused creation raises on entry, nothing to close
+                async with client.create_session(initial_tokens=[10**6]):
+                    pass
+            assert len(server.server.service.store) == 0
+
+    asyncio.run(main())
