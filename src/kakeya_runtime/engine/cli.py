@@ -1,7 +1,8 @@
 """`kakeya generate`: one prompt through the engine in-process, text streamed to stdout as it is sampled.
 
-Timings go to stderr so stdout is only the generated text. `--chat` renders the model's chat template
-client-side through the SDK's tokenization helper (the runtime itself never renders templates).
+Timings go to stderr so stdout is only the generated text. By default (and with `--chat`) PROMPT is one
+user message rendered with the model's chat template, client-side through the SDK's tokenization helper
+(the runtime itself never renders templates); `--raw` sends it as plain text.
 """
 
 from __future__ import annotations
@@ -13,20 +14,19 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from kakeya_runtime.engine.dtypes import DTYPE_HELP, parse_dtype
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from kakeya_runtime.models.loader import LoadedModel
-
-_DTYPES = ("bf16", "fp32")
-
 
 def register(app: typer.Typer) -> None:
     app.command("generate")(generate)
 
 
 def generate(
-    prompt: str = typer.Argument(..., help="Prompt text (the user message with --chat)."),
+    prompt: str = typer.Argument(..., help="Prompt text: one user message in the chat template (plain text with --raw)."),
     model: str = typer.Option("smollm2", "--model", "-m",
                               help="Bundled name (smollm2, gemma3-270m), .gguf file or HF-style directory."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
@@ -34,9 +34,10 @@ def generate(
     top_k: int | None = typer.Option(None, "--top-k", min=0),
     top_p: float | None = typer.Option(None, "--top-p"),
     seed: int | None = typer.Option(None, "--seed", min=0),
-    dtype: str = typer.Option("bf16", "--dtype", help="Weights and activations: bf16 or fp32."),
+    dtype: str = typer.Option("bf16", "--dtype", help=f"Weights and activations: {DTYPE_HELP}."),
     chat: bool | None = typer.Option(None, "--chat/--raw",
-                                     help="Render the chat template (default: when the model has one)."),
+                                     help="Chat templating is on by default whenever the model has a template; "
+                                          "--raw sends PROMPT as plain text (base models)."),
     cache_dir: str | None = typer.Option(None, "--cache-dir", help="Conversion cache (default: $KAKEYA_CACHE_DIR "
                                          "or the user cache dir)."),
     threads: int | None = typer.Option(None, "--threads", min=1,
@@ -49,8 +50,10 @@ def generate(
     from kakeya_runtime.engine.sampling import SamplingError, SamplingParams
     from kakeya_runtime.models.loader import ModelLoadError, load_model
 
-    if dtype not in _DTYPES:
-        raise typer.BadParameter(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    try:
+        torch_dtype = parse_dtype(dtype)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     if threads is not None:
         torch.set_num_threads(threads)
     try:
@@ -58,8 +61,7 @@ def generate(
     except SamplingError as e:
         raise typer.BadParameter(str(e)) from None
     try:
-        loaded = load_model(model, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16,
-                            cache_dir=cache_dir)
+        loaded = load_model(model, dtype=torch_dtype, cache_dir=cache_dir)
     except ModelLoadError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None

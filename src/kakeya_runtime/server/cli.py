@@ -12,9 +12,8 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from kakeya_runtime.engine.dtypes import DTYPE_HELP, dtype_name
 from kakeya_runtime.server.ports import Listen, port_problem
-
-_DTYPES = ("bfloat16", "float32", "float16")
 
 
 def register(app: typer.Typer) -> None:
@@ -43,7 +42,7 @@ def serve(
     ttl: float = typer.Option(1800.0, "--ttl", help="Idle seconds before a session is evicted."),
     max_concurrent: int = typer.Option(1, "--max-concurrent", help="Generations running at once."),
     context: int | None = typer.Option(None, "--context", help="Per-session context limit (default: the model's)."),
-    dtype: str = typer.Option("bfloat16", "--dtype", help=f"Weights/activations dtype: {', '.join(_DTYPES)}."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help=f"Weights/activations dtype: {DTYPE_HELP}."),
     idle_compress_after: float | None = typer.Option(
         None, "--idle-compress-after", metavar="SECONDS",
         help="Compress a session's KV cache in place once it has been idle this long (default: never).",
@@ -80,20 +79,26 @@ def serve(
     if problem:
         console.print(f"[red]error:[/] {problem}", soft_wrap=True)
         raise typer.Exit(2)
-    if dtype not in _DTYPES:
-        console.print(f"[red]error:[/] --dtype must be one of {', '.join(_DTYPES)}")
-        raise typer.Exit(2)
+    try:
+        dtype = dtype_name(dtype)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
 
     import torch
 
     try:
-        from kakeya_runtime.models.loader import load_model
+        from kakeya_runtime.models.loader import ModelLoadError, load_model
     except ImportError as e:
         console.print(f"[red]error:[/] model loading is unavailable: {e}")
         raise typer.Exit(1) from None
     t0 = time.perf_counter()
-    with console.status(f"Loading [bold]{model}[/] ({dtype})…", spinner="dots"):
-        loaded = load_model(model, dtype=getattr(torch, dtype))
+    try:
+        with console.status(f"Loading [bold]{model}[/] ({dtype})…", spinner="dots"):
+            loaded = load_model(model, dtype=getattr(torch, dtype))
+    except ModelLoadError as e:  # a missing or unreadable model: its message, not a traceback
+        console.print(f"[red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(1) from None
     console.print(f"Loaded [bold]{model}[/] in {time.perf_counter() - t0:.1f} s")
     from kakeya_runtime.models import native
 
