@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 import grpc
 
 AUTH_HEADER = "authorization"
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)  # answered without a key: they reveal only up or down
 
 
 def owner_of(key: str) -> str:
@@ -68,7 +69,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or self.auth.owner(handler_call_details.invocation_metadata) is not None:
+        if (handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES)
+                or self.auth.owner(handler_call_details.invocation_metadata) is not None):
             return handler
         return self._deny(handler)
 
@@ -86,6 +88,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
               "response_serializer": handler.response_serializer}
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(self._abort_stream, **kw)
+        if handler.stream_stream:  # server reflection
+            return grpc.stream_stream_rpc_method_handler(self._abort_stream, **kw)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(self._abort, **kw)
-        raise NotImplementedError("client-streaming RPCs are not part of kakeya.v1")
+        raise NotImplementedError("client-streaming RPCs are not served here")

@@ -23,6 +23,7 @@ from kakeya_runtime.kv.spec import CODEC_KINDS, DEFAULT_Q
 from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor
 from kakeya_runtime.server.boundary import StatusBoundary
+from kakeya_runtime.server.health import add_health_and_reflection
 from kakeya_runtime.server.metrics import RuntimeMetrics
 from kakeya_runtime.sessions.errors import InvalidArgument, quoted
 from kakeya_runtime.sessions.policy import PolicyRegistry, PolicySpec
@@ -287,6 +288,7 @@ class RuntimeServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.openai_port: int | None = None
+        self.health: Any = None  # the grpc.health.v1 servicer while serving
         self._openai: Any = None  # the OpenAIShim, when configured
         if c.openai_port is not None:  # built now: a model it cannot serve fails before anything binds
             from kakeya_runtime.server.openai_shim import OpenAIShim
@@ -315,6 +317,7 @@ class RuntimeServer:
         pb_grpc.add_RuntimeServiceServicer_to_server(
             RuntimeServicer(self.service, self.served, self.auth, self.config), server
         )
+        self.health = await add_health_and_reflection(server, pb.DESCRIPTOR.services_by_name["RuntimeService"].full_name)
         host = self.config.host
         bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
         self.port = server.add_insecure_port(f"{bind_host}:{self.config.port}")
@@ -332,6 +335,8 @@ class RuntimeServer:
     async def stop(self) -> None:
         if self._openai is not None:  # first: its in-flight requests are sessions of the service
             await self._openai.stop()
+        if self.health is not None:  # NOT_SERVING while in-flight RPCs finish
+            await self.health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(self.config.grace_s)
             self._server = None
