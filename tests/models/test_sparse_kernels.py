@@ -48,6 +48,13 @@ def reference(q, hot, cold, select, q_pos, scale, window, sink, block):
     return out, seen
 
 
+def slots(blocks: list[int], n_blocks: int) -> torch.Tensor:
+    """cold_slot for decoded blocks stacked in the order `blocks` lists them (-1: absent)."""
+    out = torch.full((n_blocks,), -1, dtype=torch.long)
+    out[torch.tensor(blocks, dtype=torch.long)] = torch.arange(len(blocks))
+    return out
+
+
 def bitsets(chosen: list[list[list[list[int]]]], words: int) -> torch.Tensor:
     """(B, Hk, T, words) int64 bitsets from per-token block lists."""
     out = torch.zeros(len(chosen), len(chosen[0]), len(chosen[0][0]), words, dtype=torch.long)
@@ -75,13 +82,14 @@ def test_sparse_attention_matches_reference(dtype, d):
     chosen = [[[[0, 3, 7, 19], [1, 20, 21], [2, 5, 8, 13, 22]] for _ in range(hkv)]]
     chosen[0][1][0] = [4, 6]
     sel = bitsets(chosen, 1)
-    cold_blocks = sorted({j for heads in chosen[0] for toks in heads for j in toks})
+    cold_blocks = sorted({j for heads in chosen[0] for toks in heads for j in toks}, reverse=True)  # any order
     cold_p = torch.cat([torch.arange(sink + j * block, sink + (j + 1) * block) for j in cold_blocks])
     cold_kv = kv[:, :, :, cold_p] + 0.01  # decoded copies differ from the exact ones
     hot = (kv[0][:, :, hot_p].contiguous(), kv[1][:, :, hot_p].contiguous(), hot_p)
     cold = (cold_kv[0].contiguous(), cold_kv[1].contiguous(), cold_p)
     assert n_blocks > 22
-    out, seen = native.sparse_attention(q, hot, cold, sel, q_pos, d**-0.5, window=window, sink=sink, block=block)
+    out, seen = native.sparse_attention(q, hot, (*cold[:2], slots(cold_blocks, n_blocks)), sel, q_pos, d**-0.5,
+                                        window=window, sink=sink, block=block)
     ref, ref_seen = reference(q, hot, cold, sel, q_pos, d**-0.5, window, sink, block)
     assert torch.equal(seen, ref_seen)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
@@ -105,7 +113,7 @@ def test_sparse_attention_row_invariant(dtype):
     sel = bitsets(chosen, 1)
     cold_p = torch.cat([torch.arange(sink + j * block, sink + (j + 1) * block) for j in range(18)])
     hot = (k[:, :, hot_p].contiguous(), v[:, :, hot_p].contiguous(), hot_p)
-    cold = (k[:, :, cold_p].contiguous(), v[:, :, cold_p].contiguous(), cold_p)
+    cold = (k[:, :, cold_p].contiguous(), v[:, :, cold_p].contiguous(), torch.arange(18))
     whole, _ = native.sparse_attention(q, hot, cold, sel, q_pos, 0.125, window=window, sink=sink, block=block)
     for t in (0, 37, 99):
         qt = q.view(1, 1, 2, 100, d)[:, :, :, t].contiguous().view(1, 1, 2, d)
@@ -114,6 +122,25 @@ def test_sparse_attention_row_invariant(dtype):
                                               hot_p[held].contiguous()), cold, sel[:, :, t : t + 1].contiguous(),
                                          q_pos[t : t + 1].contiguous(), 0.125, window=window, sink=sink, block=block)
         assert torch.equal(one[0, 0], whole.view(1, 1, 2, 100, d)[0, 0, :, t])
+
+
+def test_sparse_attention_refuses_a_selected_block_it_was_not_given():
+    """A block the indexer chose but the caller did not decode is an error, never a smaller attention."""
+    torch.manual_seed(2)
+    sink, window, block, d = 4, 32, 16, 64
+    q_pos = torch.tensor([300])
+    q = torch.randn(1, 1, 1, d)
+    k, v = torch.randn(2, 1, 1, 301, d)
+    hot_p = torch.cat((torch.arange(sink), torch.arange(300 - window - block, 301)))
+    hot = (k[:, :, hot_p].contiguous(), v[:, :, hot_p].contiguous(), hot_p)
+    sel = bitsets([[[[2, 9]]]], 1)
+    given = torch.cat([torch.arange(sink + j * block, sink + (j + 1) * block) for j in (2,)])
+    cold = (k[:, :, given].contiguous(), v[:, :, given].contiguous(), slots([2], 16))
+    with pytest.raises(RuntimeError, match="cold block 9 selected by the query at position 300 was not provided"):
+        native.sparse_attention(q, hot, cold, sel, q_pos, 0.125, window=window, sink=sink, block=block)
+    out, seen = native.sparse_attention(q, hot, cold, bitsets([[[[2]]]], 1), q_pos, 0.125, window=window, sink=sink,
+                                        block=block)
+    assert int(seen[0, 0, 0, 1]) == block
 
 
 def quest_reference(q, kmin, kmax, q_pos, window, sink, block, topk):
@@ -174,3 +201,30 @@ def test_block_select_row_invariant_and_missing_summaries():
     with pytest.raises(RuntimeError, match="have summaries"):  # a missing summary is an error, not fewer blocks
         native.block_select(q, kmin[:, :, :40].contiguous(), kmax[:, :, :40].contiguous(), q_pos, window=64, sink=4,
                             block=16, topk=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_reads_int8_codes_as_their_decoded_values(dtype):
+    """int8 cold codes read in the kernel give the same bits as the same blocks decoded beforehand."""
+    from kakeya_runtime.kv.compress import Int8Codec
+
+    torch.manual_seed(3)
+    sink, window, block, d, hkv = 4, 32, 16, 64, 2
+    q_pos = torch.tensor([290, 300])
+    q = torch.randn(1, hkv, 3 * 2, d).to(dtype)
+    k, v = (torch.randn(2, 1, hkv, 301, d) * 3).to(dtype)
+    hot_p = torch.cat((torch.arange(sink), torch.arange(290 - window - block, 301)))
+    hot = (k[:, :, hot_p].contiguous(), v[:, :, hot_p].contiguous(), hot_p)
+    n_blocks = (301 - sink) // block
+    cold_p = torch.arange(sink, sink + n_blocks * block)
+    codec = Int8Codec()
+    enc_k, enc_v = codec.encode(k[:, :, cold_p]), codec.encode(v[:, :, cold_p])
+    sel = bitsets([[[[0, 5, 9], [1, 2, 14]], [[3, 4], [15, 7, 6, 0]]]], 1)
+    slot = torch.arange(n_blocks)
+    packed, seen_p = native.sparse_attention(q, hot, (enc_k["code"], enc_v["code"], enc_k["scale"], enc_v["scale"], slot),
+                                             sel, q_pos, 0.125, window=window, sink=sink, block=block)
+    decoded = (codec.decode(enc_k, dtype), codec.decode(enc_v, dtype), slot)
+    plain, seen_d = native.sparse_attention(q, hot, decoded, sel, q_pos, 0.125, window=window, sink=sink, block=block)
+    assert torch.equal(packed, plain) and torch.equal(seen_p, seen_d)
+    assert int(seen_p[0, 1, 5, 1]) == 4 * block  # the second token of head 1 saw its four blocks
+    assert (codec.decode(enc_k, torch.float32) - k[:, :, cold_p].float()).abs().max() < 3 * 5 / 127

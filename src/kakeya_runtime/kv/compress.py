@@ -3,10 +3,14 @@
 A `KVCodec` turns (..., D) vectors into named storage tensors and back; `SlotStore` holds K and V for a
 fixed number of slots in that form. The live bytes of a store are the `nbytes` of the tensors it holds:
 for the lattice codecs that is bit-packed lattice indices (uint8) plus an fp16 norm and an fp16 range
-per vector, nothing else. Two codecs:
+per vector, nothing else. Three codecs:
 
 - `IdentityCodec`: the K/V in the model dtype, bit-exact (the default; the oracle's storage).
 - `PackedLatticeCodec`: D4 / E8 nested-lattice codes with range Q (kakeya_runtime.kv.lattice).
+- `Int8Codec`: int8 per element with one fp16 absmax scale per vector: less compact than D4, but cheap enough
+  that the attention kernel reads it as stored (the sparse policy's cold tier does, with no decode step).
+
+A codec whose storage the attention kernel reads as stored is `direct`.
 
 `SlotStore` also offers the seed's position-addressed interface (`compress` / `decompress` / `evict` /
 `memory_bytes`); the policy caches address slots directly on the hot path.
@@ -21,13 +25,14 @@ from torch import Tensor
 
 from kakeya_runtime.kv.lattice import LatticeCodec
 
-CODECS = ("identity", "d4", "e8")
+CODECS = ("identity", "d4", "e8", "int8")
 _ENCODE_ROWS = 4096  # vectors per encode/decode call: bounds the codec's transient memory
 
 
 class KVCodec(Protocol):
     name: str
     lossless: bool
+    direct: bool  # kakeya::sparse_attention reads the storage as stored
 
     def bytes_per_vector(self, head_dim: int, dtype: torch.dtype) -> int: ...
 
@@ -48,6 +53,7 @@ class KVCodec(Protocol):
 class IdentityCodec:
     name = "identity"
     lossless = True
+    direct = True
 
     def bytes_per_vector(self, head_dim: int, dtype: torch.dtype) -> int:
         return head_dim * dtype.itemsize
@@ -66,6 +72,7 @@ class PackedLatticeCodec:
     """Bit-packed D4/E8 codes: (D/b)*ceil(bits/block) bits + fp16 norm + fp16 range per vector."""
 
     lossless = False
+    direct = False
 
     def __init__(self, kind: str, q: int, head_dim: int, device: torch.device | str = "cpu") -> None:
         self.lattice = LatticeCodec(kind, q, head_dim, device)
@@ -100,6 +107,33 @@ class PackedLatticeCodec:
         return out.reshape(*lead, self.lattice.head_dim)
 
 
+class Int8Codec:
+    """x ~ code * scale: code int8 in [-127, 127] per element, scale = absmax / 127 in fp16 per vector. Each
+    vector is encoded alone (elementwise ops only), so its code does not depend on what else is encoded."""
+
+    name = "int8"
+    lossless = False
+    direct = True
+
+    def bytes_per_vector(self, head_dim: int, dtype: torch.dtype) -> int:
+        return head_dim + 2
+
+    def alloc(self, lead, head_dim, dtype, device):
+        return {"code": torch.zeros(*lead, head_dim, dtype=torch.int8, device=device),
+                "scale": torch.zeros(*lead, dtype=torch.float16, device=device)}
+
+    def encode(self, x: Tensor) -> dict[str, Tensor]:
+        xf = x.float()
+        scale = (xf.abs().amax(-1) / 127.0).to(torch.float16)  # the stored scale is the one decode uses
+        safe = torch.where(scale > 0, scale.float(), 1.0).unsqueeze(-1)
+        code = torch.round(xf / safe).clamp(-127, 127).to(torch.int8)
+        return {"code": code, "scale": scale}
+
+    def decode(self, stored: dict[str, Tensor], dtype: torch.dtype) -> Tensor:
+        """fp32 product, rounded once to `dtype` (what the kernel computes when it reads the codes)."""
+        return (stored["code"].float() * stored["scale"].float().unsqueeze(-1)).to(dtype)
+
+
 class KVCompressor(Protocol):
     """Seed 000 §11.11.4, position-addressed. `SlotStore` implements it: with IdentityCodec it is the
     IdentityCompressor, with PackedLatticeCodec the KakeyaLattice compressor (real packed bytes)."""
@@ -118,6 +152,8 @@ def make_codec(kind: str, q: int, head_dim: int, device: torch.device | str = "c
         return IdentityCodec()
     if kind in ("d4", "e8"):
         return PackedLatticeCodec(kind, q, head_dim, device)
+    if kind == "int8":
+        return Int8Codec()
     raise ValueError(f"unknown codec {kind!r} (known: {', '.join(CODECS)})")
 
 

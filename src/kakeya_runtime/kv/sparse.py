@@ -99,6 +99,8 @@ class SparseLayerKV:
         self.last_fraction = 1.0  # the newest query's attended share of its prefix
         self.peak_decoded_bytes = 0  # decoded cold K/V held during a step, at its largest
         self.probe: OracleProbe | None = None
+        self._identity_slots = torch.arange(initial_blocks)  # lossless cold tier: block j is at slot j
+        self._ring_full = False  # every hot slot holds a position (known without a tensor read once true)
 
     def _alloc_cold(self, blocks: int) -> None:
         b, hk, _, d = self.k_hot.shape
@@ -218,29 +220,32 @@ class SparseLayerKV:
         self.kmin[:, :, sl], self.kmax[:, :, sl] = seen.amin(3), seen.amax(3)
         self.n_blocks = target
 
-    def _decode_blocks(self, select: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The cold keys the step may read, with their positions. Lossless storage is handed over in place (the
-        kernel reads only the selected blocks); lossy codes are decoded for the blocks some token selected."""
-        if self.codec.lossless:
-            b, hk, _, _, d = self.cold_k["x"].shape
+    def _decode_blocks(self, select: Tensor) -> tuple[Tensor, ...]:
+        """The cold side as the kernel takes it: K/V (B, Hk, U * block, D) (or int8 codes and their scales) and
+        where block j lies in them (slot (N,), -1: absent). A codec the kernel reads as stored (identity, int8) is
+        handed over in place, whole (the kernel reads only the selected blocks); lattice codes are decoded for
+        the blocks some token selected."""
+        if self.codec.direct:
+            if self._identity_slots.shape[0] < self.n_blocks:
+                self._identity_slots = torch.arange(max(self.n_blocks, 2 * self._identity_slots.shape[0]))
             n = self.n_blocks * self.block
-            k = self.cold_k["x"][:, :, : self.n_blocks].reshape(b, hk, n, d)
-            v = self.cold_v["x"][:, :, : self.n_blocks].reshape(b, hk, n, d)
-            return k, v, torch.arange(self.sink, self.sink + n, device=k.device)
+            flat = [t[:, :, : self.n_blocks].reshape(*t.shape[:2], n, *t.shape[4:])
+                    for store in (self.cold_k, self.cold_v) for t in store.values()]
+            if len(flat) == 4:  # codes and scales: k, v, k_scale, v_scale
+                flat = [flat[0], flat[2], flat[1], flat[3]]
+            return (*flat, self._identity_slots[: self.n_blocks])
         words = select.shape[-1]
         shifts = torch.arange(64, device=select.device)
-        bits = ((select.reshape(-1, words, 1) >> shifts) & 1).any(0).reshape(-1)  # (words * 64,)
+        bits = ((select.reshape(-1, words, 1) >> shifts) & 1).any(0).reshape(-1)[: self.n_blocks]
         ids = bits.nonzero().squeeze(1)
-        if ids.numel() == 0:
-            empty = self.k_hot[:, :, :0]
-            return empty, empty, self.hot_pos[:0]
+        slot = torch.full((self.n_blocks,), -1, dtype=torch.long)
+        slot[ids] = torch.arange(ids.numel())
         k = self.codec.decode(take(self.cold_k, 2, ids), self.dtype)  # (B, Hk, U, block, D)
         v = self.codec.decode(take(self.cold_v, 2, ids), self.dtype)
         b, hk, u, _, d = k.shape
-        pos = (self.sink + ids[:, None] * self.block + torch.arange(self.block, device=ids.device)).reshape(-1)
         k, v = k.reshape(b, hk, u * self.block, d), v.reshape(b, hk, u * self.block, d)
         self.peak_decoded_bytes = max(self.peak_decoded_bytes, k.nbytes + v.nbytes)
-        return k, v, pos
+        return k, v, slot
 
     # -- the step ------------------------------------------------------------------------------------------
 
@@ -256,7 +261,9 @@ class SparseLayerKV:
             self._write_hot(k, v, positions, start)
             self._complete_blocks(k, v, end, end)
             n = min(end, self.hot_pos.shape[0])
-            held = slice(0, n) if end <= n or bool((self.hot_pos >= 0).all()) else (self.hot_pos >= 0).nonzero()[:, 0]
+            if not self._ring_full and end >= n:  # after a trim the ring has holes until it wraps once more
+                self._ring_full = bool((self.hot_pos >= 0).all())
+            held = slice(0, n) if end <= n or self._ring_full else (self.hot_pos >= 0).nonzero()[:, 0]
             hot = (self.k_hot[:, :, held], self.v_hot[:, :, held], self.hot_pos[held])
         else:
             held = (self.hot_pos >= 0).nonzero()[:, 0]
@@ -276,9 +283,12 @@ class SparseLayerKV:
         except RuntimeError as e:  # the kernel's checks: e.g. a selectable block without a summary
             raise SparseIndexError(str(e).split("\n")[0]) from None
         cold = self._decode_blocks(select)
-        out, seen = native.sparse_attention(qg, hot, cold, select, positions, scale, window=self.window,
-                                            sink=self.sink, block=self.block)
-        self._check(seen, scored, positions, t)
+        try:
+            out, seen = native.sparse_attention(qg, hot, cold, select, positions, scale, window=self.window,
+                                                sink=self.sink, block=self.block)
+        except RuntimeError as e:  # the kernel's checks: e.g. a selected block that was not decoded
+            raise SparseIndexError(str(e).split("\n")[0]) from None
+        self._check(seen, scored, positions)
         if self.probe is not None:
             self._measure(q, k, select, positions, scale)
         return out.reshape(b, h, t, d)
@@ -302,33 +312,23 @@ class SparseLayerKV:
         attended = (pos < self.sink) | (pos >= self.hot_lo(p)) | (chosen & (pos < self.hot_lo(p)))
         probe.masses.append((probs * attended[:, None, :]).sum(-1).flatten().tolist())
 
-    def _check(self, seen: Tensor, scored: Tensor, positions: Tensor, t: int) -> None:
-        """Every query saw exactly its sinks and hot range, and min(topk, scored) whole cold blocks."""
-        first = seen[:, :, :t]  # (B, Hk, T, 2): the first query head of each group
-        lo = self.hot_lo(positions)
-        want_hot = (positions + 1).clamp(max=self.sink) + (positions + 1 - lo).clamp(min=0)
-        want_cold = scored.clamp(max=self.topk) * self.block
-        bad_hot = first[..., 0] != want_hot
-        if bool(bad_hot.any()):
-            i = bad_hot.nonzero()[0]
-            raise SparseIndexError(f"the query at position {int(positions[i[2]])} saw {int(first[..., 0][tuple(i)])} "
-                                   f"keys of its sinks and hot range, not {int(want_hot[i[2]])}")
-        bad_cold = first[..., 1] != want_cold
-        if bool(bad_cold.any()):
-            i = tuple(bad_cold.nonzero()[0])
-            raise SparseIndexError(
-                f"the indexer's blocks were not attended: the query at position {int(positions[i[2]])} saw "
-                f"{int(first[..., 1][i])} cold keys, not {int(want_cold[i])} (top-{self.topk} of {int(scored[i])} "
-                f"blocks of {self.block})")
+    def _check(self, seen: Tensor, scored: Tensor, positions: Tensor) -> None:
+        """Every query saw exactly its sinks and hot range, and min(topk, scored) whole cold blocks (raises
+        SparseIndexError otherwise); then count the step."""
+        try:
+            counts = native.sparse_check(seen, scored, positions, window=self.window, sink=self.sink,
+                                         block=self.block, topk=self.topk).tolist()
+        except RuntimeError as e:
+            raise SparseIndexError(str(e).split("\n")[0]) from None
+        queries, blocks_scored, blocks_selected, attended, visible, newest = counts
         c = self.counters
         c.steps += 1
-        c.queries += first.shape[0] * first.shape[1] * t
-        c.blocks_scored += int(scored.sum())
-        c.blocks_selected += int(want_cold.sum()) // self.block
-        c.positions_attended += int(first.sum())
-        c.positions_visible += int((positions + 1).sum()) * first.shape[0] * first.shape[1]
-        last = first[:, :, -1].sum(-1).double().mean()
-        self.last_fraction = float(last) / (int(positions[-1]) + 1)
+        c.queries += queries
+        c.blocks_scored += blocks_scored
+        c.blocks_selected += blocks_selected
+        c.positions_attended += attended
+        c.positions_visible += visible
+        self.last_fraction = newest / (seen.shape[0] * seen.shape[1]) / (int(positions[-1]) + 1)
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor):
         raise CacheError("a sparse layer attends itself (models.layers.Attention calls attend with the queries)")
@@ -348,6 +348,7 @@ class SparseLayerKV:
                                  f"its hot ring; trimming to {length} needs them (roll back at most {self.spare} "
                                  "positions with the `spare` parameter)")
         self.hot_pos[self.hot_pos >= length] = -1
+        self._ring_full = False
         self.n_blocks = min(self.n_blocks, max(0, length - self.sink) // self.block)
         self.length = length
 
@@ -367,6 +368,7 @@ class SparseLayerKV:
         self.k_hot.copy_(state["k"])
         self.v_hot.copy_(state["v"])
         self.hot_pos.copy_(state["hot_pos"])
+        self._ring_full = False
         self.kmin[:, :, :n], self.kmax[:, :, :n] = state["kmin"], state["kmax"]
         for prefix, store in (("cold_k", self.cold_k), ("cold_v", self.cold_v)):
             for name, t in store.items():

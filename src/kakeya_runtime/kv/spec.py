@@ -19,7 +19,7 @@ from kakeya_runtime.kv.lattice import LatticeError, check_lattice
 
 POLICIES = ("full", "sink_window", "restore", "sparse")
 GRANULARITIES = ("per_step", "per_turn")
-CODEC_KINDS = ("identity", "d4", "e8")
+CODEC_KINDS = ("identity", "d4", "e8", "int8")
 DEFAULT_Q = 38  # D4 at head_dim 64: 54 bytes/vector = 0.42x bf16 (tests/kv/test_lattice.py)
 
 
@@ -29,12 +29,12 @@ class PolicyError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class CodecSpec:
-    kind: str = "identity"  # identity | d4 | e8
-    q: int = DEFAULT_Q  # lattice range (ignored by identity)
+    kind: str = "identity"  # identity | d4 | e8 | int8
+    q: int = DEFAULT_Q  # lattice range (ignored by identity and int8)
 
     @property
     def label(self) -> str:
-        return self.kind if self.kind == "identity" else f"{self.kind}/q{self.q}"
+        return self.kind if self.kind in ("identity", "int8") else f"{self.kind}/q{self.q}"
 
 
 _KEYS: dict[str, dict[str, Any]] = {
@@ -152,7 +152,7 @@ def _choice(p: Mapping[str, Any], key: str, options: tuple[str, ...]) -> str:
 
 
 def check_codec(codec: CodecSpec, key: str, head_dim: int | None = None) -> None:
-    if codec.kind == "identity":
+    if codec.kind in ("identity", "int8"):
         return
     try:
         check_lattice(codec.kind, codec.q, head_dim)

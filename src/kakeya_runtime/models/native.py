@@ -105,16 +105,21 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
 
 
 def sparse_attention(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                     cold: tuple[torch.Tensor, torch.Tensor, torch.Tensor], select: torch.Tensor, q_pos: torch.Tensor,
+                     cold: tuple[torch.Tensor, ...], select: torch.Tensor, q_pos: torch.Tensor,
                      scale: float, *, window: int, sink: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over two key sources: `hot` (k, v, positions) exact, seen by token t at positions below `sink`
     or in its hot range hot_lo(t)..t (the last `window` positions extended down to a block boundary counted
-    from `sink`), and `cold` (k, v, positions: decoded blocks), seen where token t's `select` bitset (B, Hk, T,
-    words) has the block (p - sink) // block and the block lies wholly below hot_lo(t). Returns the output
-    (B, Hk, R, D) and the keys each row saw, (B, Hk, R, 2) int64 (hot, cold)."""
+    from `sink`), and `cold` (k, v (B, Hk, U * block, D) blocks in q's dtype, slot (N,) int64: where block j is,
+    -1 if absent; or k, v int8 codes, k_scale, v_scale fp16 (B, Hk, U * block), slot): token t attends the blocks
+    its `select` bitset (B, Hk, T, words) names among those wholly below hot_lo(t), packed in its own lanes; a
+    selected block that is absent raises. Returns the output (B, Hk, R, D) and the keys each row saw,
+    (B, Hk, R, 2) int64 (hot, cold)."""
     if _loaded is None:
         load()
-    return torch.ops.kakeya.sparse_attention(q, *hot, *cold, select, q_pos, window, sink, block, scale)
+    k, v, *scales, slot = cold
+    k_scale, v_scale = scales if scales else (None, None)
+    return torch.ops.kakeya.sparse_attention(q, *hot, k, v, k_scale, v_scale, slot, select, q_pos, window, sink,
+                                             block, scale)
 
 
 def block_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, q_pos: torch.Tensor, *, window: int,
@@ -126,6 +131,17 @@ def block_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, q_pos:
     if _loaded is None:
         load()
     return torch.ops.kakeya.block_select(q, kmin, kmax, q_pos, window, sink, block, topk)
+
+
+def sparse_check(seen: torch.Tensor, scored: torch.Tensor, q_pos: torch.Tensor, *, window: int, sink: int,
+                 block: int, topk: int) -> torch.Tensor:
+    """The sparse step's tripwire on sparse_attention's `seen` counts: raises unless every query row saw exactly
+    its sinks and hot range and min(topk, scored) whole cold blocks. Returns int64 (6,): query tokens x KV heads,
+    blocks scored, blocks selected, keys attended, keys visible, and the newest token's attended keys (summed
+    over batch and KV heads)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.sparse_check(seen, scored, q_pos, window, sink, block, topk)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -57,11 +57,10 @@ def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every RPC without a valid key with UNAUTHENTICATED, before any handler runs (and, as the
-    outermost interceptor, before its request is even decoded); `on_refusal` counts each refusal."""
+    interceptor before the status boundary, before its request is even decoded)."""
 
-    def __init__(self, auth: ApiKeyAuth, on_refusal: Callable[[grpc.StatusCode], None] | None = None) -> None:
+    def __init__(self, auth: ApiKeyAuth) -> None:
         self.auth = auth
-        self.on_refusal = on_refusal or (lambda code: None)
 
     async def intercept_service(
         self,
@@ -75,7 +74,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return self._deny(handler)
 
     async def _abort(self, request, context: grpc.aio.ServicerContext):
-        self.on_refusal(grpc.StatusCode.UNAUTHENTICATED)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (authorization: Bearer ...)")
 
     async def _abort_stream(self, request, context: grpc.aio.ServicerContext):

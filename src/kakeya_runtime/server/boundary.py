@@ -10,7 +10,8 @@ A server interceptor wraps each unary handler (whatever servicer is registered) 
   only, never UNKNOWN with Python's exception text;
 * status details are clipped to MAX_DETAILS_CHARS, so no client input echoed into a message can break
   gRPC's metadata limit (a transport RESOURCE_EXHAUSTED in place of the real status);
-* every error status is reported to `on_refusal` (the Prometheus rpc_refusals_total counter).
+* a RESOURCE_EXHAUSTED refusal reports the limit it names to `on_limit` (kakeya_limit_refusals_total); every
+  status is counted per RPC by the metrics interceptor outside this one (server.metrics.RpcMetricsInterceptor).
 
 Requests over the receive limit are refused by gRPC itself (RESOURCE_EXHAUSTED) before any of this runs.
 """
@@ -25,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from kakeya_runtime.sessions.errors import ErrorKind, InvalidArgument, SessionError, clip
+from kakeya_runtime.sessions.errors import ErrorKind, InvalidArgument, ResourceExhausted, SessionError, clip
 
 _log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ STATUS_OF: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
-RefusalHook = Callable[[grpc.StatusCode], None]
+LimitHook = Callable[[str], None]
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,10 +80,10 @@ def _decode_reason(error: Exception) -> str:
 
 
 class StatusBoundary(grpc.aio.ServerInterceptor):
-    """Decodes requests safely and maps every failure of a unary-request RPC to a typed, counted status."""
+    """Decodes requests safely and maps every failure of a unary-request RPC to a typed status."""
 
-    def __init__(self, on_refusal: RefusalHook | None = None) -> None:
-        self.on_refusal: RefusalHook = on_refusal or (lambda code: None)
+    def __init__(self, on_limit: LimitHook | None = None) -> None:
+        self.on_limit: LimitHook = on_limit or (lambda limit: None)
 
     async def intercept_service(
         self,
@@ -130,16 +131,14 @@ class StatusBoundary(grpc.aio.ServerInterceptor):
     async def _fail(self, context: grpc.aio.ServicerContext, error: Exception, rpc: str) -> None:
         """Answer `error` as a status (always raises: context.abort ends the RPC)."""
         if isinstance(error, grpc.aio.AbortError):  # the servicer aborted with a status of its own
-            code = context.code()
-            if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:
-                self.on_refusal(code)
             raise error
         if isinstance(error, SessionError):
             code, message = STATUS_OF[error.kind], error.message
+            if isinstance(error, ResourceExhausted):
+                self.on_limit(error.limit)
         else:
             _log.error("%s failed with an unexpected error", rpc, exc_info=error)
             code, message = grpc.StatusCode.INTERNAL, f"{rpc} failed ({type(error).__name__}); see the server log"
-        self.on_refusal(code)
         await context.abort(code, details(message))
 
 

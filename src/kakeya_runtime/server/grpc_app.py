@@ -13,6 +13,7 @@ import math
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,8 +25,10 @@ from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor
 from kakeya_runtime.server.boundary import StatusBoundary
 from kakeya_runtime.server.health import add_health_and_reflection
-from kakeya_runtime.server.metrics import RuntimeMetrics
+from kakeya_runtime.server.metrics import RpcMetricsInterceptor, RuntimeMetrics
+from kakeya_runtime.sessions.budget import default_kv_budget
 from kakeya_runtime.sessions.errors import InvalidArgument, quoted
+from kakeya_runtime.sessions.limits import Limits
 from kakeya_runtime.sessions.policy import PolicyRegistry, PolicySpec
 from kakeya_runtime.sessions.service import DoneEvent, GenerateParams, ServiceConfig, SessionService
 
@@ -49,7 +52,7 @@ _FINISH = {
 
 
 class InsecureBindError(ValueError):
-    """A non-loopback bind without an API key."""
+    """A non-loopback bind without an API key, or without TLS unless acknowledged (`insecure`)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -95,6 +98,15 @@ class ServerConfig:
     idle_q: int = DEFAULT_Q
     grace_s: float = 2.0  # shutdown: how long in-flight RPCs get to finish
     max_request_bytes: int | None = None  # gRPC receive limit; None: request_bytes_for(the context length)
+    max_sessions_per_key: int | None = None  # None: an equal share of max_sessions among the API keys
+    kv_budget: int | None = None  # KV bytes all sessions may reserve; None: sized to the machine (sessions.budget)
+    kv_budget_per_key: int | None = None  # None: an equal share of kv_budget among the API keys
+    evict_across_keys: bool = False  # may a key's new session evict other keys' idle sessions?
+    tls_cert: str | None = None  # PEM certificate chain; with tls_key, gRPC is served over TLS only
+    tls_key: str | None = None  # PEM private key
+    insecure: bool = False  # acknowledges a non-loopback bind without TLS (API keys cross the network in clear)
+    metrics_host: str = "127.0.0.1"  # /metrics bind address (loopback unless asked)
+    metrics_key: str | None = None  # /metrics answers only `authorization: Bearer <metrics_key>`; None: anyone
     openai_port: int | None = None  # the deprecated OpenAI-style HTTP shim (server/openai_shim.py); None: off
     openai_max_queue: int = 16  # shim requests beyond max_concurrent + this many answer 429
     extra_options: list[tuple[str, Any]] = field(default_factory=list)
@@ -104,6 +116,22 @@ class ServerConfig:
             raise InsecureBindError(
                 f"refusing to listen on non-loopback host {self.host!r} without an API key (--api-key)"
             )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate (--tls-cert) and its private key (--tls-key)")
+        for what, path in (("TLS certificate", self.tls_cert), ("TLS key", self.tls_key)):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{what} {path!r} is not a readable file")
+        if not is_loopback(self.host) and self.tls_cert is None and not self.insecure:
+            raise InsecureBindError(
+                f"refusing to listen on non-loopback host {self.host!r} without TLS (--tls-cert/--tls-key): API keys "
+                "and tokens would cross the network in clear; pass --insecure to accept that"
+            )
+        if self.metrics_key is not None and len(self.metrics_key) < 8:
+            raise ValueError("the metrics key must be at least 8 characters long")
+        for name in ("max_sessions", "max_sessions_per_key", "kv_budget", "kv_budget_per_key"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.idle_compress_after_s is not None and not self.idle_compress_after_s > 0:
             raise ValueError(f"idle_compress_after_s must be > 0, got {self.idle_compress_after_s}")
         if self.idle_codec is not None and self.idle_codec.lower() not in (*CODEC_KINDS, "none"):
@@ -268,17 +296,24 @@ class RuntimeServer:
         self.config = config or ServerConfig()
         self.config.validate()
         self.served = served
-        self.metrics = RuntimeMetrics()
+        rpcs = list(pb.DESCRIPTOR.services_by_name["RuntimeService"].methods_by_name)
+        self.metrics = RuntimeMetrics(served.name, rpcs)
         self.engine = Engine(served.model)
         eos = served.eos_ids or tuple(served.model.config.eos_token_ids)
         c = self.config
+        # Per-key limits left unset are an equal share of the server's among the keys (one key, or none: all).
+        limits = Limits.fair_share(
+            sum(1 for k in c.api_keys if k), max_sessions=c.max_sessions, max_sessions_per_key=c.max_sessions_per_key,
+            kv_budget=c.kv_budget or default_kv_budget(served.model, self.engine.device),
+            kv_budget_per_key=c.kv_budget_per_key, evict_across_keys=c.evict_across_keys)
+        self.tls = None if c.tls_cert is None else (Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())
         self.service = SessionService(
             self.engine,
             eos_ids=eos,
             config=ServiceConfig(max_sessions=c.max_sessions, idle_ttl_s=c.idle_ttl_s,
                                  max_concurrent=c.max_concurrent, context_length=c.context_length,
                                  sweep_interval_s=c.sweep_interval_s, idle_compress_after_s=c.idle_compress_after_s,
-                                 idle_codec=c.idle_codec, idle_q=c.idle_q),
+                                 idle_codec=c.idle_codec, idle_q=c.idle_q, limits=limits),
             policies=policies,
             observer=self.metrics,
         )
@@ -309,10 +344,11 @@ class RuntimeServer:
             ("grpc.max_receive_message_length", self.max_request_bytes),
             *self.config.extra_options,
         ]
-        # Auth first (a caller without a key learns nothing, not even that its bytes were malformed), then the
-        # boundary that decodes requests safely and turns every failure into a typed status; both count refusals.
-        refused = self.metrics.request_refused
-        interceptors = [AuthInterceptor(self.auth, on_refusal=refused), StatusBoundary(on_refusal=refused)]
+        # Metrics outermost (every call and its final status, by RPC); then auth (a caller without a key learns
+        # nothing, not even that its bytes were malformed); then the boundary that decodes requests safely and turns
+        # every failure into a typed status.
+        interceptors = [RpcMetricsInterceptor(self.metrics), AuthInterceptor(self.auth),
+                        StatusBoundary(on_limit=self.metrics.limit_refused)]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         pb_grpc.add_RuntimeServiceServicer_to_server(
             RuntimeServicer(self.service, self.served, self.auth, self.config), server
@@ -320,14 +356,19 @@ class RuntimeServer:
         self.health = await add_health_and_reflection(server, pb.DESCRIPTOR.services_by_name["RuntimeService"].full_name)
         host = self.config.host
         bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        self.port = server.add_insecure_port(f"{bind_host}:{self.config.port}")
+        if self.tls is None:
+            self.port = server.add_insecure_port(f"{bind_host}:{self.config.port}")
+        else:
+            self.port = server.add_secure_port(f"{bind_host}:{self.config.port}",
+                                               grpc.ssl_server_credentials([self.tls]))
         if not self.port:
             raise OSError(f"could not bind {bind_host}:{self.config.port}")
         await server.start()
         self._server = server
         self.service.start_sweeper()
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(host, self.config.metrics_port)
+            self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port,
+                                                        self.config.metrics_key)
         if self._openai is not None:
             self.openai_port = await self._openai.start(host, self.config.openai_port, grace_s=self.config.grace_s,
                                                         grpc_address=self.address)

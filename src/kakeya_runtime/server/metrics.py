@@ -1,12 +1,24 @@
-"""Prometheus metrics (seed 000 §2.9), one registry per server so in-process servers never collide."""
+"""Prometheus metrics (seed 000 §2.9), one registry per server so in-process servers never collide.
+
+Every metric is named `kakeya_*` and every series carries the served model as its `model` label. gRPC calls are
+counted per RPC by `RpcMetricsInterceptor` (requests, and errors by status code); refusals for a limit by the
+limit (`kakeya_limit_refusals_total{limit}`). The HTTP endpoint (`serve_http`) answers only `GET /metrics` (404
+elsewhere) and, given a key, only with `authorization: Bearer <key>` (401 otherwise).
+"""
 
 from __future__ import annotations
 
-from wsgiref.simple_server import WSGIServer
+import asyncio
+import contextlib
+import hmac
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kakeya_runtime.kv.idle import IdleStats
 from kakeya_runtime.kv.spec import POLICIES
@@ -22,20 +34,24 @@ _FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
 REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE,
                  grpc.StatusCode.INTERNAL)
+# What a RESOURCE_EXHAUSTED refusal names as exceeded (sessions.errors.ResourceExhausted.limit).
+LIMITS = ("context", "model_positions", "sessions", "sessions_per_key", "kv_budget", "kv_budget_per_key")
+UNKNOWN_RPC = "unknown"  # the rpc label of calls to methods the server does not serve (bounded cardinality)
 
 
 class _PerPolicyCollector:
-    """session_active_by_policy{policy} and session_kv_live_bytes_by_policy{policy}, read at scrape time."""
+    """kakeya_session_active_by_policy{policy} and kakeya_session_kv_live_bytes_by_policy{policy}, read at scrape
+    time."""
 
     def __init__(self, store: SessionStore, names: list[str]) -> None:
         self.store = store
         self.names = names
 
     def describe(self) -> list:
-        return [GaugeMetricFamily("session_active_by_policy", "Currently allocated sessions, by KV policy.",
+        return [GaugeMetricFamily("kakeya_session_active_by_policy", "Currently allocated sessions, by KV policy.",
                                   labels=["policy"]),
-                GaugeMetricFamily("session_kv_live_bytes_by_policy", "Bytes of K/V held by allocated sessions, "
-                                  "by KV policy (sums to session_kv_live_bytes).", labels=["policy"])]
+                GaugeMetricFamily("kakeya_session_kv_live_bytes_by_policy", "Bytes of K/V held by allocated "
+                                  "sessions, by KV policy (sums to kakeya_session_kv_live_bytes).", labels=["policy"])]
 
     def collect(self):
         stats = self.store.by_policy()
@@ -48,66 +64,101 @@ class _PerPolicyCollector:
         yield live
 
 
-class RuntimeMetrics:
-    """Implements the session service's observer; gauges read the store at scrape time."""
+class _WithLabels:
+    """Every sample of `inner`'s metrics with constant labels added: the exposition's one collector."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.session_active = Gauge("session_active", "Currently allocated sessions.", registry=r)
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.inner = inner
+        self.labels = labels
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**self.labels, **s.labels}) for s in family.samples]
+            yield out
+
+
+class RuntimeMetrics:
+    """Implements the session service's observer; gauges read the store at scrape time. `registry` holds the
+    metrics; `exposition` serves them with the served model's name as the `model` label of every series."""
+
+    def __init__(self, model: str = "", rpcs: Iterable[str] = ()) -> None:
+        self.registry = r = CollectorRegistry()
+        self.exposition = CollectorRegistry(auto_describe=False)
+        self.exposition.register(_WithLabels(r, {"model": model}))
+        self.session_active = Gauge("kakeya_session_active", "Currently allocated sessions.", registry=r)
         self.session_kv_live_bytes = Gauge(
-            "session_kv_live_bytes", "Bytes of K/V storage held by all allocated sessions.", registry=r
+            "kakeya_session_kv_live_bytes", "Bytes of K/V storage held by all allocated sessions.", registry=r
         )
         self.session_total = Counter(
-            "session_total", "Sessions that ended, by outcome.", ["outcome"], registry=r
+            "kakeya_session_total", "Sessions that ended, by outcome.", ["outcome"], registry=r
         )
         self.session_evicted_total = Counter(
-            "session_evicted_total", "Session caches freed, by reason.", ["reason"], registry=r
+            "kakeya_session_evicted_total", "Session caches freed, by reason.", ["reason"], registry=r
         )
         self.cache_invariant_violations_total = Counter(
-            "cache_invariant_violations_total", "Invariant violations (must stay 0).", ["kind"], registry=r
+            "kakeya_cache_invariant_violations_total", "Invariant violations (must stay 0).", ["kind"], registry=r
         )
         self.session_history_tokens = Histogram(
-            "session_history_tokens", "Session history length at Generate time.", buckets=_TOKEN_BUCKETS, registry=r
+            "kakeya_session_history_tokens", "Session history length at Generate time.", buckets=_TOKEN_BUCKETS, registry=r
         )
         self.generate_prefill_tokens = Histogram(
-            "generate_prefill_tokens", "Tokens prefilled per Generate (only the delta since the last one).",
+            "kakeya_generate_prefill_tokens", "Tokens prefilled per Generate (only the delta since the last one).",
             buckets=_TOKEN_BUCKETS, registry=r,
         )
         self.generate_prefill_duration_seconds = Histogram(
-            "generate_prefill_duration_seconds", "Prefill wall time per Generate.", buckets=_SECONDS_BUCKETS,
+            "kakeya_generate_prefill_duration_seconds", "Prefill wall time per Generate.", buckets=_SECONDS_BUCKETS,
             registry=r,
         )
         self.generate_ttft_seconds = Histogram(
-            "generate_ttft_seconds", "Time to first token per Generate (engine start to first sample).",
+            "kakeya_generate_ttft_seconds", "Time to first token per Generate (engine start to first sample).",
             buckets=_SECONDS_BUCKETS, registry=r,
         )
         self.generate_decode_tokens_per_second = Histogram(
-            "generate_decode_tokens_per_second", "Decode rate per Generate (tokens after the first).",
+            "kakeya_generate_decode_tokens_per_second", "Decode rate per Generate (tokens after the first).",
             buckets=_TOKS_PER_S_BUCKETS, registry=r,
         )
         self.generate_queue_seconds = Histogram(
-            "generate_queue_seconds", "Time a Generate waited for its session turn and an engine slot.",
+            "kakeya_generate_queue_seconds", "Time a Generate waited for its session turn and an engine slot.",
             buckets=_SECONDS_BUCKETS, registry=r,
         )
         self.generate_effective_attention_fraction = Histogram(
-            "generate_effective_attention_fraction",
+            "kakeya_generate_effective_attention_fraction",
             "Share of the prefix the last query of a Generate attended to (1: everything; sink_window: less).",
             buckets=_FRACTION_BUCKETS, registry=r,
         )
         self.session_idle_compressed_total = Counter(
-            "session_idle_compressed_total", "Session KV caches compressed in place while idle.", registry=r
+            "kakeya_session_idle_compressed_total", "Session KV caches compressed in place while idle.", registry=r
         )
         self.session_idle_compressed_bytes_saved_total = Counter(
-            "session_idle_compressed_bytes_saved_total", "K/V bytes freed by idle compression.", registry=r
+            "kakeya_session_idle_compressed_bytes_saved_total", "K/V bytes freed by idle compression.", registry=r
         )
-        self.rpc_refusals_total = Counter(
-            "rpc_refusals_total", "RPCs the server answered with an error status, by gRPC status code (requests "
+        self.rpc_requests_total = Counter(
+            "kakeya_rpc_requests_total", "gRPC calls received, by RPC (calls to methods the server does not serve: "
+            f"rpc={UNKNOWN_RPC!r}).", ["rpc"], registry=r,
+        )
+        self.rpc_errors_total = Counter(
+            "kakeya_rpc_errors_total", "gRPC calls answered with an error status, by RPC and status code (requests "
             "over the receive limit are refused by gRPC before the server sees them and are not counted).",
-            ["code"], registry=r,
+            ["rpc", "code"], registry=r,
+        )
+        self.limit_refusals_total = Counter(
+            "kakeya_limit_refusals_total", "Requests refused with RESOURCE_EXHAUSTED, by the limit they would have "
+            "exceeded: " + ", ".join(LIMITS) + ".", ["limit"], registry=r,
+        )
+        self.generated_tokens_total = Counter(
+            "kakeya_generated_tokens_total", "Tokens sampled by Generates that finished (stop, length or cancel).",
+            registry=r,
+        )
+        self.session_kv_reserved_bytes = Gauge(
+            "kakeya_session_kv_reserved_bytes", "KV bytes sessions reserve against the budget (each its worst case).",
+            registry=r,
+        )
+        self.kv_budget_bytes = Gauge(
+            "kakeya_kv_budget_bytes", "The KV byte budget all sessions share (0: none).", registry=r,
         )
         self.sparse_total = {
-            name: Counter(f"sparse_{name}_total", text, ["layer"], registry=r) for name, text in (
+            name: Counter(f"kakeya_sparse_{name}_total", text, ["layer"], registry=r) for name, text in (
                 ("blocks_scored", "Cold blocks the sparse policy's queries could select among (per query token "
                  "and KV head), by governed layer."),
                 ("blocks_selected", "Cold blocks the sparse policy's queries attended, by governed layer."),
@@ -116,7 +167,7 @@ class RuntimeMetrics:
                  "governed layer."),
             )}
         self.session_idle_resume_seconds = Histogram(
-            "session_idle_resume_seconds", "Decompressing an idle-compressed cache at the next Generate.",
+            "kakeya_session_idle_resume_seconds", "Decompressing an idle-compressed cache at the next Generate.",
             buckets=_SECONDS_BUCKETS, registry=r,
         )
         # Every label value exists from the start, so dashboards see zeros rather than gaps.
@@ -126,13 +177,19 @@ class RuntimeMetrics:
             self.session_evicted_total.labels(reason.value)
         for inv in Invariant:
             self.cache_invariant_violations_total.labels(inv.value)
-        for code in REFUSAL_CODES:
-            self.rpc_refusals_total.labels(code.name)
-        self._http: WSGIServer | None = None
+        for rpc in rpcs:
+            self.rpc_requests_total.labels(rpc)
+            for code in REFUSAL_CODES:
+                self.rpc_errors_total.labels(rpc, code.name)
+        for limit in LIMITS:
+            self.limit_refusals_total.labels(limit)
+        self._http: ThreadingHTTPServer | None = None
 
     def bind_store(self, store: SessionStore, policies: list[str] | tuple[str, ...] = POLICIES) -> None:
         self.session_active.set_function(lambda: len(store))
         self.session_kv_live_bytes.set_function(store.kv_live_bytes)
+        self.session_kv_reserved_bytes.set_function(store.kv_reserved_bytes)
+        self.kv_budget_bytes.set(store.limits.kv_budget or 0)
         self.registry.register(_PerPolicyCollector(store, list(policies)))
 
     # ---- observer hooks (called from the loop and the engine thread; prometheus is thread-safe) ----
@@ -148,6 +205,7 @@ class RuntimeMetrics:
         self.cache_invariant_violations_total.labels(invariant.value).inc()
 
     def generate_finished(self, stats: GenerateStats, history_tokens: int) -> None:
+        self.generated_tokens_total.inc(stats.decode_tokens)
         self.session_history_tokens.observe(history_tokens)
         self.generate_prefill_tokens.observe(stats.prefill_tokens)
         self.generate_prefill_duration_seconds.observe(stats.prefill_s)
@@ -163,9 +221,14 @@ class RuntimeMetrics:
                 for name, counter in self.sparse_total.items():
                     counter.labels(str(i)).inc(layer[name])
 
-    def request_refused(self, code: grpc.StatusCode) -> None:
-        """An RPC answered with an error status (called on the server's event loop)."""
-        self.rpc_refusals_total.labels(code.name).inc()
+    def rpc_finished(self, rpc: str, code: grpc.StatusCode) -> None:
+        """A gRPC call ended (called on the server's event loop by RpcMetricsInterceptor)."""
+        if code is not grpc.StatusCode.OK:
+            self.rpc_errors_total.labels(rpc, code.name).inc()
+
+    def limit_refused(self, limit: str) -> None:
+        """A request was refused with RESOURCE_EXHAUSTED for `limit` (called by the status boundary)."""
+        self.limit_refusals_total.labels(limit).inc()
 
     def session_idle_compressed(self, stats: IdleStats) -> None:
         self.session_idle_compressed_total.inc()
@@ -174,15 +237,132 @@ class RuntimeMetrics:
     # ---- exposition ------------------------------------------------------------------------------
 
     def text(self) -> str:
-        return generate_latest(self.registry).decode()
+        return generate_latest(self.exposition).decode()
 
-    def serve_http(self, host: str, port: int) -> int:
-        """Serve the text format on http://host:port/metrics in a daemon thread; returns the bound port."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self._http.server_port
+    def serve_http(self, host: str, port: int, key: str | None = None) -> int:
+        """Serve GET /metrics on http://host:port in daemon threads (only that path; with `key`, only to
+        `authorization: Bearer <key>`); returns the bound port."""
+        handler = type("MetricsHandler", (_MetricsHandler,), {"metrics": self, "key": key})
+        self._http = ThreadingHTTPServer((host.strip("[]"), port), handler)
+        self._http.daemon_threads = True
+        threading.Thread(target=self._http.serve_forever, name="kakeya-metrics", daemon=True).start()
+        return self._http.server_address[1]
 
     def stop_http(self) -> None:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    metrics: RuntimeMetrics
+    key: str | None = None
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._answer(body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._answer(body=False)
+
+    def _answer(self, *, body: bool) -> None:
+        if self.path.split("?", 1)[0] != "/metrics":
+            self._send(404, b"not found: metrics are served at /metrics\n", "text/plain; charset=utf-8", body)
+        elif self.key is not None and not _bearer_ok(self.headers.get("authorization", ""), self.key):
+            self._send(401, b"missing or invalid key (authorization: Bearer ...)\n", "text/plain; charset=utf-8",
+                       body, {"WWW-Authenticate": 'Bearer realm="kakeya metrics"'})
+        else:
+            self._send(200, self.metrics.text().encode(), CONTENT_TYPE_LATEST, body)
+
+    def _send(self, status: int, payload: bytes, content_type: str, body: bool,
+              headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        if body:
+            self.wfile.write(payload)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not worth a log line
+        pass
+
+
+def _bearer_ok(header: str, key: str) -> bool:
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """The outermost interceptor: counts every call by RPC and, when it ends with an error status, by code (a
+    refusal by the auth interceptor or the status boundary alike)."""
+
+    def __init__(self, metrics: RuntimeMetrics) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # gRPC answers UNIMPLEMENTED; the method name is the client's, so not a label
+            self.metrics.rpc_requests_total.labels(UNKNOWN_RPC).inc()
+            self.metrics.rpc_finished(UNKNOWN_RPC, grpc.StatusCode.UNIMPLEMENTED)
+            return handler
+        rpc = handler_call_details.method.rsplit("/", 1)[-1]
+        self.metrics.rpc_requests_total.labels(rpc).inc()
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, rpc), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream, rpc), **kw)
+        return handler  # client-streaming RPCs are not part of kakeya.v1: counted as requests only
+
+    def _unary(self, behavior: Callable[..., Awaitable[Any]], rpc: str) -> Callable[..., Awaitable[Any]]:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            code = grpc.StatusCode.UNKNOWN  # an exception that escapes every layer answers UNKNOWN
+            try:
+                response = await behavior(request, context)
+                code = grpc.StatusCode.OK
+                return response
+            except grpc.aio.AbortError:
+                code = _code(context)
+                raise
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                self.metrics.rpc_finished(rpc, code)
+
+        return handle
+
+    def _stream(self, behavior: Callable[..., Any], rpc: str) -> Callable[..., AsyncIterator[Any]]:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            code = grpc.StatusCode.UNKNOWN
+            try:
+                produced = behavior(request, context)
+                if hasattr(produced, "__aiter__"):
+                    async with contextlib.aclosing(produced):  # a client that leaves closes the inner stream
+                        async for message in produced:
+                            yield message
+                else:  # a coroutine that writes through context.write
+                    await produced
+                code = grpc.StatusCode.OK
+            except grpc.aio.AbortError:
+                code = _code(context)
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                self.metrics.rpc_finished(rpc, code)
+
+        return handle
+
+
+def _code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    code = context.code()
+    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN

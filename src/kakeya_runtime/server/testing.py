@@ -7,9 +7,12 @@ without real weights). Nothing here is on the serving path.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,20 +138,53 @@ class SlowModel(torch.nn.Module):
                 self.active -= 1
 
 
-def scrape_metrics(thread: ServerThread) -> str:
-    """GET /metrics of a running server (started with a metrics port)."""
+def self_signed_cert(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A throwaway self-signed certificate for `host` and localhost, and its key, as PEM files: (cert, key).
+    Needs the `cryptography` package (the dev extra)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kakeya test server")])
+    now = datetime.datetime.now(datetime.UTC)
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address(host))]
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = Path(directory) / "server.crt", Path(directory) / "server.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def scrape_metrics(thread: ServerThread, key: str | None = None) -> str:
+    """GET /metrics of a running server (started with a metrics port), with `key` as a bearer token if given."""
     import urllib.request
 
     port = thread.server.metrics_port
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+    with urllib.request.urlopen(request, timeout=10) as r:
         return r.read().decode()
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float:
-    """One sample from Prometheus text, e.g. metric_value(t, "session_total", '{outcome="closed"}')."""
+    """The sum of the samples named `name` whose labels include `labels`, from Prometheus text, e.g.
+    metric_value(t, "kakeya_session_total", '{outcome="closed"}'); KeyError when there is none."""
     import re
 
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
-    if m is None:
+    want = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    values = []
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", text, re.MULTILINE):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in want.items()):
+            values.append(float(m.group(2)))
+    if not values:
         raise KeyError(f"{name}{labels} not in the metrics text")
-    return float(m.group(1))
+    return sum(values)

@@ -49,10 +49,8 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
       score.resize(n);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t off = b * kmin.stride(0) + h * kmin.stride(1) + j * kmin.stride(2);
-        for (int64_t d = 0; d < D; ++d) {
-          lo[d] = static_cast<float>(mn[off + d]);
-          hi[d] = static_cast<float>(mx[off + d]);
-        }
+        at::vec::convert(mn + off, lo.data(), D);  // exact widening (bf16 -> fp32) or a copy
+        at::vec::convert(mx + off, hi.data(), D);
         float best = -std::numeric_limits<float>::infinity();
         for (int64_t g = 0; g < G; ++g) {
           Vec acc(0.f);  // D / VS vector steps in order, then one fixed lane tree
@@ -110,11 +108,61 @@ std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::T
   return {select, scored};
 }
 
+// The sparse step's tripwire, on the counts the attention kernel kept in its own loops (kakeya::sparse_attention's
+// `seen` (B, Hk, R, 2): hot, cold): every query row saw exactly its sinks and hot range, and min(topk, scored)
+// whole cold blocks. Raises otherwise. Returns the step's counters, int64 (6,): query tokens x KV heads, blocks
+// scored, blocks selected, keys attended and keys causally visible (first query head of each group, summed), and
+// the keys the newest token attended summed over batch and KV heads.
+at::Tensor sparse_check(const at::Tensor& seen, const at::Tensor& scored, const at::Tensor& q_pos, int64_t window,
+                        int64_t sink, int64_t block, int64_t topk) {
+  TORCH_CHECK(seen.dim() == 4 && seen.size(3) == 2 && seen.scalar_type() == at::kLong && seen.is_contiguous(),
+              "sparse_check: seen (B, Hk, R, 2) contiguous int64");
+  TORCH_CHECK(q_pos.dim() == 1 && q_pos.scalar_type() == at::kLong && q_pos.is_contiguous() && q_pos.size(0) >= 1 &&
+                  seen.size(2) % q_pos.size(0) == 0,
+              "sparse_check: q_pos (T,) contiguous int64, the rows a multiple of T");
+  TORCH_CHECK(scored.dim() == 3 && scored.scalar_type() == at::kLong && scored.is_contiguous() &&
+                  scored.size(0) == seen.size(0) && scored.size(1) == seen.size(1) && scored.size(2) == q_pos.size(0),
+              "sparse_check: scored (B, Hk, T) contiguous int64");
+  TORCH_CHECK(window >= 1 && sink >= 0 && block >= 1 && topk >= 1, "sparse_check: need window, block, topk >= 1");
+  const int64_t B = seen.size(0), H = seen.size(1), R = seen.size(2), T = q_pos.size(0), G = R / T;
+  const int64_t* sn = seen.const_data_ptr<int64_t>();
+  const int64_t* sc = scored.const_data_ptr<int64_t>();
+  const int64_t* qp = q_pos.const_data_ptr<int64_t>();
+  int64_t scored_sum = 0, selected = 0, attended = 0, visible = 0, newest = 0;
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = qp[t], out = p + 1 - window - sink;
+      const int64_t lo = out <= 0 ? sink : sink + out / block * block;  // the hot range's first position
+      const int64_t want_hot = std::min(p + 1, sink) + std::max<int64_t>(0, p + 1 - lo);
+      const int64_t n = sc[bh * T + t], want_cold = std::min(n, topk) * block;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t* row = sn + ((bh * R) + g * T + t) * 2;
+        TORCH_CHECK(row[0] == want_hot, "the query at position ", p, " saw ", row[0],
+                    " keys of its sinks and hot range, not ", want_hot);
+        TORCH_CHECK(row[1] == want_cold, "the indexer's blocks were not attended: the query at position ", p, " saw ",
+                    row[1], " cold keys, not ", want_cold, " (top-", topk, " of ", n, " blocks of ", block, ")");
+      }
+      scored_sum += n;
+      selected += want_cold / block;
+      attended += want_hot + want_cold;
+      visible += p + 1;
+      if (t == T - 1) newest += want_hot + want_cold;
+    }
+  auto out = at::empty({6}, seen.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  o[0] = B * H * T, o[1] = scored_sum, o[2] = selected, o[3] = attended, o[4] = visible, o[5] = newest;
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.def("block_select(Tensor q, Tensor kmin, Tensor kmax, Tensor q_pos, int window, int sink, int block, int topk) "
         "-> (Tensor, Tensor)");
+  m.def("sparse_check(Tensor seen, Tensor scored, Tensor q_pos, int window, int sink, int block, int topk) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("block_select", &block_select); }
+TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
+  m.impl("block_select", &block_select);
+  m.impl("sparse_check", &sparse_check);
+}

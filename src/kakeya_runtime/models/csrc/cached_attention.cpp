@@ -39,26 +39,18 @@ constexpr bool kBf16Dot = false;
 template <typename T, int D>
 constexpr bool kPairs = kBf16Dot && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
 
-// How a key source is seen (kakeya::sparse_attention splits the keys into an exact hot set and decoded cold
-// blocks; cached_attention has one Plain source).
-enum class Kind : int { Plain = 0, Hot = 1, Cold = 2 };
-
-// Lanes [a, b) of a 32-lane word, 0 <= a < b <= 32.
-inline uint32_t lane_range(int64_t a, int64_t b) {
-  const uint32_t upto = b >= 32 ? 0xFFFFFFFFu : (1u << b) - 1;
-  return upto & ~((1u << a) - 1);
-}
+// How a key source is seen: cached_attention's keys are Plain; kakeya::sparse_attention's exact hot set is Hot
+// (its cold blocks are not a Source: each token's selected blocks are packed into lanes of their own, below).
+enum class Kind : int { Plain = 0, Hot = 1 };
 
 // What the rows of a call see: positions, the window rule and, for sparse sources, the block split.
 struct Rule {
   const int64_t* q_pos;  // (T,)
   int64_t T, window, sink;
   Kind kind = Kind::Plain;
-  int64_t block = 0;              // Hot/Cold: positions per cold block, counted from `sink`
-  const uint64_t* sel = nullptr;  // Cold: each token's selected blocks, `words` bits words per token
-  int64_t words = 0;
+  int64_t block = 0;  // Hot: positions per cold block, counted from `sink`
 
-  // Hot/Cold: the first position of a query's hot range, the last `window` positions extended down to a block
+  // Hot: the first position of a query's hot range, the last `window` positions extended down to a block
   // boundary; every block below it lies wholly outside the window (a cold block).
   inline int64_t hot_lo(int64_t qp) const {
     const int64_t out = qp + 1 - window - sink;
@@ -70,7 +62,6 @@ struct Rule {
     const int64_t qp = q_pos[t], hi = qp - base;  // the last lane causality allows
     if (hi < 0) return 0u;
     uint32_t m = hi >= 31 ? 0xFFFFFFFFu : (1u << (hi + 1)) - 1;
-    if (kind == Kind::Cold) return m & cold_lanes(t, qp, base) & present;
     if (kind == Kind::Hot || window > 0) {
       // first lane in the window (the hot range); lanes below sink
       const int64_t lo = (kind == Kind::Hot ? hot_lo(qp) : qp - window + 1) - base, sk = sink - base;
@@ -79,18 +70,6 @@ struct Rule {
       m &= w;
     }
     return m & present;
-  }
-
-  // Cold lanes: positions in [sink, hot_lo) whose block token t selected.
-  inline uint32_t cold_lanes(int64_t t, int64_t qp, int64_t base) const {
-    const int64_t lo_p = std::max(sink, base), hi_p = std::min(hot_lo(qp), base + 32);
-    uint32_t m = 0u;
-    const uint64_t* row = sel + t * words;
-    for (int64_t j = (lo_p - sink) / block; lo_p < hi_p && sink + j * block < hi_p; ++j) {
-      if (((row[j >> 6] >> (j & 63)) & 1u) == 0u) continue;
-      m |= lane_range(std::max(lo_p, sink + j * block) - base, std::min(hi_p, sink + (j + 1) * block) - base);
-    }
-    return m;
   }
 };
 
@@ -272,7 +251,7 @@ inline bool amx_enabled() {
 // One work item: rows [0, R) of one (batch, head) over the blocks of one superblock.
 template <typename T, int D>
 void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_t v_row, int64_t R,
-                       const Rule& rule, const int64_t* order, const int64_t* k_pos,
+                       const Rule& rule, const int64_t* order, const int64_t* pos,
                        const Block* blocks, int64_t nblocks, float scale, Partial st) {
   std::fill(st.acc, st.acc + R * D, 0.f);
   std::fill(st.m, st.m + R, NEG_INF);
@@ -289,7 +268,7 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
     std::fill(vrow, vrow + BK, nullptr);
     uint32_t present = 0u;
     for (int64_t i = 0; i < blk.count; ++i) {
-      const int64_t j = order[blk.first + i], lane = k_pos[j] - base;
+      const int64_t j = order[blk.first + i], lane = pos[blk.first + i] - base;
       krow[lane] = k + j * k_row;
       vrow[lane] = v + j * v_row;
       present |= 1u << lane;
@@ -350,7 +329,7 @@ inline float group_softmax(float* s, const uint32_t* vis, float scale, float& m,
 // decode row (in a 16-row tile with zero rows) and a prompt row compute alike.
 template <int D>
 void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_row,
-                           int64_t v_row, int64_t R, const Rule& rule, const int64_t* order, const int64_t* k_pos,
+                           int64_t v_row, int64_t R, const Rule& rule, const int64_t* order, const int64_t* pos,
                            const Block* blocks, int64_t nblocks, float scale, Partial st) {
   using BF = c10::BFloat16;
   static_assert(D % 32 == 0, "AMX path needs head_dim a multiple of 32");
@@ -383,7 +362,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     uint32_t present[WORDS] = {};
     std::fill(vrow, vrow + BKA, nullptr);
     for (int64_t i = 0; i < blk.count; ++i) {
-      const int64_t j = order[blk.first + i], lane = k_pos[j] - base;
+      const int64_t j = order[blk.first + i], lane = pos[blk.first + i] - base;
       present[lane / 32] |= 1u << (lane % 32);
       vrow[lane] = v + j * v_row;
     }
@@ -399,7 +378,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
         if (blk.count < BKA) std::memset(kb.data, 0, BKA * D * sizeof(BF));
         for (int64_t i = 0; i < blk.count; ++i) {
           const int64_t j = order[blk.first + i];
-          std::memcpy(kb.data + (k_pos[j] - base) * D, k + j * k_row, D * sizeof(BF));
+          std::memcpy(kb.data + (pos[blk.first + i] - base) * D, k + j * k_row, D * sizeof(BF));
         }
         interleave_values<D, BKA>(vrow, vt2.data);
         staged = true;
@@ -497,24 +476,30 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
 struct Source {
   const at::Tensor* k;
   const at::Tensor* v;
-  const int64_t* kp;
   Kind kind;
-  std::vector<int64_t> order;       // keys in position order
+  std::vector<int64_t> order;        // keys in position order
+  std::vector<int64_t> pos;          // their positions, in that order
   std::vector<Block> blocks;
   std::vector<int64_t> super_first;  // index of each superblock's first block, plus an end marker
 
   Source(const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& k_pos, Kind kind_, int64_t bk)
-      : k(&k_), v(&v_), kp(k_pos.const_data_ptr<int64_t>()), kind(kind_) {
+      : k(&k_), v(&v_), kind(kind_) {
+    const int64_t* kp = k_pos.const_data_ptr<int64_t>();
     const int64_t S = k_.size(2);
     order.resize(S);
     std::iota(order.begin(), order.end(), 0);
-    bool sorted = true;  // a cache usually hands keys sorted: then no sort
-    for (int64_t j = 1; j < S && sorted; ++j) sorted = kp[j] > kp[j - 1];
-    if (!sorted) std::sort(order.begin(), order.end(), [this](int64_t a, int64_t b) { return kp[a] < kp[b]; });
+    // A cache hands keys sorted, or as two sorted runs (a ring that wrapped): then a linear merge, not a sort.
+    int64_t descents = 0, cut = 0;
+    for (int64_t j = 1; j < S && descents < 2; ++j)
+      if (kp[j] <= kp[j - 1]) ++descents, cut = j;
+    const auto by_pos = [kp](int64_t a, int64_t b) { return kp[a] < kp[b]; };
+    if (descents == 1) std::inplace_merge(order.begin(), order.begin() + cut, order.end(), by_pos);
+    if (descents > 1) std::sort(order.begin(), order.end(), by_pos);
+    pos.resize(S);
     for (int64_t i = 0; i < S; ++i) {
-      const int64_t p = kp[order[i]];
+      const int64_t p = pos[i] = kp[order[i]];
       TORCH_CHECK(p >= 0, "cached_attention: negative key position");
-      TORCH_CHECK(i == 0 || p != kp[order[i - 1]], "cached_attention: key position ", p, " given twice");
+      TORCH_CHECK(i == 0 || p != pos[i - 1], "cached_attention: key position ", p, " given twice");
       if (blocks.empty() || p / bk != blocks.back().min_pos / bk) {
         if (blocks.empty() || p / SPLIT != blocks.back().min_pos / SPLIT) super_first.push_back(blocks.size());
         blocks.push_back(Block{i, 0, p, p});
@@ -527,34 +512,112 @@ struct Source {
   int64_t supers() const { return static_cast<int64_t>(super_first.size()) - 1; }
 };
 
-// The sparse split of a call (kakeya::sparse_attention), or none.
-struct Split {
-  int64_t block = 0;
-  const uint64_t* sel = nullptr;  // (B, Hk, T, words)
+// The cold side of a sparse call: decoded blocks of `block` positions stacked in K/V (B, Hk, U * block, D),
+// slot[j] the place in K/V of cold block j (positions sink + j * block ...; -1: not provided), and each token's
+// selection bitsets (B, Hk, T, words). Only blocks wholly below a token's hot range count (n(t) of them).
+//
+// A token's selected blocks, in position order, are packed into lanes of their own: superchunks of SPLIT lanes
+// (the work items), cut into blocks of the path's width. So its cold keys are grouped and reduced by one fixed
+// sequence that depends on its own selection only, never on what other tokens of the call selected, and no
+// lane is spent on a block it did not select.
+struct Cold {
+  const at::Tensor* k = nullptr;  // in q's dtype, or int8 codes with one fp16 scale per row (k_scale, v_scale)
+  const at::Tensor* v = nullptr;
+  const at::Tensor* k_scale = nullptr;
+  const at::Tensor* v_scale = nullptr;
+  const int64_t* slot = nullptr;
+  int64_t nslot = 0, block = 0;
+  const uint64_t* sel = nullptr;
   int64_t words = 0;
+
+  int64_t blocks_below(int64_t qp, int64_t window, int64_t sink) const {
+    return std::max<int64_t>(0, qp + 1 - window - sink) / block;
+  }
+  // The K/V rows of token t's cold lanes [first, first + count), in lane order, into `rows`.
+  void lanes(const uint64_t* row, int64_t n, int64_t first, int64_t count, std::vector<int64_t>& rows) const {
+    rows.clear();
+    int64_t lane = 0;
+    for (int64_t w = 0; w * 64 < n && static_cast<int64_t>(rows.size()) < count; ++w) {
+      for (uint64_t bits = row[w]; bits != 0u; bits &= bits - 1) {
+        const int64_t j = w * 64 + __builtin_ctzll(bits);
+        if (j >= n) break;
+        const int64_t lo = std::max<int64_t>(first - lane, 0), hi = std::min<int64_t>(first + count - lane, block);
+        for (int64_t i = lo; i < hi; ++i) rows.push_back(slot[j] * block + i);
+        lane += block;
+        if (lane >= first + count) break;
+      }
+    }
+  }
 };
 
-// Attention of q over every source, one softmax: each (batch, head, source superblock) is a work item, and a
-// row's partial states are merged in (source, position) order against its global max. `seen` (B, Hk, R,
-// sources), when given, receives the keys each row saw per source.
+// K/V rows of int8 codes, each times its fp16 scale in fp32 and rounded once to T, into dst (rows.size(), D).
+template <typename T, int D>
+void dequantize_rows(const at::Tensor& code, const at::Tensor& scale, int64_t b, int64_t h,
+                     const std::vector<int64_t>& rows, T* dst) {
+  const int8_t* c = code.const_data_ptr<int8_t>() + b * code.stride(0) + h * code.stride(1);
+  const at::Half* s = scale.const_data_ptr<at::Half>() + b * scale.stride(0) + h * scale.stride(1);
+  alignas(64) float row[D];
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int8_t* src = c + rows[i] * code.stride(2);
+    const float sc = static_cast<float>(s[rows[i] * scale.stride(2)]);
+#if defined(__AVX512F__)
+    if constexpr (D % 16 == 0) {
+      const __m512 scv = _mm512_set1_ps(sc);
+      for (int d = 0; d < D; d += 16)
+        _mm512_store_ps(row + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)))),
+                                               scv));
+    } else
+#endif
+      for (int d = 0; d < D; ++d) row[d] = static_cast<float>(src[d]) * sc;
+    if constexpr (std::is_same_v<T, float>) {
+      std::copy(row, row + D, dst + i * D);
+    } else {
+      at::vec::convert(row, dst + i * D, D);
+    }
+  }
+}
+
+inline int64_t popcount_below(const uint64_t* row, int64_t n) {
+  int64_t c = 0;
+  for (int64_t w = 0; w * 64 < n; ++w) {
+    const int64_t left = n - w * 64;
+    c += __builtin_popcountll(left >= 64 ? row[w] : row[w] & ((1ull << left) - 1));
+  }
+  return c;
+}
+
+// Attention of q over every source (and the cold blocks, if any), one softmax: each (batch, head, source
+// superblock) and each (batch, head, token, cold superchunk) is a work item; a row's partial states are merged
+// in (source, position) order, then its cold superchunks in order, against its global max. `seen` (B, Hk, R,
+// 1 + has cold), when given, receives the keys each row saw per source.
 template <typename T, int D>
 void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_pos, int64_t window, int64_t sink,
-         const Split& split, float scale, at::Tensor& out, int64_t* seen) {
+         const Cold* cold, float scale, at::Tensor& out, int64_t* seen) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), NT = q_pos.size(0);
-  const int64_t G = R / NT, NS = static_cast<int64_t>(sources.size());
+  const int64_t G = R / NT, NS = static_cast<int64_t>(sources.size()), NC = NS + (cold != nullptr);
   // AMX on CPUs that have it (bf16), for every call alike: the choice depends on the machine, never the shape.
   const bool use_amx = amx_enabled<T>() && D % 32 == 0;
+#if defined(KAKEYA_AMX)
+  const int64_t PB = use_amx ? BKA : BK;  // lanes per block of the path this machine runs
+#else
+  const int64_t PB = BK;
+#endif
   std::vector<std::pair<int64_t, int64_t>> supers;  // (source, superblock) in merge order
   for (int64_t s = 0; s < NS; ++s)
     for (int64_t sp = 0; sp < sources[s].supers(); ++sp) supers.emplace_back(s, sp);
   const int64_t NSP = static_cast<int64_t>(supers.size());
   const int64_t* qpos = q_pos.const_data_ptr<int64_t>();
+  static const int64_t kAll = std::numeric_limits<int64_t>::max() / 2;  // a query position that sees every lane
+  std::vector<int64_t> lane_pos(SPLIT);  // cold lanes' own positions 0, 1, ... (their keys are all visible)
+  std::iota(lane_pos.begin(), lane_pos.end(), 0);
 
   const T* qp = q.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   constexpr int64_t W = D + 3;  // per row: acc (D), m, l, n
-  std::vector<float> state;
-  std::vector<T> qtile;
+  std::vector<float> state, cstate;
+  std::vector<T> qtile, qtok;
+  std::vector<int64_t> nsel;  // (B, H, tn): cold lanes of each token
   for (int64_t t0 = 0; t0 < NT; t0 += ROW_TILE) {
     const int64_t tn = std::min(ROW_TILE, NT - t0), Rt = G * tn;
     // This tile's rows, (B, H, G * tn, D) ordered (group, token) like q.
@@ -564,62 +627,155 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         for (int64_t g = 0; g < G; ++g)
           std::memcpy(qtile.data() + ((b * H + h) * Rt + g * tn) * D,
                       qp + b * q.stride(0) + h * q.stride(1) + (g * NT + t0) * D, tn * D * sizeof(T));
-    const int64_t items = B * H * NSP;
-    state.resize(items * Rt * W);
+    int64_t C = 0;  // cold superchunks of the token with the most
+    if (cold != nullptr) {
+      nsel.resize(B * H * tn);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t t = 0; t < tn; ++t) {
+            const int64_t n = cold->blocks_below(qpos[t0 + t], window, sink);
+            const uint64_t* row = cold->sel + ((b * H + h) * NT + t0 + t) * cold->words;
+            for (int64_t w = 0; w * 64 < n; ++w)
+              for (uint64_t bits = row[w]; bits != 0u; bits &= bits - 1) {
+                const int64_t j = w * 64 + __builtin_ctzll(bits);
+                TORCH_CHECK(j >= n || (j < cold->nslot && cold->slot[j] >= 0), "sparse_attention: cold block ", j,
+                            " selected by the query at position ", qpos[t0 + t], " was not provided");
+              }
+            const int64_t lanes = popcount_below(row, n) * cold->block;
+            nsel[(b * H + h) * tn + t] = lanes;
+            C = std::max(C, (lanes + SPLIT - 1) / SPLIT);
+          }
+      // Each token's G rows together, (B, H, tn, G, D): a cold work item's query rows.
+      qtok.resize(B * H * tn * G * D);
+      for (int64_t bh = 0; bh < B * H; ++bh)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t t = 0; t < tn; ++t)
+            std::memcpy(qtok.data() + ((bh * tn + t) * G + g) * D, qtile.data() + (bh * Rt + g * tn + t) * D,
+                        D * sizeof(T));
+    }
+    const int64_t hot_items = B * H * NSP, items = hot_items + B * H * tn * C;
+    state.resize(hot_items * Rt * W);
+    cstate.resize((items - hot_items) * G * W);
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
 #if defined(KAKEYA_AMX)
       if (use_amx) kakeya_amx::configure();
 #endif
+      std::vector<int64_t> rows;
+      std::vector<Block> cblocks;
+      std::vector<T> kscr, vscr;  // int8 cold rows, dequantized
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / (H * NSP), h = (item / NSP) % H;
-        const auto [si, sp] = supers[item % NSP];
-        const Source& src = sources[si];
-        Rule rule{qpos + t0, tn, window, sink, src.kind, split.block, nullptr, split.words};
-        if (src.kind == Kind::Cold) rule.sel = split.sel + ((b * H + h) * NT + t0) * split.words;
-        const T* kb = src.k->template const_data_ptr<T>() + b * src.k->stride(0) + h * src.k->stride(1);
-        const T* vb = src.v->template const_data_ptr<T>() + b * src.v->stride(0) + h * src.v->stride(1);
-        const Block* blocks = src.blocks.data() + src.super_first[sp];
-        const int64_t nblocks = src.super_first[sp + 1] - src.super_first[sp];
-        float* base = state.data() + item * Rt * W;
-        const Partial st{base, base + Rt * D, base + Rt * D + Rt, base + Rt * D + 2 * Rt};
+        const T* qrows;
+        const T *kb, *vb;
+        int64_t k_row, v_row, R_item, nblocks;
+        const int64_t *order, *pos;
+        const Block* blocks;
+        Rule rule{qpos + t0, tn, window, sink, Kind::Plain, cold != nullptr ? cold->block : 0};
+        float* base;
+        if (item < hot_items) {
+          const int64_t b = item / (H * NSP), h = (item / NSP) % H;
+          const auto [si, sp] = supers[item % NSP];
+          const Source& src = sources[si];
+          rule.kind = src.kind;
+          qrows = qtile.data() + (b * H + h) * Rt * D;
+          R_item = Rt;
+          kb = src.k->template const_data_ptr<T>() + b * src.k->stride(0) + h * src.k->stride(1);
+          vb = src.v->template const_data_ptr<T>() + b * src.v->stride(0) + h * src.v->stride(1);
+          k_row = src.k->stride(2);
+          v_row = src.v->stride(2);
+          order = src.order.data();
+          pos = src.pos.data();
+          blocks = src.blocks.data() + src.super_first[sp];
+          nblocks = src.super_first[sp + 1] - src.super_first[sp];
+          base = state.data() + item * Rt * W;
+        } else {
+          const int64_t ci = item - hot_items, c = ci % C, bht = ci / C, t = bht % tn, bh = bht / tn;
+          const int64_t b = bh / H, h = bh % H;
+          base = cstate.data() + ci * G * W;
+          const int64_t first = c * SPLIT, count = std::min<int64_t>(SPLIT, nsel[bht] - first);
+          if (count <= 0) {  // this token has fewer superchunks: an empty state
+            std::fill(base, base + G * W, 0.f);
+            std::fill(base + G * D, base + G * D + G, NEG_INF);
+            continue;
+          }
+          cold->lanes(cold->sel + ((b * H + h) * NT + t0 + t) * cold->words,
+                      cold->blocks_below(qpos[t0 + t], window, sink), first, count, rows);
+          cblocks.clear();
+          for (int64_t i = 0; i < count; i += PB)
+            cblocks.push_back(Block{i, std::min<int64_t>(PB, count - i), i, std::min<int64_t>(PB, count - i) + i - 1});
+          rule = Rule{&kAll, 1, 0, 0, Kind::Plain, 0};
+          qrows = qtok.data() + (bh * tn + t) * G * D;
+          R_item = G;
+          if (cold->k_scale != nullptr) {  // int8 codes: this superchunk's rows dequantized, in lane order
+            kscr.resize(count * D);
+            vscr.resize(count * D);
+            dequantize_rows<T, D>(*cold->k, *cold->k_scale, b, h, rows, kscr.data());
+            dequantize_rows<T, D>(*cold->v, *cold->v_scale, b, h, rows, vscr.data());
+            kb = kscr.data(), vb = vscr.data(), k_row = D, v_row = D;
+            order = lane_pos.data();
+          } else {
+            kb = cold->k->template const_data_ptr<T>() + b * cold->k->stride(0) + h * cold->k->stride(1);
+            vb = cold->v->template const_data_ptr<T>() + b * cold->v->stride(0) + h * cold->v->stride(1);
+            k_row = cold->k->stride(2);
+            v_row = cold->v->stride(2);
+            order = rows.data();
+          }
+          pos = lane_pos.data();
+          blocks = cblocks.data();
+          nblocks = static_cast<int64_t>(cblocks.size());
+        }
+        const Partial st{base, base + R_item * D, base + R_item * D + R_item, base + R_item * D + 2 * R_item};
 #if defined(KAKEYA_AMX)
         if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
           if (use_amx) {  // head sizes that are not a multiple of 32 take the dot-product path everywhere
-            attend_superblock_amx<D>(qtile.data() + (b * H + h) * Rt * D, kb, vb, src.k->stride(2),
-                                     src.v->stride(2), Rt, rule, src.order.data(), src.kp, blocks, nblocks, scale, st);
+            attend_superblock_amx<D>(qrows, kb, vb, k_row, v_row, R_item, rule, order, pos, blocks, nblocks, scale,
+                                     st);
             continue;
           }
         }
 #endif
-        attend_superblock<T, D>(qtile.data() + (b * H + h) * Rt * D, kb, vb, src.k->stride(2), src.v->stride(2), Rt,
-                                rule, src.order.data(), src.kp, blocks, nblocks, scale, st);
+        attend_superblock<T, D>(qrows, kb, vb, k_row, v_row, R_item, rule, order, pos, blocks, nblocks, scale, st);
       }
 #if defined(KAKEYA_AMX)
       if (use_amx) _tile_release();
 #endif
     });
-    // Merge each row's superblocks in (source, position) order against its global max, normalise, write.
+    // Merge each row's partial states, in order, against its global max; normalise; write.
     at::parallel_for(0, B * H * Rt, 16, [&](int64_t begin, int64_t end) {
       float row[D];
       for (int64_t idx = begin; idx < end; ++idx) {
-        const int64_t bh = idx / Rt, r = idx % Rt;
+        const int64_t bh = idx / Rt, r = idx % Rt, g = r / tn, tt = r % tn;
+        // (acc, m, l, n) of each partial state of this row: hot superblocks, then cold superchunks
+        auto part = [&](int64_t i, const float*& acc, float& m, float& l, float& n) {
+          if (i < NSP) {
+            const float* base = state.data() + (bh * NSP + i) * Rt * W;
+            acc = base + r * D, m = base[Rt * D + r], l = base[Rt * D + Rt + r], n = base[Rt * D + 2 * Rt + r];
+          } else {
+            const float* base = cstate.data() + ((bh * tn + tt) * C + (i - NSP)) * G * W;
+            acc = base + g * D, m = base[G * D + g], l = base[G * D + G + g], n = base[G * D + 2 * G + g];
+          }
+        };
+        const int64_t parts = NSP + C;
+        const float* acc;
+        float ms, ls, ns;
         float m = NEG_INF;
-        for (int64_t sp = 0; sp < NSP; ++sp) m = std::max(m, state[((bh * NSP + sp) * Rt) * W + Rt * D + r]);
+        for (int64_t i = 0; i < parts; ++i) {
+          part(i, acc, ms, ls, ns);
+          m = std::max(m, ms);
+        }
         float l = 0.f;
         std::fill(row, row + D, 0.f);
         int64_t counts[4] = {0, 0, 0, 0};
-        for (int64_t sp = 0; sp < NSP; ++sp) {
-          const float* base = state.data() + (bh * NSP + sp) * Rt * W;
-          counts[supers[sp].first] += static_cast<int64_t>(base[Rt * D + 2 * Rt + r]);
-          const float ms = base[Rt * D + r];
-          if (ms == NEG_INF) continue;  // this superblock holds nothing the row sees
+        for (int64_t i = 0; i < parts; ++i) {
+          part(i, acc, ms, ls, ns);
+          counts[i < NSP ? supers[i].first : NS] += static_cast<int64_t>(ns);
+          if (ms == NEG_INF) continue;  // this part holds nothing the row sees
           const float w = std::exp(ms - m);
-          l += w * base[Rt * D + Rt + r];
-          for (int d = 0; d < D; ++d) row[d] += w * base[r * D + d];
+          l += w * ls;
+          for (int d = 0; d < D; ++d) row[d] += w * acc[d];
         }
         const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key at all gets zeros
         for (int d = 0; d < D; ++d) row[d] *= inv;
-        const int64_t b = bh / H, h = bh % H, g = r / tn, t = t0 + r % tn;
+        const int64_t b = bh / H, h = bh % H, t = t0 + tt;
         T* dst = op + b * out.stride(0) + h * out.stride(1) + (g * NT + t) * out.stride(2);
         if constexpr (std::is_same_v<T, float>) {
           std::copy(row, row + D, dst);
@@ -627,7 +783,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           at::vec::convert(row, dst, D);  // round to nearest even, as the scalar conversion does
         }
         if (seen != nullptr)
-          for (int64_t s = 0; s < NS; ++s) seen[((bh * R) + g * NT + t) * NS + s] = counts[s];
+          for (int64_t s = 0; s < NC; ++s) seen[((bh * R) + g * NT + t) * NC + s] = counts[s];
       }
     });
   }
@@ -635,14 +791,14 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
 
 template <typename T>
 void dispatch_dim(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_pos, int64_t window,
-                  int64_t sink, const Split& split, float scale, at::Tensor& out, int64_t* seen) {
+                  int64_t sink, const Cold* cold, float scale, at::Tensor& out, int64_t* seen) {
   switch (q.size(3)) {
-    case 16: return run<T, 16>(q, sources, q_pos, window, sink, split, scale, out, seen);
-    case 32: return run<T, 32>(q, sources, q_pos, window, sink, split, scale, out, seen);
-    case 64: return run<T, 64>(q, sources, q_pos, window, sink, split, scale, out, seen);
-    case 96: return run<T, 96>(q, sources, q_pos, window, sink, split, scale, out, seen);
-    case 128: return run<T, 128>(q, sources, q_pos, window, sink, split, scale, out, seen);
-    case 256: return run<T, 256>(q, sources, q_pos, window, sink, split, scale, out, seen);
+    case 16: return run<T, 16>(q, sources, q_pos, window, sink, cold, scale, out, seen);
+    case 32: return run<T, 32>(q, sources, q_pos, window, sink, cold, scale, out, seen);
+    case 64: return run<T, 64>(q, sources, q_pos, window, sink, cold, scale, out, seen);
+    case 96: return run<T, 96>(q, sources, q_pos, window, sink, cold, scale, out, seen);
+    case 128: return run<T, 128>(q, sources, q_pos, window, sink, cold, scale, out, seen);
+    case 256: return run<T, 256>(q, sources, q_pos, window, sink, cold, scale, out, seen);
     default: TORCH_CHECK(false, "cached_attention: head_dim ", q.size(3), " not in {16, 32, 64, 96, 128, 256}");
   }
 }
@@ -684,12 +840,12 @@ void check_query(const at::Tensor& q, const at::Tensor& q_pos) {
 }
 
 void dispatch(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_pos, int64_t window,
-              int64_t sink, const Split& split, double scale, at::Tensor& out, int64_t* seen) {
+              int64_t sink, const Cold* cold, double scale, at::Tensor& out, int64_t* seen) {
   const float s = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    dispatch_dim<float>(q, sources, q_pos, window, sink, split, s, out, seen);
+    dispatch_dim<float>(q, sources, q_pos, window, sink, cold, s, out, seen);
   } else {
-    dispatch_dim<c10::BFloat16>(q, sources, q_pos, window, sink, split, s, out, seen);
+    dispatch_dim<c10::BFloat16>(q, sources, q_pos, window, sink, cold, s, out, seen);
   }
 }
 
@@ -706,25 +862,43 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::
   if (k.size(2) == 0) return out.zero_();
   std::vector<Source> sources;
   sources.emplace_back(k, v, k_pos, Kind::Plain, path_block(q));
-  dispatch(q, sources, q_pos, window, sink, Split{}, scale, out, nullptr);
+  dispatch(q, sources, q_pos, window, sink, nullptr, scale, out, nullptr);
   return out;
 }
 
 // Sparse attention: the exact hot set (sinks and each query's hot range, hot_lo..q, the last `window` positions
 // extended down to a multiple of `block` after the sinks) and the cold blocks each token selected (`select`
-// (B, Hk, T, words) bitsets over blocks j = (p - sink) / block, only blocks wholly below the query's hot range
-// count), one softmax over both. Returns the output and the keys each row saw from each source,
-// (B, Hk, R, 2) int64: [..., 0] hot, [..., 1] cold.
+// (B, Hk, T, words) bitsets over blocks j = (p - sink) / block; only blocks wholly below the query's hot range
+// count), one softmax over both. cold_k, cold_v (B, Hk, U * block, D) hold decoded blocks, block j at
+// cold_slot[j] (-1: not provided; a selected block not provided is an error). Returns the output and the keys
+// each row saw from each side, (B, Hk, R, 2) int64: [..., 0] hot, [..., 1] cold.
 std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& hot_k,
                                                     const at::Tensor& hot_v, const at::Tensor& hot_pos,
                                                     const at::Tensor& cold_k, const at::Tensor& cold_v,
-                                                    const at::Tensor& cold_pos, const at::Tensor& select,
+                                                    const std::optional<at::Tensor>& cold_k_scale,
+                                                    const std::optional<at::Tensor>& cold_v_scale,
+                                                    const at::Tensor& cold_slot, const at::Tensor& select,
                                                     const at::Tensor& q_pos, int64_t window, int64_t sink,
                                                     int64_t block, double scale) {
   check_query(q, q_pos);
   check_source(q, hot_k, hot_v, hot_pos);
-  check_source(q, cold_k, cold_v, cold_pos);
   TORCH_CHECK(window >= 1 && sink >= 0 && block >= 1, "sparse_attention: need window >= 1, sink >= 0, block >= 1");
+  const bool int8 = cold_k.scalar_type() == at::kChar;
+  const auto cold_dtype = int8 ? at::kChar : q.scalar_type();
+  TORCH_CHECK(cold_k.dim() == 4 && cold_k.sizes() == cold_v.sizes() && cold_k.scalar_type() == cold_dtype &&
+                  cold_v.scalar_type() == cold_dtype && cold_k.size(0) == q.size(0) &&
+                  cold_k.size(1) == q.size(1) && cold_k.size(3) == q.size(3) && cold_k.size(2) % block == 0 &&
+                  cold_k.stride(3) == 1 && cold_v.stride(3) == 1,
+              "sparse_attention: cold_k, cold_v must be (B, Hk, U * block, D) in q's dtype or int8, unit last stride");
+  TORCH_CHECK(cold_k_scale.has_value() == int8 && cold_v_scale.has_value() == int8,
+              "sparse_attention: int8 cold K/V need their scales, other dtypes none");
+  if (int8)
+    for (const auto* sc : {&*cold_k_scale, &*cold_v_scale})
+      TORCH_CHECK(sc->dim() == 3 && sc->scalar_type() == at::kHalf && sc->size(0) == cold_k.size(0) &&
+                      sc->size(1) == cold_k.size(1) && sc->size(2) == cold_k.size(2),
+                  "sparse_attention: cold scales must be fp16 (B, Hk, U * block)");
+  TORCH_CHECK(cold_slot.dim() == 1 && cold_slot.scalar_type() == at::kLong && cold_slot.is_contiguous(),
+              "sparse_attention: cold_slot (N,) must be contiguous int64");
   TORCH_CHECK(select.dim() == 4 && select.scalar_type() == at::kLong && select.is_contiguous() &&
                   select.size(0) == q.size(0) && select.size(1) == q.size(1) && select.size(2) == q_pos.size(0),
               "sparse_attention: select must be contiguous int64 (B, Hk, T, words)");
@@ -734,15 +908,20 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
   for (int64_t t = 0; t < q_pos.size(0); ++t) most = std::max(most, (qp[t] + 1 - window - sink) / block);
   TORCH_CHECK(select.size(3) * 64 >= most, "sparse_attention: select has ", select.size(3) * 64,
               " block bits, a query may select among ", most);
+  const int64_t units = cold_k.size(2) / block;
+  const int64_t* sl = cold_slot.const_data_ptr<int64_t>();
+  for (int64_t j = 0; j < cold_slot.size(0); ++j)
+    TORCH_CHECK(sl[j] < units, "sparse_attention: cold block ", j, " at slot ", sl[j], " of ", units);
   auto out = at::empty(q.sizes(), q.options());
   auto seen = at::empty({q.size(0), q.size(1), q.size(2), 2}, q.options().dtype(at::kLong));
   seen.zero_();
   if (q.numel() == 0) return {out, seen};
   std::vector<Source> sources;
   sources.emplace_back(hot_k, hot_v, hot_pos, Kind::Hot, path_block(q));
-  sources.emplace_back(cold_k, cold_v, cold_pos, Kind::Cold, path_block(q));
-  const Split split{block, reinterpret_cast<const uint64_t*>(select.const_data_ptr<int64_t>()), select.size(3)};
-  dispatch(q, sources, q_pos, window, sink, split, scale, out, seen.data_ptr<int64_t>());
+  const Cold cold{&cold_k, &cold_v, int8 ? &*cold_k_scale : nullptr, int8 ? &*cold_v_scale : nullptr, sl,
+                  cold_slot.size(0), block,
+                  reinterpret_cast<const uint64_t*>(select.const_data_ptr<int64_t>()), select.size(3)};
+  dispatch(q, sources, q_pos, window, sink, &cold, scale, out, seen.data_ptr<int64_t>());
   return {out, seen};
 }
 
@@ -752,7 +931,8 @@ TORCH_LIBRARY(kakeya, m) {
   m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_pos, int window, int sink, "
         "float scale) -> Tensor");
   m.def("sparse_attention(Tensor q, Tensor hot_k, Tensor hot_v, Tensor hot_pos, Tensor cold_k, Tensor cold_v, "
-        "Tensor cold_pos, Tensor select, Tensor q_pos, int window, int sink, int block, float scale) -> "
+        "Tensor? cold_k_scale, Tensor? cold_v_scale, Tensor cold_slot, Tensor select, Tensor q_pos, int window, "
+        "int sink, int block, float scale) -> "
         "(Tensor, Tensor)");
   m.def("bf16_dot() -> bool", [] { return kBf16Dot; });  // built with AVX512-BF16 dot products
   m.def("bf16_amx() -> bool", [] { return amx_enabled<c10::BFloat16>(); });  // bf16 attention on AMX tiles
