@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint proto kernel bench bench-deps clean
+.PHONY: setup run test test-ts lint proto kernel bench bench-deps clean
 
 $(STAMP): pyproject.toml sdks/python/pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -29,6 +29,12 @@ run: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+	$(MAKE) test-ts
+
+# The TypeScript SDK: exact dependencies from the npm registry (its package-lock.json; `npm ci` also generates the
+# types from the proto and builds), then its tests against real servers run with this venv's Python.
+test-ts: setup
+	cd sdks/typescript && npm ci --no-audit --no-fund && KAKEYA_PYTHON="$(abspath $(PY))" npm test
 
 # llama.cpp's default build crashes here (AMX path); these flags build a working CPU backend.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
@@ -48,3 +54,4 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) src/kakeya_runtime/_proto sdks/python/src/kakeya/_proto
+	rm -rf sdks/typescript/node_modules sdks/typescript/dist sdks/typescript/src/gen sdks/typescript/proto

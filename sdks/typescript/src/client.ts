@@ -1,0 +1,299 @@
+/** `Client` -> `Session` -> `Generation` (iterate with `for await` for token ids as they commit). */
+
+import {
+  credentials, Metadata, status,
+  type CallOptions, type ChannelOptions, type ClientReadableStream, type ClientUnaryCall, type ServiceError,
+} from "@grpc/grpc-js";
+
+import * as cv from "./convert.js";
+import { fromServiceError, SessionNotFound } from "./errors.js";
+import * as pb from "./rpc.js";
+import { Tokenizer } from "./tokenization.js";
+import type { FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo } from "./types.js";
+
+export type { GenerateOptions } from "./convert.js";
+
+// Gemma 3's tokenizer.json is ~33 MB: the default 4 MB receive limit would refuse GetModelInfo.
+const CHANNEL_OPTIONS: ChannelOptions = {
+  "grpc.max_receive_message_length": 256 * 1024 * 1024,
+  "grpc.max_send_message_length": 256 * 1024 * 1024,
+};
+
+export interface ClientOptions {
+  /** Sent as `authorization: Bearer <key>`; each key sees only the sessions it created. */
+  apiKey?: string;
+  /** Deadline of each unary call in milliseconds; Generate streams are not time-limited. */
+  timeoutMs?: number;
+  /** Extra grpc-js channel options. */
+  channelOptions?: ChannelOptions;
+}
+
+/** Every call takes an optional AbortSignal: aborting cancels the RPC and rejects with `signal.reason`. */
+export interface CallSignal {
+  signal?: AbortSignal;
+}
+
+type Callback<Res> = (error: ServiceError | null, response?: Res) => void;
+type StartUnary<Res> = (metadata: Metadata, options: CallOptions, callback: Callback<Res>) => ClientUnaryCall;
+
+function isServiceError(e: unknown): e is ServiceError {
+  return e instanceof Error && typeof (e as ServiceError).code === "number";
+}
+
+/** A connection to one runtime. */
+export class Client {
+  readonly address: string;
+  readonly timeoutMs: number | undefined;
+  /** The generated grpc-js client, for anything this SDK does not wrap. */
+  readonly stub: pb.RuntimeServiceClient;
+  private readonly apiKey: string | undefined;
+  private cachedModelInfo: ModelInfo | undefined;
+
+  constructor(address = "127.0.0.1:50051", options: ClientOptions = {}) {
+    this.address = address;
+    this.timeoutMs = options.timeoutMs;
+    this.apiKey = options.apiKey;
+    const { RuntimeService } = pb.runtimeProto().kakeya.v1;
+    this.stub = new RuntimeService(address, credentials.createInsecure(),
+      { ...CHANNEL_OPTIONS, ...options.channelOptions });
+  }
+
+  /** @internal */
+  metadata(): Metadata {
+    const md = new Metadata();
+    if (this.apiKey) md.set("authorization", `Bearer ${this.apiKey}`);
+    return md;
+  }
+
+  /** @internal */
+  unary<Res>(start: StartUnary<Res>, signal?: AbortSignal): Promise<Res> {
+    return new Promise<Res>((resolve, reject) => {
+      if (signal?.aborted) {
+        reject(signal.reason);
+        return;
+      }
+      const options: CallOptions = this.timeoutMs === undefined ? {} : { deadline: Date.now() + this.timeoutMs };
+      let call: ClientUnaryCall | undefined;
+      const onAbort = () => call?.cancel();
+      signal?.addEventListener("abort", onAbort, { once: true });
+      call = start(this.metadata(), options, (error, response) => {
+        signal?.removeEventListener("abort", onAbort);
+        if (error) reject(signal?.aborted && error.code === status.CANCELLED ? signal.reason : fromServiceError(error));
+        else resolve(response as Res);
+      });
+    });
+  }
+
+  /** Vocab, EOS/BOS, context length, tokenizer.json and chat template (cached after the first call). */
+  async modelInfo(options: { refresh?: boolean } & CallSignal = {}): Promise<ModelInfo> {
+    if (this.cachedModelInfo === undefined || options.refresh) {
+      const r = await this.unary<pb.GetModelInfoResponse>((md, o, cb) => this.stub.getModelInfo({}, md, o, cb),
+        options.signal);
+      this.cachedModelInfo = cv.modelInfoFromPb(r);
+    }
+    return this.cachedModelInfo;
+  }
+
+  /** A local tokenizer built from GetModelInfo's tokenizer.json and chat template. */
+  async tokenizer(options: CallSignal = {}): Promise<Tokenizer> {
+    return Tokenizer.fromModelInfo(await this.modelInfo(options));
+  }
+
+  async createSession(
+    options: { initialTokens?: Iterable<number>; policy?: KvPolicy | string } & CallSignal = {},
+  ): Promise<Session> {
+    const request: pb.CreateSessionRequest = {
+      initialTokenIds: cv.tokenList(options.initialTokens ?? [], "initialTokens"),
+      policy: cv.policyToPb(options.policy),
+    };
+    const r = await this.unary<pb.CreateSessionResponse>((md, o, cb) => this.stub.createSession(request, md, o, cb),
+      options.signal);
+    return new Session(this, r.sessionId, { historyLength: r.historyLength, policy: cv.policyFromPb(r.policy) });
+  }
+
+  /** A handle on an existing session id (no RPC; the first call tells whether it exists). */
+  session(sessionId: string): Session {
+    return new Session(this, sessionId);
+  }
+
+  close(): void {
+    this.stub.close();
+  }
+}
+
+/** A server-owned session: append raw token ids, generate, inspect, close. */
+export class Session {
+  readonly client: Client;
+  readonly id: string;
+  /** As of the last call that reported it. */
+  historyLength: number | undefined;
+  policy: KvPolicy | undefined;
+  lastResult: GenerateResult | undefined;
+  private closed = false;
+
+  constructor(client: Client, sessionId: string, init: { historyLength?: number; policy?: KvPolicy } = {}) {
+    this.client = client;
+    this.id = sessionId;
+    this.historyLength = init.historyLength;
+    this.policy = init.policy;
+  }
+
+  /** Append raw token ids; resolves to the new history length. */
+  async append(tokenIds: Iterable<number>, options: CallSignal = {}): Promise<number> {
+    const request: pb.AppendTokensRequest = { sessionId: this.id, tokenIds: cv.tokenList(tokenIds, "tokenIds") };
+    const r = await this.client.unary<pb.AppendTokensResponse>(
+      (md, o, cb) => this.client.stub.appendTokens(request, md, o, cb), options.signal);
+    this.historyLength = r.historyLength;
+    return r.historyLength;
+  }
+
+  /**
+   * Start a Generate; iterate the result with `for await` for token ids. Leaving the loop early cancels it.
+   *
+   * `temperature` 0 (the default) is greedy; `topK` 0 keeps the whole vocabulary, `topP` is a nucleus mass in
+   * (0, 1], and a `seed` makes sampling reproducible. `stopTokens` stop on top of the model's EOS ids (unless
+   * `ignoreEos`). Bad values reject with InvalidArgument and leave the session unchanged.
+   */
+  generate(options: cv.GenerateOptions = {}): Generation {
+    const request = cv.generateRequest(this.id, options);
+    return new Generation(this, () => this.client.stub.generate(request, this.client.metadata()), options.signal);
+  }
+
+  async info(options: { includeHistory?: boolean } & CallSignal = {}): Promise<SessionInfo> {
+    const includeHistory = options.includeHistory ?? false;
+    const request: pb.GetSessionInfoRequest = { sessionId: this.id, includeHistory };
+    const r = await this.client.unary<pb.GetSessionInfoResponse>(
+      (md, o, cb) => this.client.stub.getSessionInfo(request, md, o, cb), options.signal);
+    const info = cv.sessionInfoFromPb(r, includeHistory);
+    this.historyLength = info.historyLength;
+    return info;
+  }
+
+  /** Free the session (idempotent on this handle). */
+  async close(options: CallSignal = {}): Promise<void> {
+    if (this.closed) return;
+    await this.client.unary<pb.CloseSessionResponse>(
+      (md, o, cb) => this.client.stub.closeSession({ sessionId: this.id }, md, o, cb), options.signal);
+    this.closed = true;
+  }
+
+  /** Close, ignoring a session that is already gone (evicted or failed): nothing left to free. */
+  async dispose(): Promise<void> {
+    try {
+      await this.close();
+    } catch (e) {
+      if (!(e instanceof SessionNotFound)) throw e;
+    }
+  }
+
+  /** `await using session = await client.createSession()` closes it at the end of the block. */
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.dispose();
+  }
+}
+
+type StreamEvent =
+  | { kind: "message"; message: pb.GenerateResponse }
+  | { kind: "error"; error: unknown }
+  | { kind: "end" };
+
+/** A running Generate. Iterate once for token ids; then `result` / `stats` / `finishReason`. */
+export class Generation implements AsyncIterable<number> {
+  readonly session: Session;
+  readonly tokenIds: number[] = [];
+  result: GenerateResult | undefined;
+  private readonly call: ClientReadableStream<pb.GenerateResponse> | undefined;
+  private readonly signal: AbortSignal | undefined;
+  private readonly events: StreamEvent[] = [];
+  private wake: (() => void) | undefined;
+  private iterated = false;
+  private cancelled = false;
+  private readonly onAbort = () => this.cancel();
+
+  /** @internal `start` opens the RPC (not at all when `signal` is already aborted). */
+  constructor(session: Session, start: () => ClientReadableStream<pb.GenerateResponse>, signal?: AbortSignal) {
+    this.session = session;
+    this.signal = signal;
+    const push = (event: StreamEvent) => {
+      this.events.push(event);
+      this.wake?.();
+    };
+    if (signal?.aborted) {
+      this.call = undefined;
+      push({ kind: "error", error: signal.reason });
+      return;
+    }
+    const call = start();
+    this.call = call;
+    // Listen from the start: grpc-js emits 'error' whether or not anyone listens (an unheard one would crash the
+    // process), and a failure before iteration must still reach the caller.
+    call.on("data", (message: pb.GenerateResponse) => push({ kind: "message", message }));
+    call.on("error", (error: unknown) => push({ kind: "error", error }));
+    call.on("end", () => push({ kind: "end" }));
+    signal?.addEventListener("abort", this.onAbort, { once: true });
+  }
+
+  get stats(): GenerateStats | undefined {
+    return this.result?.stats;
+  }
+
+  get finishReason(): FinishReason | undefined {
+    return this.result?.finishReason;
+  }
+
+  [Symbol.asyncIterator](): AsyncIterator<number> {
+    if (this.iterated) throw new Error("a Generation can be iterated only once (see .tokenIds)");
+    this.iterated = true;
+    return this.run();
+  }
+
+  private async next(): Promise<StreamEvent> {
+    while (this.events.length === 0) await new Promise<void>((resolve) => (this.wake = resolve));
+    this.wake = undefined;
+    return this.events.shift() as StreamEvent;
+  }
+
+  private async *run(): AsyncGenerator<number, void, undefined> {
+    try {
+      for (;;) {
+        const event = await this.next();
+        if (event.kind === "end") return;
+        if (event.kind === "error") {
+          if (this.signal?.aborted) throw this.signal.reason;
+          if (this.cancelled && isServiceError(event.error) && event.error.code === status.CANCELLED) return;
+          throw isServiceError(event.error) ? fromServiceError(event.error) : event.error;
+        }
+        const { tokens, done } = event.message;
+        if (event.message.event === "tokens" && tokens) {
+          for (const t of tokens.tokenIds) {
+            this.tokenIds.push(t);
+            yield t;
+          }
+        } else if (event.message.event === "done" && done) {
+          this.result = cv.resultFromPb(done, this.tokenIds);
+          this.session.lastResult = this.result;
+          this.session.historyLength = this.result.historyLength;
+        }
+      }
+    } finally {
+      this.signal?.removeEventListener("abort", this.onAbort);
+      if (this.result === undefined) this.cancel(); // the caller left early (break, throw): stop the server's work
+    }
+  }
+
+  /** Run to the end; resolves to every generated token id. */
+  async collect(): Promise<number[]> {
+    for await (const _ of this) {
+      // tokens accumulate in this.tokenIds
+    }
+    return this.tokenIds;
+  }
+
+  /** Stop generating. Tokens already committed stay in the session history (see Session.info). */
+  cancel(): void {
+    if (this.result === undefined && !this.cancelled) {
+      this.cancelled = true;
+      this.call?.cancel();
+    }
+  }
+}

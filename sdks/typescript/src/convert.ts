@@ -1,0 +1,208 @@
+/** protobuf (generated) <-> SDK plain objects, plus client-side argument checks. */
+
+import { InvalidArgument } from "./errors.js";
+import type * as pb from "./rpc.js";
+import type {
+  FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo, SparseCounters, SparseStats,
+} from "./types.js";
+
+const INT32_MIN = -(2 ** 31);
+const INT32_MAX = 2 ** 31 - 1;
+
+export function tokenList(ids: Iterable<number>, what: string): number[] {
+  if (ids == null || typeof (ids as Iterable<number>)[Symbol.iterator] !== "function") {
+    throw new InvalidArgument(`${what} must be an iterable of integers`);
+  }
+  const out = Array.from(ids);
+  for (const t of out) {
+    if (typeof t !== "number" || !Number.isInteger(t)) {
+      throw new InvalidArgument(`${what} must be integers, got ${String(t)}`);
+    }
+    if (t < INT32_MIN || t > INT32_MAX) throw new InvalidArgument(`${what}: token ids must fit in int32`);
+  }
+  return out;
+}
+
+export function policyToPb(policy: KvPolicy | string | undefined): pb.KvPolicyIn | undefined {
+  if (policy === undefined) return undefined;
+  const p = typeof policy === "string" ? { name: policy } : policy;
+  return { name: p.name, params: p.params ? structToPb(p.params) : undefined };
+}
+
+export function policyFromPb(p: pb.KvPolicyOut | null | undefined): KvPolicy {
+  return { name: p?.name ?? "", params: p?.params ? structFromPb(p.params) : {} };
+}
+
+// google.protobuf.Struct <-> plain JSON-like objects (numbers are doubles on the wire).
+function structToPb(obj: Record<string, unknown>): pb.Struct {
+  return { fields: Object.fromEntries(Object.entries(obj).map(([k, v]) => [k, valueToPb(v, k)])) };
+}
+
+function valueToPb(v: unknown, where: string): pb.Value {
+  if (v === null) return { nullValue: "NULL_VALUE" };
+  if (typeof v === "number") return { numberValue: v };
+  if (typeof v === "string") return { stringValue: v };
+  if (typeof v === "boolean") return { boolValue: v };
+  if (Array.isArray(v)) return { listValue: { values: v.map((x) => valueToPb(x, where)) } };
+  if (typeof v === "object" && v !== undefined) return { structValue: structToPb(v as Record<string, unknown>) };
+  throw new InvalidArgument(`policy params must be JSON-like: ${where} is ${typeof v}`);
+}
+
+function structFromPb(s: pb.Struct__Output): Record<string, unknown> {
+  return Object.fromEntries(Object.entries(s.fields ?? {}).map(([k, v]) => [k, valueFromPb(v)]));
+}
+
+function valueFromPb(v: pb.Value__Output): unknown {
+  switch (v.kind) {
+    case "numberValue": return v.numberValue;
+    case "stringValue": return v.stringValue;
+    case "boolValue": return v.boolValue;
+    case "structValue": return v.structValue ? structFromPb(v.structValue) : {};
+    case "listValue": return (v.listValue?.values ?? []).map(valueFromPb);
+    default: return null;
+  }
+}
+
+export interface GenerateOptions {
+  /** Upper bound on generated tokens (default 256). */
+  maxTokens?: number;
+  /** Makes sampling reproducible; in [0, 2**63). */
+  seed?: number | bigint;
+  /** 0 (the default) is greedy; otherwise in (0, 100]. Below 1e-4 decodes greedily too. */
+  temperature?: number;
+  /** 0 (the default) keeps the whole vocabulary. */
+  topK?: number;
+  /** Nucleus mass in (0, 1]. */
+  topP?: number;
+  /** Stop on these ids too (on top of the model's EOS ids unless ignoreEos). */
+  stopTokens?: Iterable<number>;
+  ignoreEos?: boolean;
+  /** Aborting cancels the Generate; iterating then rejects with `signal.reason`. */
+  signal?: AbortSignal;
+}
+
+export function generateRequest(sessionId: string, o: GenerateOptions): pb.GenerateRequest {
+  const maxTokens = o.maxTokens ?? 256;
+  if (!Number.isInteger(maxTokens) || maxTokens < INT32_MIN || maxTokens > INT32_MAX) {
+    throw new InvalidArgument(`bad generate parameters: maxTokens must be an int32, got ${maxTokens}`);
+  }
+  const topK = o.topK ?? 0;
+  if (!Number.isInteger(topK) || topK < INT32_MIN || topK > INT32_MAX) {
+    throw new InvalidArgument(`bad generate parameters: topK must be an int32, got ${topK}`);
+  }
+  const temperature = o.temperature ?? 0;
+  if (typeof temperature !== "number") throw new InvalidArgument("bad generate parameters: temperature is a number");
+  let seed: bigint | undefined;
+  if (o.seed !== undefined) {
+    if (typeof o.seed === "number" && !Number.isSafeInteger(o.seed)) {
+      throw new InvalidArgument(`bad generate parameters: seed must be an integer, got ${o.seed}`);
+    }
+    seed = BigInt(o.seed);
+    if (seed < 0n || seed >= 2n ** 64n) throw new InvalidArgument(`bad generate parameters: seed out of range`);
+  }
+  return {
+    sessionId,
+    maxTokens,
+    sampling: { temperature, topK, topP: o.topP, seed: seed?.toString() }, // uint64 as a decimal string
+    stopTokenIds: tokenList(o.stopTokens ?? [], "stopTokens"),
+    ignoreEos: o.ignoreEos ?? false,
+  };
+}
+
+const FINISH: Record<string, FinishReason> = {
+  FINISH_REASON_STOP: "stop",
+  FINISH_REASON_LENGTH: "length",
+  FINISH_REASON_CANCELLED: "cancelled",
+};
+
+export function statsFromPb(s: pb.GenerateStats | null | undefined): GenerateStats {
+  return {
+    prefillTokens: s?.prefillTokens ?? 0,
+    prefillS: s?.prefillSeconds ?? 0,
+    ttftS: s?.ttftSeconds ?? 0,
+    decodeS: s?.decodeSeconds ?? 0,
+    decodeTokens: s?.decodeTokens ?? 0,
+    decodeTokensPerS: s?.decodeTokensPerSecond ?? 0,
+    queueS: s?.queueSeconds ?? 0,
+    resumeS: s?.resumeSeconds ?? 0,
+  };
+}
+
+export function resultFromPb(done: pb.GenerateDone, tokenIds: number[]): GenerateResult {
+  return {
+    tokenIds: [...tokenIds],
+    finishReason: FINISH[done.finishReason] ?? "unspecified",
+    stats: statsFromPb(done.stats),
+    historyLength: done.historyLength,
+  };
+}
+
+function counters(c: pb.SparseCounters | null | undefined): SparseCounters {
+  return {
+    steps: Number(c?.steps ?? 0),
+    queries: Number(c?.queries ?? 0),
+    blocksScored: Number(c?.blocksScored ?? 0),
+    blocksSelected: Number(c?.blocksSelected ?? 0),
+    positionsAttended: Number(c?.positionsAttended ?? 0),
+    positionsVisible: Number(c?.positionsVisible ?? 0),
+  };
+}
+
+function sparseFromPb(s: pb.SparseStats): SparseStats {
+  const total = counters(s.total);
+  return {
+    total,
+    layers: s.layers.map(counters),
+    hotBytes: Number(s.hotBytes),
+    coldBytes: Number(s.coldBytes),
+    indexBytes: Number(s.indexBytes),
+    attendedFraction: total.positionsAttended / Math.max(1, total.positionsVisible),
+  };
+}
+
+export function sessionInfoFromPb(r: pb.GetSessionInfoResponse, withHistory: boolean): SessionInfo {
+  const inv = r.invariants;
+  return {
+    sessionId: r.sessionId,
+    historyLength: r.historyLength,
+    cachedLength: r.cachedLength,
+    kvLiveBytes: Number(r.kvLiveBytes),
+    policy: policyFromPb(r.policy),
+    inv1Checks: Number(inv?.inv1Checks ?? 0),
+    inv2Checks: Number(inv?.inv2Checks ?? 0),
+    inv1Violations: Number(inv?.inv1Violations ?? 0),
+    inv2Violations: Number(inv?.inv2Violations ?? 0),
+    generateCalls: r.generateCalls,
+    idleS: r.idleSeconds,
+    contextLength: r.contextLength,
+    generating: r.generating,
+    historyTokenIds: withHistory ? [...r.historyTokenIds] : null,
+    policyLabel: r.policyLabel,
+    kvResidentBytes: Number(r.kvResidentBytes),
+    kvHistoryBytes: Number(r.kvHistoryBytes),
+    effectiveAttentionFraction: r.effectiveAttentionFraction || 1.0, // unset (older servers): full
+    kvCompressed: r.kvCompressed,
+    idleCompressions: r.idleCompressions,
+    sparse: r.sparse ? sparseFromPb(r.sparse) : null,
+    remaining: r.contextLength - r.historyLength,
+  };
+}
+
+export function modelInfoFromPb(r: pb.GetModelInfoResponse): ModelInfo {
+  return {
+    modelName: r.modelName,
+    modelType: r.modelType,
+    vocabSize: r.vocabSize,
+    eosTokenIds: [...r.eosTokenIds],
+    bosTokenId: r.bosTokenId ?? null,
+    contextLength: r.contextLength,
+    tokenizerJson: r.tokenizerJson,
+    chatTemplate: r.chatTemplate ?? null,
+    maxSessions: r.maxSessions,
+    maxConcurrent: r.maxConcurrent,
+    sessionIdleTtlS: r.sessionIdleTtlSeconds,
+    kvPolicies: [...r.kvPolicies],
+    idleCompressAfterS: r.idleCompressAfterSeconds || null,
+    idleCodec: r.idleCodec || null,
+  };
+}

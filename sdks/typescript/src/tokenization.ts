@@ -1,0 +1,307 @@
+/**
+ * Client-side tokenization: the runtime never renders chat templates.
+ *
+ * GetModelInfo hands out the model's tokenizer.json and chat template as data. This module builds a tokenizer
+ * from them (Hugging Face's tokenizers.js), renders the template the way Hugging Face does (@huggingface/jinja:
+ * trim_blocks, lstrip_blocks, tojson), and computes the token *delta* a new chat turn adds to a session, so a
+ * session's history stays the exact raw tokens it already holds (generated tokens included).
+ */
+
+import { Template } from "@huggingface/jinja";
+import { Tokenizer as HFTokenizer } from "@huggingface/tokenizers";
+
+import type { ModelInfo } from "./types.js";
+
+/** A chat message as templates take it (snake_case keys, as in Hugging Face templates and the OpenAI API). */
+export interface ChatMessage {
+  role: string;
+  content: string;
+  name?: string;
+  tool_call_id?: string;
+  tool_calls?: ToolCall[];
+  [key: string]: unknown;
+}
+
+export interface ToolCall {
+  type: string;
+  id: string | null;
+  function: { name?: string; arguments?: unknown; [key: string]: unknown };
+}
+
+export interface ChatOptions {
+  /** End with the assistant's turn opener (default true). */
+  addGenerationPrompt?: boolean;
+  /** Extra template variables (e.g. `enable_thinking`, `tools`). */
+  templateKwargs?: Record<string, unknown>;
+}
+
+/** The model has no chat template, or the template refused the messages. */
+export class ChatTemplateError extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = new.target.name;
+  }
+}
+
+/** The rendered conversation does not extend the session's history text (e.g. the template trims or rewrites
+ * earlier turns). Start a new session from `tokensForChat(messages)` instead. */
+export class ChatTemplateMismatch extends ChatTemplateError {}
+
+/** A tokenizers.js tokenizer plus the model's chat template and special tokens. */
+export class Tokenizer {
+  readonly hf: HFTokenizer;
+  /** The tokenizer.json text it was built from. */
+  readonly tokenizerJson: string;
+  readonly chatTemplate: string | null;
+  readonly bosTokenId: number | null;
+  readonly eosTokenIds: readonly number[];
+  private template: Template | undefined;
+
+  constructor(tokenizerJson: string, options: { chatTemplate?: string | null; bosTokenId?: number | null;
+    eosTokenIds?: Iterable<number> } = {}) {
+    if (!tokenizerJson) throw new Error("the server sent no tokenizer.json for this model");
+    this.tokenizerJson = tokenizerJson;
+    this.hf = new HFTokenizer(JSON.parse(tokenizerJson), { clean_up_tokenization_spaces: false });
+    this.chatTemplate = options.chatTemplate ?? null;
+    this.bosTokenId = options.bosTokenId ?? null;
+    this.eosTokenIds = [...(options.eosTokenIds ?? [])];
+  }
+
+  static fromModelInfo(info: ModelInfo): Tokenizer {
+    return new Tokenizer(info.tokenizerJson, { chatTemplate: info.chatTemplate, bosTokenId: info.bosTokenId,
+      eosTokenIds: info.eosTokenIds });
+  }
+
+  // ---- plain text ----------------------------------------------------------------------------
+
+  get vocabSize(): number {
+    return this.hf.get_vocab(true).size;
+  }
+
+  /** Text -> ids. Special-token text such as "<|im_start|>" maps to its id either way. */
+  encode(text: string, options: { addSpecialTokens?: boolean } = {}): number[] {
+    return this.hf.encode(text, { add_special_tokens: options.addSpecialTokens ?? false }).ids;
+  }
+
+  decode(ids: Iterable<number>, options: { skipSpecialTokens?: boolean } = {}): string {
+    const list = [...ids];
+    if (list.length === 0) return ""; // tokenizers.js refuses an empty list
+    return this.hf.decode(list, { skip_special_tokens: options.skipSpecialTokens ?? true,
+      clean_up_tokenization_spaces: false });
+  }
+
+  tokenText(tokenId: number | null | undefined): string {
+    return tokenId == null ? "" : (this.hf.id_to_token(tokenId) ?? "");
+  }
+
+  get bosToken(): string {
+    return this.tokenText(this.bosTokenId);
+  }
+
+  get eosToken(): string {
+    return this.eosTokenIds.length ? this.tokenText(this.eosTokenIds[0]) : "";
+  }
+
+  streamDecoder(options: { skipSpecialTokens?: boolean } = {}): StreamDecoder {
+    return new StreamDecoder(this, options);
+  }
+
+  /** Text pieces as token ids arrive, e.g. `for await (const text of tok.decodeStream(session.generate()))`. */
+  async *decodeStream(ids: AsyncIterable<number> | Iterable<number>,
+    options: { skipSpecialTokens?: boolean } = {}): AsyncGenerator<string, void, undefined> {
+    const decoder = this.streamDecoder(options);
+    for await (const id of ids) {
+      const text = decoder.push(id);
+      if (text) yield text;
+    }
+    const rest = decoder.flush();
+    if (rest) yield rest;
+  }
+
+  // ---- chat ----------------------------------------------------------------------------------
+
+  get hasChatTemplate(): boolean {
+    return Boolean(this.chatTemplate);
+  }
+
+  /** The chat template rendered to text (Hugging Face semantics: trim_blocks, lstrip_blocks, tojson). */
+  renderChat(messages: readonly ChatMessage[], options: ChatOptions = {}): string {
+    if (!this.chatTemplate) throw new ChatTemplateError("this model has no chat template; tokenize plain text with encode()");
+    if (this.template === undefined) {
+      try {
+        this.template = new Template(this.chatTemplate);
+      } catch (e) {
+        throw new ChatTemplateError(`chat template does not compile: ${(e as Error).message}`);
+      }
+    }
+    const context = {
+      bos_token: this.bosToken,
+      eos_token: this.eosToken,
+      ...options.templateKwargs,
+      messages: messages.map((m) => structuredClone(m)),
+      add_generation_prompt: options.addGenerationPrompt ?? true,
+    };
+    try {
+      return this.template.render(context);
+    } catch (e) {
+      throw new ChatTemplateError((e as Error).message); // raise_exception('...') in the template included
+    }
+  }
+
+  /** The whole conversation as raw token ids (for `createSession({ initialTokens })`). */
+  tokensForChat(messages: readonly ChatMessage[], options: ChatOptions = {}): number[] {
+    return this.encode(this.renderChat(messages, options));
+  }
+
+  /**
+   * Tokens to append so a session holding `historyIds` continues as `messages`.
+   *
+   * The history is the truth: generated tokens stay exactly as sampled. The rendered conversation must extend
+   * the history's text; only the new suffix is tokenized. Throws ChatTemplateMismatch when it does not (the
+   * caller then starts a fresh session from tokensForChat).
+   */
+  chatDelta(historyIds: readonly number[], messages: readonly ChatMessage[], options: ChatOptions = {}): number[] {
+    const rendered = this.renderChat(messages, options);
+    if (historyIds.length === 0) return this.encode(rendered);
+    const prefix = this.decode(historyIds, { skipSpecialTokens: false });
+    if (!rendered.startsWith(prefix)) {
+      let at = 0;
+      while (at < Math.min(prefix.length, rendered.length) && prefix[at] === rendered[at]) at++;
+      throw new ChatTemplateMismatch(`rendered chat diverges from the session history at character ${at}: `
+        + `history ${JSON.stringify(prefix.slice(at, at + 40))} vs rendered ${JSON.stringify(rendered.slice(at, at + 40))}`);
+    }
+    return this.encode(rendered.slice(prefix.length));
+  }
+}
+
+/**
+ * Incremental detokenization: push token ids, get text as soon as it is complete.
+ *
+ * Decodes a short window before the new tokens and emits only the difference, so multi-byte characters split
+ * across tokens and leading-space rules of SentencePiece-style decoders come out right.
+ */
+export class StreamDecoder {
+  readonly tokenizer: Tokenizer;
+  readonly skipSpecialTokens: boolean;
+  readonly ids: number[] = [];
+  private prefix = 0;
+  private read = 0;
+
+  constructor(tokenizer: Tokenizer, options: { skipSpecialTokens?: boolean } = {}) {
+    this.tokenizer = tokenizer;
+    this.skipSpecialTokens = options.skipSpecialTokens ?? true;
+  }
+
+  private decodeRange(ids: number[]): string {
+    return this.tokenizer.decode(ids, { skipSpecialTokens: this.skipSpecialTokens });
+  }
+
+  push(tokenId: number): string {
+    this.ids.push(tokenId);
+    const before = this.decodeRange(this.ids.slice(this.prefix, this.read));
+    const text = this.decodeRange(this.ids.slice(this.prefix));
+    if (text.length > before.length && !text.endsWith("\ufffd")) {
+      this.prefix = this.read;
+      this.read = this.ids.length;
+      return text.slice(before.length);
+    }
+    return "";
+  }
+
+  /** Whatever is still held back (an incomplete character at the end of the stream). */
+  flush(): string {
+    const before = this.decodeRange(this.ids.slice(this.prefix, this.read));
+    const text = this.decodeRange(this.ids.slice(this.prefix));
+    this.prefix = this.read = this.ids.length;
+    return text.slice(before.length);
+  }
+}
+
+/** Anything with transformers.js's `apply_chat_template` (a PreTrainedTokenizer) also renders chats. */
+export interface ChatTemplateTokenizer {
+  apply_chat_template(messages: ChatMessage[], options: Record<string, unknown>): unknown;
+}
+
+/**
+ * Render `messages` with the model's chat template and tokenize, client-side.
+ *
+ * `tokenizer` is a kakeya Tokenizer (from GetModelInfo) or a transformers.js tokenizer.
+ */
+export function tokensForChat(messages: readonly ChatMessage[], tokenizer: Tokenizer | ChatTemplateTokenizer,
+  options: ChatOptions = {}): number[] {
+  if (tokenizer instanceof Tokenizer) return tokenizer.tokensForChat(messages, options);
+  if (tokenizer && typeof (tokenizer as ChatTemplateTokenizer).apply_chat_template === "function") {
+    let ids = tokenizer.apply_chat_template([...messages], {
+      ...options.templateKwargs, tokenize: true, return_tensor: false,
+      add_generation_prompt: options.addGenerationPrompt ?? true,
+    }) as unknown;
+    if (ids && typeof ids === "object" && "input_ids" in ids) ids = (ids as { input_ids: unknown }).input_ids;
+    return Array.from(ids as Iterable<number | bigint>, Number);
+  }
+  throw new TypeError(`cannot render a chat template with ${String(tokenizer)}`);
+}
+
+/** An OpenAI chat-completions message (the request's `messages` items). */
+export interface OpenAIMessage {
+  role: string;
+  content?: string | null | ReadonlyArray<{ type: string; text?: string; [key: string]: unknown }>;
+  name?: string;
+  tool_call_id?: string;
+  tool_calls?: ReadonlyArray<{ id?: string; type?: string; function?: { name?: string; arguments?: unknown } }>;
+  [key: string]: unknown;
+}
+
+/**
+ * OpenAI chat-completions messages + the model's tokenizer -> the token ids a session takes.
+ *
+ * The one-helper migration from the HTTP endpoint to sessions: what `POST /v1/chat/completions` would have
+ * prompted with becomes `client.createSession({ initialTokens: fromOpenAIMessages(messages, tok) })`. For later
+ * turns of the same session append `tok.chatDelta(history, chatMessagesFromOpenAI(messages))` instead.
+ */
+export function fromOpenAIMessages(messages: Iterable<OpenAIMessage>, tokenizer: Tokenizer | ChatTemplateTokenizer,
+  options: ChatOptions = {}): number[] {
+  return tokensForChat(chatMessagesFromOpenAI(messages), tokenizer, options);
+}
+
+/**
+ * OpenAI chat-completions messages -> the plain messages chat templates expect.
+ *
+ * Text content parts are joined; `developer` becomes `system` (templates rarely know it); tool calls keep their
+ * structure with JSON `arguments` parsed, as Hugging Face templates expect. Non-text parts (images, audio) are
+ * refused rather than silently dropped.
+ */
+export function chatMessagesFromOpenAI(messages: Iterable<OpenAIMessage>): ChatMessage[] {
+  const out: ChatMessage[] = [];
+  for (const m of messages) {
+    if (!m || !m.role) throw new TypeError(`message without a role: ${JSON.stringify(m)}`);
+    const msg: ChatMessage = { role: m.role === "developer" ? "system" : m.role, content: contentText(m.content) };
+    if (m.name) msg.name = m.name;
+    if (m.tool_call_id) msg.tool_call_id = m.tool_call_id;
+    if (m.tool_calls?.length) msg.tool_calls = m.tool_calls.map(toolCall);
+    out.push(msg);
+  }
+  return out;
+}
+
+function contentText(content: OpenAIMessage["content"]): string {
+  if (content == null) return "";
+  if (typeof content === "string") return content;
+  return content.map((part) => {
+    if (part?.type !== "text") {
+      throw new TypeError(`unsupported content part ${JSON.stringify(part?.type)}: only text parts can be tokenized`);
+    }
+    return part.text ?? "";
+  }).join("");
+}
+
+function toolCall(tc: NonNullable<OpenAIMessage["tool_calls"]>[number]): ToolCall {
+  const fn: ToolCall["function"] = { ...tc.function };
+  if (typeof fn.arguments === "string") {
+    try {
+      fn.arguments = fn.arguments ? JSON.parse(fn.arguments) : {};
+    } catch {
+      // not JSON: keep the raw string; templates may print it
+    }
+  }
+  return { type: tc.type ?? "function", id: tc.id ?? null, function: fn };
+}

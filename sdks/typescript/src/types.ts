@@ -1,0 +1,108 @@
+/** Plain data returned by the client (no protobuf objects leak into user code). */
+
+/** "stop": an EOS / stop token was generated (it is the last token and is in the history); "length": maxTokens
+ * reached; "cancelled": the session was closed while generating. */
+export type FinishReason = "stop" | "length" | "cancelled" | "unspecified";
+
+/**
+ * A per-session KV policy: a name plus parameters the server's cache factory takes.
+ *
+ * Server policies: "full" (every position kept), "sink_window" (sink + window positions, fixed memory),
+ * "restore" (sink + window resident, evicted K/V recomputed so attention sees everything), "sparse" (an exact
+ * hot window plus packed cold blocks, each query attending to the top-k blocks an indexer picks for it).
+ * E.g. `{ name: "sink_window", params: { sink: 4, window: 1024 } }`. Responses carry normalised params.
+ */
+export interface KvPolicy {
+  name: string;
+  params?: Record<string, unknown>;
+}
+
+export interface GenerateStats {
+  /** Only the history not yet cached: the incremental prefill. */
+  prefillTokens: number;
+  prefillS: number;
+  ttftS: number;
+  decodeS: number;
+  decodeTokens: number;
+  decodeTokensPerS: number;
+  queueS: number;
+  /** Decompressing an idle-compressed cache before the prefill (part of ttftS). */
+  resumeS: number;
+}
+
+export interface GenerateResult {
+  tokenIds: number[];
+  finishReason: FinishReason;
+  stats: GenerateStats;
+  historyLength: number;
+}
+
+export interface SparseCounters {
+  steps: number;
+  queries: number;
+  blocksScored: number;
+  blocksSelected: number;
+  positionsAttended: number;
+  positionsVisible: number;
+}
+
+/** What the sparse policy did so far: counters (in total and per governed layer) and its memory split. */
+export interface SparseStats {
+  total: SparseCounters;
+  layers: SparseCounters[];
+  hotBytes: number;
+  coldBytes: number;
+  indexBytes: number;
+  /** Keys attended over keys full attention would have read. */
+  attendedFraction: number;
+}
+
+export interface SessionInfo {
+  sessionId: string;
+  historyLength: number;
+  /** History tokens whose K/V are resident; the rest prefill at the next Generate. */
+  cachedLength: number;
+  kvLiveBytes: number;
+  policy: KvPolicy;
+  inv1Checks: number;
+  inv2Checks: number;
+  inv1Violations: number;
+  inv2Violations: number;
+  generateCalls: number;
+  idleS: number;
+  contextLength: number;
+  generating: boolean;
+  /** Only when asked for (`info({ includeHistory: true })`). */
+  historyTokenIds: number[] | null;
+  /** E.g. "sink_window(4+1024)". */
+  policyLabel: string;
+  kvResidentBytes: number;
+  kvHistoryBytes: number;
+  /** Share of the prefix the newest query attended to. */
+  effectiveAttentionFraction: number;
+  kvCompressed: boolean;
+  idleCompressions: number;
+  /** The sparse policy's counters and memory split (null under other policies). */
+  sparse: SparseStats | null;
+  /** Tokens the session can still take (appends plus maxTokens). */
+  remaining: number;
+}
+
+export interface ModelInfo {
+  modelName: string;
+  modelType: string;
+  vocabSize: number;
+  eosTokenIds: number[];
+  bosTokenId: number | null;
+  contextLength: number;
+  tokenizerJson: string;
+  chatTemplate: string | null;
+  maxSessions: number;
+  maxConcurrent: number;
+  sessionIdleTtlS: number;
+  kvPolicies: string[];
+  /** null: the server never compresses idle sessions. */
+  idleCompressAfterS: number | null;
+  /** The server's default idle codec, e.g. "d4/q38". */
+  idleCodec: string | null;
+}

@@ -1,0 +1,280 @@
+/** The SDK surface against a real runtime (the tiny random llama), the same scenarios as the Python SDK's tests. */
+
+import assert from "node:assert/strict";
+import { after, before, describe, it } from "node:test";
+
+import { status } from "@grpc/grpc-js";
+
+import {
+  Client, FailedPrecondition, InvalidArgument, KakeyaError, ResourceExhausted, SessionNotFound, Unauthenticated,
+  Unavailable,
+} from "../src/index.js";
+import { startTinyServer, type RunningServer } from "./server.js";
+
+const KEY = "test-key-alice-0001";
+const OTHER_KEY = "test-key-bob-000002";
+
+let server: RunningServer;
+let client: Client;
+
+before(async () => {
+  // Every forward takes >= 10 ms, so a cancelled Generate stops visibly short of maxTokens.
+  server = await startTinyServer({ apiKeys: [KEY, OTHER_KEY], stepDelayS: 0.01 });
+  client = new Client(server.address, { apiKey: KEY });
+});
+
+after(async () => {
+  client?.close();
+  await server?.stop();
+});
+
+async function collect(iterable: AsyncIterable<number>): Promise<number[]> {
+  const out: number[] = [];
+  for await (const t of iterable) out.push(t);
+  return out;
+}
+
+describe("client", () => {
+  it("model info", async () => {
+    const info = await client.modelInfo();
+    assert.equal(info.modelName, "tiny-llama");
+    assert.equal(info.modelType, "llama");
+    assert.equal(info.vocabSize, 259);
+    assert.deepEqual(info.eosTokenIds, [2]);
+    assert.equal(info.bosTokenId, null);
+    assert.equal(info.contextLength, 512);
+    assert.ok(info.tokenizerJson.startsWith("{"));
+    assert.ok(info.chatTemplate?.includes("<|im_start|>"));
+    assert.deepEqual(info.kvPolicies, ["full", "sink_window", "restore", "sparse"]);
+    assert.equal(info.idleCompressAfterS, null); // idle compression is off by default
+    assert.equal(info.idleCodec, null);
+    assert.equal(info.maxSessions, 64);
+    assert.equal(info.maxConcurrent, 1);
+    assert.equal(info.sessionIdleTtlS, 1800);
+    assert.equal(await client.modelInfo(), info); // cached
+    assert.notEqual(await client.modelInfo({ refresh: true }), info);
+  });
+
+  it("session roundtrip and stats", async () => {
+    const s = await client.createSession({ initialTokens: [10, 11, 12], policy: "full" });
+    assert.match(s.id, /^ses_[A-Za-z0-9_-]{32,}$/); // >= 192 bits, url-safe
+    assert.equal(s.historyLength, 3);
+    assert.deepEqual(s.policy, { name: "full", params: {} });
+    assert.equal(await s.append([13, 14]), 5);
+    const gen = s.generate({ maxTokens: 6, ignoreEos: true });
+    assert.equal(gen.result, undefined);
+    assert.equal(gen.stats, undefined);
+    const tokens = await collect(gen);
+    assert.deepEqual(tokens, gen.tokenIds);
+    assert.equal(tokens.length, 6);
+    assert.equal(gen.finishReason, "length");
+    const st = gen.stats!;
+    assert.equal(st.prefillTokens, 5);
+    assert.equal(st.decodeTokens, 6);
+    assert.ok(st.prefillS > 0 && st.prefillS <= st.ttftS && st.decodeS > 0 && st.decodeTokensPerS > 0);
+    assert.ok(st.queueS >= 0);
+    assert.equal(gen.result!.historyLength, 11);
+    assert.equal(s.historyLength, 11);
+    assert.equal(s.lastResult, gen.result);
+    const info = await s.info({ includeHistory: true });
+    assert.deepEqual(info.historyTokenIds, [10, 11, 12, 13, 14, ...tokens]);
+    assert.equal(info.cachedLength, 10);
+    assert.ok(info.kvLiveBytes > 0);
+    assert.equal(info.remaining, 512 - 11);
+    assert.equal(info.generateCalls, 1);
+    assert.equal(info.generating, false);
+    assert.ok(info.idleS >= 0);
+    assert.equal(info.inv1Violations + info.inv2Violations, 0);
+    assert.ok(info.inv1Checks > 0);
+    assert.equal((await s.info()).historyTokenIds, null);
+    assert.throws(() => gen[Symbol.asyncIterator](), /once/);
+    await s.close();
+    await s.close(); // idempotent on this handle
+    await assert.rejects(s.info(), SessionNotFound);
+  });
+
+  it("a policy and its params travel as a Struct both ways", async () => {
+    const s = await client.createSession({ initialTokens: [1, 2], policy: { name: "sink_window", params: { sink: 4, window: 64 } } });
+    assert.equal(s.policy?.name, "sink_window");
+    assert.equal(s.policy?.params?.sink, 4);
+    assert.equal(s.policy?.params?.window, 64);
+    const info = await s.info();
+    assert.equal(info.policyLabel, "sink_window(4+64)");
+    assert.deepEqual(info.policy, s.policy);
+    await s.close();
+    await assert.rejects(client.createSession({ policy: { name: "sink_window", params: { window: "wide" } } }),
+      InvalidArgument);
+    await assert.rejects(client.createSession({ policy: "no-such-policy" }), InvalidArgument);
+  });
+
+  it("stop tokens and EOS", async () => {
+    const probeSession = await client.createSession({ initialTokens: [20, 21] });
+    const probe = await probeSession.generate({ maxTokens: 4, ignoreEos: true }).collect();
+    await probeSession.close();
+    const stop = probe[2];
+    const s = await client.createSession({ initialTokens: [20, 21] });
+    const gen = s.generate({ maxTokens: 4, stopTokens: [stop], ignoreEos: true });
+    const out = await gen.collect();
+    assert.equal(gen.finishReason, "stop");
+    assert.equal(out.at(-1), stop);
+    assert.deepEqual(out, probe.slice(0, out.length));
+    assert.ok(out.length <= 3);
+    assert.equal((await s.info()).historyLength, 2 + out.length); // the stop token joined the history
+    await s.close();
+  });
+
+  it("reattaches by id", async () => {
+    const s = await client.createSession({ initialTokens: [1, 2] });
+    const other = new Client(server.address, { apiKey: KEY });
+    try {
+      const again = other.session(s.id);
+      assert.equal(await again.append([3]), 3);
+      await again.close();
+    } finally {
+      other.close();
+    }
+    await assert.rejects(s.append([4]), SessionNotFound);
+  });
+
+  it("seeded sampling is reproducible and the seed matters", async () => {
+    const runs: number[][] = [];
+    for (const seed of [1, 1n, 2]) {
+      const s = await client.createSession({ initialTokens: [30, 31, 32] });
+      runs.push(await s.generate({ maxTokens: 10, temperature: 1.0, topK: 50, ignoreEos: true, seed }).collect());
+      await s.close();
+    }
+    assert.deepEqual(runs[0], runs[1]);
+    assert.notDeepEqual(runs[0], runs[2]);
+  });
+
+  it("typed errors carry gRPC codes", async () => {
+    const bad = await client.createSession({ initialTokens: [10 ** 6] }).catch((e: unknown) => e);
+    assert.ok(bad instanceof InvalidArgument && bad instanceof KakeyaError);
+    assert.equal(bad.code, status.INVALID_ARGUMENT);
+    const big = await client.createSession({ initialTokens: new Array(513).fill(1) }).catch((e: unknown) => e);
+    assert.ok(big instanceof ResourceExhausted);
+    assert.equal(big.code, status.RESOURCE_EXHAUSTED);
+    const s = await client.createSession();
+    await assert.rejects(s.generate({ maxTokens: 1 }).collect(), FailedPrecondition);
+    await assert.rejects(s.append([]), InvalidArgument);
+    await s.append([5]);
+    await assert.rejects(s.generate({ maxTokens: 0 }).collect(), InvalidArgument);
+    await s.close();
+    await assert.rejects(client.session("ses_nope").append([1]), SessionNotFound);
+    // Checked client-side, same class and code: ids that are not int32 integers.
+    const local = await client.createSession({ initialTokens: [1.5] }).catch((e: unknown) => e);
+    assert.ok(local instanceof InvalidArgument);
+    assert.equal(local.code, status.INVALID_ARGUMENT);
+    assert.equal(new KakeyaError("plain").code, undefined);
+    assert.throws(() => client.session("x").generate({ seed: -1 }), InvalidArgument);
+  });
+
+  it("an unreachable server is Unavailable", async () => {
+    const c = new Client("127.0.0.1:1", { timeoutMs: 2000 });
+    try {
+      await assert.rejects(c.modelInfo(), Unavailable);
+    } finally {
+      c.close();
+    }
+  });
+});
+
+describe("cancellation", () => {
+  it("leaving the loop early cancels the Generate", async () => {
+    const s = await client.createSession({ initialTokens: [5, 6] });
+    const gen = s.generate({ maxTokens: 200, ignoreEos: true });
+    for await (const _ of gen) break;
+    assert.equal(gen.result, undefined);
+    assert.equal(gen.tokenIds.length, 1);
+    await s.append([9]); // waits for the cancelled Generate to stop
+    const info = await s.info();
+    assert.equal(info.generating, false);
+    assert.equal(info.cachedLength, info.historyLength - 2); // the last sampled token and the 9 are not cached
+    assert.ok(info.historyLength < 2 + 200 + 1, `cancelled late: history ${info.historyLength}`);
+    await s.close();
+  });
+
+  it("an AbortSignal stops a Generate and rejects with its reason", async () => {
+    const s = await client.createSession({ initialTokens: [7, 8] });
+    const controller = new AbortController();
+    const gen = s.generate({ maxTokens: 200, ignoreEos: true, signal: controller.signal });
+    const seen: number[] = [];
+    const iterate = async () => {
+      for await (const t of gen) {
+        seen.push(t);
+        if (seen.length === 2) controller.abort();
+      }
+    };
+    await assert.rejects(iterate(), (e: Error) => e.name === "AbortError");
+    assert.equal(gen.result, undefined);
+    assert.ok(seen.length >= 2 && seen.length < 200);
+    const history = (await s.append([9])) - 1;
+    assert.ok(history < 2 + 200, `aborted late: history ${history}`);
+    await s.close();
+  });
+
+  it("an aborted signal refuses unary calls and Generate before any work", async () => {
+    const s = await client.createSession({ initialTokens: [3] });
+    const reason = new Error("changed my mind");
+    const signal = AbortSignal.abort(reason);
+    await assert.rejects(s.append([4], { signal }), (e) => e === reason);
+    await assert.rejects(s.generate({ maxTokens: 5, signal }).collect(), (e) => e === reason);
+    const info = await s.info();
+    assert.equal(info.historyLength, 1);
+    assert.equal(info.generateCalls, 0);
+    await s.close();
+  });
+
+  it("cancel() ends the iteration quietly; committed tokens stay in the history", async () => {
+    const s = await client.createSession({ initialTokens: [40, 41] });
+    const gen = s.generate({ maxTokens: 200, ignoreEos: true });
+    const got: number[] = [];
+    for await (const t of gen) {
+      got.push(t);
+      if (got.length === 3) gen.cancel();
+    }
+    assert.equal(gen.result, undefined);
+    assert.ok(got.length >= 3 && got.length < 200);
+    await s.append([1]);
+    const info = await s.info({ includeHistory: true });
+    assert.deepEqual(info.historyTokenIds!.slice(2, 2 + got.length), got);
+    await s.close();
+  });
+});
+
+describe("API keys", () => {
+  it("another key's session id is NOT_FOUND, exactly like an unknown one", async () => {
+    const mine = await client.createSession({ initialTokens: [1, 2, 3] });
+    const bob = new Client(server.address, { apiKey: OTHER_KEY });
+    try {
+      const foreign = bob.session(mine.id);
+      for (const call of [
+        () => foreign.append([4]),
+        () => foreign.info(),
+        () => foreign.generate({ maxTokens: 1 }).collect(),
+        () => foreign.close(),
+      ]) {
+        const e = await call().then(() => undefined, (err: unknown) => err);
+        assert.ok(e instanceof SessionNotFound, `expected SessionNotFound, got ${String(e)}`);
+        assert.equal(e.code, status.NOT_FOUND);
+      }
+      assert.equal((await mine.info()).historyLength, 3); // untouched
+    } finally {
+      bob.close();
+    }
+    await mine.close();
+  });
+
+  it("a missing or wrong key is UNAUTHENTICATED", async () => {
+    for (const apiKey of [undefined, "not-a-valid-key-0000"]) {
+      const c = new Client(server.address, { apiKey });
+      try {
+        const e = await c.modelInfo().then(() => undefined, (err: unknown) => err);
+        assert.ok(e instanceof Unauthenticated);
+        assert.equal(e.code, status.UNAUTHENTICATED);
+      } finally {
+        c.close();
+      }
+    }
+  });
+});

@@ -1,0 +1,96 @@
+/** Against `kakeya serve` on the real SmolLM2: the README's quickstart runs, and fromOpenAIMessages gives exactly
+ * the token ids the runtime's own chat path prompts with. */
+
+import assert from "node:assert/strict";
+import { execFile } from "node:child_process";
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
+import { after, before, describe, it } from "node:test";
+import { promisify } from "node:util";
+
+import { Client, fromOpenAIMessages, type OpenAIMessage, type Tokenizer } from "../src/index.js";
+import { PACKAGE_ROOT, runPython, startModelServer, type RunningServer } from "./server.js";
+
+const CONVERSATIONS: OpenAIMessage[][] = [
+  [{ role: "user", content: "What is the capital of France?" }],
+  [
+    { role: "developer", content: "Answer in one word." },
+    { role: "user", content: [{ type: "text", text: "Capital of " }, { type: "text", text: "Italy?" }] },
+    { role: "assistant", content: "Rome" },
+    { role: "user", content: "And of Spain?  ünïcödé 🙂\n\ttabs, 12345 digits" },
+  ],
+  [
+    { role: "system", content: "You call tools." },
+    { role: "user", content: "What is 6 x 7?" },
+    { role: "assistant", content: null,
+      tool_calls: [{ id: "c1", type: "function", function: { name: "mul", arguments: '{"a": 6, "b": 7}' } }] },
+    { role: "tool", tool_call_id: "c1", content: "42" },
+  ],
+];
+
+// The runtime's side, in Python: SmolLM2's own tokenizer (built from the GGUF, not the tokenizer.json a client gets)
+// over Jinja2's rendering of the template, which is what `kakeya generate --chat` prompts with for one user turn
+// (checked against its function too).
+const REFERENCE = `
+import json, sys, torch
+from kakeya.tokenization import Tokenizer, chat_messages_from_openai
+from kakeya_runtime.engine.cli import _chat_prompt_ids
+from kakeya_runtime.models.loader import load_model
+loaded = load_model("smollm2", dtype=torch.bfloat16)
+renderer = Tokenizer(loaded.tokenizer_json, chat_template=loaded.chat_template, bos_token_id=loaded.bos_id,
+                     eos_token_ids=loaded.eos_ids)
+out = []
+for conversation in json.load(sys.stdin):
+    text = renderer.render_chat(chat_messages_from_openai(conversation), add_generation_prompt=True)
+    out.append(loaded.tokenizer.encode(text, add_special_tokens=False).ids)
+assert out[0] == _chat_prompt_ids(loaded, "What is the capital of France?")
+print(json.dumps(out))
+`;
+
+let server: RunningServer;
+let client: Client;
+let tok: Tokenizer;
+let reference: Promise<number[][]>;
+
+before(async () => {
+  reference = runPython(REFERENCE, JSON.stringify(CONVERSATIONS)).then((out) => JSON.parse(out) as number[][]);
+  server = await startModelServer("smollm2");
+  client = new Client(server.address);
+  tok = await client.tokenizer();
+});
+
+after(async () => {
+  client?.close();
+  await server?.stop();
+});
+
+describe("SmolLM2", () => {
+  it("fromOpenAIMessages matches the runtime's chat templating", async () => {
+    const expected = await reference;
+    assert.equal(expected.length, CONVERSATIONS.length);
+    CONVERSATIONS.forEach((conversation, i) => {
+      assert.deepEqual(fromOpenAIMessages(conversation, tok), expected[i], `conversation ${i}`);
+    });
+    assert.equal(tok.decode(expected[0], { skipSpecialTokens: false }), "<|im_start|>system\nYou are a helpful AI "
+      + "assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?"
+      + "<|im_end|>\n<|im_start|>assistant\n");
+  });
+
+  it("those ids drive a session: greedy decoding answers the question", async () => {
+    const session = await client.createSession({ initialTokens: fromOpenAIMessages(CONVERSATIONS[0], tok) });
+    const reply = tok.decode(await session.generate({ maxTokens: 12 }).collect());
+    await session.close();
+    assert.match(reply, /Paris/);
+  });
+
+  it("the README's quickstart runs against a real server", async () => {
+    const program = readFileSync(join(PACKAGE_ROOT, "examples", "quickstart.ts"), "utf8");
+    const readme = readFileSync(join(PACKAGE_ROOT, "README.md"), "utf8");
+    assert.ok(readme.includes("```ts\n" + program + "```"), "README.md must show examples/quickstart.ts verbatim");
+    assert.ok(program.trim().split("\n").length <= 11);
+    const { stdout } = await promisify(execFile)(process.execPath, [join(PACKAGE_ROOT, "dist", "examples", "quickstart.js")],
+      { env: { ...process.env, KAKEYA_ADDR: server.address }, timeout: 60_000 });
+    assert.match(stdout, /Paris/);
+    assert.match(stdout, /Rome/);
+  });
+});
