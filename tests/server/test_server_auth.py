@@ -8,7 +8,7 @@ import pytest
 from kakeya import AsyncClient, Client, SessionNotFound, Unauthenticated
 
 from kakeya_runtime.server.grpc_app import InsecureBindError, RuntimeServer, ServerConfig, is_loopback
-from kakeya_runtime.server.testing import running_server, tiny_served
+from kakeya_runtime.server.testing import running_server, self_signed_cert, tiny_served
 
 KEY_A, KEY_B = "key-alpha-0123456789", "key-bravo-0123456789"
 
@@ -26,11 +26,29 @@ def test_default_bind_is_loopback():
     assert not is_loopback("example.com")
 
 
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    return tuple(str(p) for p in self_signed_cert(tmp_path_factory.mktemp("tls")))
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "myhost"])
-def test_non_loopback_bind_requires_an_api_key(host):
+def test_non_loopback_bind_requires_an_api_key_and_tls_or_an_acknowledgement(host, cert):
     with pytest.raises(InsecureBindError, match="API key"):
         RuntimeServer(tiny_served(), ServerConfig(host=host, port=0))
-    RuntimeServer(tiny_served(), ServerConfig(host=host, port=0, api_keys=(KEY_A,)))  # accepted
+    with pytest.raises(InsecureBindError, match="without TLS"):
+        RuntimeServer(tiny_served(), ServerConfig(host=host, port=0, api_keys=(KEY_A,)))
+    with pytest.raises(InsecureBindError, match="API key"):  # TLS alone does not authenticate anyone
+        RuntimeServer(tiny_served(), ServerConfig(host=host, port=0, tls_cert=cert[0], tls_key=cert[1]))
+    RuntimeServer(tiny_served(), ServerConfig(host=host, port=0, api_keys=(KEY_A,), insecure=True))  # acknowledged
+    RuntimeServer(tiny_served(), ServerConfig(host=host, port=0, api_keys=(KEY_A,), tls_cert=cert[0], tls_key=cert[1]))
+
+
+def test_tls_needs_a_certificate_and_its_key(cert, tmp_path):
+    for paths in ({"tls_cert": cert[0]}, {"tls_key": cert[1]}):
+        with pytest.raises(ValueError, match="both a certificate"):
+            ServerConfig(**paths).validate()
+    with pytest.raises(ValueError, match="not a readable file"):
+        ServerConfig(tls_cert=str(tmp_path / "missing.crt"), tls_key=cert[1]).validate()
 
 
 def test_missing_or_wrong_key_is_unauthenticated(secured):

@@ -199,8 +199,8 @@ def test_a_temperature_below_the_floor_decodes_greedily_and_the_session_goes_on(
     more = _generate(stub, tiny, 4, temperature=0.8, seed=1)  # the session goes on
     assert len(more) == 4 and _history(stub, tiny) == history + got + more
     text = scrape_metrics(server)
-    assert metric_value(text, "cache_invariant_violations_total", '{kind="inv1"}') == 0
-    assert metric_value(text, "cache_invariant_violations_total", '{kind="inv2"}') == 0
+    assert metric_value(text, "kakeya_cache_invariant_violations_total", '{kind="inv1"}') == 0
+    assert metric_value(text, "kakeya_cache_invariant_violations_total", '{kind="inv2"}') == 0
     for sid in (tiny, greedy):
         stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 
@@ -288,7 +288,7 @@ def test_refusals_are_counted_by_status_code_and_bugs_answer_internal():
 
         def counts() -> dict[str, float]:
             text = scrape_metrics(thread)
-            return {code: metric_value(text, "rpc_refusals_total", f'{{code="{code}"}}')
+            return {code: metric_value(text, "kakeya_rpc_errors_total", f'{{code="{code}"}}')
                     for code in ("INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
                                  "UNAUTHENTICATED", "INTERNAL")}
 
@@ -334,4 +334,4 @@ def test_a_servicer_that_aborts_keeps_its_status_and_is_counted(monkeypatch):
         for call in (lambda: stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id="ses_x")),
                      lambda: list(stub.Generate(pb.GenerateRequest(session_id="ses_x", max_tokens=1)))):
             assert _assert_short(_status(call), grpc.StatusCode.PERMISSION_DENIED) == "not yours"
-        assert metric_value(scrape_metrics(thread), "rpc_refusals_total", '{code="PERMISSION_DENIED"}') == 2
+        assert metric_value(scrape_metrics(thread), "kakeya_rpc_errors_total", '{code="PERMISSION_DENIED"}') == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -65,3 +66,26 @@ def test_chat_raw_mode(server):
 def test_chat_reports_an_unreachable_server():
     result = CliRunner().invoke(_app(), ["chat", "--addr", "127.0.0.1:1"], input="")
     assert result.exit_code == 1 and "cannot reach" in result.output
+
+
+def test_serve_refuses_non_loopback_without_tls_or_insecure_before_loading():
+    result = CliRunner().invoke(_app(), ["serve", "--host", "0.0.0.0", "--api-key", "key-0123456789",
+                                         "--model", "does-not-matter"])
+    assert result.exit_code == 2 and "--insecure" in result.output, result.output
+
+
+def test_serve_rejects_bad_limits_and_tls_flags_before_loading():
+    for args, message in ((["--kv-budget", "lots"], "--kv-budget"), (["--kv-budget-per-key", "-1GiB"], "--kv-budget"),
+                          (["--max-sessions-per-key", "0"], "max_sessions_per_key"),
+                          (["--tls-cert", "server.crt"], "--tls-key"), (["--metrics-key", "short"], "metrics key")):
+        result = CliRunner().invoke(_app(), ["serve", "--model", "does-not-matter", *args])
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
+
+
+def test_sizes():
+    assert cli.parse_size("8GiB", "--x") == 8 * 2**30 and cli.parse_size("512MB", "--x") == 512 * 10**6
+    assert cli.parse_size("1000", "--x") == 1000 and cli.parse_size("1.5k", "--x") == 1500
+    assert cli.parse_size(None, "--x") is None
+    for bad in ("0", "GiB", "8 parsecs", "-5"):
+        with pytest.raises(ValueError, match="--x"):
+            cli.parse_size(bad, "--x")

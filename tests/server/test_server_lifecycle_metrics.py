@@ -15,31 +15,31 @@ from kakeya_runtime.server.testing import scrape_metrics as scrape
 def test_metrics_endpoint_reports_the_session_lifecycle():
     with running_server(tiny_served()) as thread, Client(thread.address) as client:
         text = scrape(thread)
-        for name in ("session_active", "session_kv_live_bytes", "session_total", "session_evicted_total",
-                     "cache_invariant_violations_total", "session_history_tokens", "generate_prefill_tokens",
-                     "generate_prefill_duration_seconds", "generate_ttft_seconds", "generate_decode_tokens_per_second"):
+        for name in ("kakeya_session_active", "kakeya_session_kv_live_bytes", "kakeya_session_total", "kakeya_session_evicted_total",
+                     "kakeya_cache_invariant_violations_total", "kakeya_session_history_tokens", "kakeya_generate_prefill_tokens",
+                     "kakeya_generate_prefill_duration_seconds", "kakeya_generate_ttft_seconds", "kakeya_generate_decode_tokens_per_second"):
             assert f"# TYPE {name} " in text
-        assert sample(text, "cache_invariant_violations_total", '{kind="inv1"}') == 0
+        assert sample(text, "kakeya_cache_invariant_violations_total", '{kind="inv1"}') == 0
 
         s = client.create_session(initial_tokens=list(range(3, 43)))
         s.generate(max_tokens=5, ignore_eos=True).collect()
         s.append([7, 8])
         s.generate(max_tokens=5, ignore_eos=True).collect()
         text = scrape(thread)
-        assert sample(text, "session_active") == 1
-        assert sample(text, "session_kv_live_bytes") == s.info().kv_live_bytes > 0
-        assert sample(text, "generate_prefill_tokens_count") == 2
-        assert sample(text, "generate_prefill_tokens_sum") == 40 + 3  # 40, then 2 appended + 1 last sample
-        assert sample(text, "session_history_tokens_sum") == 40 + 47
-        assert sample(text, "generate_ttft_seconds_count") == 2
-        assert sample(text, "generate_decode_tokens_per_second_count") == 2
+        assert sample(text, "kakeya_session_active") == 1
+        assert sample(text, "kakeya_session_kv_live_bytes") == s.info().kv_live_bytes > 0
+        assert sample(text, "kakeya_generate_prefill_tokens_count") == 2
+        assert sample(text, "kakeya_generate_prefill_tokens_sum") == 40 + 3  # 40, then 2 appended + 1 last sample
+        assert sample(text, "kakeya_session_history_tokens_sum") == 40 + 47
+        assert sample(text, "kakeya_generate_ttft_seconds_count") == 2
+        assert sample(text, "kakeya_generate_decode_tokens_per_second_count") == 2
 
         s.close()
         text = scrape(thread)
-        assert sample(text, "session_active") == 0
-        assert sample(text, "session_kv_live_bytes") == 0
-        assert sample(text, "session_total", '{outcome="closed"}') == 1
-        assert sample(text, "session_evicted_total", '{reason="close"}') == 1
+        assert sample(text, "kakeya_session_active") == 0
+        assert sample(text, "kakeya_session_kv_live_bytes") == 0
+        assert sample(text, "kakeya_session_total", '{outcome="closed"}') == 1
+        assert sample(text, "kakeya_session_evicted_total", '{reason="close"}') == 1
 
 
 def test_idle_ttl_evicts_and_counts():
@@ -55,8 +55,8 @@ def test_idle_ttl_evicts_and_counts():
         with pytest.raises(SessionNotFound, match="idle TTL"):
             swept.info()
         text = scrape(thread)
-        assert sample(text, "session_evicted_total", '{reason="ttl"}') == 2
-        assert sample(text, "session_total", '{outcome="evicted"}') == 2
+        assert sample(text, "kakeya_session_evicted_total", '{reason="ttl"}') == 2
+        assert sample(text, "kakeya_session_total", '{outcome="evicted"}') == 2
 
 
 def test_ttl_is_checked_on_access_even_before_the_sweeper_runs():
@@ -90,8 +90,8 @@ def test_lru_eviction_at_capacity():
         assert a.info().history_length == 2
         assert c.info().history_length == 1
         text = scrape(thread)
-        assert sample(text, "session_evicted_total", '{reason="lru"}') == 1
-        assert sample(text, "session_active") == 2
+        assert sample(text, "kakeya_session_evicted_total", '{reason="lru"}') == 1
+        assert sample(text, "kakeya_session_active") == 2
 
 
 def test_busy_sessions_are_never_evicted_for_capacity():

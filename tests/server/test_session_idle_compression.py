@@ -52,7 +52,7 @@ def servers():
 def _wait_compressed(thread, count: int, timeout: float = 10.0) -> None:
     """Poll /metrics (GetSessionInfo would count as activity and keep the sessions awake)."""
     deadline = time.time() + timeout
-    while sample(scrape(thread), "session_idle_compressed_total") < count:
+    while sample(scrape(thread), "kakeya_session_idle_compressed_total") < count:
         assert time.time() < deadline, "sessions were not compressed in time"
         time.sleep(0.05)
 
@@ -66,7 +66,7 @@ IDENTITY_POLICIES = {
 
 def test_identity_idle_compression_resumes_bit_identically(servers):
     comp, twin = servers
-    start = sample(scrape(comp), "session_idle_compressed_total")
+    start = sample(scrape(comp), "kakeya_session_idle_compressed_total")
     with Client(comp.address) as cc, Client(twin.address) as tc:
         info = cc.model_info()
         assert info.idle_compress_after_s == pytest.approx(AFTER_S) and info.idle_codec == "d4/q38"
@@ -103,12 +103,12 @@ def test_identity_idle_compression_resumes_bit_identically(servers):
             assert not after.kv_compressed and after.history_token_ids == b.info(include_history=True).history_token_ids
             a.close()
             b.close()
-        assert sample(scrape(comp), "session_idle_resume_seconds_count") >= len(pairs)
+        assert sample(scrape(comp), "kakeya_session_idle_resume_seconds_count") >= len(pairs)
 
 
 def test_d4_idle_compression_shrinks_live_bytes_and_reports_agreement(servers):
     comp, twin = servers
-    start = sample(scrape(comp), "session_idle_compressed_total")
+    start = sample(scrape(comp), "kakeya_session_idle_compressed_total")
     history = _tokens(120, 7)
     with Client(comp.address) as cc, Client(twin.address) as tc, \
             cc.create_session(initial_tokens=history) as a, tc.create_session(initial_tokens=history) as b:
@@ -123,7 +123,7 @@ def test_d4_idle_compression_shrinks_live_bytes_and_reports_agreement(servers):
         assert packed.kv_live_bytes == n * D4_PER_POSITION  # server default codec: d4/q38
         ratio = packed.kv_live_bytes / fp32_equivalent
         assert ratio <= 0.45
-        assert sample(scrape(comp), "session_kv_live_bytes") == packed.kv_live_bytes
+        assert sample(scrape(comp), "kakeya_session_kv_live_bytes") == packed.kv_live_bytes
         ta = a.generate(max_tokens=32, ignore_eos=True).collect()
         tb = b.generate(max_tokens=32, ignore_eos=True).collect()
         agreement = sum(x == y for x, y in zip(ta, tb, strict=True)) / len(ta)
@@ -145,10 +145,10 @@ def test_sessions_without_a_codec_or_a_cache_are_not_compressed():
             s.generate(max_tokens=2, ignore_eos=True).collect()
         _wait_compressed(thread, 1)
         time.sleep(0.3)  # several more sweeps
-        assert sample(scrape(thread), "session_idle_compressed_total") == 1
+        assert sample(scrape(thread), "kakeya_session_idle_compressed_total") == 1
         assert opted.info().kv_compressed and not plain.info().kv_compressed
         assert never_generated.info().kv_live_bytes == 0 and not never_generated.info().kv_compressed
-        assert sample(scrape(thread), "session_idle_compressed_bytes_saved_total") > 0
+        assert sample(scrape(thread), "kakeya_session_idle_compressed_bytes_saved_total") > 0
 
 
 def test_a_session_used_while_queued_for_compression_is_left_alone():

@@ -62,8 +62,8 @@ def test_healthy_sessions_count_checks_and_no_violations(thread):
         assert info.inv1_checks >= 6 and info.inv2_checks >= 6  # per committed token, per mutation
         assert info.inv1_violations == info.inv2_violations == 0
     text = scrape(thread)
-    assert sample(text, "cache_invariant_violations_total", '{kind="inv1"}') == 0
-    assert sample(text, "cache_invariant_violations_total", '{kind="inv2"}') == 0
+    assert sample(text, "kakeya_cache_invariant_violations_total", '{kind="inv1"}') == 0
+    assert sample(text, "kakeya_cache_invariant_violations_total", '{kind="inv2"}') == 0
 
 
 def test_inv1_violation_detected_on_append(thread):
@@ -76,9 +76,9 @@ def test_inv1_violation_detected_on_append(thread):
         with pytest.raises(SessionNotFound, match="invariant"):
             s.info()
         text = scrape(thread)
-        assert sample(text, "cache_invariant_violations_total", '{kind="inv1"}') == 1
-        assert sample(text, "session_total", '{outcome="failed"}') == 1
-        assert sample(text, "session_kv_live_bytes") == 0
+        assert sample(text, "kakeya_cache_invariant_violations_total", '{kind="inv1"}') == 1
+        assert sample(text, "kakeya_session_total", '{outcome="failed"}') == 1
+        assert sample(text, "kakeya_session_kv_live_bytes") == 0
 
 
 def test_inv2_violation_detected_on_generate(thread):
@@ -92,7 +92,7 @@ def test_inv2_violation_detected_on_generate(thread):
             s.generate(max_tokens=2).collect()
         with pytest.raises(SessionNotFound):
             s.append([1])
-        assert sample(scrape(thread), "cache_invariant_violations_total", '{kind="inv2"}') == 1
+        assert sample(scrape(thread), "kakeya_cache_invariant_violations_total", '{kind="inv2"}') == 1
 
 
 def test_inv1_violation_inside_generation_fails_mid_stream(thread):
@@ -109,7 +109,7 @@ def test_inv1_violation_inside_generation_fails_mid_stream(thread):
         deadline = time.time() + 5
         while thread.server.service.store.kv_live_bytes() and time.time() < deadline:
             time.sleep(0.01)
-        assert sample(scrape(thread), "cache_invariant_violations_total", '{kind="inv1"}') == 1
+        assert sample(scrape(thread), "kakeya_cache_invariant_violations_total", '{kind="inv1"}') == 1
         # Other sessions are unaffected.
         with client.create_session(initial_tokens=[7]) as ok:
             assert len(ok.generate(max_tokens=3, ignore_eos=True).collect()) == 3

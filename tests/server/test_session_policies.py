@@ -167,26 +167,26 @@ def test_per_policy_metrics_and_attention_histogram():
     with running_server(tiny_served()) as thread, Client(thread.address) as client:
         text = scrape(thread)
         for name in ("full", "sink_window", "restore"):
-            assert sample(text, "session_active_by_policy", f'{{policy="{name}"}}') == 0
-            assert sample(text, "session_kv_live_bytes_by_policy", f'{{policy="{name}"}}') == 0
+            assert sample(text, "kakeya_session_active_by_policy", f'{{policy="{name}"}}') == 0
+            assert sample(text, "kakeya_session_kv_live_bytes_by_policy", f'{{policy="{name}"}}') == 0
         sw = client.create_session(initial_tokens=_tokens(40, 3), policy=KvPolicy("sink_window", {"window": 8}))
         full = client.create_session(initial_tokens=_tokens(40, 3))
         full2 = client.create_session(initial_tokens=_tokens(4, 3))
         sw.generate(max_tokens=4, ignore_eos=True).collect()
         full.generate(max_tokens=4, ignore_eos=True).collect()
         text = scrape(thread)
-        assert sample(text, "session_active_by_policy", '{policy="sink_window"}') == 1
-        assert sample(text, "session_active_by_policy", '{policy="full"}') == 2
-        assert sample(text, "session_active_by_policy", '{policy="restore"}') == 0
-        by_policy = sum(sample(text, "session_kv_live_bytes_by_policy", f'{{policy="{n}"}}')
+        assert sample(text, "kakeya_session_active_by_policy", '{policy="sink_window"}') == 1
+        assert sample(text, "kakeya_session_active_by_policy", '{policy="full"}') == 2
+        assert sample(text, "kakeya_session_active_by_policy", '{policy="restore"}') == 0
+        by_policy = sum(sample(text, "kakeya_session_kv_live_bytes_by_policy", f'{{policy="{n}"}}')
                         for n in ("full", "sink_window", "restore"))
-        assert by_policy == sample(text, "session_kv_live_bytes") == sw.info().kv_live_bytes + full.info().kv_live_bytes
-        assert sample(text, "session_kv_live_bytes_by_policy", '{policy="sink_window"}') == sw.info().kv_live_bytes
+        assert by_policy == sample(text, "kakeya_session_kv_live_bytes") == sw.info().kv_live_bytes + full.info().kv_live_bytes
+        assert sample(text, "kakeya_session_kv_live_bytes_by_policy", '{policy="sink_window"}') == sw.info().kv_live_bytes
         # One observation per Generate: sink_window's (4 + 8) / 43 lands below 0.3, full's 1.0 at the top.
-        assert sample(text, "generate_effective_attention_fraction_count") == 2
-        assert sample(text, "generate_effective_attention_fraction_bucket", '{le="0.3"}') == 1
-        assert sample(text, "generate_effective_attention_fraction_bucket", '{le="0.99"}') == 1
-        assert sample(text, "generate_effective_attention_fraction_bucket", '{le="1.0"}') == 2
+        assert sample(text, "kakeya_generate_effective_attention_fraction_count") == 2
+        assert sample(text, "kakeya_generate_effective_attention_fraction_bucket", '{le="0.3"}') == 1
+        assert sample(text, "kakeya_generate_effective_attention_fraction_bucket", '{le="0.99"}') == 1
+        assert sample(text, "kakeya_generate_effective_attention_fraction_bucket", '{le="1.0"}') == 2
         for s in (sw, full, full2):
             s.close()
-        assert sample(scrape(thread), "session_active_by_policy", '{policy="full"}') == 0
+        assert sample(scrape(thread), "kakeya_session_active_by_policy", '{policy="full"}') == 0

@@ -83,8 +83,8 @@ def test_engine_error_rolls_back_and_the_session_goes_on(kind, fail_at, committe
         with client.create_session(initial_tokens=history) as fresh:
             assert fresh.generate(max_tokens=6, ignore_eos=True, seed=3, temperature=0.7).collect() == after
         text = scrape(thread)
-        assert sample(text, "cache_invariant_violations_total", '{kind="inv1"}') == 0
-        assert sample(text, "cache_invariant_violations_total", '{kind="inv2"}') == 0
+        assert sample(text, "kakeya_cache_invariant_violations_total", '{kind="inv1"}') == 0
+        assert sample(text, "kakeya_cache_invariant_violations_total", '{kind="inv2"}') == 0
 
 
 def test_tiny_temperature_is_exact_not_an_error(client):

@@ -60,7 +60,7 @@ def test_sparse_sessions_reproduce_and_report():
         text = scrape(thread)
         for name in ("blocks_scored", "blocks_selected", "positions_attended", "positions_visible"):
             # /metrics holds every sparse Generate of the server: the three above plus the reference turns
-            per_layer = [sample(text, f"sparse_{name}_total", f'{{layer="{i}"}}') for i in range(2)]
+            per_layer = [sample(text, f"kakeya_sparse_{name}_total", f'{{layer="{i}"}}') for i in range(2)]
             assert sum(per_layer) >= sp.total[name] > 0
 
 

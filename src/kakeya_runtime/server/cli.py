@@ -23,7 +23,8 @@ def register(app: typer.Typer) -> None:
 
 def serve(
     model: str = typer.Option("smollm2", "--model", "-m", help="Model source for models.loader.load_model."),
-    host: str = typer.Option("127.0.0.1", help="Bind address; anything but loopback requires --api-key."),
+    host: str = typer.Option("127.0.0.1", help="Bind address; anything but loopback requires --api-key, and TLS "
+                             "(--tls-cert/--tls-key) or --insecure."),
     port: int = typer.Option(50051, help="gRPC port (0: any free port)."),
     metrics_port: int = typer.Option(9464, "--metrics-port", help="Prometheus /metrics HTTP port (0: any)."),
     no_metrics: bool = typer.Option(False, "--no-metrics", help="Do not serve /metrics."),
@@ -34,11 +35,33 @@ def serve(
     ),
     openai_max_queue: int = typer.Option(
         16, "--openai-max-queue", help="OpenAI-style requests waiting beyond --max-concurrent before 429s."),
+    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", help="Bind address of /metrics."),
+    metrics_key: str | None = typer.Option(
+        None, "--metrics-key", envvar="KAKEYA_METRICS_KEY",
+        help="Require `Authorization: Bearer <key>` on /metrics (default: no key)."),
     api_key: list[str] = typer.Option(  # noqa: B008 - typer reads defaults at definition time
         [], "--api-key", envvar="KAKEYA_API_KEY",
         help="Accepted bearer key (repeatable). Each key sees only the sessions it created.",
     ),
-    max_sessions: int = typer.Option(64, "--max-sessions", help="Session store capacity (LRU beyond it)."),
+    max_sessions: int = typer.Option(64, "--max-sessions", help="Sessions held at once, all keys together."),
+    max_sessions_per_key: int | None = typer.Option(
+        None, "--max-sessions-per-key", help="Sessions one API key holds at once; a key's new session beyond it "
+        "evicts that key's least recently used idle one. Default: an equal share of --max-sessions per key."),
+    kv_budget: str | None = typer.Option(
+        None, "--kv-budget", metavar="SIZE", help="KV cache bytes all sessions may reserve (each reserves its "
+        "policy's worst case at the context when created), e.g. 8GiB. Default: half of the memory the weights "
+        "leave free."),
+    kv_budget_per_key: str | None = typer.Option(
+        None, "--kv-budget-per-key", metavar="SIZE", help="KV cache bytes one API key's sessions may reserve. "
+        "Default: an equal share of --kv-budget per key."),
+    evict_across_keys: bool = typer.Option(
+        False, "--evict-across-keys", help="Let a key's new session evict other keys' idle sessions when the "
+        "server is full (default: only its own)."),
+    tls_cert: str | None = typer.Option(None, "--tls-cert", metavar="PEM", help="Serve gRPC over TLS with this "
+                                        "certificate chain (needs --tls-key)."),
+    tls_key: str | None = typer.Option(None, "--tls-key", metavar="PEM", help="The TLS certificate's private key."),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without TLS (API keys and "
+                                  "tokens then cross the network in clear)."),
     ttl: float = typer.Option(1800.0, "--ttl", help="Idle seconds before a session is evicted."),
     max_concurrent: int = typer.Option(1, "--max-concurrent", help="Generations running at once."),
     context: int | None = typer.Option(None, "--context", help="Per-session context limit (default: the model's)."),
@@ -63,12 +86,21 @@ def serve(
     from kakeya_runtime.sessions.policy import parse_codec
 
     console = Console(stderr=True)
+    try:
+        budget = parse_size(kv_budget, "--kv-budget")
+        budget_per_key = parse_size(kv_budget_per_key, "--kv-budget-per-key")
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
     config = ServerConfig(host=host, port=port, metrics_port=None if no_metrics else metrics_port,
                           api_keys=tuple(api_key), max_sessions=max_sessions, idle_ttl_s=ttl,
                           max_concurrent=max_concurrent, context_length=context,
                           idle_compress_after_s=idle_compress_after, idle_codec=idle_codec, idle_q=idle_q,
                           max_request_bytes=max_request_bytes, openai_port=openai_port,
-                          openai_max_queue=openai_max_queue)
+                          openai_max_queue=openai_max_queue, max_sessions_per_key=max_sessions_per_key,
+                          kv_budget=budget, kv_budget_per_key=budget_per_key, evict_across_keys=evict_across_keys,
+                          tls_cert=tls_cert, tls_key=tls_key, insecure=insecure, metrics_host=metrics_host,
+                          metrics_key=metrics_key)
     try:
         config.validate()  # before the (slow) model load: a refused bind should fail at once
         parse_codec(idle_codec, idle_q)  # the model-independent checks (head_dim is checked once loaded)
@@ -134,8 +166,15 @@ async def _serve_forever(server: Any, console: Console) -> None:
                   f"(max_sessions={cfg.max_sessions}, ttl={cfg.idle_ttl_s:g}s, max_concurrent={cfg.max_concurrent}, "
                   f"auth={'on' if cfg.api_keys else 'off'}, kv policies={','.join(server.service.policies.names())}, "
                   f"idle compression={_idle_text(server)}, max request={server.max_request_bytes / 2**20:.2f} MiB)")
+    limits = server.service.store.limits
+    console.print(f"TLS {'on' if server.tls else 'off'}; limits: {limits.max_sessions} sessions, "
+                  f"{limits.key_sessions} per key; KV budget {_size(limits.kv_budget or 0)}, "
+                  f"{_size(limits.key_budget or 0)} per key; evictions "
+                  f"{'across keys' if limits.evict_across_keys else 'within a key only'}")
     if server.metrics_port is not None:
-        console.print(f"Metrics on http://{cfg.host}:{server.metrics_port}/metrics")
+        host = cfg.metrics_host if ":" not in cfg.metrics_host else f"[{cfg.metrics_host}]"
+        console.print(f"Metrics on http://{host}:{server.metrics_port}/metrics"
+                      f"{' (bearer key required)' if cfg.metrics_key else ''}")
     if server.openai_port is not None:
         console.print(f"Deprecated OpenAI-style API on http://{cfg.host}:{server.openai_port}/v1 (single-shot)")
     print(server.address, flush=True)  # machine-readable: the last stdout line is the address
@@ -149,6 +188,29 @@ async def _serve_forever(server: Any, console: Console) -> None:
     finally:
         console.print("Shutting down…")
         await server.stop()
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | None, flag: str) -> int | None:
+    """'8GiB', '512MB', '1.5g', '1000000' -> bytes (None stays None); ValueError naming the flag otherwise."""
+    if text is None:
+        return None
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value > 0:
+        raise ValueError(f"{flag} takes a size such as 8GiB, 512MB or a number of bytes, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n else "none"
 
 
 def _idle_text(server: Any) -> str:

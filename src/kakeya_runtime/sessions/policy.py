@@ -3,9 +3,10 @@
 The protocol carries `KvPolicy{name, params}` untouched. `PolicyRegistry.resolve` validates it with
 `kv.spec.PolicySpec.parse` (plus the checks that depend on the served model, e.g. a lattice codec's
 head_dim, and on the session's context: no window, sink or block larger than it), so an unknown name or a
-bad parameter is refused with INVALID_ARGUMENT before a session exists. `build` makes the session's cache with `kv.policy.make_policy_cache` on the engine thread
-(it allocates tensors): capacity is the session's context length, dtype and device the engine's,
-and restore gets a same-checkpoint proposer (proposer = the served model, identity projection).
+bad parameter is refused with INVALID_ARGUMENT before a session exists. `build` makes the session's cache
+with `kv.policy.make_policy_cache` on the engine thread (it allocates tensors): capacity is the session's
+context length, dtype and device the engine's, and restore gets a same-checkpoint proposer (proposer = the
+served model, identity projection).
 
 Policies (kv.policy has the table): full (every position kept: the oracle), sink_window (sink + last
 window, fixed memory), restore (sink + window resident, evicted K/V recomputed per step or turn) and

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kakeya import _convert as cv
+from kakeya._channel import RootCertificates, open_channel
 from kakeya._proto import runtime_pb2 as pb
 from kakeya._proto import runtime_pb2_grpc as pb_grpc
 from kakeya.errors import SessionNotFound, from_rpc_error
@@ -20,11 +21,14 @@ if TYPE_CHECKING:
 
 
 class AsyncClient:
+    """A connection to one runtime (as `Client`: `api_key`, `tls`, `root_certificates`)."""
+
     def __init__(self, addr: str = "127.0.0.1:50051", *, api_key: str | None = None,
-                 timeout: float | None = None, options: list[tuple[str, Any]] | None = None) -> None:
+                 timeout: float | None = None, options: list[tuple[str, Any]] | None = None, tls: bool = False,
+                 root_certificates: RootCertificates | None = None) -> None:
         self.addr = addr
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(addr, options=cv.CHANNEL_OPTIONS + list(options or ()))
+        self._channel = open_channel(addr, tls=tls, root_certificates=root_certificates, options=options, aio=True)
         self._stub = pb_grpc.RuntimeServiceStub(self._channel)
         self._metadata = cv.auth_metadata(api_key)
         self._model_info: ModelInfo | None = None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kakeya import _convert as cv
+from kakeya._channel import RootCertificates, open_channel
 from kakeya._proto import runtime_pb2 as pb
 from kakeya._proto import runtime_pb2_grpc as pb_grpc
 from kakeya.errors import KakeyaError, SessionNotFound, from_rpc_error
@@ -19,13 +20,19 @@ if TYPE_CHECKING:
 
 
 class Client:
-    """A connection to one runtime. `api_key` is sent as `authorization: Bearer <key>`."""
+    """A connection to one runtime. `api_key` is sent as `authorization: Bearer <key>`.
+
+    TLS: `tls=True` trusts the system's root certificates; `root_certificates` (PEM bytes, or the path of a PEM
+    file, e.g. a self-signed server's certificate) trusts that CA instead and implies TLS. Without either the
+    channel is plaintext (fine on loopback; elsewhere the key would cross the network in clear).
+    """
 
     def __init__(self, addr: str = "127.0.0.1:50051", *, api_key: str | None = None,
-                 timeout: float | None = None, options: list[tuple[str, Any]] | None = None) -> None:
+                 timeout: float | None = None, options: list[tuple[str, Any]] | None = None, tls: bool = False,
+                 root_certificates: RootCertificates | None = None) -> None:
         self.addr = addr
         self.timeout = timeout  # per unary call; Generate streams are not time-limited
-        self._channel = grpc.insecure_channel(addr, options=cv.CHANNEL_OPTIONS + list(options or ()))
+        self._channel = open_channel(addr, tls=tls, root_certificates=root_certificates, options=options)
         self._stub = pb_grpc.RuntimeServiceStub(self._channel)
         self._metadata = cv.auth_metadata(api_key)
         self._model_info: ModelInfo | None = None

@@ -1,0 +1,70 @@
+"""Limits per API key through a real server: a key filling its quota evicts nothing of another key's, a full server
+refuses rather than evict across keys, the KV byte budget refuses before allocating, windows past the context
+are INVALID_ARGUMENT, and every refusal is typed and counted by the limit it names."""
+
+from __future__ import annotations
+
+import pytest
+from kakeya import Client, InvalidArgument, KvPolicy, ResourceExhausted, SessionNotFound
+
+from kakeya_runtime.server.testing import metric_value as sample
+from kakeya_runtime.server.testing import running_server, tiny_served
+from kakeya_runtime.server.testing import scrape_metrics as scrape
+
+KEY_A, KEY_B = "key-alpha-0123456789", "key-bravo-0123456789"
+
+
+def test_key_a_filling_its_quota_evicts_nothing_of_key_b():
+    with (running_server(tiny_served(), api_keys=(KEY_A, KEY_B), max_sessions=8) as thread,
+          Client(thread.address, api_key=KEY_A) as a, Client(thread.address, api_key=KEY_B) as b):
+        assert thread.server.service.store.limits.key_sessions == 4  # an equal share of 8 between two keys
+        b_sessions = [b.create_session(initial_tokens=[5, i]) for i in range(4)]
+        a_sessions = [a.create_session(initial_tokens=[6, i]) for i in range(10)]  # 6 over A's quota
+        assert [s.info().history_length for s in b_sessions] == [2] * 4  # B's are all there
+        for s in a_sessions[:6]:
+            with pytest.raises(SessionNotFound, match="evicted to make room"):
+                s.info()
+        assert [s.info().history_length for s in a_sessions[6:]] == [2] * 4
+        assert sample(scrape(thread), "kakeya_session_evicted_total", '{reason="lru"}') == 6
+
+
+def test_a_full_server_refuses_rather_than_evict_another_keys_sessions():
+    with (running_server(tiny_served(), api_keys=(KEY_A, KEY_B), max_sessions=3, max_sessions_per_key=3) as thread,
+          Client(thread.address, api_key=KEY_A) as a, Client(thread.address, api_key=KEY_B) as b):
+        b_sessions = [b.create_session(initial_tokens=[5, i]) for i in range(3)]
+        with pytest.raises(ResourceExhausted, match="limit of 3 sessions"):
+            a.create_session(initial_tokens=[1])
+        assert all(s.info().history_length == 2 for s in b_sessions)
+        text = scrape(thread)
+        assert sample(text, "kakeya_limit_refusals_total", '{limit="sessions"}') == 1
+        assert sample(text, "kakeya_rpc_errors_total", '{rpc="CreateSession",code="RESOURCE_EXHAUSTED"}') == 1
+        b_sessions[0].close()
+        assert a.create_session(initial_tokens=[1]).info().history_length == 1  # room again
+
+
+def test_the_kv_budget_refuses_before_allocating_and_windows_stay_within_the_context():
+    served = tiny_served()
+    cfg = served.model.config
+    full_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * 512  # fp32, context 512
+    window_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * (4 + 12)  # sink + window
+    budget = full_bytes + window_bytes
+    with (running_server(served, api_keys=(KEY_A, KEY_B), kv_budget=budget, kv_budget_per_key=budget) as thread,
+          Client(thread.address, api_key=KEY_A) as a, Client(thread.address, api_key=KEY_B) as b):
+        s = a.create_session(initial_tokens=[5, 6, 7])
+        s.generate(max_tokens=4, ignore_eos=True).collect()
+        with pytest.raises(ResourceExhausted, match="server's KV budget"):
+            b.create_session(initial_tokens=[1])  # a second full session may need another full context
+        text = scrape(thread)
+        assert sample(text, "kakeya_limit_refusals_total", '{limit="kv_budget"}') == 1
+        assert sample(text, "kakeya_session_kv_reserved_bytes") == full_bytes
+        assert sample(text, "kakeya_kv_budget_bytes") == budget
+        assert sample(text, "kakeya_session_active") == 1  # nothing was created for B, and A kept its session
+        assert 0 < sample(text, "kakeya_session_kv_live_bytes") <= full_bytes
+        assert s.info().history_length == 7
+        with pytest.raises(InvalidArgument, match="exceeds the context of 512"):
+            b.create_session(policy=KvPolicy("sink_window", {"window": 1_000_000}))
+        window = b.create_session(initial_tokens=[1], policy=KvPolicy("sink_window", {"sink": 4, "window": 12}))
+        assert sample(scrape(thread), "kakeya_session_kv_reserved_bytes") == budget  # fits exactly
+        window.close()
+        s.close()
+        assert b.create_session(initial_tokens=[1]).info().history_length == 1  # A's bytes came back

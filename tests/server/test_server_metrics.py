@@ -1,0 +1,89 @@
+"""/metrics: only that path, loopback by default, an optional bearer key; every metric `kakeya_*` with the model as
+a label; requests and errors counted per RPC; generated tokens counted."""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from kakeya import Client, SessionNotFound
+
+from kakeya_runtime.server.grpc_app import ServerConfig
+from kakeya_runtime.server.testing import metric_value as sample
+from kakeya_runtime.server.testing import running_server, tiny_served
+from kakeya_runtime.server.testing import scrape_metrics as scrape
+
+METRICS_KEY = "metrics-key-0123456789"
+
+
+def _get(thread, path: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{thread.server.metrics_port}{path}", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_only_the_metrics_path_is_served_on_loopback_by_default():
+    assert ServerConfig().metrics_host == "127.0.0.1"
+    with running_server(tiny_served()) as thread:
+        assert thread.server.metrics._http.server_address[0] == "127.0.0.1"
+        status, text = _get(thread, "/metrics")
+        assert status == 200 and "kakeya_session_active" in text
+        assert _get(thread, "/metrics?name[]=x")[0] == 200
+        for path in ("/", "/metrics/", "/metricsx", "/favicon.ico", "/../metrics"):
+            status, text = _get(thread, path)
+            assert status == 404 and "kakeya_" not in text, path
+
+
+def test_a_metrics_key_is_required_when_configured():
+    with running_server(tiny_served(), metrics_key=METRICS_KEY) as thread:
+        for headers in ({}, {"Authorization": "Bearer wrong-key-0000000"}, {"Authorization": METRICS_KEY},
+                        {"Authorization": f"Basic {METRICS_KEY}"}):
+            status, text = _get(thread, "/metrics", headers)
+            assert status == 401 and "kakeya_" not in text, headers
+        assert _get(thread, "/nowhere", {"Authorization": f"Bearer {METRICS_KEY}"})[0] == 404
+        assert "kakeya_session_active" in scrape(thread, key=METRICS_KEY)
+
+
+def test_every_series_is_prefixed_and_carries_the_model():
+    with running_server(tiny_served()) as thread, Client(thread.address) as client:
+        with client.create_session(initial_tokens=[5, 6, 7]) as s:
+            s.generate(max_tokens=2, ignore_eos=True).collect()
+        text = scrape(thread)
+    samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(samples) > 100
+    for line in samples:
+        assert line.startswith("kakeya_") and 'model="tiny-llama"' in line, line
+    for line in text.splitlines():
+        if line.startswith(("# HELP", "# TYPE")):
+            assert line.split()[2].startswith("kakeya_"), line
+
+
+def test_requests_errors_and_generated_tokens_are_counted_per_rpc():
+    with running_server(tiny_served()) as thread, Client(thread.address) as client:
+        text = scrape(thread)
+        assert sample(text, "kakeya_rpc_requests_total", '{rpc="Generate"}') == 0
+        assert sample(text, "kakeya_rpc_errors_total", '{rpc="GetSessionInfo",code="NOT_FOUND"}') == 0
+        s = client.create_session(initial_tokens=[5, 6, 7])
+        got = s.generate(max_tokens=4, ignore_eos=True).collect() + s.generate(max_tokens=3, ignore_eos=True).collect()
+        with pytest.raises(SessionNotFound):
+            client.session("ses_nope").info()
+        with grpc.insecure_channel(thread.address) as channel:  # a method the server does not serve
+            with pytest.raises(grpc.RpcError) as e:
+                channel.unary_unary("/kakeya.v1.RuntimeService/Nope")(b"")
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        text = scrape(thread)
+        assert len(got) == 7 and sample(text, "kakeya_generated_tokens_total") == 7
+        assert sample(text, "kakeya_rpc_requests_total", '{rpc="CreateSession"}') == 1
+        assert sample(text, "kakeya_rpc_requests_total", '{rpc="Generate"}') == 2
+        assert sample(text, "kakeya_rpc_requests_total", '{rpc="GetSessionInfo"}') == 1
+        assert sample(text, "kakeya_rpc_errors_total", '{rpc="GetSessionInfo",code="NOT_FOUND"}') == 1
+        assert sample(text, "kakeya_rpc_errors_total", '{rpc="Generate"}') == 0
+        assert sample(text, "kakeya_rpc_requests_total", '{rpc="unknown"}') == 1
+        assert sample(text, "kakeya_rpc_errors_total", '{rpc="unknown",code="UNIMPLEMENTED"}') == 1
+        assert not re.search(r'rpc="Nope"', text)  # a client's method name never becomes a label
