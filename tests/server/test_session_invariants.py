@@ -1,5 +1,5 @@
 """INV-1 / INV-2 are checked inside every mutation; a violation fails the session with
-FAILED_PRECONDITION, frees it (NOT_FOUND afterwards) and counts cache_invariant_violations_total{kind}."""
+FAILED_PRECONDITION, frees it (NOT_FOUND afterwards) and counts kakeya_cache_invariant_violations_total{kind}."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -250,8 +251,10 @@ class RuntimeMetrics:
         """Serve GET /metrics on http://host:port in daemon threads (only that path; with `key`, only to
         `authorization: Bearer <key>`); returns the bound port."""
         handler = type("MetricsHandler", (_MetricsHandler,), {"metrics": self, "key": key})
-        self._http = ThreadingHTTPServer((host.strip("[]"), port), handler)
-        self._http.daemon_threads = True
+        bare = host.strip("[]")
+        family = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]  # IPv4 or 6
+        server = type("MetricsServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
+        self._http = server((bare, port), handler)
         threading.Thread(target=self._http.serve_forever, name="kakeya-metrics", daemon=True).start()
         return self._http.server_address[1]
 

@@ -60,7 +60,7 @@ class SessionState(enum.Enum):
 
 
 class EndReason(enum.Enum):
-    """Label of session_evicted_total{reason}: why a session's cache was freed."""
+    """Label of kakeya_session_evicted_total{reason}: why a session's cache was freed."""
 
     CLOSE = "close"
     TTL = "ttl"
@@ -69,7 +69,7 @@ class EndReason(enum.Enum):
 
 
 class Outcome(enum.Enum):
-    """Label of session_total{outcome}."""
+    """Label of kakeya_session_total{outcome}."""
 
     CLOSED = "closed"
     EVICTED = "evicted"
