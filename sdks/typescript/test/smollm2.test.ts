@@ -9,7 +9,7 @@ import { after, before, describe, it } from "node:test";
 import { promisify } from "node:util";
 
 import { Client, fromOpenAIMessages, type OpenAIMessage, type Tokenizer } from "../src/index.js";
-import { PACKAGE_ROOT, runPython, startModelServer, type RunningServer } from "./server.js";
+import { PACKAGE_ROOT, REPO_ROOT, runPython, startModelServer, type RunningServer } from "./server.js";
 
 const CONVERSATIONS: OpenAIMessage[][] = [
   [{ role: "user", content: "What is the capital of France?" }],
@@ -85,8 +85,10 @@ describe("SmolLM2", () => {
 
   it("the README's quickstart runs against a real server", async () => {
     const program = readFileSync(join(PACKAGE_ROOT, "examples", "quickstart.ts"), "utf8");
-    const readme = readFileSync(join(PACKAGE_ROOT, "README.md"), "utf8");
-    assert.ok(readme.includes("```ts\n" + program + "```"), "README.md must show examples/quickstart.ts verbatim");
+    for (const readme of [join(PACKAGE_ROOT, "README.md"), join(REPO_ROOT, "README.md")]) {
+      assert.ok(readFileSync(readme, "utf8").includes("```ts\n" + program + "```"),
+        `${readme} must show examples/quickstart.ts verbatim`);
+    }
     assert.ok(program.trim().split("\n").length <= 11);
     const { stdout } = await promisify(execFile)(process.execPath, [join(PACKAGE_ROOT, "dist", "examples", "quickstart.js")],
       { env: { ...process.env, KAKEYA_ADDR: server.address }, timeout: 60_000 });
