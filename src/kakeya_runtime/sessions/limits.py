@@ -89,8 +89,10 @@ def plan_admission(held: Sequence[Held], busy: Sequence[bool], owner: str, cost:
     refusal = _key_over(use, cost, limits) or _server_over(use, cost, limits)
     if refusal is not None:
         limit, reason = refusal
-        busy_note = "; the sessions that could make room are busy" if any(busy) else ""
-        scope = "" if limits.evict_across_keys else " (other keys' sessions are never evicted for it)"
+        evictable = [b for s, b in zip(held, busy, strict=True) if s.owner == owner or limits.evict_across_keys]
+        busy_note = " and the sessions that could make room are busy" if any(evictable) else ""
+        scope = "" if limits.evict_across_keys or "per API key" in reason else \
+            " (another key's sessions are never evicted for it)"
         raise ResourceExhausted(f"{reason}{busy_note}: close a session or retry later{scope}", limit=limit)
     return victims
 
