@@ -2,8 +2,10 @@
 
 import {
   credentials, Metadata, status,
-  type CallOptions, type ChannelOptions, type ClientReadableStream, type ClientUnaryCall, type ServiceError,
+  type CallOptions, type ChannelCredentials, type ChannelOptions, type ClientReadableStream, type ClientUnaryCall, type ServiceError,
 } from "@grpc/grpc-js";
+
+import { readFileSync } from "node:fs";
 
 import * as cv from "./convert.js";
 import { fromServiceError, SessionNotFound } from "./errors.js";
@@ -22,6 +24,10 @@ const CHANNEL_OPTIONS: ChannelOptions = {
 export interface ClientOptions {
   /** Sent as `authorization: Bearer <key>`; each key sees only the sessions it created. */
   apiKey?: string;
+  /** TLS trusting the system's root certificates (a server started with --tls-cert). */
+  tls?: boolean;
+  /** TLS trusting this CA (or self-signed certificate) instead: PEM contents, or the path of a PEM file. */
+  rootCertificates?: Uint8Array | string;
   /** Deadline of each unary call in milliseconds; Generate streams are not time-limited. */
   timeoutMs?: number;
   /** Extra grpc-js channel options. */
@@ -40,6 +46,13 @@ function isServiceError(e: unknown): e is ServiceError {
   return e instanceof Error && typeof (e as ServiceError).code === "number";
 }
 
+/** Plaintext (fine on loopback; elsewhere the key would cross the network in clear) unless TLS is asked for. */
+function channelCredentials(options: ClientOptions): ChannelCredentials {
+  const roots = options.rootCertificates;
+  if (roots === undefined) return options.tls ? credentials.createSsl() : credentials.createInsecure();
+  return credentials.createSsl(typeof roots === "string" ? readFileSync(roots) : Buffer.from(roots));
+}
+
 /** A connection to one runtime. */
 export class Client {
   readonly address: string;
@@ -54,7 +67,7 @@ export class Client {
     this.timeoutMs = options.timeoutMs;
     this.apiKey = options.apiKey;
     const { RuntimeService } = pb.runtimeProto().kakeya.v1;
-    this.stub = new RuntimeService(address, credentials.createInsecure(),
+    this.stub = new RuntimeService(address, channelCredentials(options),
       { ...CHANNEL_OPTIONS, ...options.channelOptions });
   }
 

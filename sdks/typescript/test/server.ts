@@ -54,10 +54,13 @@ export async function startServer(args: string[], timeoutMs = 180_000): Promise<
 }
 
 /** The tiny random llama (vocab 259: ChatML specials + bytes, context 512, EOS 2). */
-export function startTinyServer(options: { apiKeys?: string[]; stepDelayS?: number } = {}): Promise<RunningServer> {
+export function startTinyServer(
+  options: { apiKeys?: string[]; stepDelayS?: number; tlsDir?: string } = {},
+): Promise<RunningServer> {
   const args = ["-m", "kakeya_runtime.server.testing_serve"];
   for (const key of options.apiKeys ?? []) args.push("--api-key", key);
   if (options.stepDelayS) args.push("--step-delay", String(options.stepDelayS));
+  if (options.tlsDir) args.push("--tls-dir", options.tlsDir); // a self-signed certificate in tlsDir/server.crt
   return startServer(args);
 }
 

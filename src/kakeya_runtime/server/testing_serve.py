@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from kakeya_runtime.server.testing import SlowModel, running_server, tiny_served
+from kakeya_runtime.server.testing import SlowModel, running_server, self_signed_cert, tiny_served
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,11 +20,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", action="append", default=[], help="Accepted bearer key (repeatable).")
     parser.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
                         help="Every forward takes at least this long (makes cancellation observable).")
+    parser.add_argument("--tls-dir", metavar="DIR",
+                        help="Serve TLS only, with a fresh self-signed certificate written to DIR/server.crt.")
     args = parser.parse_args(argv)
     served = tiny_served("llama")
     if args.step_delay > 0:
         served.model = SlowModel(served.model, args.step_delay)  # type: ignore[assignment]
-    with running_server(served, api_keys=tuple(args.api_key), metrics_port=None) as thread:
+    tls = {}
+    if args.tls_dir:
+        cert, key = self_signed_cert(Path(args.tls_dir))
+        tls = {"tls_cert": str(cert), "tls_key": str(key)}
+    with running_server(served, api_keys=tuple(args.api_key), metrics_port=None, **tls) as thread:
         print(thread.address, flush=True)
         sys.stdin.read()
 
