@@ -199,3 +199,49 @@ def test_batched_decode_rows_equal_single(tiny_llama):
     for i, c in enumerate(alone):
         single = eng.decode_rows([c], tokens[i : i + 1])
         assert torch.equal(single[0], together[i])
+
+
+def _write_profile(config, modes: dict[int, list[str]], folder) -> None:
+    import json
+
+    from kakeya_runtime.kv.heads import SCHEMA, SCHEMA_VERSION, fingerprint
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{fingerprint(config)}.json").write_text(json.dumps(
+        {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "fingerprint": fingerprint(config),
+         "modes": {str(k): v for k, v in modes.items()}}))
+
+
+def test_head_profile_streaming_sparse_dense(tiny_llama, tmp_path, monkeypatch):
+    """heads=profile: streaming heads keep no cold tier and score nothing, dense heads attend every cold block,
+    and the result is still the same bits in any chunking."""
+    native.load()  # before the cache dir moves: the kernels stay where they are built
+    monkeypatch.setenv("KAKEYA_CACHE_DIR", str(tmp_path))
+    params = {**SMALL, "codec": "identity", "heads": "profile"}
+    with pytest.raises(PolicyError, match="no head profile"):
+        make_policy_cache(tiny_llama.config, PolicySpec.parse("sparse", params))
+    _write_profile(tiny_llama.config, {0: ["streaming", "dense"], 1: ["sparse", "streaming"], 2: ["dense", "sparse"]},
+                   tmp_path / "heads")
+    ids = _ids(90, seed=4)
+    ref, cache = _prefill(tiny_llama, params, ids, 90)
+    for chunk in (1, 16):
+        got, _ = _prefill(tiny_llama, params, ids, chunk)
+        assert torch.equal(got, ref), chunk
+    per_layer = cache.layer_counters()
+    scored = sum(max(0, p + 1 - 11) // 4 for p in range(90))
+    # one scoring head per layer (layer 2's dense head needs no scores but still counts its blocks as scored)
+    assert [c["blocks_scored"] for c in per_layer] == [scored, scored, 2 * scored]
+    assert per_layer[0]["blocks_selected"] == scored  # the dense head keeps every block
+    assert per_layer[1]["blocks_selected"] == sum(min(3, max(0, p + 1 - 11) // 4) for p in range(90))
+    _, every = _prefill(tiny_llama, {**SMALL, "codec": "identity"}, ids, 90)
+    assert cache.memory_stats()["cold_bytes"] * 3 == every.memory_stats()["cold_bytes"] * 2  # 2 of 6 heads stream
+
+
+def test_head_profile_all_dense_is_full_attention(tiny_llama, tmp_path, monkeypatch):
+    native.load()
+    monkeypatch.setenv("KAKEYA_CACHE_DIR", str(tmp_path))
+    _write_profile(tiny_llama.config, {i: ["dense", "dense"] for i in range(3)}, tmp_path / "heads")
+    ids = _ids(90, seed=5)
+    full, _ = _prefill(tiny_llama, {}, ids, 16, policy="full")
+    dense, _ = _prefill(tiny_llama, {**SMALL, "codec": "identity", "heads": "profile"}, ids, 16)
+    torch.testing.assert_close(dense, full, atol=1e-5, rtol=1e-5)

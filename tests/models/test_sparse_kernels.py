@@ -136,7 +136,7 @@ def test_sparse_attention_refuses_a_selected_block_it_was_not_given():
     sel = bitsets([[[[2, 9]]]], 1)
     given = torch.cat([torch.arange(sink + j * block, sink + (j + 1) * block) for j in (2,)])
     cold = (k[:, :, given].contiguous(), v[:, :, given].contiguous(), slots([2], 16))
-    with pytest.raises(RuntimeError, match="cold block 9 selected by the query at position 300 was not provided"):
+    with pytest.raises(RuntimeError, match=r"cold block 9 selected by the query at position 300 \(KV head 0\) was not provided"):
         native.sparse_attention(q, hot, cold, sel, q_pos, 0.125, window=window, sink=sink, block=block)
     out, seen = native.sparse_attention(q, hot, cold, bitsets([[[[2]]]], 1), q_pos, 0.125, window=window, sink=sink,
                                         block=block)

@@ -20,6 +20,7 @@ bench_app = typer.Typer(help="Benchmarks that write evidence JSON under results/
 
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")
+    app.add_typer(calibrate_app, name="calibrate")
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -152,8 +153,9 @@ def sparse_cmd(
     sink: int = typer.Option(4), window: int = typer.Option(512, help="Hot window."),
     block: int = typer.Option(32, help="Positions per cold block."),
     topk: int = typer.Option(32, help="Cold blocks each query attends to."),
-    codec: str = typer.Option("d4", help="Cold-tier codec: identity, d4 or e8."),
+    codec: str = typer.Option("d4", help="Cold-tier codec: identity, d4, e8 or int8."),
     q: int = typer.Option(38, help="Lattice range of the codec."),
+    heads: str = typer.Option("all", help="all (every head sparse) or profile (the model's head profile)."),
     oracle_steps: int = typer.Option(8, help="Decode steps whose full attention is measured (oracle mass)."),
     decode_tokens: int = typer.Option(32, help="Tokens decoded per policy for the speed columns."),
     threads: int = typer.Option(0, help="Threads (0: torch's default)."),
@@ -162,8 +164,36 @@ def sparse_cmd(
     """The sparse KV policy against full attention: oracle attention mass, agreement, decode speed, memory."""
     from kakeya_runtime.bench.sparse import command
 
-    params = {"sink": sink, "window": window, "block": block, "topk": topk, "codec": codec, "q": q}
+    params = {"sink": sink, "window": window, "block": block, "topk": topk, "codec": codec, "q": q, "heads": heads}
     command(model, _ints(lengths), dtype, params, oracle_steps, decode_tokens, threads or None, Path(out))
+
+
+calibrate_app = typer.Typer(help="Per-model measurements the runtime loads (head profiles).", no_args_is_help=True)
+
+
+@calibrate_app.command("heads")
+def calibrate_heads_cmd(
+    model: str = typer.Option("smollm2", help="Bundled model: smollm2 or gemma3-270m."),
+    dtype: str = typer.Option("bf16", help="bf16 or fp32."),
+    lengths: str = typer.Option("2048,4096", help="Passkey prompt lengths (tokens)."),
+    depths: str = typer.Option("0.1,0.5,0.9", help="Needle depths."),
+    window: int = typer.Option(512, help="Hot window the profile is measured for."),
+    block: int = typer.Option(32, help="Positions per cold block."),
+    topk: int = typer.Option(32, help="Cold blocks a sparse head attends to."),
+    target: float = typer.Option(0.99, help="Attention mass a head's mode must keep (mean over steps)."),
+    out: str = typer.Option("", help="Profile path (default: the user's cache dir, where the policy looks)."),
+) -> None:
+    """Score each KV head as streaming, sparse or dense on passkey prompts; write the sparse policy's head profile."""
+    import sys
+
+    from kakeya_runtime.bench.heads import calibrate_heads
+
+    r = calibrate_heads(model, dtype=dtype, lengths=_ints(lengths), depths=tuple(float(x) for x in _csv(depths)),
+                        window=window, block=block, topk=topk, target=target, out=out or None,
+                        command="kakeya " + " ".join(sys.argv[1:]))
+    s = r["summary"]
+    typer.echo(f"{r['path']}: streaming {s['streaming']:.0%}, sparse {s['sparse']:.0%}, dense {s['dense']:.0%} "
+               f"of {sum(len(m) for m in r['modes'].values())} KV heads")
 
 
 def _register_niah() -> None:

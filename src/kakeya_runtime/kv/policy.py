@@ -23,6 +23,7 @@ import torch
 
 from kakeya_runtime.kv.cache import CacheError, FullLayerKV, SlidingLayerKV, make_cache
 from kakeya_runtime.kv.compress import make_codec
+from kakeya_runtime.kv.heads import HeadProfileError, load_profile
 from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
 from kakeya_runtime.kv.restore import RestoreKV, RestoreLayerKV
 from kakeya_runtime.kv.sink_window import PositionLimitError, SinkWindowKV, SinkWindowLayerKV
@@ -79,11 +80,22 @@ def make_policy_cache(config: ModelConfig, spec: PolicySpec, *, batch: int = 1, 
     shape = (batch, config.num_key_value_heads, config.head_dim)
     if spec.name == "sparse":
         check_fits(spec, cap)
-        return SparseKV(_layers(config, cap, shape, dtype, device, lambda: SparseLayerKV(
-            *shape, sink=spec.sink, window=spec.window, block=spec.block, topk=spec.topk, spare=spec.spare,
-            max_positions=cap, codec=codec, dtype=dtype, device=device)), **common)
+        profile = None
+        if spec.heads == "profile":
+            try:
+                profile = load_profile(config)
+            except HeadProfileError as e:
+                raise PolicyError(str(e)) from None
+        every = cap // spec.block + 1  # a dense head keeps every cold block
+
+        def sparse_layer(i: int) -> SparseLayerKV:
+            return SparseLayerKV(*shape, sink=spec.sink, window=spec.window, block=spec.block, topk=spec.topk,
+                                 spare=spec.spare, max_positions=cap, codec=codec, dtype=dtype, device=device,
+                                 head_topk=None if profile is None else profile.head_topk(i, spec.topk, every))
+
+        return SparseKV(_layers(config, cap, shape, dtype, device, sparse_layer), **common)
     layer_cls = RestoreLayerKV if spec.name == "restore" else SinkWindowLayerKV
-    layers = _layers(config, cap, shape, dtype, device, lambda: layer_cls(
+    layers = _layers(config, cap, shape, dtype, device, lambda i: layer_cls(
         *shape, sink=spec.sink, window=spec.window, max_positions=cap, spare=spec.spare, codec=codec, dtype=dtype,
         device=device))
     if spec.name == "restore":
@@ -93,13 +105,13 @@ def make_policy_cache(config: ModelConfig, spec: PolicySpec, *, batch: int = 1, 
 
 def _layers(config: ModelConfig, cap: int, shape: tuple[int, int, int], dtype: torch.dtype,
             device: torch.device | str, governed_layer) -> list:
-    """`governed_layer()` for every layer without a native window; the native ring (or a full layer, when the
+    """`governed_layer(i)` for every layer i without a native window; the native ring (or a full layer, when the
     window covers the context) for the others."""
     layers: list = []
     for i in range(config.num_hidden_layers):
         window = config.layer_window(i)
         if window is None:
-            layers.append(governed_layer())
+            layers.append(governed_layer(i))
         elif window < cap:
             layers.append(SlidingLayerKV(*shape, window, dtype=dtype, device=device))
         else:

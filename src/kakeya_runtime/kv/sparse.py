@@ -64,10 +64,11 @@ class OracleProbe:
     keys: list[Tensor]
     active: bool = False
     masses: list[list[float]] | None = None  # per measured step: one mass per query head
+    window_masses: list[list[float]] | None = None  # the same on the sinks and hot range alone (a streaming head)
 
     @classmethod
     def new(cls) -> OracleProbe:
-        return cls(keys=[], masses=[])
+        return cls(keys=[], masses=[], window_masses=[])
 
 
 class SparseLayerKV:
@@ -77,13 +78,25 @@ class SparseLayerKV:
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, sink: int, window: int, block: int,
                  topk: int, max_positions: int, codec: KVCodec, spare: int = 0, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", initial_blocks: int = 16) -> None:
+                 device: torch.device | str = "cpu", initial_blocks: int = 16,
+                 head_topk: tuple[int, ...] | None = None) -> None:
         if sink < 0 or window < 1 or block < 1 or topk < 1 or spare < 0:
             raise CacheError(f"need sink >= 0, window, block, topk >= 1, spare >= 0; got {sink}, {window}, {block}, "
                              f"{topk}, {spare}")
+        head_topk = (topk,) * num_kv_heads if head_topk is None else tuple(head_topk)
+        if len(head_topk) != num_kv_heads or min(head_topk) < 0:
+            raise CacheError(f"head_topk needs {num_kv_heads} counts >= 0, got {head_topk}")
         self._init = dict(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, sink=sink, window=window,
                           block=block, topk=topk, max_positions=max_positions, codec=codec, spare=spare, dtype=dtype,
-                          device=device)
+                          device=device, head_topk=head_topk)
+        # Per KV head: blocks kept (0: streaming, no cold tier), and its index among the heads with a cold tier.
+        self.head_topk = head_topk
+        self._topk_t = torch.tensor(head_topk, dtype=torch.long)
+        self.cold_heads = [h for h, k in enumerate(head_topk) if k > 0]
+        self._cold_head_t = torch.tensor([self.cold_heads.index(h) if k > 0 else -1 for h, k in enumerate(head_topk)],
+                                         dtype=torch.long)
+        self._cold_pick = (None if len(self.cold_heads) == num_kv_heads
+                           else torch.tensor(self.cold_heads, dtype=torch.long, device=device))
         self.sink, self.window, self.block, self.topk, self.spare = sink, window, block, topk, spare
         self.ring = window + block + spare
         self.max_positions = max_positions
@@ -103,7 +116,8 @@ class SparseLayerKV:
         self._ring_full = False  # every hot slot holds a position (known without a tensor read once true)
 
     def _alloc_cold(self, blocks: int) -> None:
-        b, hk, _, d = self.k_hot.shape
+        b, _, _, d = self.k_hot.shape
+        hk = len(self.cold_heads)
         lead = (b, hk, blocks, self.block)
         self.cold_k = self.codec.alloc(lead, d, self.dtype, self.k_hot.device)
         self.cold_v = self.codec.alloc(lead, d, self.dtype, self.k_hot.device)
@@ -207,10 +221,15 @@ class SparseLayerKV:
             parts_v.append(v_new[:, :, max(lo, start) - start : hi - start])
         kb = torch.cat(parts_k, dim=2) if len(parts_k) > 1 else parts_k[0]
         vb = torch.cat(parts_v, dim=2) if len(parts_v) > 1 else parts_v[0]
+        if self._cold_pick is not None:  # streaming heads keep no cold tier
+            kb, vb = kb.index_select(1, self._cold_pick), vb.index_select(1, self._cold_pick)
         b, hk, _, d = kb.shape
         n = target - self.n_blocks
-        kb, vb = kb.reshape(b, hk, n, self.block, d), vb.reshape(b, hk, n, self.block, d)
         self._reserve_blocks(target)
+        if hk == 0:
+            self.n_blocks = target
+            return
+        kb, vb = kb.reshape(b, hk, n, self.block, d), vb.reshape(b, hk, n, self.block, d)
         enc_k, enc_v = self.codec.encode(kb), self.codec.encode(vb)
         sl = slice(self.n_blocks, target)
         for store, enc in ((self.cold_k, enc_k), (self.cold_v, enc_v)):
@@ -225,6 +244,9 @@ class SparseLayerKV:
         where block j lies in them (slot (N,), -1: absent). A codec the kernel reads as stored (identity, int8) is
         handed over in place, whole (the kernel reads only the selected blocks); lattice codes are decoded for
         the blocks some token selected."""
+        if not self.cold_heads:  # every head streams: no cold tier to read
+            empty = self.k_hot[:, :0, :0]
+            return empty, empty, torch.full((self.n_blocks,), -1, dtype=torch.long)
         if self.codec.direct:
             if self._identity_slots.shape[0] < self.n_blocks:
                 self._identity_slots = torch.arange(max(self.n_blocks, 2 * self._identity_slots.shape[0]))
@@ -279,13 +301,13 @@ class SparseLayerKV:
         try:
             select, scored = native.block_select(qg, self.kmin[:, :, : self.n_blocks],
                                                  self.kmax[:, :, : self.n_blocks], positions, window=self.window,
-                                                 sink=self.sink, block=self.block, topk=self.topk)
+                                                 sink=self.sink, block=self.block, topk=self._topk_t)
         except RuntimeError as e:  # the kernel's checks: e.g. a selectable block without a summary
             raise SparseIndexError(str(e).split("\n")[0]) from None
         cold = self._decode_blocks(select)
         try:
             out, seen = native.sparse_attention(qg, hot, cold, select, positions, scale, window=self.window,
-                                                sink=self.sink, block=self.block)
+                                                sink=self.sink, block=self.block, cold_head=self._cold_head_t)
         except RuntimeError as e:  # the kernel's checks: e.g. a selected block that was not decoded
             raise SparseIndexError(str(e).split("\n")[0]) from None
         self._check(seen, scored, positions)
@@ -309,15 +331,17 @@ class SparseLayerKV:
         word = select[0, :, -1]  # (Hk, words)
         blk = ((pos - self.sink).clamp(min=0) // self.block).clamp(max=select.shape[-1] * 64 - 1)
         chosen = ((word[:, blk // 64] >> (blk % 64)) & 1).bool()  # (Hk, P)
-        attended = (pos < self.sink) | (pos >= self.hot_lo(p)) | (chosen & (pos < self.hot_lo(p)))
+        hot = (pos < self.sink) | (pos >= self.hot_lo(p))
+        attended = hot | (chosen & (pos < self.hot_lo(p)))
         probe.masses.append((probs * attended[:, None, :]).sum(-1).flatten().tolist())
+        probe.window_masses.append((probs * hot[None, None, :]).sum(-1).flatten().tolist())
 
     def _check(self, seen: Tensor, scored: Tensor, positions: Tensor) -> None:
         """Every query saw exactly its sinks and hot range, and min(topk, scored) whole cold blocks (raises
         SparseIndexError otherwise); then count the step."""
         try:
             counts = native.sparse_check(seen, scored, positions, window=self.window, sink=self.sink,
-                                         block=self.block, topk=self.topk).tolist()
+                                         block=self.block, topk=self._topk_t).tolist()
         except RuntimeError as e:
             raise SparseIndexError(str(e).split("\n")[0]) from None
         queries, blocks_scored, blocks_selected, attended, visible, newest = counts

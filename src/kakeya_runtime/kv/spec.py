@@ -20,6 +20,7 @@ from kakeya_runtime.kv.lattice import LatticeError, check_lattice
 POLICIES = ("full", "sink_window", "restore", "sparse")
 GRANULARITIES = ("per_step", "per_turn")
 CODEC_KINDS = ("identity", "d4", "e8", "int8")
+HEADS = ("all", "profile")
 DEFAULT_Q = 38  # D4 at head_dim 64: 54 bytes/vector = 0.42x bf16 (tests/kv/test_lattice.py)
 
 
@@ -44,7 +45,7 @@ _KEYS: dict[str, dict[str, Any]] = {
     "restore": {"sink": 4, "window": 1024, "granularity": "per_step", "chunk": 512, "codec": "identity",
                 "q": DEFAULT_Q, "idle_codec": "none", "idle_q": DEFAULT_Q},
     "sparse": {"sink": 4, "window": 512, "block": 32, "topk": 32, "spare": 0, "codec": "d4", "q": DEFAULT_Q,
-               "idle_codec": "none", "idle_q": DEFAULT_Q},
+               "heads": "all", "idle_codec": "none", "idle_q": DEFAULT_Q},
 }
 
 
@@ -58,6 +59,7 @@ class PolicySpec:
     spare: int = 0  # sink_window, sparse: extra ring slots, so a trim may roll back that many positions
     block: int = 0  # sparse: positions per cold block
     topk: int = 0  # sparse: cold blocks each query attends to
+    heads: str = "all"  # sparse: "all" heads use the cold tier, or per head as the model's profile says (kv.heads)
     granularity: str = "per_step"  # restore: recompute every decode step, or once per generation
     chunk: int = 512  # restore: proposer forward chunk (bounds its activations)
     codec: CodecSpec = CodecSpec()  # resident-cache codec (sink_window, restore)
@@ -85,7 +87,8 @@ class PolicySpec:
         if name == "sink_window":
             return cls(name, spare=_int(p, "spare", 0), **common)
         if name == "sparse":
-            return cls(name, spare=_int(p, "spare", 0), block=_int(p, "block", 1), topk=_int(p, "topk", 1), **common)
+            return cls(name, spare=_int(p, "spare", 0), block=_int(p, "block", 1), topk=_int(p, "topk", 1),
+                       heads=_choice(p, "heads", HEADS), **common)
         return cls(name, granularity=_choice(p, "granularity", GRANULARITIES), chunk=_int(p, "chunk", 1), **common)
 
     @property
@@ -98,7 +101,7 @@ class PolicySpec:
         if self.name in ("sink_window", "sparse"):
             out["spare"] = self.spare
         if self.name == "sparse":
-            out.update(block=self.block, topk=self.topk)
+            out.update(block=self.block, topk=self.topk, heads=self.heads)
         if self.name == "restore":
             out.update(granularity=self.granularity, chunk=self.chunk)
         if self.idle_codec is not None:
@@ -117,7 +120,7 @@ class PolicySpec:
             if self.name == "restore":
                 parts.append(self.granularity)
             if self.name == "sparse":
-                parts.append(f"top {self.topk} x {self.block}")
+                parts.append(f"top {self.topk} x {self.block}" + (", per-head profile" if self.heads == "profile" else ""))
             if self.codec.kind != "identity":
                 parts.append(self.codec.label)
             inner = ", ".join(parts)

@@ -106,42 +106,52 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
 
 def sparse_attention(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      cold: tuple[torch.Tensor, ...], select: torch.Tensor, q_pos: torch.Tensor,
-                     scale: float, *, window: int, sink: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, *, window: int, sink: int, block: int,
+                     cold_head: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over two key sources: `hot` (k, v, positions) exact, seen by token t at positions below `sink`
     or in its hot range hot_lo(t)..t (the last `window` positions extended down to a block boundary counted
     from `sink`), and `cold` (k, v (B, Hk, U * block, D) blocks in q's dtype, slot (N,) int64: where block j is,
     -1 if absent; or k, v int8 codes, k_scale, v_scale fp16 (B, Hk, U * block), slot): token t attends the blocks
     its `select` bitset (B, Hk, T, words) names among those wholly below hot_lo(t), packed in its own lanes; a
-    selected block that is absent raises. Returns the output (B, Hk, R, D) and the keys each row saw,
+    selected block that is absent raises. Cold tensors hold the heads `cold_head` (Hk,) maps to (-1: a head with
+    no cold tier; default: every head, in order). Returns the output (B, Hk, R, D) and the keys each row saw,
     (B, Hk, R, 2) int64 (hot, cold)."""
     if _loaded is None:
         load()
     k, v, *scales, slot = cold
     k_scale, v_scale = scales if scales else (None, None)
-    return torch.ops.kakeya.sparse_attention(q, *hot, k, v, k_scale, v_scale, slot, select, q_pos, window, sink,
-                                             block, scale)
+    if cold_head is None:
+        cold_head = torch.arange(q.shape[1])
+    return torch.ops.kakeya.sparse_attention(q, *hot, k, v, k_scale, v_scale, slot, cold_head, select, q_pos, window,
+                                             sink, block, scale)
 
 
 def block_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, q_pos: torch.Tensor, *, window: int,
-                 sink: int, block: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 sink: int, block: int, topk: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse policy's indexer: for each token (rows of q (B, Hk, R, D) ordered (group, token)) the top-k
     cold blocks by Quest's bound over the per-block key min/max (B, Hk, N, D), among the n(t) blocks wholly
-    outside its window. Returns (select (B, Hk, T, words) int64 bitsets, scored (B, Hk, T) int64 = n(t));
-    raises when a token could select a block that has no summary."""
+    outside its window. `topk`: one for every head, or (Hk,) int64 per head (0: a streaming head, which has no
+    summaries: kmin/kmax then hold only the heads with topk > 0). Returns (select (B, Hk, T, words) int64
+    bitsets, scored (B, Hk, T) int64 = n(t), 0 for streaming heads); raises when a token could select a block
+    that has no summary."""
     if _loaded is None:
         load()
-    return torch.ops.kakeya.block_select(q, kmin, kmax, q_pos, window, sink, block, topk)
+    return torch.ops.kakeya.block_select(q, kmin, kmax, q_pos, window, sink, block, _per_head(topk, q.shape[1]))
 
 
 def sparse_check(seen: torch.Tensor, scored: torch.Tensor, q_pos: torch.Tensor, *, window: int, sink: int,
-                 block: int, topk: int) -> torch.Tensor:
+                 block: int, topk: int | torch.Tensor) -> torch.Tensor:
     """The sparse step's tripwire on sparse_attention's `seen` counts: raises unless every query row saw exactly
     its sinks and hot range and min(topk, scored) whole cold blocks. Returns int64 (6,): query tokens x KV heads,
     blocks scored, blocks selected, keys attended, keys visible, and the newest token's attended keys (summed
     over batch and KV heads)."""
     if _loaded is None:
         load()
-    return torch.ops.kakeya.sparse_check(seen, scored, q_pos, window, sink, block, topk)
+    return torch.ops.kakeya.sparse_check(seen, scored, q_pos, window, sink, block, _per_head(topk, seen.shape[1]))
+
+
+def _per_head(topk: int | torch.Tensor, heads: int) -> torch.Tensor:
+    return topk if isinstance(topk, torch.Tensor) else torch.full((heads,), topk, dtype=torch.long)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -512,7 +512,8 @@ struct Source {
   int64_t supers() const { return static_cast<int64_t>(super_first.size()) - 1; }
 };
 
-// The cold side of a sparse call: decoded blocks of `block` positions stacked in K/V (B, Hk, U * block, D),
+// The cold side of a sparse call: decoded blocks of `block` positions stacked in K/V (B, Hc, U * block, D) for
+// the KV heads that have a cold tier (head[h]: KV head h's index there, -1: none),
 // slot[j] the place in K/V of cold block j (positions sink + j * block ...; -1: not provided), and each token's
 // selection bitsets (B, Hk, T, words). Only blocks wholly below a token's hot range count (n(t) of them).
 //
@@ -526,6 +527,7 @@ struct Cold {
   const at::Tensor* k_scale = nullptr;
   const at::Tensor* v_scale = nullptr;
   const int64_t* slot = nullptr;
+  const int64_t* head = nullptr;  // (Hk,): each KV head's index in K/V's head dim, -1: no cold tier
   int64_t nslot = 0, block = 0;
   const uint64_t* sel = nullptr;
   int64_t words = 0;
@@ -638,8 +640,9 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
             for (int64_t w = 0; w * 64 < n; ++w)
               for (uint64_t bits = row[w]; bits != 0u; bits &= bits - 1) {
                 const int64_t j = w * 64 + __builtin_ctzll(bits);
-                TORCH_CHECK(j >= n || (j < cold->nslot && cold->slot[j] >= 0), "sparse_attention: cold block ", j,
-                            " selected by the query at position ", qpos[t0 + t], " was not provided");
+                TORCH_CHECK(j >= n || (j < cold->nslot && cold->slot[j] >= 0 && cold->head[h] >= 0),
+                            "sparse_attention: cold block ", j, " selected by the query at position ", qpos[t0 + t],
+                            " (KV head ", h, ") was not provided");
               }
             const int64_t lanes = popcount_below(row, n) * cold->block;
             nsel[(b * H + h) * tn + t] = lanes;
@@ -689,7 +692,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           base = state.data() + item * Rt * W;
         } else {
           const int64_t ci = item - hot_items, c = ci % C, bht = ci / C, t = bht % tn, bh = bht / tn;
-          const int64_t b = bh / H, h = bh % H;
+          const int64_t b = bh / H, h = cold->head[bh % H];  // h: the head in cold K/V (>= 0 when it has lanes)
           base = cstate.data() + ci * G * W;
           const int64_t first = c * SPLIT, count = std::min<int64_t>(SPLIT, nsel[bht] - first);
           if (count <= 0) {  // this token has fewer superchunks: an empty state
@@ -697,7 +700,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
             std::fill(base + G * D, base + G * D + G, NEG_INF);
             continue;
           }
-          cold->lanes(cold->sel + ((b * H + h) * NT + t0 + t) * cold->words,
+          cold->lanes(cold->sel + (bh * NT + t0 + t) * cold->words,
                       cold->blocks_below(qpos[t0 + t], window, sink), first, count, rows);
           cblocks.clear();
           for (int64_t i = 0; i < count; i += PB)
@@ -869,7 +872,8 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // Sparse attention: the exact hot set (sinks and each query's hot range, hot_lo..q, the last `window` positions
 // extended down to a multiple of `block` after the sinks) and the cold blocks each token selected (`select`
 // (B, Hk, T, words) bitsets over blocks j = (p - sink) / block; only blocks wholly below the query's hot range
-// count), one softmax over both. cold_k, cold_v (B, Hk, U * block, D) hold decoded blocks, block j at
+// count), one softmax over both. cold_k, cold_v (B, Hc, U * block, D) hold decoded blocks of the KV heads that
+// have a cold tier (cold_head[h]: head h's index in them, -1: none), block j at
 // cold_slot[j] (-1: not provided; a selected block not provided is an error). Returns the output and the keys
 // each row saw from each side, (B, Hk, R, 2) int64: [..., 0] hot, [..., 1] cold.
 std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& hot_k,
@@ -877,7 +881,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
                                                     const at::Tensor& cold_k, const at::Tensor& cold_v,
                                                     const std::optional<at::Tensor>& cold_k_scale,
                                                     const std::optional<at::Tensor>& cold_v_scale,
-                                                    const at::Tensor& cold_slot, const at::Tensor& select,
+                                                    const at::Tensor& cold_slot, const at::Tensor& cold_head,
+                                                    const at::Tensor& select,
                                                     const at::Tensor& q_pos, int64_t window, int64_t sink,
                                                     int64_t block, double scale) {
   check_query(q, q_pos);
@@ -885,11 +890,18 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
   TORCH_CHECK(window >= 1 && sink >= 0 && block >= 1, "sparse_attention: need window >= 1, sink >= 0, block >= 1");
   const bool int8 = cold_k.scalar_type() == at::kChar;
   const auto cold_dtype = int8 ? at::kChar : q.scalar_type();
+  TORCH_CHECK(cold_head.dim() == 1 && cold_head.scalar_type() == at::kLong && cold_head.is_contiguous() &&
+                  cold_head.size(0) == q.size(1),
+              "sparse_attention: cold_head must be contiguous int64 (Hk,)");
+  const int64_t* ch = cold_head.const_data_ptr<int64_t>();
+  for (int64_t h = 0; h < q.size(1); ++h)
+    TORCH_CHECK(ch[h] < cold_k.size(1), "sparse_attention: KV head ", h, " maps to cold head ", ch[h], " of ",
+                cold_k.size(1));
   TORCH_CHECK(cold_k.dim() == 4 && cold_k.sizes() == cold_v.sizes() && cold_k.scalar_type() == cold_dtype &&
                   cold_v.scalar_type() == cold_dtype && cold_k.size(0) == q.size(0) &&
-                  cold_k.size(1) == q.size(1) && cold_k.size(3) == q.size(3) && cold_k.size(2) % block == 0 &&
+                  cold_k.size(3) == q.size(3) && cold_k.size(2) % block == 0 &&
                   cold_k.stride(3) == 1 && cold_v.stride(3) == 1,
-              "sparse_attention: cold_k, cold_v must be (B, Hk, U * block, D) in q's dtype or int8, unit last stride");
+              "sparse_attention: cold_k, cold_v must be (B, Hc, U * block, D) in q's dtype or int8, unit last stride");
   TORCH_CHECK(cold_k_scale.has_value() == int8 && cold_v_scale.has_value() == int8,
               "sparse_attention: int8 cold K/V need their scales, other dtypes none");
   if (int8)
@@ -918,7 +930,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
   if (q.numel() == 0) return {out, seen};
   std::vector<Source> sources;
   sources.emplace_back(hot_k, hot_v, hot_pos, Kind::Hot, path_block(q));
-  const Cold cold{&cold_k, &cold_v, int8 ? &*cold_k_scale : nullptr, int8 ? &*cold_v_scale : nullptr, sl,
+  const Cold cold{&cold_k, &cold_v, int8 ? &*cold_k_scale : nullptr, int8 ? &*cold_v_scale : nullptr, sl, ch,
                   cold_slot.size(0), block,
                   reinterpret_cast<const uint64_t*>(select.const_data_ptr<int64_t>()), select.size(3)};
   dispatch(q, sources, q_pos, window, sink, &cold, scale, out, seen.data_ptr<int64_t>());
@@ -931,7 +943,8 @@ TORCH_LIBRARY(kakeya, m) {
   m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_pos, int window, int sink, "
         "float scale) -> Tensor");
   m.def("sparse_attention(Tensor q, Tensor hot_k, Tensor hot_v, Tensor hot_pos, Tensor cold_k, Tensor cold_v, "
-        "Tensor? cold_k_scale, Tensor? cold_v_scale, Tensor cold_slot, Tensor select, Tensor q_pos, int window, "
+        "Tensor? cold_k_scale, Tensor? cold_v_scale, Tensor cold_slot, Tensor cold_head, Tensor select, Tensor q_pos, "
+        "int window, "
         "int sink, int block, float scale) -> "
         "(Tensor, Tensor)");
   m.def("bf16_dot() -> bool", [] { return kBf16Dot; });  // built with AVX512-BF16 dot products

