@@ -89,3 +89,26 @@ def test_sizes():
     for bad in ("0", "GiB", "8 parsecs", "-5"):
         with pytest.raises(ValueError, match="--x"):
             cli.parse_size(bad, "--x")
+
+
+def test_chat_after_an_interrupted_reply_keeps_its_session(server, monkeypatch):
+    """Ctrl-C during a reply cancels it; the next turn appends only its own tokens to the same session."""
+    from kakeya.tokenization import StreamDecoder
+
+    real, pushed = StreamDecoder.push, []
+
+    def push(self, token):
+        pushed.append(token)
+        if len(pushed) == 3:
+            raise KeyboardInterrupt  # the user's Ctrl-C, mid-reply
+        return real(self, token)
+
+    monkeypatch.setattr(StreamDecoder, "push", push)
+    result = CliRunner().invoke(
+        _app(), ["chat", "--addr", server.address, "--max-tokens", "8", "--temperature", "0", "--system", "be brief"],
+        input="hello\nsecond turn\n/info\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert "[interrupted]" in result.output and "new session" not in result.output and "re-render" not in result.output
+    (stats,) = [line for line in result.output.splitlines() if line.startswith("prefill ")]  # the second turn's
+    prefill, history = int(stats.split()[1]), int(stats.split("history ")[1].split("/")[0])
+    assert prefill < history - prefill  # it prefilled its own tokens, not the conversation again

@@ -306,6 +306,7 @@ def chat(
                     continue
                 session.append(delta)
                 history += delta
+                reply_from = len(history)
                 gen = session.generate(max_tokens=min(max_tokens, room), temperature=temperature,
                                        top_p=top_p if temperature > 0 else None, seed=seed)
                 stream = tok.stream_decoder()
@@ -321,7 +322,9 @@ def chat(
                     history = _resync(session)
                 else:
                     history += gen.token_ids
-                reply = tok.decode(gen.token_ids, skip_special_tokens=True)
+                # The reply is what the session holds (an interrupted one may hold a token we never saw), so the
+                # next turn's template render extends the history and only the new turn is appended.
+                reply = tok.decode(history[reply_from:], skip_special_tokens=True)
                 if use_template:
                     messages.append({"role": "assistant", "content": reply})
                 st = gen.stats
