@@ -220,6 +220,9 @@ def test_head_profile_streaming_sparse_dense(tiny_llama, tmp_path, monkeypatch):
     params = {**SMALL, "codec": "identity", "heads": "profile"}
     with pytest.raises(PolicyError, match="no head profile"):
         make_policy_cache(tiny_llama.config, PolicySpec.parse("sparse", params))
+    _write_profile(tiny_llama.config, {0: ["sparse", "sparse"]}, tmp_path / "heads")  # layers 1 and 2 missing
+    with pytest.raises(PolicyError, match="no entry for layer 1"):
+        make_policy_cache(tiny_llama.config, PolicySpec.parse("sparse", params))
     _write_profile(tiny_llama.config, {0: ["streaming", "dense"], 1: ["sparse", "streaming"], 2: ["dense", "sparse"]},
                    tmp_path / "heads")
     ids = _ids(90, seed=4)

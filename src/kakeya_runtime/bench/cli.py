@@ -188,6 +188,10 @@ def calibrate_heads_cmd(
 
     from kakeya_runtime.bench.heads import calibrate_heads
 
+    if dtype not in ("bf16", "fp32"):
+        raise typer.BadParameter(f"--dtype must be bf16 or fp32, got {dtype!r}")
+    if not 0 < target <= 1:
+        raise typer.BadParameter(f"--target is a share of attention mass in (0, 1], got {target}")
     r = calibrate_heads(model, dtype=dtype, lengths=_ints(lengths), depths=tuple(float(x) for x in _csv(depths)),
                         window=window, block=block, topk=topk, target=target, out=out or None,
                         command="kakeya " + " ".join(sys.argv[1:]))

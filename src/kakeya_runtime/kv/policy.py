@@ -93,7 +93,10 @@ def make_policy_cache(config: ModelConfig, spec: PolicySpec, *, batch: int = 1, 
                                  spare=spec.spare, max_positions=cap, codec=codec, dtype=dtype, device=device,
                                  head_topk=None if profile is None else profile.head_topk(i, spec.topk, every))
 
-        return SparseKV(_layers(config, cap, shape, dtype, device, sparse_layer), **common)
+        try:
+            return SparseKV(_layers(config, cap, shape, dtype, device, sparse_layer), **common)
+        except HeadProfileError as e:  # a profile that lacks one of this model's governed layers
+            raise PolicyError(str(e)) from None
     layer_cls = RestoreLayerKV if spec.name == "restore" else SinkWindowLayerKV
     layers = _layers(config, cap, shape, dtype, device, lambda i: layer_cls(
         *shape, sink=spec.sink, window=spec.window, max_positions=cap, spare=spec.spare, codec=codec, dtype=dtype,

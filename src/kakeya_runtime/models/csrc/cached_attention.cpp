@@ -611,8 +611,12 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
   const int64_t NSP = static_cast<int64_t>(supers.size());
   const int64_t* qpos = q_pos.const_data_ptr<int64_t>();
   static const int64_t kAll = std::numeric_limits<int64_t>::max() / 2;  // a query position that sees every lane
-  std::vector<int64_t> lane_pos(SPLIT);  // cold lanes' own positions 0, 1, ... (their keys are all visible)
-  std::iota(lane_pos.begin(), lane_pos.end(), 0);
+  // Cold lanes' own positions 0, 1, ... (their keys are all visible); built once per process.
+  static const std::vector<int64_t> lane_pos = [] {
+    std::vector<int64_t> v(SPLIT);
+    std::iota(v.begin(), v.end(), 0);
+    return v;
+  }();
 
   const T* qp = q.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
