@@ -80,7 +80,8 @@ def _decode_reason(error: Exception) -> str:
 
 
 class StatusBoundary(grpc.aio.ServerInterceptor):
-    """Decodes requests safely and maps every failure of a unary-request RPC to a typed status."""
+    """Decodes requests safely and maps every failure to a typed status (unary requests, and the request stream of
+    a stream-unary RPC: each message is decoded safely as it arrives)."""
 
     def __init__(self, on_limit: LimitHook | None = None) -> None:
         self.on_limit: LimitHook = on_limit or (lambda limit: None)
@@ -91,12 +92,14 @@ class StatusBoundary(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming:
-            return handler  # unknown method (gRPC answers UNIMPLEMENTED), or a streaming request: untouched
+        if handler is None or (handler.request_streaming and handler.response_streaming):
+            return handler  # unknown method (gRPC answers UNIMPLEMENTED), or bidirectional (none is served): untouched
         rpc = handler_call_details.method.rsplit("/", 1)[-1]
         decode = handler.request_deserializer
         kw = {"request_deserializer": None if decode is None else safe_deserializer(decode, rpc),
               "response_serializer": handler.response_serializer}
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(self._wrap_client_stream(handler.stream_unary, rpc), **kw)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(self._wrap_stream(handler.unary_stream, rpc), **kw)
         return grpc.unary_unary_rpc_method_handler(self._wrap_unary(handler.unary_unary, rpc), **kw)
@@ -128,6 +131,15 @@ class StatusBoundary(grpc.aio.ServerInterceptor):
 
         return handle
 
+    def _wrap_client_stream(self, behavior: Callable[..., Awaitable[Any]], rpc: str) -> Callable[..., Awaitable[Any]]:
+        async def handle(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(_checked(requests), context)
+            except Exception as e:  # every failure becomes a status (cancellation is a BaseException: it passes)
+                await self._fail(context, e, rpc)
+
+        return handle
+
     async def _fail(self, context: grpc.aio.ServicerContext, error: Exception, rpc: str) -> None:
         """Answer `error` as a status (always raises: context.abort ends the RPC)."""
         if isinstance(error, grpc.aio.AbortError):  # the servicer aborted with a status of its own
@@ -140,6 +152,12 @@ class StatusBoundary(grpc.aio.ServerInterceptor):
             _log.error("%s failed with an unexpected error", rpc, exc_info=error)
             code, message = grpc.StatusCode.INTERNAL, f"{rpc} failed ({type(error).__name__}); see the server log"
         await context.abort(code, details(message))
+
+
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        _refuse_malformed(request)
+        yield request
 
 
 def _refuse_malformed(request: Any) -> None:

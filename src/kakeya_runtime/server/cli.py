@@ -75,6 +75,14 @@ def serve(
         help="Idle-compression codec for sessions that name none: identity, d4, e8 (or none: only those that do).",
     ),
     idle_q: int = typer.Option(38, "--idle-q", help="Lattice range of the d4/e8 idle codec."),
+    state_dir: str | None = typer.Option(
+        None, "--state-dir", metavar="DIR",
+        help="Keep sessions across restarts and crashes: each session's token history is journaled here before a "
+             "call answers, and its KV cache is snapshotted at shutdown; on start every session comes back "
+             "(default: sessions live in memory only)."),
+    fsync: str = typer.Option(
+        "call", "--fsync", help="When journal writes reach the disk: always (before each token is streamed), call "
+        "(when each call ends; a killed server loses nothing either way), never (left to the OS)."),
     max_request_bytes: int | None = typer.Option(
         None, "--max-request-bytes", metavar="BYTES",
         help="Largest request accepted (gRPC receive limit; bigger ones get RESOURCE_EXHAUSTED). Default: sized "
@@ -100,7 +108,7 @@ def serve(
                           openai_max_queue=openai_max_queue, max_sessions_per_key=max_sessions_per_key,
                           kv_budget=budget, kv_budget_per_key=budget_per_key, evict_across_keys=evict_across_keys,
                           tls_cert=tls_cert, tls_key=tls_key, insecure=insecure, metrics_host=metrics_host,
-                          metrics_key=metrics_key)
+                          metrics_key=metrics_key, state_dir=state_dir, fsync=fsync)
     try:
         config.validate()  # before the (slow) model load: a refused bind should fail at once
         parse_codec(idle_codec, idle_q)  # the model-independent checks (head_dim is checked once loaded)
@@ -144,11 +152,20 @@ def serve(
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(1) from None
     console.print(f"Numerics: {kernel}")
+    from kakeya_runtime.sessions.journal import StateDirError
+
     try:
         server = RuntimeServer(ServedModel.from_loaded(loaded, model), config)
     except ValueError as e:  # e.g. an idle codec the model's head_dim cannot take
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
+    except (StateDirError, OSError) as e:  # a state dir of another model, a session the limits cannot hold
+        console.print(f"[red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    if state_dir is not None:
+        r = server.recovery
+        console.print(f"State dir {state_dir} (fsync {fsync}): recovered {r.sessions} session(s), {r.tokens} tokens, "
+                      f"{r.snapshots} KV snapshot(s)" + (f"; cut {r.dropped_bytes} torn bytes" if r.dropped_bytes else ""))
     asyncio.run(_serve_forever(server, console))
 
 

@@ -27,10 +27,18 @@ from kakeya_runtime.server.boundary import StatusBoundary
 from kakeya_runtime.server.health import add_health_and_reflection
 from kakeya_runtime.server.metrics import RpcMetricsInterceptor, RuntimeMetrics
 from kakeya_runtime.sessions.budget import default_kv_budget
-from kakeya_runtime.sessions.errors import InvalidArgument, quoted
+from kakeya_runtime.sessions.errors import InvalidArgument, ResourceExhausted, quoted
+from kakeya_runtime.sessions.journal import FsyncPolicy, StateDir
 from kakeya_runtime.sessions.limits import Limits
 from kakeya_runtime.sessions.policy import PolicyRegistry, PolicySpec
-from kakeya_runtime.sessions.service import DoneEvent, GenerateParams, ServiceConfig, SessionService
+from kakeya_runtime.sessions.service import (
+    DoneEvent,
+    GenerateParams,
+    RecoveryStats,
+    ServiceConfig,
+    SessionService,
+)
+from kakeya_runtime.sessions.snapshot import model_fingerprint
 
 try:
     from kakeya_runtime._proto import runtime_pb2 as pb
@@ -44,6 +52,7 @@ MAX_SEND_BYTES = 256 * 1024 * 1024
 # a non-negative int32, at most 5 varint bytes) plus headroom for the policy params, the id and the framing.
 TOKEN_ID_WIRE_BYTES = 5
 REQUEST_HEADROOM_BYTES = 1024 * 1024
+ARCHIVE_CHUNK_BYTES = 1024 * 1024  # ExportSession's chunks: under any receive limit request_bytes_for allows
 _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -109,6 +118,8 @@ class ServerConfig:
     metrics_key: str | None = None  # /metrics answers only `authorization: Bearer <metrics_key>`; None: anyone
     openai_port: int | None = None  # the deprecated OpenAI-style HTTP shim (server/openai_shim.py); None: off
     openai_max_queue: int = 16  # shim requests beyond max_concurrent + this many answer 429
+    state_dir: str | None = None  # durable sessions (sessions.journal): journals and KV snapshots here; None: memory only
+    fsync: str = "call"  # always | call | never: when journal records reach the disk (sessions.journal)
     extra_options: list[tuple[str, Any]] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -136,6 +147,10 @@ class ServerConfig:
             raise ValueError(f"idle_compress_after_s must be > 0, got {self.idle_compress_after_s}")
         if self.idle_codec is not None and self.idle_codec.lower() not in (*CODEC_KINDS, "none"):
             raise ValueError(f"idle_codec must be one of {', '.join((*CODEC_KINDS, 'none'))}, got {self.idle_codec!r}")
+        if self.fsync not in {p.value for p in FsyncPolicy}:
+            raise ValueError(f"fsync must be one of {', '.join(p.value for p in FsyncPolicy)}, got {self.fsync!r}")
+        if self.state_dir is not None and Path(self.state_dir).exists() and not Path(self.state_dir).is_dir():
+            raise ValueError(f"the state directory {self.state_dir!r} is not a directory")
         if self.max_request_bytes is not None and not 0 < self.max_request_bytes < 2**31:
             raise ValueError(f"max_request_bytes must be in [1, 2**31), got {self.max_request_bytes}")
 
@@ -166,6 +181,9 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             idle_compress_after_seconds=service.config.idle_compress_after_s or 0.0,
             idle_codec=service.idle_codec.label if service.idle_codec is not None else "",
         )
+        # An archive holds at most the context's token ids and a snapshot of the largest cache (full) at the context.
+        full = service.policies.resolve("full", {}, cfg, service.context_length)
+        self.max_import_bytes = 4 * service.context_length + 2 * service.kv_reserve(full) + REQUEST_HEADROOM_BYTES
 
     async def _owner(self, context: grpc.aio.ServicerContext) -> str:
         owner = self.auth.owner(context.invocation_metadata())
@@ -252,6 +270,26 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         await self._owner(context)
         return self.model_info
 
+    async def ExportSession(self, request, context) -> AsyncIterator[pb.SessionArchiveChunk]:
+        owner = await self._owner(context)
+        data = await self.service.export(owner, request.session_id, include_kv=request.include_kv)
+        view = memoryview(data)
+        for at in range(0, len(view), ARCHIVE_CHUNK_BYTES):
+            yield pb.SessionArchiveChunk(data=bytes(view[at : at + ARCHIVE_CHUNK_BYTES]))
+
+    async def ImportSession(self, request_iterator, context):
+        owner = await self._owner(context)
+        parts, size = [], 0
+        async for chunk in request_iterator:
+            size += len(chunk.data)
+            if size > self.max_import_bytes:
+                raise ResourceExhausted(f"the archive exceeds {self.max_import_bytes} bytes, the most a session of "
+                                        "this server's context can take", limit="request")
+            parts.append(chunk.data)
+        session, kv_loaded = await self.service.import_session(owner, b"".join(parts))
+        return pb.ImportSessionResponse(session_id=session.id, history_length=len(session.history),
+                                        kv_loaded=kv_loaded, policy=_policy_pb(session.policy))
+
 
 MAX_PARAM_MAGNITUDE = 2.0**53  # beyond it a JSON number is not an exact integer
 
@@ -307,6 +345,8 @@ class RuntimeServer:
             kv_budget=c.kv_budget or default_kv_budget(served.model, self.engine.device),
             kv_budget_per_key=c.kv_budget_per_key, evict_across_keys=c.evict_across_keys)
         self.tls = None if c.tls_cert is None else (Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())
+        model_id = model_fingerprint(served.name, served.model, self.engine.dtype)
+        state = None if c.state_dir is None else StateDir(c.state_dir, model_id, FsyncPolicy(c.fsync))
         self.service = SessionService(
             self.engine,
             eos_ids=eos,
@@ -316,8 +356,13 @@ class RuntimeServer:
                                  idle_codec=c.idle_codec, idle_q=c.idle_q, limits=limits),
             policies=policies,
             observer=self.metrics,
+            state=state,
+            model_id=model_id,
         )
         self.metrics.bind_store(self.service.store, self.service.policies.names())
+        # Every journaled session is back before the first call can arrive (StateDirError when one cannot be).
+        self.recovery: RecoveryStats = self.service.recover()
+        self.metrics.sessions_recovered(self.recovery.sessions)
         self.auth = ApiKeyAuth(c.api_keys)
         self.max_request_bytes = c.max_request_bytes or request_bytes_for(self.service.context_length)
         self.port: int | None = None

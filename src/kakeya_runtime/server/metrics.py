@@ -43,7 +43,8 @@ REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, gr
                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE,
                  grpc.StatusCode.INTERNAL)
 # What a RESOURCE_EXHAUSTED refusal names as exceeded (sessions.errors.ResourceExhausted.limit).
-LIMITS = ("context", "model_positions", "sessions", "sessions_per_key", "kv_budget", "kv_budget_per_key")
+LIMITS = ("context", "model_positions", "sessions", "sessions_per_key", "kv_budget", "kv_budget_per_key", "request",
+          "state_dir")
 UNKNOWN_RPC = "unknown"  # the rpc label of calls to methods the server does not serve (bounded cardinality)
 
 
@@ -162,6 +163,16 @@ class RuntimeMetrics:
             "kakeya_session_kv_reserved_bytes", "KV bytes sessions reserve against the budget (each its worst case).",
             registry=r,
         )
+        self.session_recovered_total = Counter(
+            "kakeya_session_recovered_total", "Sessions recovered from the state directory at start-up.", registry=r,
+        )
+        self.session_kv_restored_total = Counter(
+            "kakeya_session_kv_restored_total", "Recovered or imported sessions whose cache was built at their first "
+            "Generate or import, by source: snapshot (loaded after verification) or recompute (a snapshot refused: "
+            "the history was prefilled instead).", ["source"], registry=r,
+        )
+        for source in ("snapshot", "recompute"):
+            self.session_kv_restored_total.labels(source)
         self.kv_budget_bytes = Gauge(
             "kakeya_kv_budget_bytes", "The KV byte budget all sessions share (0: none).", registry=r,
         )
@@ -237,6 +248,12 @@ class RuntimeMetrics:
     def limit_refused(self, limit: str) -> None:
         """A request was refused with RESOURCE_EXHAUSTED for `limit` (called by the status boundary)."""
         self.limit_refusals_total.labels(limit).inc()
+
+    def sessions_recovered(self, n: int) -> None:
+        self.session_recovered_total.inc(n)
+
+    def kv_restored(self, source: str) -> None:
+        self.session_kv_restored_total.labels(source).inc()
 
     def session_idle_compressed(self, stats: IdleStats) -> None:
         self.session_idle_compressed_total.inc()

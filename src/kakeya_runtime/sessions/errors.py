@@ -37,7 +37,8 @@ class SessionNotFound(SessionError):
 
 class ResourceExhausted(SessionError):
     """A limit was reached; `limit` names which (the label of kakeya_limit_refusals_total): context,
-    model_positions, sessions, sessions_per_key, kv_budget, kv_budget_per_key."""
+    model_positions, sessions, sessions_per_key, kv_budget, kv_budget_per_key, request (an archive too large to
+    import), state_dir (the state directory's disk is full)."""
 
     kind = ErrorKind.RESOURCE_EXHAUSTED
 

@@ -38,15 +38,19 @@ from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_comp
 from kakeya_runtime.kv.sink_window import PositionLimitError
 from kakeya_runtime.kv.sparse import SparseKV
 from kakeya_runtime.kv.spec import DEFAULT_Q
+from kakeya_runtime.sessions import archive, snapshot
 from kakeya_runtime.sessions.budget import kv_worst_case_bytes
 from kakeya_runtime.sessions.errors import (
+    FailedPrecondition,
     InternalError,
     InvalidArgument,
     InvariantViolation,
     ResourceExhausted,
     SessionError,
     Unavailable,
+    quoted,
 )
+from kakeya_runtime.sessions.journal import StateDir, StateDirError
 from kakeya_runtime.sessions.limits import Limits
 from kakeya_runtime.sessions.policy import CodecSpec, PolicyRegistry, PolicySpec, parse_codec
 from kakeya_runtime.sessions.scheduler import Scheduler
@@ -119,6 +123,10 @@ class ServiceObserver(StoreObserver, Protocol):
 
     def session_idle_compressed(self, stats: IdleStats) -> None: ...
 
+    def kv_restored(self, source: str) -> None:
+        """A recovered or imported session's cache was built: source "snapshot", or "recompute" after a snapshot
+        was refused (a session without one simply prefills its history, as any new session does)."""
+
 
 class _NullServiceObserver(NullObserver):
     def generate_finished(self, stats: GenerateStats, history_tokens: int) -> None:
@@ -126,6 +134,17 @@ class _NullServiceObserver(NullObserver):
 
     def session_idle_compressed(self, stats: IdleStats) -> None:
         pass
+
+    def kv_restored(self, source: str) -> None:
+        pass
+
+
+@dataclass(slots=True, frozen=True)
+class RecoveryStats:
+    sessions: int
+    tokens: int  # history tokens recovered, all sessions together
+    snapshots: int  # sessions with a KV snapshot to load at their first Generate
+    dropped_bytes: int  # torn journal tails cut off (never acknowledged to a client)
 
 
 _JOB_ENDED = object()  # pushed after a job's last event; alone it means the job never ran
@@ -152,8 +171,14 @@ class _Job:
 class SessionService:
     def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), config: ServiceConfig | None = None,
                  policies: PolicyRegistry | None = None, observer: ServiceObserver | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, state: StateDir | None = None,
+                 model_id: str = "") -> None:
+        """`state`: the state directory that makes sessions durable (sessions.journal); `model_id`: the served
+        model's fingerprint (sessions.snapshot.model_fingerprint), which KV snapshots and archives must match."""
         self.engine = engine
+        self.state = state
+        self.model_id = (state.model_id if state is not None else model_id
+                         or snapshot.model_fingerprint(engine.config.model_type, engine.model, engine.dtype))
         self.config = config or ServiceConfig()
         self.vocab_size = engine.config.vocab_size
         self.eos_ids = tuple(eos_ids)
@@ -172,7 +197,7 @@ class SessionService:
         self.observer: ServiceObserver = observer or _NullServiceObserver()
         limits = self.config.limits or Limits(max_sessions=self.config.max_sessions)
         self.store = SessionStore(idle_ttl_s=self.config.idle_ttl_s, observer=self.observer, clock=clock,
-                                  limits=limits)
+                                  limits=limits, journal=state)
         self._worst_case: dict[PolicySpec, int] = {}
         self.scheduler = Scheduler(self.config.max_concurrent)
         self._sweeper: asyncio.Task | None = None
@@ -202,6 +227,46 @@ class SessionService:
                 await task
         # Running generations stop after their current step; queued ones never start.
         await asyncio.to_thread(self.scheduler.shutdown)
+        if self.state is not None:  # the engine is idle now: keep each live cache for the next start, then close
+            await asyncio.to_thread(self._snapshot_all)
+            self.state.close()
+
+    def recover(self) -> RecoveryStats:
+        """Adopt every session of the state directory (before serving). A session the served policies or limits
+        cannot hold stops the start (StateDirError naming it and what to change): none is dropped silently."""
+        if self.state is None:
+            return RecoveryStats(0, 0, 0, 0)
+        found = self.state.recover()
+        tokens = snapshots = dropped = 0
+        for r in found:
+            try:
+                spec = self.policies.resolve(r.policy_name, r.policy_params, self.engine.config, r.context_length)
+                self.store.adopt(r.id, r.owner, spec, r.context_length, r.history, reserve_bytes=self.kv_reserve(spec),
+                                 snapshot=r.snapshot)
+            except SessionError as e:
+                raise StateDirError(f"cannot recover session {r.id} ({len(r.history)} tokens, policy {r.policy_name}): "
+                                    f"{e.message}; start with limits and policies that admit it") from None
+            self._check_tokens(r.history, f"the journal of session {r.id}")
+            tokens += len(r.history)
+            snapshots += r.snapshot is not None
+            dropped += r.dropped_bytes
+        return RecoveryStats(len(found), tokens, snapshots, dropped)
+
+    def _snapshot_all(self) -> int:
+        """At shutdown, on the (idle) engine: write a KV snapshot of every session holding a live cache."""
+        assert self.state is not None
+        written = 0
+        for session in self.store.live_sessions():
+            cache = session.cache
+            if cache is None or session.cached_length == 0 or session.generating:
+                continue
+            try:
+                data = snapshot.dump(cache, session.history, session.cached_length, self.model_id)
+                self.state.write_snapshot(session.id, data)
+                written += 1
+            except Exception:  # the journal still holds the history: the next start recomputes this cache
+                _log.warning("could not snapshot session %s at shutdown", session.id, exc_info=True)
+        return written
 
     # ---- the API ---------------------------------------------------------------------------
 
@@ -277,6 +342,68 @@ class SessionService:
                 self._release_turn(session)
             elif not job.finished:
                 job.cancel.set()  # the client went away: stop after the current step
+
+    # ---- export and import -------------------------------------------------------------------
+
+    async def export(self, owner: str, session_id: str, *, include_kv: bool = False) -> bytes:
+        """The session as an archive (sessions.archive): policy, context, history, and with `include_kv` a snapshot
+        of its cache (when it has one: a session that never generated, or was recovered and has not yet, has none)."""
+        session = self.store.get(owner, session_id)
+        await self._take_turn(session)  # a consistent history and cache: no Generate or Append runs meanwhile
+        try:
+            history = list(session.history)
+            kv = None
+            if include_kv:
+                if session.cache is not None and session.cached_length > 0:
+                    kv = await asyncio.wrap_future(self.scheduler.submit(
+                        snapshot.dump, session.cache, history, session.cached_length, self.model_id))
+                elif isinstance(session.snapshot, bytes):
+                    kv = session.snapshot
+                elif session.snapshot is not None and self.state is not None:
+                    kv = await asyncio.to_thread(self.state.read_snapshot, session.snapshot)
+            spec = session.policy
+            return archive.encode(self.model_id, spec.name, dict(spec.params), session.context_length, history, kv)
+        except RuntimeError:  # the scheduler was shut down
+            raise Unavailable("the server is shutting down") from None
+        finally:
+            self._release_turn(session)
+
+    async def import_session(self, owner: str, data: bytes) -> tuple[Session, bool]:
+        """A new session (a new id, owned by `owner`) from an archive; with a KV snapshot, the snapshot is verified
+        against the history and loaded now, and a bad one refuses the import (nothing is created). Returns the
+        session and whether its cache came from the snapshot."""
+        try:
+            arc = archive.decode(data)
+        except archive.ArchiveError as e:
+            raise InvalidArgument(f"ImportSession: {e}") from None
+        if arc.model.split(":")[0] != self.model_id.split(":")[0]:
+            raise FailedPrecondition(f"the archive holds a session of the model {quoted(arc.model)}, this server "
+                                     f"serves {self.model_id}")
+        if arc.kv is not None and arc.model != self.model_id:
+            raise FailedPrecondition("the archive's KV snapshot was computed by other weights than this server's "
+                                     "(export it without KV, or import it into a server of those weights)")
+        session = await self.create(owner, arc.history, arc.policy_name, arc.policy_params)
+        if arc.kv is None:
+            return session, False
+        await self._take_turn(session)
+        try:
+            future = self.scheduler.submit(self._load_imported, session, arc.kv)
+            await asyncio.wrap_future(future)
+        except BaseException as e:
+            self._release_turn(session)
+            self.store.close(owner, session.id)  # a refused import leaves nothing behind
+            if isinstance(e, snapshot.SnapshotError):
+                raise InvalidArgument(f"ImportSession: {e}") from None
+            if isinstance(e, RuntimeError):
+                raise Unavailable("the server is shutting down") from None
+            raise
+        self._release_turn(session)
+        return session, True
+
+    def _load_imported(self, session: Session, kv: bytes) -> None:
+        cache = self.policies.build(self.engine, session.policy, session.context_length)
+        n = snapshot.load(cache, kv, session.history, self.model_id)
+        self.store.attach_cache(session, cache, n)
 
     # ---- idle compression --------------------------------------------------------------------
 
@@ -419,8 +546,7 @@ class SessionService:
         resume_s = 0.0
         try:
             if session.cache is None:
-                cache = self.policies.build(self.engine, session.policy, session.context_length)
-                store.attach_cache(session, cache)
+                self._build_cache(session)
             elif is_compressed(session.cache):
                 resume_s = decompress(session.cache).seconds  # idle-compressed: unpack before the prefill
                 store.check(session)
@@ -448,6 +574,8 @@ class SessionService:
             if isinstance(e, PositionLimitError):  # the store's context checks should make this unreachable
                 job.emit(ResourceExhausted(f"generation stopped at the model's position limit: {e}",
                                            limit="model_positions"))
+            elif isinstance(e, SessionError):  # e.g. the journal could not be written: its own typed status
+                job.emit(e)
             else:
                 _log.exception("Generate on session %s failed; the session was rolled back", session.id)
                 job.emit(InternalError(f"generation failed ({type(e).__name__}); the session was rolled back to "
@@ -472,6 +600,24 @@ class SessionService:
         )
         self.observer.generate_finished(stats, history_at_start)
         job.emit(DoneEvent(result.finish_reason, stats, len(session.history)))
+
+    def _build_cache(self, session: Session) -> None:
+        """Engine thread: the session's first cache, from its verified snapshot when it has one (a recovered or
+        imported session), else empty (the prefill then computes the whole history)."""
+        source = session.snapshot
+        if source is not None:
+            try:
+                data = self.state.read_snapshot(source) if not isinstance(source, bytes) and self.state else source
+                cache = self.policies.build(self.engine, session.policy, session.context_length)
+                n = snapshot.load(cache, data, session.history, self.model_id)
+                self.store.attach_cache(session, cache, n)
+                self.observer.kv_restored("snapshot")
+                return
+            except (OSError, ValueError) as e:  # SnapshotError, RecordError: the history is the truth, recompute
+                _log.warning("session %s: KV snapshot refused (%s); recomputing it from the history", session.id, e)
+                self.observer.kv_restored("recompute")
+                session.snapshot = None
+        self.store.attach_cache(session, self.policies.build(self.engine, session.policy, session.context_length))
 
     @staticmethod
     def _record_attention(session: Session) -> float:

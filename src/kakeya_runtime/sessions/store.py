@@ -25,7 +25,10 @@ work (building a cache, prefill, decode) happens only on the engine thread, outs
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import errno
+import logging
 import secrets
 import threading
 import time
@@ -42,11 +45,15 @@ from kakeya_runtime.sessions.errors import (
     Invariant,
     InvariantViolation,
     ResourceExhausted,
+    SessionError,
     SessionNotFound,
+    Unavailable,
     quoted,
 )
 from kakeya_runtime.sessions.limits import Limits, plan_admission
 from kakeya_runtime.sessions.policy import PolicySpec
+
+_log = logging.getLogger(__name__)
 
 SESSION_ID_BYTES = 24  # 192 bits from the OS CSPRNG
 _TOMBSTONES = 4096  # recently ended ids remembered, so NOT_FOUND can say why
@@ -92,6 +99,19 @@ class StoreObserver(Protocol):
     def invariant_violated(self, invariant: Invariant) -> None: ...
 
 
+class Journal(Protocol):
+    """Where committed history is made durable (sessions.journal.StateDir); each hook raises OSError on failure."""
+
+    def created(self, session_id: str, owner: str, policy_name: str, policy_params: dict[str, Any],
+                context_length: int, history: Sequence[int]) -> None: ...
+
+    def appended(self, session_id: str, tokens: Sequence[int]) -> None: ...
+
+    def call_ended(self, session_id: str) -> None: ...
+
+    def ended(self, session_id: str) -> None: ...
+
+
 class NullObserver:
     def session_created(self) -> None:
         pass
@@ -131,6 +151,7 @@ class Session:
     idle_compressions: int = 0  # times the cache was compressed while idle
     sparse: dict | None = None  # the sparse policy's counters and bytes after the last Generate (kv.sparse)
     idle_compress_error: str | None = None  # compression failed once: the session is not retried
+    snapshot: Any = None  # recovered or imported: a KV snapshot (path or bytes) the first Generate tries to load
 
     @property
     def pending_length(self) -> int:
@@ -189,8 +210,9 @@ class SessionSnapshot:
 class SessionStore:
     def __init__(self, *, max_sessions: int = 64, idle_ttl_s: float = 1800.0,
                  observer: StoreObserver | None = None, clock: Callable[[], float] = time.monotonic,
-                 limits: Limits | None = None) -> None:
-        """`limits` (sessions.limits) replaces `max_sessions`, its shorthand."""
+                 limits: Limits | None = None, journal: Journal | None = None) -> None:
+        """`limits` (sessions.limits) replaces `max_sessions`, its shorthand. `journal`: where every committed token
+        is written before the call that commits it answers (None: sessions live in memory only)."""
         if idle_ttl_s <= 0:
             raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s}")
         self.limits = limits or Limits(max_sessions=max_sessions)
@@ -202,6 +224,7 @@ class SessionStore:
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._ended: OrderedDict[str, tuple[str, EndReason]] = OrderedDict()  # id -> (owner, why)
         self._draining: dict[str, Session] = {}  # ended while busy: their cache (and reservation) not yet freed
+        self.journal = journal
 
     # ---- lookup and lifecycle -------------------------------------------------------------
 
@@ -218,14 +241,39 @@ class SessionStore:
             held = list(self._sessions.values())
             victims = plan_admission(held, [self._busy(s) for s in held], owner, reserve_bytes, self.limits,
                                      draining=list(self._draining.values()))
-            for i in victims:
-                self._end_locked(held[i], EndReason.LRU)
             now = self.clock()
             sid = "ses_" + secrets.token_urlsafe(SESSION_ID_BYTES)
             session = Session(sid, owner, policy, context_length, created_at=now, last_access=now,
                               history=list(initial_tokens), reserved_bytes=reserve_bytes)
             session.history_high_water = len(session.history)
+            if self.journal is not None:  # durable before anything is evicted for it: a refusal changes nothing
+                with _journal_errors():
+                    self.journal.created(sid, owner, policy.name, dict(policy.params), context_length,
+                                         session.history)
+            for i in victims:
+                self._end_locked(held[i], EndReason.LRU)
             self._sessions[sid] = session
+        self.observer.session_created()
+        return session
+
+    def adopt(self, session_id: str, owner: str, policy: PolicySpec, context_length: int, history: Sequence[int],
+              reserve_bytes: int = 0, snapshot: Any = None) -> Session:
+        """A session that already exists in the journal (a restart's recovery): admitted under the same limits as
+        a new one, but never by evicting another (ResourceExhausted when it does not fit), with its own id. Its
+        cache is built by its first Generate, from `snapshot` when that verifies, else from the history."""
+        if len(history) > context_length:
+            raise ResourceExhausted(f"a history of {len(history)} tokens exceeds the context length {context_length}")
+        with self._lock:
+            if session_id in self._sessions:
+                raise InvalidArgument(f"session {quoted(session_id)} exists already")
+            held = list(self._sessions.values())
+            plan_admission(held, [True] * len(held), owner, reserve_bytes, self.limits,
+                           draining=list(self._draining.values()))
+            now = self.clock()
+            session = Session(session_id, owner, policy, context_length, created_at=now, last_access=now,
+                              history=list(history), reserved_bytes=reserve_bytes, snapshot=snapshot)
+            session.history_high_water = len(session.history)
+            self._sessions[session_id] = session
         self.observer.session_created()
         return session
 
@@ -318,6 +366,11 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def live_sessions(self) -> list[Session]:
+        """The active sessions, least recently used first (a copy: the caller may end them)."""
+        with self._lock:
+            return list(self._sessions.values())
+
     def kv_live_bytes(self) -> int:
         with self._lock:
             return sum(s.kv_bytes for s in self._sessions.values())
@@ -377,8 +430,10 @@ class SessionStore:
                     f"history of {len(session.history)} + {len(tokens)} appended tokens exceeds the "
                     f"context length {session.context_length}"
                 )
+            self._journal_tokens(session, tokens)
             session.history.extend(tokens)
             self.check(session)
+            self.call_ended(session)
             return len(session.history)
 
     def begin_generate(self, session: Session, max_tokens: int, cancel: threading.Event) -> None:
@@ -398,10 +453,15 @@ class SessionStore:
             session.cancel = cancel
             session.generate_calls += 1
 
-    def attach_cache(self, session: Session, cache: ModelKV) -> None:
-        """The first Generate's freshly built (empty) cache, checked against the session's record."""
+    def attach_cache(self, session: Session, cache: ModelKV, cached_length: int = 0) -> None:
+        """The first Generate's freshly built cache, empty or loaded from a verified snapshot of
+        history[:cached_length], checked against the session's record."""
         with self._lock:
+            if session.cache is not None or session.cached_length != 0:
+                raise InvariantViolation(Invariant.INV1, "a cache was attached to a session that has one")
             session.cache = cache
+            session.cached_length = cached_length
+            session.snapshot = None
             self.check(session)
 
     def roll_back(self, session: Session) -> bool:
@@ -423,6 +483,8 @@ class SessionStore:
                 session.cached_length = 0
                 session.position_high_water = 0  # the rebuild starts again from position 0
             self.check(session)
+            with contextlib.suppress(SessionError):  # the tokens are written; only their flush failed
+                self.call_ended(session)
             return kept
 
     def pending_tokens(self, session: Session) -> list[int]:
@@ -433,6 +495,7 @@ class SessionStore:
     def commit_generated(self, session: Session, token: int) -> None:
         """Called at each sampled token: every layer has consumed all of the history so far."""
         with self._lock:
+            self._journal_tokens(session, (token,))  # before the token exists for anyone (it is streamed after)
             session.cached_length = len(session.history)
             self.check(session)
             session.history.append(token)
@@ -486,6 +549,18 @@ class SessionStore:
                     f"after Generate {session.pending_length} history tokens are unbound (expected exactly the "
                     "last sampled token)",
                 )
+            self.call_ended(session)
+
+    def call_ended(self, session: Session) -> None:
+        """A call that committed tokens is about to answer: make them durable per the journal's fsync policy."""
+        if self.journal is not None:
+            with _journal_errors():
+                self.journal.call_ended(session.id)
+
+    def _journal_tokens(self, session: Session, tokens: Sequence[int]) -> None:
+        if self.journal is not None:
+            with _journal_errors():
+                self.journal.appended(session.id, tokens)
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -517,12 +592,18 @@ class SessionStore:
         else:
             self._free_locked(session)
         self._ended[session.id] = (session.owner, reason)
+        if self.journal is not None:
+            try:
+                self.journal.ended(session.id)
+            except OSError:  # the session is gone either way; a file left behind is recovered, then ends again
+                _log.warning("could not delete the journal of session %s", session.id, exc_info=True)
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
         self.observer.session_ended(_OUTCOME[reason], reason)
 
     def _free_locked(self, session: Session) -> None:
         session.cache = None
+        session.snapshot = None
         self._draining.pop(session.id, None)
 
     def _not_found(self, owner: str, session_id: str) -> SessionNotFound:
@@ -534,3 +615,15 @@ class SessionStore:
             return SessionNotFound(f"session {session_id} {why}")
         # Unknown and foreign ids read the same, so ids owned by another key are not revealed.
         return SessionNotFound(f"session {quoted(session_id)} not found")
+
+
+@contextlib.contextmanager
+def _journal_errors():
+    """A journal write that failed (its partial record already cut off) as a typed refusal: nothing was committed."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ResourceExhausted(f"the server's state directory is full: {e.strerror or e}",
+                                    limit="state_dir") from None
+        raise Unavailable(f"the server could not write the session's journal: {e.strerror or e}") from None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
@@ -160,3 +162,23 @@ CHANNEL_OPTIONS = [
 
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+ARCHIVE_CHUNK_BYTES = 1024 * 1024  # ImportSession's chunks stay under any server's receive limit
+
+
+def archive_bytes(archive: bytes | str | os.PathLike[str]) -> bytes:
+    """An archive given as bytes or as the path of a file Session.export wrote."""
+    if isinstance(archive, bytes | bytearray | memoryview):
+        return bytes(archive)
+    return Path(archive).read_bytes()
+
+
+def archive_chunks(data: bytes) -> Iterator[pb.SessionArchiveChunk]:
+    for at in range(0, max(len(data), 1), ARCHIVE_CHUNK_BYTES):
+        yield pb.SessionArchiveChunk(data=data[at : at + ARCHIVE_CHUNK_BYTES])
+
+
+def save_archive(data: bytes, path: str | os.PathLike[str] | None) -> None:
+    if path is not None:
+        Path(path).write_bytes(data)

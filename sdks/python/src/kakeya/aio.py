@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,19 @@ class AsyncClient:
     def session(self, session_id: str) -> AsyncSession:
         return AsyncSession(self, session_id)
 
+    async def import_session(self, archive: bytes | str | os.PathLike[str]) -> AsyncSession:
+        """As `Client.import_session`."""
+        data = cv.archive_bytes(archive)
+        try:
+            resp = await self._stub.ImportSession(cv.archive_chunks(data), metadata=self._metadata,
+                                                  timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        session = AsyncSession(self, resp.session_id, history_length=resp.history_length,
+                               policy=cv.policy_from_pb(resp.policy))
+        session.kv_loaded = resp.kv_loaded
+        return session
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -104,6 +118,7 @@ class AsyncSession:
         self.history_length = history_length
         self.policy = policy
         self.last_result: GenerateResult | None = None
+        self.kv_loaded = False  # imported with a KV snapshot that the server verified and loaded
         self._closed = False
 
     async def append(self, token_ids: Iterable[int]) -> int:
@@ -130,6 +145,17 @@ class AsyncSession:
         info = cv.session_info_from_pb(resp, include_history)
         self.history_length = info.history_length
         return info
+
+    async def export(self, path: str | os.PathLike[str] | None = None, *, include_kv: bool = False) -> bytes:
+        """As `Session.export`."""
+        req = pb.ExportSessionRequest(session_id=self.id, include_kv=include_kv)
+        try:
+            chunks = [c.data async for c in self.client._stub.ExportSession(req, metadata=self.client._metadata)]
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        data = b"".join(chunks)
+        cv.save_archive(data, path)
+        return data
 
     async def close(self) -> None:
         if self._closed:

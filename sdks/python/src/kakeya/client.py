@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,21 @@ class Client:
         """A handle on an existing session id (no RPC; the first call tells whether it exists)."""
         return Session(self, session_id)
 
+    def import_session(self, archive: bytes | str | os.PathLike[str]) -> Session:
+        """A new session (a new id, owned by this client's key) from an archive `Session.export` made, as bytes
+        or a file path, on this server or another serving the same model. A KV snapshot in the archive is
+        verified against the history and loaded (`session.kv_loaded`); a mismatching one raises InvalidArgument
+        and creates nothing."""
+        data = cv.archive_bytes(archive)
+        try:
+            resp = self._stub.ImportSession(cv.archive_chunks(data), metadata=self._metadata, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        session = Session(self, resp.session_id, history_length=resp.history_length,
+                          policy=cv.policy_from_pb(resp.policy))
+        session.kv_loaded = resp.kv_loaded
+        return session
+
     def close(self) -> None:
         self._channel.close()
 
@@ -85,6 +101,7 @@ class Session:
         self.history_length = history_length  # as of the last call that reported it
         self.policy = policy
         self.last_result: GenerateResult | None = None
+        self.kv_loaded = False  # imported with a KV snapshot that the server verified and loaded
         self._closed = False
 
     def append(self, token_ids: Iterable[int]) -> int:
@@ -114,6 +131,18 @@ class Session:
         info = cv.session_info_from_pb(self.client._unary(self.client._stub.GetSessionInfo, req), include_history)
         self.history_length = info.history_length
         return info
+
+    def export(self, path: str | os.PathLike[str] | None = None, *, include_kv: bool = False) -> bytes:
+        """The session as an archive (policy, context, whole history; with `include_kv` a snapshot of its KV cache,
+        so an importer need not recompute it), also written to `path` when given. `Client.import_session` takes
+        it back, on any server of the same model."""
+        req = pb.ExportSessionRequest(session_id=self.id, include_kv=include_kv)
+        try:
+            data = b"".join(c.data for c in self.client._stub.ExportSession(req, metadata=self.client._metadata))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        cv.save_archive(data, path)
+        return data
 
     def close(self) -> None:
         """Free the session (idempotent on this handle)."""

@@ -1,0 +1,294 @@
+"""Durable sessions: a state directory with one append-only journal (and at most one KV snapshot) per session.
+
+Layout of `--state-dir DIR`:
+
+    DIR/state.json             the model every session here belongs to (a server for another model refuses it)
+    DIR/sessions/<id>.journal  HEADER (id, owner key hash, policy, context) then TOKENS records (sessions.records)
+    DIR/sessions/<id>.kv       a KV snapshot record (sessions.snapshot), replaced atomically
+
+What is written when: a session's header and initial tokens before CreateSession answers; appended tokens
+before AppendTokens answers; each generated token before it is streamed to the client. So whatever a client
+was told is in the journal, and a process killed at any point loses nothing acknowledged (at most a torn
+last record, which recovery drops). When the bytes reach the disk is the fsync policy:
+
+* `always`: every record is fsynced before it is acknowledged (each streamed token costs a disk flush);
+* `call` (default): records are written at once and fsynced when a call ends (CreateSession, AppendTokens, the
+  end of a Generate): a killed process loses nothing; a power cut may lose the tokens of the Generate running;
+* `never`: the OS flushes when it likes: a killed process still loses nothing, a power cut may lose more.
+
+Ending a session (close, eviction, failure) deletes its files. Recovery (`recover`) reads every journal, drops a
+torn tail, and hands back each session's history with its snapshot, if any; the service decides what to do with
+them (sessions.service.SessionService.recover).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kakeya_runtime.sessions import records
+from kakeya_runtime.sessions.records import RecordKind
+
+_log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+class FsyncPolicy(enum.Enum):
+    ALWAYS = "always"
+    CALL = "call"
+    NEVER = "never"
+
+
+class StateDirError(RuntimeError):
+    """A state directory this server cannot use (another model's, an unreadable journal header)."""
+
+
+class JournalWriteError(OSError):
+    """A journal record could not be written; nothing of it counts (the file was cut back to its last record)."""
+
+
+@dataclass(slots=True)
+class RecoveredSession:
+    id: str
+    owner: str
+    policy_name: str
+    policy_params: dict[str, Any]
+    context_length: int
+    history: list[int]
+    snapshot: Path | None  # its KV snapshot file, when one was written
+    mtime: float  # the journal's last write: recovered sessions keep their least-recently-used order
+    dropped_bytes: int  # a torn or corrupt tail cut off the journal (never an acknowledged record)
+
+
+@dataclass(slots=True)
+class _Writer:
+    fd: int
+    size: int  # bytes of whole records: a failed write is cut back to this
+
+
+class StateDir:
+    """One server's state directory. Thread-safe; the store calls it under its own lock."""
+
+    def __init__(self, root: str | Path, model_id: str, fsync: FsyncPolicy = FsyncPolicy.CALL) -> None:
+        self.root = Path(root)
+        self.model_id = model_id
+        self.fsync = fsync
+        self.sessions_dir = self.root / "sessions"
+        self._writers: dict[str, _Writer] = {}
+        self._lock = threading.Lock()
+        self.sessions_dir.mkdir(parents=True, exist_ok=True)
+        state = self.root / "state.json"
+        if state.exists():
+            try:
+                found = json.loads(state.read_text())
+            except (OSError, ValueError) as e:
+                raise StateDirError(f"{state} is unreadable ({e})") from None
+            if found.get("format") != STATE_FORMAT:
+                raise StateDirError(f"{state} has format {found.get('format')!r}; this server reads {STATE_FORMAT}")
+            if found.get("model") != model_id:
+                raise StateDirError(
+                    f"the state directory {self.root} holds sessions of the model {found.get('model')!r}, not "
+                    f"{model_id!r}: serve that model, or pass another --state-dir")
+        else:
+            _atomic_write(state, json.dumps({"format": STATE_FORMAT, "model": model_id}).encode())
+
+    # ---- paths -------------------------------------------------------------------------------
+
+    def journal_path(self, session_id: str) -> Path:
+        return self.sessions_dir / f"{_safe_id(session_id)}.journal"
+
+    def snapshot_path(self, session_id: str) -> Path:
+        return self.sessions_dir / f"{_safe_id(session_id)}.kv"
+
+    # ---- the store's hooks (sessions.store.Journal) --------------------------------------------
+
+    def created(self, session_id: str, owner: str, policy_name: str, policy_params: dict[str, Any],
+                context_length: int, history: Sequence[int]) -> None:
+        """A new session: its header and initial history, durable per the policy before this returns."""
+        header = records.header_record({"id": session_id, "owner": owner, "model": self.model_id,
+                                        "policy": {"name": policy_name, "params": policy_params},
+                                        "context_length": context_length})
+        body = header + (records.tokens_record(list(history)) if history else b"")
+        path = self.journal_path(session_id)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        except OSError as e:
+            raise JournalWriteError(e.errno, f"cannot create the journal of a new session: {e.strerror}") from None
+        writer = _Writer(fd, 0)
+        try:
+            self._write(writer, records.MAGIC + body, sync=self.fsync is not FsyncPolicy.NEVER)
+            if self.fsync is not FsyncPolicy.NEVER:
+                _fsync_dir(self.sessions_dir)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        with self._lock:
+            self._writers[session_id] = writer
+
+    def appended(self, session_id: str, tokens: Sequence[int]) -> None:
+        """Tokens about to join the history: written (and under `always` fsynced) before they count."""
+        writer = self._writer(session_id)
+        self._write(writer, records.tokens_record(list(tokens)), sync=self.fsync is FsyncPolicy.ALWAYS)
+
+    def call_ended(self, session_id: str) -> None:
+        """A call that wrote records is about to answer: under `call`, make them durable now."""
+        if self.fsync is not FsyncPolicy.CALL:
+            return
+        with self._lock:
+            writer = self._writers.get(session_id)
+        if writer is not None:
+            try:
+                os.fsync(writer.fd)
+            except OSError as e:
+                raise JournalWriteError(e.errno, f"cannot flush the session's journal: {e.strerror}") from None
+
+    def ended(self, session_id: str) -> None:
+        """The session is gone (closed, evicted or failed): its files go too."""
+        with self._lock:
+            writer = self._writers.pop(session_id, None)
+        if writer is not None:
+            with contextlib.suppress(OSError):
+                os.close(writer.fd)
+        for path in (self.journal_path(session_id), self.snapshot_path(session_id)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    # ---- snapshots -----------------------------------------------------------------------------
+
+    def write_snapshot(self, session_id: str, snapshot: bytes) -> Path:
+        """Replace the session's KV snapshot atomically (a reader sees the old one or the new one, whole)."""
+        path = self.snapshot_path(session_id)
+        with self._lock:
+            if session_id not in self._writers:
+                raise StateDirError(f"session {session_id} has no journal here")
+        _atomic_write(path, records.MAGIC + records.encode(RecordKind.KV, snapshot))
+        return path
+
+    def read_snapshot(self, path: Path) -> bytes:
+        """The snapshot bytes of a .kv file; RecordError when it is torn or corrupt."""
+        parsed = records.parse(path.read_bytes())
+        if parsed.problem or len(parsed.records) != 1 or parsed.records[0].kind is not RecordKind.KV:
+            raise records.RecordError(f"{path.name}: {parsed.problem or 'not a single KV record'}")
+        return parsed.records[0].payload
+
+    # ---- recovery ------------------------------------------------------------------------------
+
+    def recover(self) -> list[RecoveredSession]:
+        """Every journaled session, least recently written first; journals cut back to their last whole record
+        and reopened for appending. A journal without a whole header (a create that never answered) is deleted."""
+        found: list[RecoveredSession] = []
+        for path in sorted(self.sessions_dir.glob("*.journal")):
+            session = self._recover_one(path)
+            if session is not None:
+                found.append(session)
+        for tmp in self.sessions_dir.glob("*.tmp"):  # an interrupted snapshot write
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        found.sort(key=lambda s: s.mtime)
+        return found
+
+    def _recover_one(self, path: Path) -> RecoveredSession | None:
+        data = path.read_bytes()
+        try:
+            parsed = records.parse(data)
+        except records.RecordError:
+            parsed = None
+        if parsed is None or not parsed.records or parsed.records[0].kind is not RecordKind.HEADER:
+            _log.warning("state dir: %s has no whole header (a CreateSession that never answered); deleted", path.name)
+            path.unlink()
+            return None
+        try:
+            header = parsed.records[0].json()
+            sid, owner, policy = header["id"], header["owner"], header["policy"]
+            context = int(header["context_length"])
+            history = [t for r in parsed.records[1:] if r.kind is RecordKind.TOKENS for t in r.tokens()]
+        except (KeyError, TypeError, ValueError) as e:
+            raise StateDirError(f"{path}: unreadable journal header or records ({e})") from None
+        if header.get("model") != self.model_id:
+            raise StateDirError(f"{path} belongs to the model {header.get('model')!r}, not {self.model_id!r}")
+        if path.name != f"{_safe_id(sid)}.journal":
+            raise StateDirError(f"{path} holds the journal of session {sid!r}")
+        if parsed.torn_bytes:
+            _log.warning("state dir: %s ends with %s (%d bytes, never acknowledged); cut off", path.name,
+                         parsed.problem, parsed.torn_bytes)
+            os.truncate(path, parsed.good_bytes)
+        mtime = path.stat().st_mtime
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        with self._lock:
+            self._writers[sid] = _Writer(fd, parsed.good_bytes)
+        snapshot = self.snapshot_path(sid)
+        return RecoveredSession(sid, owner, str(policy["name"]), dict(policy.get("params") or {}), context, history,
+                                snapshot if snapshot.exists() else None, mtime, parsed.torn_bytes)
+
+    def close(self) -> None:
+        """Close every journal (the server is stopping); the files stay for the next start."""
+        with self._lock:
+            writers, self._writers = list(self._writers.values()), {}
+        for writer in writers:
+            with contextlib.suppress(OSError):
+                if self.fsync is not FsyncPolicy.NEVER:
+                    os.fsync(writer.fd)
+                os.close(writer.fd)
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _writer(self, session_id: str) -> _Writer:
+        with self._lock:
+            writer = self._writers.get(session_id)
+        if writer is None:
+            raise JournalWriteError(0, f"session {session_id} has no open journal")
+        return writer
+
+    @staticmethod
+    def _write(writer: _Writer, data: bytes, *, sync: bool) -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(writer.fd, view):]
+            if sync:
+                os.fsync(writer.fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):  # a partial record must not sit before the next good one
+                os.ftruncate(writer.fd, writer.size)
+            raise JournalWriteError(e.errno, f"cannot write the session's journal: {e.strerror}") from None
+        writer.size += len(data)
+
+
+def _safe_id(session_id: str) -> str:
+    if not session_id or len(session_id) > 128 or not set(session_id) <= _ID_CHARS:
+        raise StateDirError(f"session id {session_id[:40]!r} cannot name a file")
+    return session_id
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

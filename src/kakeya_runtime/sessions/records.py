@@ -1,0 +1,116 @@
+"""The framing shared by session journals, KV snapshots and exported archives: checksummed records.
+
+A file (or an archive byte stream) is MAGIC followed by records, each
+
+    u32 payload length | u32 crc32(kind byte + payload) | u8 kind | payload      (little-endian)
+
+Kinds: HEADER (UTF-8 JSON: the session's id, owner, policy, context and the model it belongs to), TOKENS
+(int32 token ids, appended to the history in order) and KV (a snapshot of the session's cache: safetensors
+bytes, sessions.snapshot). A journal is HEADER then TOKENS records; a process killed mid-write leaves at most
+one torn record at the end, which a reader detects (short or failing its checksum) and drops: it was never
+acknowledged, because a record is written before the call that produced it answers.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"KAKEYA-SESSION\x00\x01"  # name + format version 1
+_HEAD = struct.Struct("<IIB")  # payload length, crc32, kind
+MAX_RECORD_BYTES = 2**31 - 1
+
+
+class RecordKind(enum.IntEnum):
+    HEADER = 1
+    TOKENS = 2
+    KV = 3
+
+
+class RecordError(ValueError):
+    """Bytes that are not a well-formed record stream (bad magic, a record failing its checksum)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Record:
+    kind: RecordKind
+    payload: bytes
+
+    def json(self) -> dict[str, Any]:
+        return json.loads(self.payload.decode("utf-8"))
+
+    def tokens(self) -> list[int]:
+        if len(self.payload) % 4:
+            raise RecordError(f"a TOKENS record of {len(self.payload)} bytes is not a whole number of int32 ids")
+        return np.frombuffer(self.payload, dtype="<i4").tolist()
+
+
+def encode(kind: RecordKind, payload: bytes) -> bytes:
+    if len(payload) > MAX_RECORD_BYTES:
+        raise RecordError(f"a record of {len(payload)} bytes exceeds {MAX_RECORD_BYTES}")
+    crc = zlib.crc32(payload, zlib.crc32(bytes((kind,))))
+    return _HEAD.pack(len(payload), crc, kind) + payload
+
+
+def header_record(fields: dict[str, Any]) -> bytes:
+    return encode(RecordKind.HEADER, json.dumps(fields, sort_keys=True).encode("utf-8"))
+
+
+def tokens_record(tokens: list[int] | tuple[int, ...]) -> bytes:
+    return encode(RecordKind.TOKENS, np.asarray(tokens, dtype="<i4").tobytes())
+
+
+@dataclass(slots=True)
+class Parsed:
+    records: list[Record]
+    good_bytes: int  # bytes up to the end of the last whole, valid record
+    torn_bytes: int  # bytes after it (a torn or corrupt tail)
+    problem: str | None  # why the tail was dropped (None: nothing was)
+
+
+def parse(data: bytes | memoryview) -> Parsed:
+    """Every whole, valid record of `data` in order; a short or corrupt tail is reported, not raised."""
+    view = memoryview(data)
+    if bytes(view[: len(MAGIC)]) != MAGIC:
+        raise RecordError("not a Kakeya session file (bad magic or format version)")
+    records: list[Record] = []
+    at = len(MAGIC)
+    problem = None
+    for record, end, why in _walk(view, at):
+        if record is None:
+            problem = why
+            break
+        records.append(record)
+        at = end
+    return Parsed(records, at, len(view) - at, problem)
+
+
+def _walk(view: memoryview, at: int) -> Iterator[tuple[Record | None, int, str | None]]:
+    n = len(view)
+    while at < n:
+        if n - at < _HEAD.size:
+            yield None, at, f"a record header cut short ({n - at} bytes)"
+            return
+        length, crc, kind = _HEAD.unpack_from(view, at)
+        start, end = at + _HEAD.size, at + _HEAD.size + length
+        if end > n:
+            yield None, at, f"a record of {length} bytes cut short at {n - start}"
+            return
+        payload = bytes(view[start:end])
+        if zlib.crc32(payload, zlib.crc32(bytes((kind,)))) != crc:
+            yield None, at, f"a record failing its checksum at byte {at}"
+            return
+        try:
+            record_kind = RecordKind(kind)
+        except ValueError:
+            yield None, at, f"a record of unknown kind {kind} at byte {at}"
+            return
+        yield Record(record_kind, payload), end, None
+        at = end

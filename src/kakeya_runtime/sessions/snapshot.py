@@ -1,0 +1,109 @@
+"""KV snapshots: a session's cache as bytes, and back, verified against the history it claims to hold.
+
+A snapshot is the cache's own `state()` (every policy has one: full, sink_window, restore, sparse; an idle-
+compressed cache gives what decompressing it would give) written with safetensors, plus metadata: the number of
+history tokens the cache holds (`cached_length`), a SHA-256 of those tokens, and the model it was computed by.
+Loading checks all three before the cache is used, and then that every layer holds exactly `cached_length`
+positions; any mismatch raises SnapshotError and the caller recomputes the cache from the history instead,
+which is exact by construction (a position's K/V do not depend on how the prefill was chunked). The bytes
+themselves are checksummed by their record (sessions.records).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from kakeya_runtime.kv.cache import CacheError, ModelKV
+from kakeya_runtime.models.base import DecoderModel
+
+
+class SnapshotError(ValueError):
+    """A snapshot that does not belong to this model, history or cache."""
+
+
+def history_digest(tokens: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
+
+
+def model_fingerprint(name: str, model: DecoderModel, dtype: torch.dtype) -> str:
+    """Which weights computed a cache: the model's name, dtype, parameter shapes and a sample of every parameter's
+    values (its first and last 64), so a different checkpoint of the same architecture never matches."""
+    h = hashlib.sha256(f"{name}|{dtype}".encode())
+    for pname, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        sample = torch.cat([flat[:64], flat[-64:]]).to(torch.float32).cpu().numpy().tobytes()
+        h.update(f"{pname}|{tuple(p.shape)}|{p.dtype}|".encode() + sample)
+    return f"{name}:{h.hexdigest()[:16]}"
+
+
+def dump(cache: ModelKV, history: Sequence[int], cached_length: int, model_id: str) -> bytes:
+    """The snapshot of `cache`, which holds the K/V of history[:cached_length]."""
+    lengths = cache.layer_lengths()
+    if any(n != cached_length for n in lengths):
+        raise SnapshotError(f"the cache holds {sorted(set(lengths))} positions, not the {cached_length} claimed")
+    tensors: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(cache.state()):
+        for key, t in layer.items():
+            tensors[f"{i}/{key}"] = t.detach().contiguous().cpu()
+    meta = {"cached_length": str(cached_length), "history_sha256": history_digest(history[:cached_length]),
+            "model": model_id, "layers": str(len(lengths))}
+    return st_save(tensors, metadata=meta)
+
+
+def metadata(data: bytes) -> dict[str, str]:
+    """The snapshot's metadata, read from the safetensors header alone."""
+    if len(data) < 8:
+        raise SnapshotError("a KV snapshot of fewer than 8 bytes")
+    (n,) = struct.unpack_from("<Q", data)
+    if n > len(data) - 8:
+        raise SnapshotError("a KV snapshot whose header runs past its end")
+    try:
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        raise SnapshotError("a KV snapshot with an unreadable header") from None
+    missing = {"cached_length", "history_sha256", "model", "layers"} - set(meta)
+    if missing:
+        raise SnapshotError(f"a KV snapshot without {', '.join(sorted(missing))}")
+    return meta
+
+
+def load(cache: ModelKV, data: bytes, history: Sequence[int], model_id: str) -> int:
+    """Fill the fresh `cache` from a snapshot of this model's K/V of a prefix of `history`; returns that prefix's
+    length. SnapshotError (the cache then holds nothing usable: rebuild it) when anything disagrees."""
+    meta = metadata(data)
+    if meta["model"] != model_id:
+        raise SnapshotError(f"the KV snapshot was computed by {meta['model']}, not {model_id}")
+    n = int(meta["cached_length"])
+    if not 0 <= n <= len(history):
+        raise SnapshotError(f"the KV snapshot holds {n} positions, the history only {len(history)} tokens")
+    if meta["history_sha256"] != history_digest(history[:n]):
+        raise SnapshotError(f"the KV snapshot's {n} tokens are not the session's first {n}")
+    layers = int(meta["layers"])
+    if layers != len(cache):
+        raise SnapshotError(f"the KV snapshot has {layers} layers, the model {len(cache)}")
+    try:
+        flat = st_load(data)
+    except Exception as e:  # safetensors raises its own error types on malformed bytes
+        raise SnapshotError(f"the KV snapshot's tensors do not load ({type(e).__name__})") from None
+    states: list[dict[str, torch.Tensor]] = [{} for _ in range(layers)]
+    for key, t in flat.items():
+        i, _, name = key.partition("/")
+        if not i.isdigit() or int(i) >= layers:
+            raise SnapshotError(f"the KV snapshot has a tensor {key!r} for no layer")
+        states[int(i)][name] = t
+    try:
+        cache.load_state(states)
+    except (CacheError, ValueError, KeyError, RuntimeError, IndexError) as e:
+        raise SnapshotError(f"the KV snapshot does not fit this cache ({type(e).__name__}: {e})") from None
+    lengths = cache.layer_lengths()
+    if any(x != n for x in lengths):
+        raise SnapshotError(f"after loading, the cache holds {sorted(set(lengths))} positions, not {n}")
+    return n

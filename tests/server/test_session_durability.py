@@ -1,0 +1,168 @@
+"""Durable sessions through a real gRPC server and the Python SDK: a restart with the same --state-dir brings every
+session back (history, policy, owner), from a verified KV snapshot or by recomputing it, and a seeded Generate after
+recovery equals the same Generate on a fresh session of that history; export/import moves a session between
+servers; damaged snapshots and archives are refused, never trusted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kakeya import Client
+from kakeya.errors import FailedPrecondition, InvalidArgument, SessionNotFound
+
+from kakeya_runtime.server.testing import metric_value, running_server, scrape_metrics, tiny_served
+from kakeya_runtime.sessions import records
+from kakeya_runtime.sessions.journal import StateDirError
+
+POLICIES = [
+    ("full", {}),
+    ("sink_window", {"sink": 4, "window": 16}),
+    ("restore", {"sink": 4, "window": 16}),
+    ("sparse", {"sink": 4, "window": 16, "block": 8, "topk": 2, "codec": "int8"}),
+]
+SAMPLE = {"temperature": 0.8, "seed": 11, "ignore_eos": True}
+KEYS = ("key-one-12345678", "key-two-12345678")
+
+
+def _drive(client: Client, policy: tuple[str, dict]) -> tuple[str, list[int]]:
+    """A session with two turns (one Generate, one append): returns its id and the history the client saw."""
+    from kakeya import KvPolicy
+
+    s = client.create_session([5, 6, 7, 8, 9] * 3, policy=KvPolicy(*policy))
+    out = s.generate(24, **SAMPLE).collect()
+    s.append([10, 11, 12])
+    history = [5, 6, 7, 8, 9] * 3 + out + [10, 11, 12]
+    assert list(s.info(include_history=True).history_token_ids) == history
+    return s.id, history
+
+
+def _continue(client: Client, sid: str, n: int = 12) -> list[int]:
+    return client.session(sid).generate(n, temperature=0.7, seed=5, ignore_eos=True).collect()
+
+
+def _reference(client: Client, history: list[int], policy: tuple[str, dict], n: int = 12) -> list[int]:
+    from kakeya import KvPolicy
+
+    with client.create_session(history, policy=KvPolicy(*policy)) as fresh:
+        return fresh.generate(n, temperature=0.7, seed=5, ignore_eos=True).collect()
+
+
+def test_restart_recovers_every_session_and_continues_exactly(tmp_path: Path):
+    served = tiny_served()
+    state = tmp_path / "state"
+    with running_server(served, state_dir=str(state), api_keys=KEYS) as thread:
+        owned = {}
+        for i, policy in enumerate(POLICIES):
+            with Client(thread.address, api_key=KEYS[i % 2]) as client:
+                sid, history = _drive(client, policy)
+                owned[sid] = (KEYS[i % 2], policy, history)
+        with Client(thread.address, api_key=KEYS[0]) as client:  # a closed session must not come back
+            gone = client.create_session([1, 2, 3])
+            gone.close()
+            never_generated = client.create_session([4, 5, 6])  # no cache yet: recovered from the journal alone
+            owned[never_generated.id] = (KEYS[0], ("full", {}), [4, 5, 6])
+    assert len(list((state / "sessions").glob("*.kv"))) == len(POLICIES)  # snapshots written at shutdown
+
+    with running_server(served, state_dir=str(state), api_keys=KEYS) as thread:
+        assert thread.server.recovery.sessions == len(owned)
+        assert thread.server.recovery.snapshots == len(POLICIES)
+        for sid, (key, policy, history) in owned.items():
+            with Client(thread.address, api_key=key) as client:
+                info = client.session(sid).info(include_history=True)
+                assert list(info.history_token_ids) == history
+                assert info.policy.name == policy[0]
+                assert _continue(client, sid) == _reference(client, history, policy)
+            other = KEYS[1] if key == KEYS[0] else KEYS[0]
+            with Client(thread.address, api_key=other) as client, pytest.raises(SessionNotFound):
+                client.session(sid).info()  # ownership survives the restart
+        with Client(thread.address, api_key=KEYS[0]) as client, pytest.raises(SessionNotFound):
+            client.session(gone.id).info()
+        text = scrape_metrics(thread)
+        assert metric_value(text, "kakeya_session_recovered_total") == len(owned)
+        assert metric_value(text, "kakeya_session_kv_restored_total", '{source="snapshot"}') == len(POLICIES)
+        assert metric_value(text, "kakeya_cache_invariant_violations_total", '{kind="inv1"}') == 0
+
+
+def test_a_damaged_snapshot_is_refused_and_the_cache_recomputed(tmp_path: Path):
+    served = tiny_served()
+    state = tmp_path / "state"
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        sid, history = _drive(client, ("full", {}))
+    snap = state / "sessions" / f"{sid}.kv"
+    data = bytearray(snap.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit: the record's checksum no longer holds
+    snap.write_bytes(bytes(data))
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        assert _continue(client, sid) == _reference(client, history, ("full", {}))
+        text = scrape_metrics(thread)
+        assert metric_value(text, "kakeya_session_kv_restored_total", '{source="recompute"}') == 1
+        assert metric_value(text, "kakeya_session_kv_restored_total", '{source="snapshot"}') == 0
+
+
+def test_a_torn_journal_tail_is_cut_and_nothing_acknowledged_is_lost(tmp_path: Path):
+    served = tiny_served()
+    state = tmp_path / "state"
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        sid, history = _drive(client, ("sink_window", {"sink": 4, "window": 16}))
+    journal = state / "sessions" / f"{sid}.journal"
+    good = journal.read_bytes()
+    journal.write_bytes(good + records.tokens_record([1, 2, 3])[:-3])  # a record the kill cut short
+    (state / "sessions" / f"{sid}.kv").unlink()
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        assert thread.server.recovery.dropped_bytes == len(records.tokens_record([1, 2, 3])) - 3
+        assert list(client.session(sid).info(include_history=True).history_token_ids) == history
+        client.session(sid).append([7])  # appends land after the cut, readable by the next recovery
+    assert journal.read_bytes().startswith(good)
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        assert list(client.session(sid).info(include_history=True).history_token_ids) == history + [7]
+
+
+def test_a_state_dir_of_another_model_is_refused(tmp_path: Path):
+    state = tmp_path / "state"
+    with running_server(tiny_served(seed=0), state_dir=str(state)) as thread, Client(thread.address) as client:
+        client.create_session([1, 2, 3])
+    with pytest.raises(StateDirError, match="holds sessions of the model"), \
+            running_server(tiny_served(seed=1), state_dir=str(state)):
+        pass
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=[p[0] for p in POLICIES])
+def test_export_import_moves_a_session_with_its_cache(tmp_path: Path, policy):
+    served = tiny_served()
+    with running_server(served) as a, running_server(served) as b, Client(a.address) as ca, \
+            Client(b.address) as cb:
+        sid, history = _drive(ca, policy)
+        archive = ca.session(sid).export(tmp_path / "s.kakeya", include_kv=True)
+        assert (tmp_path / "s.kakeya").read_bytes() == archive
+        moved = cb.import_session(tmp_path / "s.kakeya")
+        assert moved.kv_loaded and moved.id != sid
+        info = moved.info(include_history=True)
+        assert list(info.history_token_ids) == history
+        assert info.cached_length == len(history) - 4  # the 3 appended tokens and the last sampled one are pending
+        assert _continue(cb, moved.id) == _continue(ca, sid)
+        light = cb.import_session(ca.session(sid).export())  # without KV: prefilled at the first Generate
+        assert not light.kv_loaded and light.info().cached_length == 0
+
+
+def test_import_refuses_damaged_or_foreign_archives(tmp_path: Path):
+    served = tiny_served()
+    with running_server(served) as a, Client(a.address) as client:
+        sid, history = _drive(client, ("full", {}))
+        archive = client.session(sid).export(include_kv=True)
+        before = a.server.service.store.__len__()
+        with pytest.raises(InvalidArgument, match="damaged|checksum"):
+            client.import_session(archive[:-10])
+        with pytest.raises(InvalidArgument, match="not a Kakeya session file"):
+            client.import_session(b"hello")
+        # A snapshot of another history: the records are whole, the snapshot does not match what it claims.
+        from kakeya_runtime.sessions import archive as arc
+
+        parsed = arc.decode(archive)
+        lie = arc.encode(parsed.model, "full", {}, parsed.context_length, [9] + parsed.history[1:], parsed.kv)
+        with pytest.raises(InvalidArgument, match="not the session's first"):
+            client.import_session(lie)
+        assert a.server.service.store.__len__() == before  # a refused import leaves nothing behind
+    with running_server(tiny_served(seed=3)) as b, Client(b.address) as other, \
+            pytest.raises(FailedPrecondition, match="other weights"):
+        other.import_session(archive)
