@@ -5,12 +5,6 @@ fresh session of that history. Invariant violations are read from /metrics."""
 
 from __future__ import annotations
 
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -18,47 +12,10 @@ import pytest
 from kakeya import Client, KvPolicy
 from kakeya.errors import KakeyaError
 
+from kakeya_runtime.bench.serve_process import ServeProcess
 from kakeya_runtime.server.testing import metric_value
 
 pytestmark = pytest.mark.real_model
-
-
-class Served:
-    """`kakeya serve` in a child process; the address is its last stdout line, the metrics port on stderr."""
-
-    def __init__(self, state: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kakeya_runtime.cli", "serve", "--model", "smollm2", "--port", "0",
-             "--metrics-port", "0", "--state-dir", str(state)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.stderr: list[str] = []
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-        self.address = ""
-        for line in self.proc.stdout:
-            if re.fullmatch(r"127\.0\.0\.1:\d+", line.strip()):
-                self.address = line.strip()
-                break
-        assert self.address, f"kakeya serve did not start: {''.join(self.stderr)[-2000:]}"
-        deadline = time.monotonic() + 10  # stderr is read by another thread: its lines may trail stdout's
-        while not (port := re.search(r"Metrics on http://127\.0\.0\.1:(\d+)/metrics", "".join(self.stderr))):
-            assert time.monotonic() < deadline, "".join(self.stderr)
-            time.sleep(0.05)
-        self.metrics_port = int(port.group(1))
-
-    def metrics(self) -> str:
-        import urllib.request
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            return r.read().decode()
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(60)
 
 
 SAMPLED = {"temperature": 0.7, "seed": 1234, "ignore_eos": True}
@@ -66,7 +23,7 @@ SAMPLED = {"temperature": 0.7, "seed": 1234, "ignore_eos": True}
 
 def test_kill_9_during_generation_loses_nothing_acknowledged(tmp_path: Path):
     state = tmp_path / "state"
-    first = Served(state)
+    first = ServeProcess(["--model", "smollm2", "--state-dir", str(state)])
     try:
         with Client(first.address) as client:
             tok = client.tokenizer()
@@ -83,14 +40,14 @@ def test_kill_9_during_generation_loses_nothing_acknowledged(tmp_path: Path):
                 for token in killed.generate(300, **SAMPLED):
                     received.append(token)
                     if len(received) == 20:
-                        first.kill()
+                        first.kill9()
     finally:
         first.stop()
     assert len(received) >= 20
 
-    second = Served(state)
+    second = ServeProcess(["--model", "smollm2", "--state-dir", str(state)])
     try:
-        assert "recovered 3 session(s)" in "".join(second.stderr)
+        assert "recovered 3 session(s)" in second.log
         with Client(second.address) as client:
             for sid, history in expected.items():
                 assert list(client.session(sid).info(include_history=True).history_token_ids) == history

@@ -129,6 +129,28 @@ def session_cmd(
             policies=policies, dtype=dtype, out=Path(out), seed=seed, attention=attention)
 
 
+@bench_app.command("soak")
+def soak_cmd(
+    model: str = typer.Option("smollm2", help="Bundled model name or path, served by a child `kakeya serve`."),
+    requests: int = typer.Option(10_000, help="Requests in all (half before the kill -9, half after)."),
+    max_seconds: float = typer.Option(900.0, help="Stop (and fail) past this wall time."),
+    keys: int = typer.Option(3, help="API keys, one client thread each."),
+    context: int = typer.Option(1024, help="The server's per-session context (small: limits are reached)."),
+    seed: int = typer.Option(0),
+    kill: bool = typer.Option(True, "--kill/--no-kill", help="SIGKILL and restart the server halfway."),
+    max_rss_gib: float = typer.Option(6.0, help="Fail if the server's RSS goes above this."),
+    out: str = typer.Option("results/soak", help="Output directory for the JSON."),
+) -> None:
+    """Randomized valid and invalid requests from several keys, cancellations, evictions, idle compression and a
+    kill -9 + restart, against a real server on loopback; exits 1 on any failure it reports."""
+    from kakeya_runtime.bench.soak import SoakConfig, command
+
+    result = command(SoakConfig(model=model, requests=requests, max_seconds=max_seconds, keys=keys, context=context,
+                                seed=seed, kill=kill, max_rss_bytes=int(max_rss_gib * 2**30)), Path(out))
+    if not result["passed"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("attention")
 def attention_cmd(
     lengths: str = typer.Option("1024,4096,7168", help="Cache lengths (keys)."),

@@ -270,12 +270,12 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         await self._owner(context)
         return self.model_info
 
-    async def ExportSession(self, request, context) -> AsyncIterator[pb.SessionArchiveChunk]:
+    async def ExportSession(self, request, context) -> AsyncIterator[pb.ExportSessionResponse]:
         owner = await self._owner(context)
         data = await self.service.export(owner, request.session_id, include_kv=request.include_kv)
         view = memoryview(data)
         for at in range(0, len(view), ARCHIVE_CHUNK_BYTES):
-            yield pb.SessionArchiveChunk(data=bytes(view[at : at + ARCHIVE_CHUNK_BYTES]))
+            yield pb.ExportSessionResponse(data=bytes(view[at : at + ARCHIVE_CHUNK_BYTES]))
 
     async def ImportSession(self, request_iterator, context):
         owner = await self._owner(context)

@@ -164,7 +164,7 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
-ARCHIVE_CHUNK_BYTES = 1024 * 1024  # ImportSession's chunks stay under any server's receive limit
+ARCHIVE_CHUNK_BYTES = 512 * 1024  # ImportSession's chunks stay under any server's receive limit
 
 
 def archive_bytes(archive: bytes | str | os.PathLike[str]) -> bytes:
@@ -174,9 +174,9 @@ def archive_bytes(archive: bytes | str | os.PathLike[str]) -> bytes:
     return Path(archive).read_bytes()
 
 
-def archive_chunks(data: bytes) -> Iterator[pb.SessionArchiveChunk]:
+def archive_chunks(data: bytes) -> Iterator[pb.ImportSessionRequest]:
     for at in range(0, max(len(data), 1), ARCHIVE_CHUNK_BYTES):
-        yield pb.SessionArchiveChunk(data=data[at : at + ARCHIVE_CHUNK_BYTES])
+        yield pb.ImportSessionRequest(data=data[at : at + ARCHIVE_CHUNK_BYTES])
 
 
 def save_archive(data: bytes, path: str | os.PathLike[str] | None) -> None:
