@@ -17,7 +17,8 @@ from kakeya_runtime.server.testing import running_server, tiny_served
 def test_session_bench_prefills_only_new_tokens_and_writes_evidence(tmp_path):
     with running_server(tiny_served("llama", context=2048)) as server:
         result = run_session_bench(server.address, turns=24, append_tokens=(10, 20), reply_tokens=3,
-                                   baseline_every=4)
+                                   baseline_every=4,
+                                   metrics_url=f"http://127.0.0.1:{server.server.metrics_port}/metrics")
     assert len(result.turns) == 24
     for turn in result.turns[1:]:
         # Incremental prefill: the appended chunk plus the previous reply's last token, never the history.
@@ -27,7 +28,11 @@ def test_session_bench_prefills_only_new_tokens_and_writes_evidence(tmp_path):
     for b in result.baseline:
         assert b.prefill_tokens == b.history  # the baseline re-prefills everything
     summary = summarize(result, num_buckets=4)
-    assert summary["invariant_violations"] == 0
+    assert result.metrics_violations == 0 and summary["invariant_violations"] == 0  # read from /metrics
+    assert summary["gates"]["invariant_counters_zero"]
+    unread = summarize(run_without_metrics := type(result)(policy=result.policy, turns=result.turns), num_buckets=4)
+    assert unread["invariant_violations"] is None and not unread["gates"]["invariant_counters_zero"]
+    del run_without_metrics
     assert len(summary["bucket_p50_latency_s"]) == 4
     doc = write_evidence({"full": result}, tmp_path / "ls.json", {"model": "tiny"})
     on_disk = json.loads((tmp_path / "ls.json").read_text())
@@ -38,6 +43,9 @@ def test_session_bench_prefills_only_new_tokens_and_writes_evidence(tmp_path):
 
 def test_bucket_p50_and_policy_parsing():
     assert bucket_p50([1, 2, 3, 4, 5, 6], 3) == [1.5, 3.5, 5.5]
+    # Every sample counts: 299 turns in 10 buckets keep the last ones (a fixed size of 29 dropped 9 of them).
+    assert bucket_p50([1.0] * 280 + [100.0] * 19, 10)[-1] == 100.0  # with 29-turn buckets it read 1.0
+    assert bucket_p50([1, 2], 10) == [1, 2]
     assert parse_policy("full") == {"name": "full", "params": {}}
     assert parse_policy("sink_window:sink=4,window=64") == {"name": "sink_window", "params": {"sink": 4, "window": 64}}
     assert parse_policy("lattice:q=3.5,codec=d4")["params"] == {"q": 3.5, "codec": "d4"}

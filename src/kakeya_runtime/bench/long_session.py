@@ -54,6 +54,7 @@ class SessionBenchResult:
     policy: dict[str, Any]
     turns: list[TurnRecord] = field(default_factory=list)
     baseline: list[BaselineRecord] = field(default_factory=list)
+    metrics_violations: float | None = None  # kakeya_cache_invariant_violations_total grew by this during the run
 
 
 def tool_output(rng: random.Random, tokenizer: Any, n_tokens: int) -> list[int]:
@@ -66,20 +67,34 @@ def tool_output(rng: random.Random, tokenizer: Any, n_tokens: int) -> list[int]:
 
 
 def bucket_p50(latencies: Sequence[float], num_buckets: int) -> list[float]:
-    size = max(1, len(latencies) // num_buckets)
-    return [statistics.median(latencies[i * size:(i + 1) * size]) for i in range(num_buckets)
-            if latencies[i * size:(i + 1) * size]]
+    """Medians of `num_buckets` contiguous buckets that together hold every sample (sizes differ by at most one)."""
+    n = len(latencies)
+    k = min(num_buckets, n)
+    return [statistics.median(latencies[i * n // k:(i + 1) * n // k]) for i in range(k)]
+
+
+def violations_on_metrics(url: str) -> float:
+    """kakeya_cache_invariant_violations_total, all kinds, read from the server's /metrics."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(v) for v in re.findall(r"^kakeya_cache_invariant_violations_total\{[^}]*\} (\S+)$", text,
+                                             re.MULTILINE))
 
 
 def run_session_bench(addr: str, *, turns: int = 300, append_tokens: tuple[int, int] = (12, 28),
                       reply_tokens: int = 4, baseline_every: int = 5, policy: dict[str, Any] | None = None,
-                      seed: int = 0, progress: Any = None) -> SessionBenchResult:
+                      seed: int = 0, progress: Any = None, metrics_url: str | None = None) -> SessionBenchResult:
     """Drive `turns` turns through the SDK on one session, and the stateless baseline every
-    `baseline_every` turns (0: never). Sized by the caller to fit the model's context."""
+    `baseline_every` turns (0: never). Sized by the caller to fit the model's context. With `metrics_url` (the
+    server's /metrics), the invariant violations the server counted during the run are recorded."""
     from kakeya import Client, KvPolicy
 
     rng = random.Random(seed)
     result = SessionBenchResult(policy=policy or {"name": "full", "params": {}})
+    violations_before = violations_on_metrics(metrics_url) if metrics_url else None
     with Client(addr) as client:
         info = client.model_info()
         tokenizer = client.tokenizer()
@@ -109,6 +124,8 @@ def run_session_bench(addr: str, *, turns: int = 300, append_tokens: tuple[int, 
                                                           reply_tokens))
                 if progress is not None:
                     progress(turn + 1)
+    if metrics_url and violations_before is not None:
+        result.metrics_violations = violations_on_metrics(metrics_url) - violations_before
     return result
 
 
@@ -123,11 +140,12 @@ def _baseline_turn(client: Any, policy: Any, history: list[int], turn: int, repl
 
 def summarize(result: SessionBenchResult, num_buckets: int = 10) -> dict[str, Any]:
     lat = [t.latency_s for t in result.turns[1:]]  # turn 0 also prefills the system prompt
-    p50 = bucket_p50(lat, num_buckets)
+    p50 = bucket_p50(lat, num_buckets)  # every turn after the first counts, the last ones included
     base = [b.latency_s for b in result.baseline[1:]]
     base_p50 = bucket_p50(base, min(num_buckets, max(1, len(base)))) if base else []
     kv = [t.kv_live_bytes for t in result.turns]
-    violations = sum(t.inv1_violations + t.inv2_violations for t in result.turns)
+    # The server's own counter (/metrics); the per-session fields read 0 on any live session by construction.
+    violations = result.metrics_violations
     ratio = p50[-1] / p50[0] if p50 else None
     base_ratio = base_p50[-1] / base_p50[0] if len(base_p50) > 1 else None  # None: no baseline in this run
     return {
@@ -139,12 +157,13 @@ def summarize(result: SessionBenchResult, num_buckets: int = 10) -> dict[str, An
         "baseline_last_over_first_p50": base_ratio,
         "max_prefill_tokens_after_first_turn": max((t.prefill_tokens for t in result.turns[1:]), default=0),
         "kv_live_bytes_first_last": [kv[0], kv[-1]] if kv else [],
-        "invariant_violations": violations,
+        "invariant_violations": violations,  # from /metrics; None: not read, so not claimed
+        "session_info_violations": sum(t.inv1_violations + t.inv2_violations for t in result.turns),
         "gates": {
             "G2_last_bucket_p50_le_1.5x_first": ratio is not None and ratio <= 1.5,
             "bounded_policy_G2_le_1.2x": ratio is not None and ratio <= 1.2,
             "baseline_grows": None if base_ratio is None else base_ratio > 1.5,
-            "invariant_counters_zero": violations == 0,
+            "invariant_counters_zero": violations is not None and violations == 0,
             "all_calls_through_sdk": True,
         },
     }
@@ -245,7 +264,11 @@ def command(
     console = Console(stderr=True)
     backends = [b.strip() for b in attention.split(",") if b.strip()]
     loaded = load_model(model, dtype=getattr(torch, dtype))
-    server = RuntimeServer(ServedModel.from_loaded(loaded, model), ServerConfig(port=0, max_sessions=8))
+    from kakeya_runtime.bench.engine import wait_for_idle
+
+    # What `kakeya serve` runs (its defaults), on loopback, with /metrics so violations are read where they are kept.
+    server = RuntimeServer(ServedModel.from_loaded(loaded, model), ServerConfig(port=0, metrics_port=0))
+    busy_before = wait_for_idle(90.0)
     results: dict[str, SessionBenchResult] = {}
     previous = native.backend()
     with ServerThread(server) as running, Progress(console=console) as bar, _restore_backend(previous):
@@ -257,11 +280,12 @@ def command(
                 results[name] = run_session_bench(
                     running.address, turns=turns, reply_tokens=reply_tokens,
                     baseline_every=baseline_every if not results else 0,  # the baseline once per run
-                    policy=parse_policy(text), seed=seed, progress=lambda n, task=task: bar.update(task, completed=n))
+                    policy=parse_policy(text), seed=seed, progress=lambda n, task=task: bar.update(task, completed=n),
+                    metrics_url=f"http://127.0.0.1:{server.metrics_port}/metrics")
                 results[name].policy = {**results[name].policy, "attention": backend}
     doc = write_evidence(results, out, {"model": model, "dtype": dtype, "turns": turns,
                                         "reply_tokens": reply_tokens, "baseline_every": baseline_every,
-                                        "attention_backends": backends,
+                                        "attention_backends": backends, "cpu_busy_before": busy_before,
                                         "native_bf16_dot": native.bf16_dot() if "native" in backends else None})
     for name, run in doc["runs"].items():
         s = run["summary"]
