@@ -13,8 +13,8 @@ from kakeya import Client
 from kakeya.tokenization import Tokenizer
 
 from kakeya_runtime.server.grpc_app import ServedModel, ServerThread
-from kakeya_runtime.server.openai_shim import StopMatcher
 from kakeya_runtime.server.testing import SlowModel, running_server, tiny_model, tiny_served
+from kakeya_runtime.sessions.stops import StopMatcher
 
 KEY = "shim-test-key"
 MODEL = "tiny-llama"
