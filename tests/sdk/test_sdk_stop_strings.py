@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kakeya import AsyncClient, Client, FinishReason, InvalidArgument
+from kakeya import AsyncClient, Client, FinishReason, InvalidArgument, KvPolicy
 from kakeya.tokenization import Tokenizer
 
 from kakeya_runtime.server.testing import running_server, tiny_served
@@ -131,3 +131,24 @@ def test_stop_matcher_holds_back_partial_matches_and_names_the_match():
     assert m.push("az") == "a" and m.flush() == "z" and not m.stopped
     m = StopMatcher(("cd", "bcde"))  # both complete on one piece: the earlier start wins
     assert m.push("abcdef") == "a" and m.matched == "bcde"
+
+
+@pytest.mark.parametrize("policy", [
+    KvPolicy("sink_window", {"sink": 4, "window": 24}),
+    KvPolicy("restore", {"sink": 4, "window": 24, "granularity": "per_step"}),
+    KvPolicy("sparse", {"sink": 4, "window": 16, "block": 8, "topk": 2}),
+])
+def test_stopping_early_keeps_bounded_policies_consistent(client, tok, policy):
+    """Ending the engine's stream on a stop string leaves the cache as a finished Generate does (the invariants are
+    checked at every commit), and the next Generate continues as an uninterrupted one would."""
+    prompt = tok.encode(PROMPT)
+    with client.create_session(initial_tokens=prompt, policy=policy) as s:
+        ref_ids = s.generate(max_tokens=N, ignore_eos=True).collect()
+    stop, _ = _ascii_stop(tok.decode(ref_ids), 2)
+    k = _completing_prefix(tok, ref_ids, stop)
+    with client.create_session(initial_tokens=prompt, policy=policy) as s:
+        assert s.generate(max_tokens=N, ignore_eos=True, stop=[stop]).collect() == ref_ids[:k]
+        assert s.generate(max_tokens=N - k, ignore_eos=True).collect() == ref_ids[k:]
+        info = s.info(include_history=True)
+        assert list(info.history_token_ids) == prompt + ref_ids
+        assert info.cached_length == len(prompt) + N - 1 and info.inv1_violations == info.inv2_violations == 0

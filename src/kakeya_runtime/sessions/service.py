@@ -12,6 +12,9 @@ in place on the engine thread with `kv.idle.compress_idle` (the session's own `i
 server default). The next Generate decompresses it on the engine thread before its prefill; appends
 and GetSessionInfo work on a compressed session as on any other.
 
+Stop strings (sessions.stops) are matched on the engine thread as each token commits, so a Generate ends on the
+very token that completes one: that token and all before it are in the history and were streamed, nothing after.
+
 Model work is handed to the Scheduler's engine threads; the event loop only validates, moves
 Python ints and relays events. Validation happens before anything changes, so a refused call
 leaves the session exactly as it was.
