@@ -129,8 +129,14 @@ def test_stop_matcher_holds_back_partial_matches_and_names_the_match():
     assert m.push("xb") == "x" and m.push("c") == "" and m.push("d") == "" and m.matched == "bcd"
     m = StopMatcher(("zz",))
     assert m.push("az") == "a" and m.flush() == "z" and not m.stopped
-    m = StopMatcher(("cd", "bcde"))  # both complete on one piece: the earlier start wins
-    assert m.push("abcdef") == "a" and m.matched == "bcde"
+    m = StopMatcher(("bcde", "cd"))  # the first to complete wins, however the text is split
+    assert m.push("abcdef") == "ab" and m.matched == "cd"
+    m = StopMatcher(("cd", "bcd"))  # both complete on the same character: the earlier start
+    assert m.push("ab") == "a" and m.push("cdx") == "" and m.matched == "bcd"
+    m = StopMatcher(("aab",))  # a partial match that fails falls back to the longest prefix still possible
+    assert m.push("aaa") == "a" and m.held == "aa" and m.push("ab") == "a" and m.matched == "aab"
+    m = StopMatcher(("e" * 255 + "A",))  # a long held tail costs no more per character
+    assert m.push("e" * 1000) == "e" * 745 and m.push("A") == "" and m.stopped
 
 
 @pytest.mark.parametrize("policy", [

@@ -3,7 +3,8 @@
 What is matched: the text of the tokens this Generate produces, decoded as a client displays it (special tokens
 skipped; a character split across tokens counts once it is complete), from the call's first generated token.
 History from before the call is never matched, and neither are stop tokens (EOS, stop_token_ids): they end the
-generation by themselves.
+generation by themselves. Read left to right, the first stop string to complete wins (of two completing on the
+same character, the longer), so the match depends only on the text, never on how tokens split it.
 
 What the session keeps: every generated token, the one that completes the stop string included, joins the
 history and is streamed to the client like any other; nothing is trimmed or rolled back. The history is raw
@@ -83,11 +84,20 @@ class StreamDecoder:
 
 @dataclass(slots=True)
 class StopMatcher:
-    """Text-level stop strings: emits what can no longer start a stop string, trims the first match."""
+    """Text-level stop strings, read left to right: emits what can no longer start a stop string, trims the first
+    match. The first stop string to complete wins (at the same character, the one starting earliest), so the match
+    depends only on the text, not on how it was split into pieces. One KMP automaton per stop string: each
+    character costs O(number of stop strings), amortised, however long the text held back."""
 
     stops: tuple[str, ...]
     held: str = ""
     matched: str | None = None  # the stop string that matched, once one did
+    _failure: list[list[int]] = field(default_factory=list)
+    _state: list[int] = field(default_factory=list)  # per stop: the longest prefix of it the text ends with
+
+    def __post_init__(self) -> None:
+        self._failure = [_failure(s) for s in self.stops]
+        self._state = [0] * len(self.stops)
 
     @property
     def stopped(self) -> bool:
@@ -98,19 +108,44 @@ class StopMatcher:
         if self.matched is not None:
             return ""
         text = self.held + piece
-        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
-        if hits:
-            at, self.matched = min(hits, key=lambda h: (h[0], len(h[1])))
-            self.held = ""
-            return text[:at]
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:k])), default=0)
+        base = len(self.held)
+        for pos, ch in enumerate(piece, start=base):
+            done = None
+            for k, s in enumerate(self.stops):
+                st, fail = self._state[k], self._failure[k]
+                while st and s[st] != ch:
+                    st = fail[st - 1]
+                if s[st] == ch:
+                    st += 1
+                if st == len(s):
+                    if done is None or len(s) > len(done):
+                        done = s
+                    st = fail[st - 1]
+                self._state[k] = st
+            if done is not None:
+                self.matched, self.held = done, ""
+                return text[:pos + 1 - len(done)]
+        keep = max(self._state, default=0)  # the longest tail that may still become a stop string
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]
 
     def flush(self) -> str:
         out, self.held = self.held, ""
+        self._state = [0] * len(self.stops)
         return out
+
+
+def _failure(s: str) -> list[int]:
+    """KMP: for each prefix of `s`, the length of its longest proper prefix that is also its suffix."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 @dataclass(slots=True)
