@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from collections.abc import Iterator
 
@@ -12,9 +13,22 @@ import pytest
 from kakeya import Client
 from kakeya.tokenization import Tokenizer
 
-from kakeya_runtime.server.grpc_app import ServedModel, ServerThread
-from kakeya_runtime.server.openai_shim import StopMatcher
-from kakeya_runtime.server.testing import SlowModel, running_server, tiny_model, tiny_served
+from kakeya_runtime.server.grpc_app import (
+    InsecureBindError,
+    RuntimeServer,
+    ServedModel,
+    ServerConfig,
+    ServerThread,
+)
+from kakeya_runtime.server.testing import (
+    SlowModel,
+    metric_value,
+    running_server,
+    scrape_metrics,
+    self_signed_cert,
+    tiny_model,
+    tiny_served,
+)
 
 KEY = "shim-test-key"
 MODEL = "tiny-llama"
@@ -125,16 +139,6 @@ def test_stop_strings_trim_and_stop_early(shim):
     streamed = list(_chat(shim, max_tokens=24, temperature=0, stop=stop, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == full[:at]
     assert streamed[-1].choices[0].finish_reason == "stop"
-
-
-def test_stop_matcher_holds_back_partial_matches():
-    m = StopMatcher(("END",))
-    assert [m.push(p) for p in ("abcE", "N", "x", "yE", "ND tail")] == ["abc", "", "ENx", "y", ""]
-    assert m.stopped and m.flush() == ""
-    m = StopMatcher(("ab", "bcd"))
-    assert m.push("xb") == "x" and m.push("c") == "" and m.push("d") == "" and m.stopped
-    m = StopMatcher(("zz",))
-    assert m.push("az") == "a" and m.flush() == "z" and not m.stopped
 
 
 def test_seeded_sampling_is_deterministic(shim):
@@ -284,3 +288,71 @@ def test_smollm2_chat_template_through_the_openai_client(smollm2_bf16):
                     eos_token_ids=served.eos_ids)
     assert chunks[-1].usage.prompt_tokens == len(tok.tokens_for_chat(messages))
     assert "<|im_start|>" not in text and "<|im_end|>" not in text
+
+
+def test_stop_strings_end_the_session_generation_on_the_same_token(shim):
+    """The shim's stop is the session API's: the completion tokens are those a gRPC Generate with the same stop
+    streams (the stop string's tokens included), and the text is theirs cut before the stop string."""
+    ids = _tokenizer(shim).tokens_for_chat(HELLO)
+    full, _ = _grpc_text(shim, ids, 24)
+    at = next(i for i in range(3, len(full) - 2) if full.find(full[i:i + 2]) == i)
+    stop = full[at:at + 2]
+    with Client(shim.address, api_key=KEY) as client, client.create_session(initial_tokens=ids) as session:
+        gen = session.generate(max_tokens=24, temperature=0, stop=[stop])
+        tokens = gen.collect()
+    assert gen.result.stop_string == stop
+    reply = _chat(shim, max_tokens=24, temperature=0, stop=stop)
+    assert reply.usage.completion_tokens == len(tokens) < 24
+    assert reply.choices[0].message.content == gen.result.text_before_stop(_tokenizer(shim).decode(tokens))
+    with pytest.raises(openai.BadRequestError) as e:  # the session API's length limit, as an OpenAI 400
+        _chat(shim, stop=["x" * 257])
+    assert e.value.param == "stop"
+
+
+def test_a_key_at_its_session_quota_gets_429_and_keeps_its_sessions():
+    """A shim request is a throwaway session: it never evicts the key's own (possibly long) sessions to fit."""
+    other = "another-key-456"
+    with (running_server(tiny_served("llama"), api_keys=(KEY, other), openai_port=0, max_sessions_per_key=2)
+          as thread, Client(thread.address, api_key=KEY) as grpc_client):
+        kept = [grpc_client.create_session(initial_tokens=[10, 11, 12]) for _ in range(2)]
+        with pytest.raises(openai.RateLimitError) as e:
+            _chat(thread, max_tokens=2)
+        assert e.value.status_code == 429 and e.value.code == "session_quota_exceeded"
+        assert e.value.response.headers["retry-after"] == "1" and "evict" in e.value.message
+        for session in kept:  # still there, history intact
+            assert session.info().history_length == 3
+        assert metric_value(scrape_metrics(thread), "kakeya_limit_refusals_total",
+                            '{limit="sessions_per_key"}') == 1
+        with pytest.raises(openai.RateLimitError):  # streaming: refused before the response starts
+            list(_chat(thread, max_tokens=2, stream=True))
+        assert _client(thread, key=other).chat.completions.create(  # another key is not affected
+            model=MODEL, messages=HELLO, max_tokens=2).choices
+        kept[0].close()
+        assert _chat(thread, max_tokens=2).choices  # room again: served, and closed after
+        assert kept[1].info().history_length == 3 and len(thread.server.service.store) == 1
+
+
+def test_the_shim_serves_https_with_the_grpc_certificate(tmp_path):
+    cert, key = self_signed_cert(tmp_path)
+    with running_server(tiny_served("llama"), api_keys=(KEY,), openai_port=0, tls_cert=str(cert),
+                        tls_key=str(key)) as thread:
+        base = f"https://127.0.0.1:{thread.server.openai_port}/v1"
+        trusted = openai.DefaultHttpx2Client(verify=ssl.create_default_context(cafile=str(cert)))
+        client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=30, http_client=trusted)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 4
+        raw = client.with_raw_response.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+        assert all(h in raw.headers for h in DEPRECATION)
+        with pytest.raises(openai.APIConnectionError):  # the system roots do not trust a self-signed certificate
+            openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=10).models.list()
+        with pytest.raises(httpx2.TransportError):  # no plain HTTP on the TLS port
+            httpx2.get(f"http://127.0.0.1:{thread.server.openai_port}/v1/models",
+                       headers={"authorization": f"Bearer {KEY}"}, timeout=10)
+
+
+def test_a_non_loopback_shim_follows_the_grpc_bind_rules(tmp_path):
+    with pytest.raises(InsecureBindError, match="TLS"):  # no TLS and no --insecure: refused before binding
+        RuntimeServer(tiny_served("llama"), ServerConfig(host="0.0.0.0", port=0, api_keys=(KEY,), openai_port=0))
+    with pytest.raises(InsecureBindError, match="API key"):
+        RuntimeServer(tiny_served("llama"), ServerConfig(host="0.0.0.0", port=0, openai_port=0, insecure=True))

@@ -90,6 +90,26 @@ def test_the_kv_budget_holds_per_key_and_in_total():
     assert e.value.limit == "kv_budget_per_key" and _active(store, [a2, b2]) == [True, True]
 
 
+def test_an_admission_without_eviction_refuses_where_eviction_would_make_room():
+    """evict=False (the OpenAI shim's single-shot sessions): any limit reached refuses, naming it, and nothing ends."""
+    store = _store(max_sessions=4, max_sessions_per_key=2, kv_budget=1000, kv_budget_per_key=600)
+    a = [store.create("A", FULL, 100, reserve_bytes=100) for _ in range(2)]
+    with pytest.raises(ResourceExhausted, match="per API key") as e:
+        store.create("A", FULL, 100, evict=False)
+    assert e.value.limit == "sessions_per_key" and "evicts no session" in e.value.message
+    assert _active(store, a) == [True, True] and len(store) == 2
+    b = store.create("B", FULL, 100, reserve_bytes=500, evict=False)  # room: admitted as usual
+    with pytest.raises(ResourceExhausted) as e:  # B's bytes: 500 + 200 > 600
+        store.create("B", FULL, 100, reserve_bytes=200, evict=False)
+    assert e.value.limit == "kv_budget_per_key" and b.state is SessionState.ACTIVE
+    store.create("B", FULL, 100, reserve_bytes=50, evict=False)
+    with pytest.raises(ResourceExhausted) as e:  # the server's four sessions
+        store.create("C", FULL, 100, evict=False)
+    assert e.value.limit == "sessions" and len(store) == 4
+    store.create("A", FULL, 100, reserve_bytes=100)  # the same store still evicts for an ordinary create
+    assert _active(store, a) == [False, True]
+
+
 def test_a_session_ended_while_busy_keeps_its_bytes_until_its_cache_is_freed():
     store = _store(kv_budget=1000)
     s = store.create("A", FULL, 100, reserve_bytes=800)

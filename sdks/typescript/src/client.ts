@@ -165,7 +165,8 @@ export class Session {
    *
    * `temperature` 0 (the default) is greedy; `topK` 0 keeps the whole vocabulary, `topP` is a nucleus mass in
    * (0, 1], and a `seed` makes sampling reproducible. `stopTokens` stop on top of the model's EOS ids (unless
-   * `ignoreEos`). Bad values reject with InvalidArgument and leave the session unchanged.
+   * `ignoreEos`); `stop` strings end it after the token that completes one (see GenerateOptions.stop). Bad values
+   * reject with InvalidArgument and leave the session unchanged.
    */
   generate(options: cv.GenerateOptions = {}): Generation {
     const request = cv.generateRequest(this.id, options);

@@ -77,6 +77,13 @@ export interface GenerateOptions {
   /** Stop on these ids too (on top of the model's EOS ids unless ignoreEos). */
   stopTokens?: Iterable<number>;
   ignoreEos?: boolean;
+  /**
+   * Stop strings (at most 16, each 1 to 256 characters): generation ends right after the token whose text
+   * completes one of them (finishReason "stop"; `result.stopString` says which). Nothing is trimmed: those tokens
+   * are yielded and stay in the session history, which the next Generate continues from;
+   * `textBeforeStop(tokenizer.decode(gen.tokenIds), gen.result)` is the text before the stop string.
+   */
+  stop?: string | Iterable<string>;
   /** Aborting cancels the Generate; iterating then rejects with `signal.reason`. */
   signal?: AbortSignal;
 }
@@ -100,12 +107,17 @@ export function generateRequest(sessionId: string, o: GenerateOptions): pb.Gener
     seed = BigInt(o.seed);
     if (seed < 0n || seed >= 2n ** 64n) throw new InvalidArgument(`bad generate parameters: seed out of range`);
   }
+  const stop = typeof o.stop === "string" ? [o.stop] : [...(o.stop ?? [])]; // one string is one stop string
+  if (!stop.every((s) => typeof s === "string")) {
+    throw new InvalidArgument("bad generate parameters: stop must be a string or an iterable of strings");
+  }
   return {
     sessionId,
     maxTokens,
     sampling: { temperature, topK, topP: o.topP, seed: seed?.toString() }, // uint64 as a decimal string
     stopTokenIds: tokenList(o.stopTokens ?? [], "stopTokens"),
     ignoreEos: o.ignoreEos ?? false,
+    stop,
   };
 }
 
@@ -134,6 +146,7 @@ export function resultFromPb(done: pb.GenerateDone, tokenIds: number[]): Generat
     finishReason: FINISH[done.finishReason] ?? "unspecified",
     stats: statsFromPb(done.stats),
     historyLength: done.historyLength,
+    stopString: done.stopString || null,
   };
 }
 

@@ -19,6 +19,7 @@ export {
   tokensForChat,
 } from "./tokenization.js";
 export type { ChatMessage, ChatOptions, ChatTemplateTokenizer, OpenAIMessage, ToolCall } from "./tokenization.js";
+export { textBeforeStop } from "./types.js";
 export type {
   FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo, SparseCounters, SparseStats,
 } from "./types.js";

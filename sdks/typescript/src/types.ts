@@ -1,7 +1,7 @@
 /** Plain data returned by the client (no protobuf objects leak into user code). */
 
-/** "stop": an EOS / stop token was generated (it is the last token and is in the history); "length": maxTokens
- * reached; "cancelled": the session was closed while generating. */
+/** "stop": an EOS / stop token was generated (it is the last token and is in the history), or a stop string
+ * completed; "length": maxTokens reached; "cancelled": the session was closed while generating. */
 export type FinishReason = "stop" | "length" | "cancelled" | "unspecified";
 
 /**
@@ -35,6 +35,19 @@ export interface GenerateResult {
   finishReason: FinishReason;
   stats: GenerateStats;
   historyLength: number;
+  /** The stop string (GenerateOptions.stop) that ended the generation; null when none did. */
+  stopString: string | null;
+}
+
+/**
+ * `text` (the generated tokens, decoded) cut before the stop string that ended the generation; unchanged when
+ * none did. The tokens themselves (and the session history) keep the stop string.
+ */
+export function textBeforeStop(text: string, result: GenerateResult | undefined): string {
+  const stop = result?.stopString;
+  if (!stop) return text;
+  const at = text.indexOf(stop);
+  return at < 0 ? text : text.slice(0, at);
 }
 
 export interface SparseCounters {

@@ -193,7 +193,8 @@ async def _serve_forever(server: Any, console: Console) -> None:
         console.print(f"Metrics on http://{host}:{server.metrics_port}/metrics"
                       f"{' (bearer key required)' if cfg.metrics_key else ''}")
     if server.openai_port is not None:
-        console.print(f"Deprecated OpenAI-style API on http://{cfg.host}:{server.openai_port}/v1 (single-shot)")
+        scheme = "https" if server.tls else "http"
+        console.print(f"Deprecated OpenAI-style API on {scheme}://{cfg.host}:{server.openai_port}/v1 (single-shot)")
     print(server.address, flush=True)  # machine-readable: the last stdout line is the address
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -39,6 +39,7 @@ from kakeya_runtime.sessions.service import (
     SessionService,
 )
 from kakeya_runtime.sessions.snapshot import model_fingerprint
+from kakeya_runtime.sessions.stops import detokenizer
 
 try:
     from kakeya_runtime._proto import runtime_pb2 as pb
@@ -116,7 +117,7 @@ class ServerConfig:
     insecure: bool = False  # acknowledges a non-loopback bind without TLS (API keys cross the network in clear)
     metrics_host: str = "127.0.0.1"  # /metrics bind address (loopback unless asked)
     metrics_key: str | None = None  # /metrics answers only `authorization: Bearer <metrics_key>`; None: anyone
-    openai_port: int | None = None  # the deprecated OpenAI-style HTTP shim (server/openai_shim.py); None: off
+    openai_port: int | None = None  # the deprecated OpenAI-style HTTP shim (server/openai_shim/), on host; None: off
     openai_max_queue: int = 16  # shim requests beyond max_concurrent + this many answer 429
     state_dir: str | None = None  # durable sessions (sessions.journal): journals and KV snapshots here; None: memory only
     fsync: str = "call"  # always | call | never: when journal records reach the disk (sessions.journal)
@@ -217,6 +218,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             seed=s.seed if s.HasField("seed") else None,
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
+            stop=tuple(request.stop),
         )
         events = self.service.generate(owner, request.session_id, params)
         # aclosing: a client that goes away cancels the engine job via the generator's finally.
@@ -227,6 +229,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                     yield pb.GenerateResponse(done=pb.GenerateDone(
                         finish_reason=_FINISH[event.finish_reason],
                         history_length=event.history_length,
+                        stop_string=event.stop_string or "",
                         stats=pb.GenerateStats(
                             prefill_tokens=st.prefill_tokens, prefill_seconds=st.prefill_s,
                             ttft_seconds=st.ttft_s, decode_seconds=st.decode_s,
@@ -358,6 +361,7 @@ class RuntimeServer:
             observer=self.metrics,
             state=state,
             model_id=model_id,
+            detokenize=detokenizer(served.tokenizer_json) if served.tokenizer_json else None,  # for stop strings
         )
         self.metrics.bind_store(self.service.store, self.service.policies.names())
         # Every journaled session is back before the first call can arrive (StateDirError when one cannot be).
@@ -373,7 +377,8 @@ class RuntimeServer:
         if c.openai_port is not None:  # built now: a model it cannot serve fails before anything binds
             from kakeya_runtime.server.openai_shim import OpenAIShim
 
-            self._openai = OpenAIShim(self.service, served, self.auth, max_queue=c.openai_max_queue)
+            self._openai = OpenAIShim(self.service, served, self.auth, max_queue=c.openai_max_queue,
+                                      on_limit=self.metrics.limit_refused)
         self._server: grpc.aio.Server | None = None
 
     @property
@@ -415,8 +420,10 @@ class RuntimeServer:
             self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port,
                                                         self.config.metrics_key)
         if self._openai is not None:
+            # The same bind rules as gRPC (ServerConfig.validate: same host) and the same certificate: HTTPS only.
+            tls = None if self.config.tls_cert is None else (self.config.tls_cert, self.config.tls_key)
             self.openai_port = await self._openai.start(host, self.config.openai_port, grace_s=self.config.grace_s,
-                                                        grpc_address=self.address)
+                                                        grpc_address=self.address, tls=tls)
 
     async def stop(self) -> None:
         if self._openai is not None:  # first: its in-flight requests are sessions of the service

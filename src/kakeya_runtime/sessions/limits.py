@@ -11,7 +11,9 @@ A session reserves its worst-case KV bytes (sessions.budget) when it is created 
 so what the budget admits can never outgrow it, whatever the sessions later do. When a limit would be exceeded,
 the owner's own least recently used idle sessions are evicted, oldest first, until the new one fits; other keys'
 sessions only with `evict_across_keys` (an operator's choice). Busy sessions are never evicted. If evicting
-everything allowed still would not make room, nothing is evicted and the refusal names the limit.
+everything allowed still would not make room, nothing is evicted and the refusal names the limit. A caller may
+also admit without evicting anything (`evict=False`: the OpenAI shim's throwaway single-shot sessions never
+displace a key's own sessions); then any limit reached is a refusal.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ class Held(Protocol):
 
 
 def plan_admission(held: Sequence[Held], busy: Sequence[bool], owner: str, cost: int, limits: Limits,
-                   draining: Sequence[Held] = ()) -> list[int]:
+                   draining: Sequence[Held] = (), *, evict: bool = True) -> list[int]:
     """Indices into `held` (least recently used first) of the sessions to evict so that one more session of
     `owner` reserving `cost` bytes fits every limit; ResourceExhausted (evicting nothing) when it cannot.
-    `draining`: sessions that ended while busy and still hold their cache (their bytes count, nothing else)."""
+    `draining`: sessions that ended while busy and still hold their cache (their bytes count, nothing else).
+    `evict=False`: nothing may be evicted, so any limit already reached refuses."""
     for budget, what, limit in ((limits.key_budget, "per API key", "kv_budget_per_key"),
                                 (limits.kv_budget, "of the server", "kv_budget")):
         if budget is not None and cost > budget:  # would not fit in an empty store: evict nothing
@@ -78,8 +81,9 @@ def plan_admission(held: Sequence[Held], busy: Sequence[bool], owner: str, cost:
                 f"this session may need up to {_size(cost)} of KV cache, more than the whole KV budget {what} "
                 f"({_size(budget)}): choose a bounded KV policy or a shorter context", limit=limit)
     use = _Usage(held, owner, draining)
-    own = [i for i, s in enumerate(held) if s.owner == owner and not busy[i]]
-    others = [i for i, s in enumerate(held) if s.owner != owner and not busy[i]] if limits.evict_across_keys else []
+    own = [i for i, s in enumerate(held) if s.owner == owner and not busy[i]] if evict else []
+    others = ([i for i, s in enumerate(held) if s.owner != owner and not busy[i]]
+              if evict and limits.evict_across_keys else [])
     victims: list[int] = []
     while _key_over(use, cost, limits) and own:  # a key's own limits: only its own sessions make room
         victims.append(use.drop(own.pop(0)))
@@ -89,6 +93,9 @@ def plan_admission(held: Sequence[Held], busy: Sequence[bool], owner: str, cost:
     refusal = _key_over(use, cost, limits) or _server_over(use, cost, limits)
     if refusal is not None:
         limit, reason = refusal
+        if not evict:
+            raise ResourceExhausted(f"{reason}: close a session or retry later (this request evicts no session)",
+                                    limit=limit)
         evictable = [b for s, b in zip(held, busy, strict=True) if s.owner == owner or limits.evict_across_keys]
         busy_note = " and the sessions that could make room are busy" if any(evictable) else ""
         scope = "" if limits.evict_across_keys or "per API key" in reason else \

@@ -12,6 +12,9 @@ in place on the engine thread with `kv.idle.compress_idle` (the session's own `i
 server default). The next Generate decompresses it on the engine thread before its prefill; appends
 and GetSessionInfo work on a compressed session as on any other.
 
+Stop strings (sessions.stops) are matched on the engine thread as each token commits, so a Generate ends on the
+very token that completes one: that token and all before it are in the history and were streamed, nothing after.
+
 Model work is handed to the Scheduler's engine threads; the event loop only validates, moves
 Python ints and relays events. Validation happens before anything changes, so a refused call
 leaves the session exactly as it was.
@@ -54,6 +57,7 @@ from kakeya_runtime.sessions.journal import StateDir, StateDirError
 from kakeya_runtime.sessions.limits import Limits
 from kakeya_runtime.sessions.policy import CodecSpec, PolicyRegistry, PolicySpec, parse_codec
 from kakeya_runtime.sessions.scheduler import Scheduler
+from kakeya_runtime.sessions.stops import Detokenize, StopWatch, check_stop_strings
 from kakeya_runtime.sessions.store import NullObserver, Session, SessionSnapshot, SessionStore, StoreObserver
 
 _log = logging.getLogger(__name__)
@@ -87,6 +91,7 @@ class GenerateParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # stop strings (sessions.stops): generation ends after the token completing one
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,6 +118,7 @@ class DoneEvent:
     finish_reason: FinishReason
     stats: GenerateStats
     history_length: int
+    stop_string: str | None = None  # the stop string that ended the generation (finish_reason STOP)
 
 
 GenerateEvent = TokensEvent | DoneEvent
@@ -157,6 +163,7 @@ class _Job:
     session: Session
     request: GenerateRequest
     loop: asyncio.AbstractEventLoop
+    stops: tuple[str, ...] = ()  # stop strings, checked
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)  # queue time includes the turn wait
@@ -172,9 +179,10 @@ class SessionService:
     def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), config: ServiceConfig | None = None,
                  policies: PolicyRegistry | None = None, observer: ServiceObserver | None = None,
                  clock: Callable[[], float] = time.monotonic, state: StateDir | None = None,
-                 model_id: str = "") -> None:
+                 model_id: str = "", detokenize: Detokenize | None = None) -> None:
         """`state`: the state directory that makes sessions durable (sessions.journal); `model_id`: the served
-        model's fingerprint (sessions.snapshot.model_fingerprint), which KV snapshots and archives must match."""
+        model's fingerprint (sessions.snapshot.model_fingerprint), which KV snapshots and archives must match;
+        `detokenize` (token ids -> text, special tokens skipped) enables stop strings (None refuses them)."""
         self.engine = engine
         self.state = state
         self.model_id = (state.model_id if state is not None else model_id
@@ -202,6 +210,7 @@ class SessionService:
         self.scheduler = Scheduler(self.config.max_concurrent)
         self._sweeper: asyncio.Task | None = None
         self._compressions: set[asyncio.Task] = set()
+        self.detokenize = detokenize
 
     # ---- lifecycle of the service itself ---------------------------------------------------
 
@@ -271,13 +280,15 @@ class SessionService:
     # ---- the API ---------------------------------------------------------------------------
 
     async def create(self, owner: str, initial_tokens: Sequence[int] = (), policy_name: str = "",
-                     policy_params: dict[str, Any] | None = None) -> Session:
+                     policy_params: dict[str, Any] | None = None, *, evict: bool = True) -> Session:
+        """A new session; `evict=False` admits it only if no other session has to make room (sessions.limits)."""
         if len(initial_tokens) > self.context_length:  # before anything walks or copies the ids
             raise ResourceExhausted(f"initial history of {len(initial_tokens)} tokens exceeds the context length "
                                     f"{self.context_length}")
         self._check_tokens(initial_tokens, "initial_token_ids")
         spec = self.policies.resolve(policy_name, policy_params, self.engine.config, self.context_length)
-        return self.store.create(owner, spec, self.context_length, initial_tokens, reserve_bytes=self.kv_reserve(spec))
+        return self.store.create(owner, spec, self.context_length, initial_tokens, reserve_bytes=self.kv_reserve(spec),
+                                 evict=evict)
 
     def kv_reserve(self, spec: PolicySpec) -> int:
         """The KV bytes a session with this policy reserves against the budget: its worst case at the context."""
@@ -309,8 +320,9 @@ class SessionService:
     async def generate(self, owner: str, session_id: str, params: GenerateParams) -> AsyncIterator[GenerateEvent]:
         """Stream TokensEvent per committed token, then one DoneEvent. Leaving early cancels."""
         request = self._engine_request(params)
+        stops = self._stop_strings(params.stop)
         session = self.store.get(owner, session_id)
-        job = _Job(session, request, asyncio.get_running_loop())
+        job = _Job(session, request, asyncio.get_running_loop(), stops)
         await self._take_turn(session)
         handed_off = False
         try:
@@ -491,6 +503,13 @@ class SessionService:
         stop = tuple(dict.fromkeys((() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids)))
         return GenerateRequest(max_new_tokens=p.max_tokens, sampling=sampling, stop_ids=stop)
 
+    def _stop_strings(self, stop: Sequence[str]) -> tuple[str, ...]:
+        stops = check_stop_strings(stop)
+        if stops and self.detokenize is None:
+            raise InvalidArgument("stop strings need the model's tokenizer and this server has none: "
+                                  "use stop_token_ids")
+        return stops
+
     def _mutate(self, session: Session, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
@@ -543,6 +562,7 @@ class SessionService:
             job.emit(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=queue_s), history_at_start))
             return
         stream = None
+        stop_string: str | None = None
         resume_s = 0.0
         try:
             if session.cache is None:
@@ -553,10 +573,16 @@ class SessionService:
             pending = store.pending_tokens(session)
             ids = torch.tensor([pending], dtype=torch.long, device=self.engine.device)  # (1, T)
             stream = self.engine.stream(session.cache, ids, job.request, should_stop=job.cancel.is_set)
-            for step_ids in stream:
-                token = step_ids[0]
-                store.commit_generated(session, token)
-                job.emit(TokensEvent([token]))
+            watch = StopWatch.new(self.detokenize, job.stops) if job.stops and self.detokenize else None
+            stop_ids = set(job.request.stop_ids)
+            with contextlib.closing(iter(stream)) as steps:  # closed early on a stop string: the turn ends there
+                for step_ids in steps:
+                    token = step_ids[0]
+                    store.commit_generated(session, token)
+                    job.emit(TokensEvent([token]))
+                    if watch is not None and token not in stop_ids and watch.push(token):
+                        stop_string = watch.matcher.matched
+                        break
             store.finish_generate(session)
         except InvariantViolation as v:
             store.fail(session, v)
@@ -585,6 +611,8 @@ class SessionService:
         eaf = self._record_attention(session)
         result = stream.result
         assert result is not None
+        if stop_string is not None:
+            result.finish_reason = FinishReason.STOP
         n = result.decode_tokens
         stats = GenerateStats(
             prefill_tokens=result.prefill_tokens,
@@ -599,7 +627,7 @@ class SessionService:
             sparse=_sparse_delta(session.sparse, sparse_before) if session.sparse else None,
         )
         self.observer.generate_finished(stats, history_at_start)
-        job.emit(DoneEvent(result.finish_reason, stats, len(session.history)))
+        job.emit(DoneEvent(result.finish_reason, stats, len(session.history), stop_string))
 
     def _build_cache(self, session: Session) -> None:
         """Engine thread: the session's first cache, from its verified snapshot when it has one (a recovered or

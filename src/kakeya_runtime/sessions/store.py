@@ -229,9 +229,10 @@ class SessionStore:
     # ---- lookup and lifecycle -------------------------------------------------------------
 
     def create(self, owner: str, policy: PolicySpec, context_length: int,
-               initial_tokens: Sequence[int] = (), reserve_bytes: int = 0) -> Session:
+               initial_tokens: Sequence[int] = (), reserve_bytes: int = 0, *, evict: bool = True) -> Session:
         """Admit a new session reserving `reserve_bytes` of the KV budget (sessions.limits: the owner's least
-        recently used idle sessions make room; ResourceExhausted, nothing evicted, when they cannot)."""
+        recently used idle sessions make room; ResourceExhausted, nothing evicted, when they cannot; with
+        `evict=False` nothing makes room and any limit reached refuses)."""
         if len(initial_tokens) > context_length:
             raise ResourceExhausted(
                 f"initial history of {len(initial_tokens)} tokens exceeds the context length {context_length}"
@@ -240,7 +241,7 @@ class SessionStore:
             self._sweep_locked()
             held = list(self._sessions.values())
             victims = plan_admission(held, [self._busy(s) for s in held], owner, reserve_bytes, self.limits,
-                                     draining=list(self._draining.values()))
+                                     draining=list(self._draining.values()), evict=evict)
             now = self.clock()
             sid = "ses_" + secrets.token_urlsafe(SESSION_ID_BYTES)
             session = Session(sid, owner, policy, context_length, created_at=now, last_access=now,
@@ -268,7 +269,7 @@ class SessionStore:
                 raise InvalidArgument(f"session {quoted(session_id)} exists already")
             held = list(self._sessions.values())
             plan_admission(held, [True] * len(held), owner, reserve_bytes, self.limits,
-                           draining=list(self._draining.values()))
+                           draining=list(self._draining.values()), evict=False)
             now = self.clock()
             session = Session(session_id, owner, policy, context_length, created_at=now, last_access=now,
                               history=list(history), reserved_bytes=reserve_bytes, snapshot=snapshot)

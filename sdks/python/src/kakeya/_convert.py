@@ -67,7 +67,11 @@ def create_request(initial_tokens: Iterable[int] | None, policy: KvPolicy | str 
 
 
 def generate_request(session_id: str, *, max_tokens: int, seed: int | None, temperature: float, top_k: int,
-                     top_p: float | None, stop_tokens: Iterable[int], ignore_eos: bool) -> pb.GenerateRequest:
+                     top_p: float | None, stop_tokens: Iterable[int], ignore_eos: bool,
+                     stop: str | Iterable[str] = ()) -> pb.GenerateRequest:
+    stops = [stop] if isinstance(stop, str) else list(stop)  # one string is one stop string, not its characters
+    if not all(isinstance(s, str) for s in stops):
+        raise InvalidArgument("stop must be a string or an iterable of strings")
     try:
         sampling = pb.SamplingParams(temperature=float(temperature), top_k=int(top_k))
         if top_p is not None:
@@ -75,7 +79,8 @@ def generate_request(session_id: str, *, max_tokens: int, seed: int | None, temp
         if seed is not None:
             sampling.seed = int(seed)
         return pb.GenerateRequest(session_id=session_id, max_tokens=int(max_tokens), sampling=sampling,
-                                  stop_token_ids=token_list(stop_tokens, "stop_tokens"), ignore_eos=ignore_eos)
+                                  stop_token_ids=token_list(stop_tokens, "stop_tokens"), ignore_eos=ignore_eos,
+                                  stop=stops)
     except (TypeError, ValueError) as e:  # e.g. a negative seed or max_tokens beyond int32
         raise InvalidArgument(f"bad generate parameters: {e}") from None
 
@@ -95,7 +100,7 @@ def stats_from_pb(s: pb.GenerateStats) -> GenerateStats:
 
 def result_from_pb(done: pb.GenerateDone, tokens: list[int]) -> GenerateResult:
     return GenerateResult(tuple(tokens), _FINISH.get(done.finish_reason, FinishReason.UNSPECIFIED),
-                          stats_from_pb(done.stats), done.history_length)
+                          stats_from_pb(done.stats), done.history_length, done.stop_string or None)
 
 
 def session_info_from_pb(r: pb.GetSessionInfoResponse, with_history: bool) -> SessionInfo:

@@ -128,14 +128,14 @@ class AsyncSession:
 
     def generate(self, max_tokens: int = 256, *, seed: int | None = None, temperature: float = 0.0,
                  top_k: int = 0, top_p: float | None = None, stop_tokens: Iterable[int] = (),
-                 ignore_eos: bool = False) -> AsyncGeneration:
+                 ignore_eos: bool = False, stop: str | Iterable[str] = ()) -> AsyncGeneration:
         """`async for token_id in session.generate(...)`; use `async with` to cancel on early exit.
 
         Parameters as in the sync `Session.generate`: temperatures below 1e-4 (the server's sampling floor)
         decode greedily, exactly as 0 does.
         """
         req = cv.generate_request(self.id, max_tokens=max_tokens, seed=seed, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
+                                  top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos, stop=stop)
         call = self.client._stub.Generate(req, metadata=self.client._metadata)
         return AsyncGeneration(self, call)
 

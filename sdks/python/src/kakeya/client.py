@@ -112,7 +112,7 @@ class Session:
 
     def generate(self, max_tokens: int = 256, *, seed: int | None = None, temperature: float = 0.0,
                  top_k: int = 0, top_p: float | None = None, stop_tokens: Iterable[int] = (),
-                 ignore_eos: bool = False) -> Generation:
+                 ignore_eos: bool = False, stop: str | Iterable[str] = ()) -> Generation:
         """Start a Generate; iterate the result for token ids. Breaking out early cancels it.
 
         `temperature` 0 (the default) is greedy; otherwise it must be in (0, 100], and temperatures below
@@ -120,9 +120,14 @@ class Session:
         `top_k` 0 keeps the whole vocabulary, `top_p` is a nucleus mass in (0, 1], and a `seed` in
         [0, 2**63) makes sampling reproducible. `stop_tokens` stop on top of the model's EOS ids (unless
         `ignore_eos`). Bad values raise InvalidArgument and leave the session unchanged.
+
+        `stop` (a string or several, at most 16 of 1 to 256 characters) ends the generation right after the token
+        whose text completes one of them (`finish_reason` STOP, `result.stop_string` says which). Nothing is
+        trimmed: those tokens are yielded and stay in the session history, which the next Generate continues from;
+        `result.text_before_stop(tokenizer.decode(gen.token_ids))` gives the text before the stop string.
         """
         req = cv.generate_request(self.id, max_tokens=max_tokens, seed=seed, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
+                                  top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos, stop=stop)
         call = self.client._stub.Generate(req, metadata=self.client._metadata)
         return Generation(self, call)
 

@@ -48,6 +48,15 @@ class GenerateResult:
     finish_reason: FinishReason
     stats: GenerateStats
     history_length: int
+    stop_string: str | None = None  # the stop string that ended the generation (finish_reason STOP), if one did
+
+    def text_before_stop(self, text: str) -> str:
+        """`text` (these tokens, decoded) cut before the stop string that ended the generation; unchanged when
+        none did. The tokens themselves (and the session history) keep the stop string."""
+        if self.stop_string is None:
+            return text
+        at = text.find(self.stop_string)
+        return text if at < 0 else text[:at]
 
 
 @dataclass(slots=True, frozen=True)
