@@ -15,6 +15,9 @@ import type { FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, 
 
 export type { GenerateOptions } from "./convert.js";
 
+// ImportSession's chunks stay under any server's receive limit (5 bytes per context token + 1 MiB).
+const ARCHIVE_CHUNK_BYTES = 512 * 1024;
+
 // Gemma 3's tokenizer.json is ~33 MB: the default 4 MB receive limit would refuse GetModelInfo.
 const CHANNEL_OPTIONS: ChannelOptions = {
   "grpc.max_receive_message_length": 256 * 1024 * 1024,
@@ -129,6 +132,26 @@ export class Client {
     return new Session(this, sessionId);
   }
 
+  /**
+   * A new session (a new id, owned by this client's key) from an archive `Session.export` made, as bytes or a file
+   * path, on this server or another serving the same model. A KV snapshot in the archive is verified against the
+   * history and loaded (`session.kvLoaded`); a mismatching one rejects with InvalidArgument and creates nothing.
+   */
+  async importSession(archive: Uint8Array | string, options: CallSignal = {}): Promise<Session> {
+    const data = typeof archive === "string" ? readFileSync(archive) : Buffer.from(archive);
+    const r = await this.unary<pb.ImportSessionResponse>((md, o, cb) => {
+      const call = this.stub.importSession(md, o, cb);
+      for (let at = 0; at < Math.max(data.length, 1); at += ARCHIVE_CHUNK_BYTES) {
+        call.write({ data: data.subarray(at, at + ARCHIVE_CHUNK_BYTES) });
+      }
+      call.end();
+      return call as unknown as ClientUnaryCall;
+    }, options.signal);
+    const session = new Session(this, r.sessionId, { historyLength: r.historyLength, policy: cv.policyFromPb(r.policy) });
+    session.kvLoaded = r.kvLoaded;
+    return session;
+  }
+
   close(): void {
     this.stub.close();
   }
@@ -142,6 +165,8 @@ export class Session {
   historyLength: number | undefined;
   policy: KvPolicy | undefined;
   lastResult: GenerateResult | undefined;
+  /** Imported with a KV snapshot that the server verified and loaded. */
+  kvLoaded = false;
   private closed = false;
 
   constructor(client: Client, sessionId: string, init: { historyLength?: number; policy?: KvPolicy } = {}) {
@@ -181,6 +206,27 @@ export class Session {
     const info = cv.sessionInfoFromPb(r, includeHistory);
     this.historyLength = info.historyLength;
     return info;
+  }
+
+  /**
+   * The session as an archive (policy, context, whole history; with `includeKv` a snapshot of its KV cache, so an
+   * importer need not recompute it). `Client.importSession` takes it back on any server of the same model.
+   */
+  async export(options: { includeKv?: boolean } & CallSignal = {}): Promise<Buffer> {
+    const call = this.client.stub.exportSession({ sessionId: this.id, includeKv: options.includeKv ?? false },
+      this.client.metadata());
+    const onAbort = () => call.cancel();
+    options.signal?.addEventListener("abort", onAbort, { once: true });
+    const parts: Buffer[] = [];
+    try {
+      for await (const chunk of call as AsyncIterable<pb.ExportSessionResponse>) parts.push(chunk.data);
+    } catch (e) {
+      if (options.signal?.aborted) throw options.signal.reason;
+      throw isServiceError(e) ? fromServiceError(e) : e;
+    } finally {
+      options.signal?.removeEventListener("abort", onAbort);
+    }
+    return Buffer.concat(parts);
   }
 
   /** Free the session (idempotent on this handle). */

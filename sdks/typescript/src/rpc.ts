@@ -12,6 +12,8 @@ export type { AppendTokensResponse__Output as AppendTokensResponse } from "./gen
 export type { CloseSessionResponse__Output as CloseSessionResponse } from "./gen/kakeya/v1/CloseSessionResponse.js";
 export type { CreateSessionRequest } from "./gen/kakeya/v1/CreateSessionRequest.js";
 export type { CreateSessionResponse__Output as CreateSessionResponse } from "./gen/kakeya/v1/CreateSessionResponse.js";
+export type { ExportSessionResponse__Output as ExportSessionResponse } from "./gen/kakeya/v1/ExportSessionResponse.js";
+export type { ImportSessionResponse__Output as ImportSessionResponse } from "./gen/kakeya/v1/ImportSessionResponse.js";
 export type { GenerateDone__Output as GenerateDone } from "./gen/kakeya/v1/GenerateDone.js";
 export type { GenerateRequest } from "./gen/kakeya/v1/GenerateRequest.js";
 export type { GenerateResponse__Output as GenerateResponse } from "./gen/kakeya/v1/GenerateResponse.js";

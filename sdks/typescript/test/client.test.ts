@@ -265,6 +265,32 @@ describe("API keys", () => {
     await mine.close();
   });
 
+  it("export and import move a session, its KV snapshot verified; a damaged archive is refused", async () => {
+    const s = await client.createSession({ initialTokens: [10, 11, 12, 13] });
+    const first = await s.generate({ maxTokens: 5, ignoreEos: true }).collect();
+    const archive = await s.export({ includeKv: true });
+    const moved = await client.importSession(archive);
+    assert.notEqual(moved.id, s.id);
+    assert.ok(moved.kvLoaded);
+    const info = await moved.info({ includeHistory: true });
+    assert.deepEqual(info.historyTokenIds, [10, 11, 12, 13, ...first]);
+    assert.equal(info.cachedLength, 8); // the snapshot holds all but the last sampled token
+    const next = await moved.generate({ maxTokens: 4, ignoreEos: true }).collect();
+    assert.deepEqual(await s.generate({ maxTokens: 4, ignoreEos: true }).collect(), next);
+    const light = await client.importSession(await s.export());
+    assert.equal(light.kvLoaded, false);
+    const e = await client.importSession(archive.subarray(0, archive.length - 7)).then(() => undefined, (err: unknown) => err);
+    assert.ok(e instanceof InvalidArgument);
+    const foreign = new Client(server.address, { apiKey: OTHER_KEY });
+    try {
+      const gone = await foreign.session(s.id).export().then(() => undefined, (err: unknown) => err);
+      assert.ok(gone instanceof SessionNotFound);
+    } finally {
+      foreign.close();
+    }
+    for (const x of [s, moved, light]) await x.close();
+  });
+
   it("a missing or wrong key is UNAUTHENTICATED", async () => {
     for (const apiKey of [undefined, "not-a-valid-key-0000"]) {
       const c = new Client(server.address, { apiKey });
