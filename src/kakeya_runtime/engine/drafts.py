@@ -73,17 +73,18 @@ class HistoryLookup:
         self._tokens: list[int] = []
 
     def begin(self, context: Sequence[int]) -> None:
-        self._index = [{} for _ in range(self.max_ngram + 1)]
-        self._indexed = 0
-        self._tokens = list(context)
+        """A context extending the one indexed keeps the index (a session's next turn indexes only its new tokens)."""
+        self._sync(context)
 
     def _sync(self, context: Sequence[int]) -> list[int]:
         """Keep our copy of the context; a context that is not an extension of it restarts the index."""
         toks = self._tokens
         n = len(toks)
-        if len(context) < n or (n and context[n - 1] != toks[-1]):
-            self.begin(context)
-            return self._tokens
+        if len(context) < n or (n and (context[n - 1] != toks[-1] or context[0] != toks[0])):
+            self._index = [{} for _ in range(self.max_ngram + 1)]
+            self._indexed = 0
+            self._tokens = toks = []
+            n = 0
         toks.extend(context[n:])
         return toks
 
@@ -106,8 +107,9 @@ class HistoryLookup:
             m = n
             while m < self.max_extend and e - m - 1 >= 0 and toks[e - m - 1] == toks[t - m - 1]:
                 m += 1
-            k = min(max_tokens, m, t - e)
-            return Draft(toks[e : e + k])
+            k = min(max_tokens, m)
+            period = t - e  # the match recurs every `period` tokens: a continuation past t repeats the cycle
+            return Draft([toks[e + i % period] for i in range(k)])
         return Draft([])
 
     def accepted(self, context: Sequence[int], n_accepted: int, hidden: Tensor | None) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from kakeya_runtime.engine.generate import Engine, FinishReason, GenerateRequest
 from kakeya_runtime.engine.sampling import SamplingError, SamplingParams
+from kakeya_runtime.engine.speculative import SpecStats, SpeculativeStream
 from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
 from kakeya_runtime.kv.sink_window import PositionLimitError
 from kakeya_runtime.kv.sparse import SparseKV
@@ -50,6 +51,12 @@ from kakeya_runtime.sessions.errors import (
 from kakeya_runtime.sessions.limits import Limits
 from kakeya_runtime.sessions.policy import CodecSpec, PolicyRegistry, PolicySpec, parse_codec
 from kakeya_runtime.sessions.scheduler import Scheduler
+from kakeya_runtime.sessions.speculation import (
+    SpeculationSpec,
+    check_rollback,
+    make_proposer,
+    parse_speculation,
+)
 from kakeya_runtime.sessions.store import NullObserver, Session, SessionSnapshot, SessionStore, StoreObserver
 
 _log = logging.getLogger(__name__)
@@ -83,6 +90,8 @@ class GenerateParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Speculation for this call: (proposer, max_draft_tokens) as the client sent it; None: the session default.
+    speculation: tuple[str, int] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -97,6 +106,13 @@ class GenerateStats:
     resume_s: float = 0.0  # decompressing an idle-compressed cache before the prefill (part of ttft_s)
     effective_attention_fraction: float = 1.0  # the last query's share of the prefix it attended to
     sparse: dict[str, Any] | None = None  # the sparse policy's counters for this Generate: total, per layer
+    speculation: str = ""  # the draft proposer used ("" when off)
+    draft_tokens: int = 0  # drafts the verifier checked
+    accepted_draft_tokens: int = 0
+    acceptance_rate: float = 0.0  # accepted / drafted
+    tokens_per_verifier_step: float = 0.0  # emitted tokens per verifier forward
+    verifier_steps: int = 0
+    speculation_pauses: int = 0  # times the adaptive off-switch paused speculation
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,6 +154,7 @@ class _Job:
     session: Session
     request: GenerateRequest
     loop: asyncio.AbstractEventLoop
+    speculation: SpeculationSpec | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)  # queue time includes the turn wait
@@ -206,13 +223,20 @@ class SessionService:
     # ---- the API ---------------------------------------------------------------------------
 
     async def create(self, owner: str, initial_tokens: Sequence[int] = (), policy_name: str = "",
-                     policy_params: dict[str, Any] | None = None) -> Session:
+                     policy_params: dict[str, Any] | None = None,
+                     speculation: tuple[str, int] | None = None) -> Session:
+        """`speculation`: the session's default (proposer, max_draft_tokens) for Generates that set none."""
         if len(initial_tokens) > self.context_length:  # before anything walks or copies the ids
             raise ResourceExhausted(f"initial history of {len(initial_tokens)} tokens exceeds the context length "
                                     f"{self.context_length}")
         self._check_tokens(initial_tokens, "initial_token_ids")
         spec = self.policies.resolve(policy_name, policy_params, self.engine.config, self.context_length)
-        return self.store.create(owner, spec, self.context_length, initial_tokens, reserve_bytes=self.kv_reserve(spec))
+        default = None if speculation is None else parse_speculation(*speculation)
+        check_rollback(spec, default, at_create=True)
+        session = self.store.create(owner, spec, self.context_length, initial_tokens,
+                                    reserve_bytes=self.kv_reserve(spec))
+        session.speculation = default
+        return session
 
     def kv_reserve(self, spec: PolicySpec) -> int:
         """The KV bytes a session with this policy reserves against the budget: its worst case at the context."""
@@ -244,8 +268,11 @@ class SessionService:
     async def generate(self, owner: str, session_id: str, params: GenerateParams) -> AsyncIterator[GenerateEvent]:
         """Stream TokensEvent per committed token, then one DoneEvent. Leaving early cancels."""
         request = self._engine_request(params)
+        asked = None if params.speculation is None else parse_speculation(*params.speculation)
         session = self.store.get(owner, session_id)
-        job = _Job(session, request, asyncio.get_running_loop())
+        speculation = asked if params.speculation is not None else session.speculation
+        check_rollback(session.policy, speculation, at_create=False)
+        job = _Job(session, request, asyncio.get_running_loop(), speculation)
         await self._take_turn(session)
         handed_off = False
         try:
@@ -426,11 +453,18 @@ class SessionService:
                 store.check(session)
             pending = store.pending_tokens(session)
             ids = torch.tensor([pending], dtype=torch.long, device=self.engine.device)  # (1, T)
-            stream = self.engine.stream(session.cache, ids, job.request, should_stop=job.cancel.is_set)
-            for step_ids in stream:
-                token = step_ids[0]
-                store.commit_generated(session, token)
-                job.emit(TokensEvent([token]))
+            if job.speculation is None:
+                stream = self.engine.stream(session.cache, ids, job.request, should_stop=job.cancel.is_set)
+                for step_ids in stream:
+                    token = step_ids[0]
+                    store.commit_generated(session, token)
+                    job.emit(TokensEvent([token]))
+            else:
+                stream = self._speculative_stream(session, ids, job)
+                for tokens in stream:  # the cache already holds everything before the last of them
+                    store.commit_generated_run(session, tokens)
+                    for token in tokens:
+                        job.emit(TokensEvent([token]))
             store.finish_generate(session)
         except InvariantViolation as v:
             store.fail(session, v)
@@ -458,6 +492,7 @@ class SessionService:
         result = stream.result
         assert result is not None
         n = result.decode_tokens
+        spec = stream.stats if isinstance(stream, SpeculativeStream) else SpecStats()
         stats = GenerateStats(
             prefill_tokens=result.prefill_tokens,
             prefill_s=result.prefill_s,
@@ -469,9 +504,27 @@ class SessionService:
             ttft_s=resume_s + result.ttft_s,
             effective_attention_fraction=eaf,
             sparse=_sparse_delta(session.sparse, sparse_before) if session.sparse else None,
+            speculation="" if job.speculation is None else job.speculation.proposer,
+            draft_tokens=spec.drafted,
+            accepted_draft_tokens=spec.accepted,
+            acceptance_rate=spec.acceptance_rate,
+            tokens_per_verifier_step=spec.tokens_per_verifier_step,
+            verifier_steps=spec.verifier_steps,
+            speculation_pauses=spec.off_switches,
         )
         self.observer.generate_finished(stats, history_at_start)
         job.emit(DoneEvent(result.finish_reason, stats, len(session.history)))
+
+    def _speculative_stream(self, session: Session, ids: torch.Tensor, job: _Job) -> SpeculativeStream:
+        """Engine thread: the session's draft proposer (kept between Generates while the setting stays the same, so
+        the history index only grows) and a speculative stream over the session's cache."""
+        spec = job.speculation
+        assert spec is not None
+        if session.drafts is None or session.drafts[0].proposer != spec.proposer:
+            session.drafts = (spec, make_proposer(spec))
+        context = self.store.history_tokens(session)
+        return SpeculativeStream(self.engine, session.cache, ids, job.request, session.drafts[1], context,
+                                 spec.max_draft_tokens, should_stop=job.cancel.is_set)
 
     @staticmethod
     def _record_attention(session: Session) -> float:

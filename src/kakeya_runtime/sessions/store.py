@@ -131,6 +131,8 @@ class Session:
     idle_compressions: int = 0  # times the cache was compressed while idle
     sparse: dict | None = None  # the sparse policy's counters and bytes after the last Generate (kv.sparse)
     idle_compress_error: str | None = None  # compression failed once: the session is not retried
+    speculation: Any = None  # the session's default sessions.speculation.SpeculationSpec (None: off)
+    drafts: Any = None  # (SpeculationSpec, DraftProposer) kept between Generates (the history index grows)
 
     @property
     def pending_length(self) -> int:
@@ -184,6 +186,7 @@ class SessionSnapshot:
     kv_compressed: bool = False
     idle_compressions: int = 0
     sparse: dict | None = None
+    speculation: Any = None  # the session's default SpeculationSpec (None: off)
 
 
 class SessionStore:
@@ -360,6 +363,7 @@ class SessionStore:
                 kv_compressed=s.kv_compressed,
                 idle_compressions=s.idle_compressions,
                 sparse=s.sparse,
+                speculation=s.speculation,
             )
 
     # ---- mutations (each checks the invariants before and after) --------------------------
@@ -429,6 +433,21 @@ class SessionStore:
         """What the next prefill consumes: history[cached_length:] (incremental prefill)."""
         with self._lock:
             return session.history[session.cached_length:]
+
+    def history_tokens(self, session: Session) -> list[int]:
+        """A copy of the whole history (a draft proposer's context)."""
+        with self._lock:
+            return list(session.history)
+
+    def commit_generated_run(self, session: Session, tokens: Sequence[int]) -> None:
+        """A speculative step's tokens, in order, after the cache was trimmed to hold everything before the last of
+        them: the same end state (and checks) as committing them one by one with commit_generated."""
+        if not tokens:
+            return
+        with self._lock:
+            session.history.extend(tokens)
+            session.cached_length = len(session.history) - 1
+            self.check(session)
 
     def commit_generated(self, session: Session, token: int) -> None:
         """Called at each sampled token: every layer has consumed all of the history so far."""
