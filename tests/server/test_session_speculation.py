@@ -178,7 +178,7 @@ def test_greedy_identical_with_and_without_speculation_on_real_models(name: str)
     from kakeya_runtime.models.loader import load_model
 
     loaded = load_model(name, dtype=torch.bfloat16)
-    ids = loaded.tokenizer.encode(_TOOL_TEXT)
+    ids = loaded.tokenizer.encode(_TOOL_TEXT).ids
     ids = ids * (1 + 300 // len(ids)) if name.startswith("gemma") else ids  # Gemma: cross its 512-token window
     with running_server(ServedModel.from_loaded(loaded, name)) as thread, Client(thread.address) as client:
         plain, _ = _generate(client, ids, 256, None)

@@ -21,4 +21,5 @@ export {
 export type { ChatMessage, ChatOptions, ChatTemplateTokenizer, OpenAIMessage, ToolCall } from "./tokenization.js";
 export type {
   FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo, SparseCounters, SparseStats,
+  Speculation,
 } from "./types.js";
