@@ -19,6 +19,8 @@ from kakeya_runtime.engine.sampling import SamplingParams, probs_from_logits
 from kakeya_runtime.engine.speculative import SpeculativeStream, verify_sampled
 from kakeya_runtime.models.base import Logits
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny forwards: OpenMP threads only contend here
+
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # repeats, so the history proposer drafts
 CHI2_Z = 5.0  # (chi2 - dof) / sqrt(2 dof) above this fails: ~3e-7 one-sided for an exact sampler
 
@@ -242,3 +244,42 @@ def test_history_lookup_drafts_follow_the_match() -> None:
     assert h.propose([10, 11, 12], 4, SamplingParams(), None).tokens == []  # a new context resets; no match
     cyc = [7, 8, 7, 8, 7, 8]
     assert HistoryLookup().propose(cyc, 5, SamplingParams(), None).tokens == [7, 8, 7, 8]  # period 2 continues
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["self", "draft_head"])
+def test_model_based_drafts_are_exact_greedy(make_tiny_model, family: str, kind: str) -> None:
+    """Layer-skipping self-speculation (over the session's own cache) and a randomly initialised draft head:
+    greedy tokens identical to plain decode, the cache left as plain decode leaves it."""
+    from kakeya_runtime.engine.self_draft import DraftHead, DraftHeadProposer, LayerSkipDraft
+
+    model = make_tiny_model(family)
+    engine = Engine(model)
+    req = GenerateRequest(50, SamplingParams())
+    plain_cache = engine.new_cache(capacity=128)
+    plain = engine.generate(plain_cache, torch.tensor([PROMPT]), req).token_ids[0]
+    proposer = LayerSkipDraft(model, layers=2) if kind == "self" else DraftHeadProposer(DraftHead(model, seed=5))
+    cache = engine.new_cache(capacity=128)
+    stream = SpeculativeStream(engine, cache, torch.tensor([PROMPT]), req, proposer, PROMPT, 4)
+    assert [t for step in stream for t in step] == plain
+    assert stream.stats.drafted > 0
+    assert cache.layer_lengths() == plain_cache.layer_lengths()
+    nxt = torch.tensor([[plain[-1], 20, 21]])
+    assert engine.generate(cache, nxt, GenerateRequest(10)).token_ids == \
+        engine.generate(plain_cache, nxt, GenerateRequest(10)).token_ids
+
+
+@pytest.mark.parametrize("kind", ["self", "draft_head"])
+def test_model_based_drafts_sampled_exact(make_tiny_model, kind: str) -> None:
+    """Sampled drafts from the draft's own (transformed) distribution q: 20k two-token streams match the target."""
+    from kakeya_runtime.engine.self_draft import DraftHead, DraftHeadProposer, LayerSkipDraft
+
+    model = make_tiny_model("llama")
+    engine = Engine(model)
+    params = SamplingParams(temperature=0.7, top_k=30, top_p=0.9)
+    proposer = LayerSkipDraft(model, layers=2) if kind == "self" else DraftHeadProposer(DraftHead(model, seed=5))
+    counts, rate = _draw(engine, proposer, params, 20_000, k=1)
+    exact = _exact_two_tokens(model, PROMPT, params)
+    assert _chi2_z(counts, exact) < CHI2_Z
+    assert _chi2_z(counts.sum(0), exact.sum(0)) < CHI2_Z
+    assert rate > 0.0

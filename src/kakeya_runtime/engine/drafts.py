@@ -4,6 +4,7 @@ Not to be confused with engine.proposers (K/V *restoration* proposers). A draft 
 verifier (engine.speculative) checks every guess against the target model, so a proposer can change speed,
 never what is generated. Every proposer sits behind `DraftProposer`:
 
+- `attach(cache)` once per generation with the cache it runs over;
 - `begin(context)` once per generation with the whole token context (prompt/history so far);
 - `propose(context, max_tokens, sampling, generator)` -> a `Draft`: up to max_tokens token ids, and, for
   proposers that sample, the distributions q they were drawn from (k, V) (None: a deterministic guess, q is
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from kakeya_runtime.engine.sampling import SamplingParams
+from kakeya_runtime.kv.cache import ModelKV
 
 
 @dataclass(slots=True)
@@ -35,6 +37,11 @@ class Draft:
 
 class DraftProposer(Protocol):
     name: str
+    wants_hidden: bool  # accepted() gets the target's final hidden states (costs nothing extra in the forward)
+
+    def attach(self, cache: ModelKV) -> None:
+        """The cache the generation runs over (a proposer that drafts over it, like self-speculation, keeps it)."""
+        ...
 
     def begin(self, context: Sequence[int]) -> None:
         """A generation starts over this context (every token before the first one to generate)."""
@@ -71,6 +78,9 @@ class HistoryLookup:
         self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
         self._indexed = 0  # n-grams ending at positions < _indexed are in the index
         self._tokens: list[int] = []
+
+    def attach(self, cache: ModelKV) -> None:
+        pass
 
     def begin(self, context: Sequence[int]) -> None:
         """A context extending the one indexed keeps the index (a session's next turn indexes only its new tokens)."""
@@ -126,6 +136,9 @@ class RandomDraft:
         self.vocab_size = vocab_size
         self.sampled = sampled  # report q (uniform) instead of claiming a deterministic guess
         self._gen = torch.Generator().manual_seed(seed)
+
+    def attach(self, cache: ModelKV) -> None:
+        pass
 
     def begin(self, context: Sequence[int]) -> None:
         pass

@@ -154,6 +154,7 @@ class SpeculativeStream:
         engine.stream(cache, new_ids, request)  # the same request and capacity checks as plain decoding
         self.engine, self.cache, self.new_ids, self.request = engine, cache, new_ids, request
         self.proposer, self.max_draft = proposer, max_draft_tokens
+        proposer.attach(cache)
         self.context = list(context)  # every token before the first generated one (history + new_ids)
         self.should_stop = should_stop
         self.governor = governor or Governor()

@@ -34,6 +34,7 @@ import torch
 
 from kakeya_runtime.engine.generate import Engine, FinishReason, GenerateRequest
 from kakeya_runtime.engine.sampling import SamplingError, SamplingParams
+from kakeya_runtime.engine.self_draft import DraftHead
 from kakeya_runtime.engine.speculative import SpecStats, SpeculativeStream
 from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
 from kakeya_runtime.kv.sink_window import PositionLimitError
@@ -194,6 +195,7 @@ class SessionService:
         self.scheduler = Scheduler(self.config.max_concurrent)
         self._sweeper: asyncio.Task | None = None
         self._compressions: set[asyncio.Task] = set()
+        self.draft_head: DraftHead | None = None  # built on the first "draft_head" Generate (or set with weights)
 
     # ---- lifecycle of the service itself ---------------------------------------------------
 
@@ -521,10 +523,16 @@ class SessionService:
         spec = job.speculation
         assert spec is not None
         if session.drafts is None or session.drafts[0].proposer != spec.proposer:
-            session.drafts = (spec, make_proposer(spec))
+            session.drafts = (spec, make_proposer(spec, self.engine.model, self._draft_head))
         context = self.store.history_tokens(session)
         return SpeculativeStream(self.engine, session.cache, ids, job.request, session.drafts[1], context,
                                  spec.max_draft_tokens, should_stop=job.cancel.is_set)
+
+    def _draft_head(self) -> DraftHead:
+        """Engine thread: the served model's EAGLE-style draft head, shared by sessions (random until trained)."""
+        if self.draft_head is None:
+            self.draft_head = DraftHead(self.engine.model)
+        return self.draft_head
 
     @staticmethod
     def _record_attention(session: Session) -> float:

@@ -10,15 +10,18 @@ Anything else is refused with a typed error, never silently decoded without spec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kakeya_runtime.engine.drafts import DraftProposer, HistoryLookup
+from kakeya_runtime.engine.self_draft import DraftHead, DraftHeadProposer, LayerSkipDraft
 from kakeya_runtime.engine.speculative import MAX_DRAFT_TOKENS
 from kakeya_runtime.kv.spec import PolicySpec
+from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.sessions.errors import FailedPrecondition, InvalidArgument, quoted
 
 DEFAULT_DRAFT_TOKENS = 4
-PROPOSERS = ("history",)  # what a client may name (besides "" / "off")
+PROPOSERS = ("history", "self", "draft_head")  # what a client may name (besides "" / "off")
 OFF = ("", "off")
 
 
@@ -69,7 +72,12 @@ def check_rollback(policy: PolicySpec, spec: SpeculationSpec | None, *, at_creat
         raise error(f"speculation refused: {problem}")
 
 
-def make_proposer(spec: SpeculationSpec) -> DraftProposer:
+def make_proposer(spec: SpeculationSpec, model: DecoderModel, draft_head: Callable[[], DraftHead]) -> DraftProposer:
+    """A fresh proposer for one session; `draft_head` gives the server's shared head (built on first use)."""
     if spec.proposer == "history":
         return HistoryLookup()
+    if spec.proposer == "self":
+        return LayerSkipDraft(model)
+    if spec.proposer == "draft_head":
+        return DraftHeadProposer(draft_head())
     raise InvalidArgument(f"unknown speculation proposer {quoted(spec.proposer)}")
