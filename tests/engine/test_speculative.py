@@ -143,9 +143,10 @@ def test_verify_sampled_is_exact_for_every_transform() -> None:
         dg = torch.Generator().manual_seed(2)
         fixed = [Draft([good, int(p[1].argmax())]), Draft([int(p[0].argmin()), 3])]
         # A sampled-q draft must be redrawn from q every time (that is what makes q's correction exact).
-        makers = [lambda d=d: d for d in fixed] + [
-            lambda: Draft([int(torch.multinomial(q[0], 1, generator=dg)), int(torch.multinomial(q[1], 1, generator=dg))],
-                          q)]
+        def sampled(q: torch.Tensor = q, dg: torch.Generator = dg) -> Draft:
+            return Draft([int(torch.multinomial(q[i], 1, generator=dg)) for i in range(2)], q)
+
+        makers = [lambda d=d: d for d in fixed] + [sampled]
         for make in makers:
             first = torch.zeros(v, dtype=torch.long)
             second = torch.zeros(v, dtype=torch.long)
