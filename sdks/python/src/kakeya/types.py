@@ -36,7 +36,11 @@ class Speculation:
     verifies them in one forward. It changes speed, never what is generated (greedy output is identical; sampled
     output has the same distribution). A seeded sampled stream repeats only with the same seed AND the same
     speculation setting. Proposers: "history" (copies from the session's own history: fast when the model
-    quotes or re-emits earlier text), "off". `max_draft_tokens` in [1, 16]; 0: the server default (4)."""
+    quotes or re-emits earlier text), "self" (a layer-skipping draft from the served model itself), "draft_head"
+    (an EAGLE-style head; untrained unless the server has one: exact but slow), "off". `max_draft_tokens` in
+    [1, 16]; 0: the server default (4). The session's KV policy must be able to roll a draft back (full and
+    restore can; sink_window and sparse need spare >= max_draft_tokens and the identity codec), else
+    FailedPrecondition."""
 
     proposer: str = "history"
     max_draft_tokens: int = 0
