@@ -106,8 +106,9 @@ def verify_sampled(logits: Tensor, draft: Draft, sampling: SamplingParams,
 class Governor:
     """The adaptive off-switch. After each verifier step it updates an average of the tokens the step emitted per
     unit of cost (a step with k drafts costs 1 + `draft_cost` * k decode steps); when that average falls below
-    `min_gain` after `warmup` steps, speculation pauses for `pause` plain tokens, doubling each time it pays
-    off badly again (up to `max_pause`), and resets when it pays."""
+    `min_gain` after `warmup` steps, speculation pauses for `pause` plain tokens; after a pause a single probe step
+    decides: a bad one pauses again for twice as long (up to `max_pause`), a good one resumes (and resets the
+    pause once the average is clearly above the bar)."""
 
     def __init__(self, *, draft_cost: float = 0.1, min_gain: float = 1.05, warmup: int = 4, decay: float = 0.8,
                  pause: int = 16, max_pause: int = 256) -> None:
@@ -134,8 +135,8 @@ class Governor:
             self.off_for = self.pause
             self.pause = min(2 * self.pause, self.max_pause)
             self.switches += 1
-            self.steps = 0
-            self.gain = self.min_gain + 0.2  # the probe after the pause gets a fair start
+            self.steps = self.warmup - 1  # after a pause one bad probe step is enough to pause again (longer)
+            self.gain = self.min_gain + 0.1  # ... while one good step resumes
         elif self.gain >= self.min_gain + 0.2:
             self.pause = self.base_pause
 
