@@ -178,6 +178,7 @@ def spec_cmd(
     max_tokens: int = typer.Option(128, help="Tokens generated per run."),
     workloads: str = typer.Option("quote_tool_output,reemit_file_one_change,reformat_json,chat_explain,chat_story",
                                   help="Workloads (bench/spec.py)."),
+    repeats: int = typer.Option(2, help="Alternating plain/speculative runs per setting (each keeps its fastest)."),
     threads: int = typer.Option(0, help="Threads (0: torch's default)."),
     out: str = typer.Option("results/spec/latest", help="Output directory."),
 ) -> None:
@@ -185,7 +186,7 @@ def spec_cmd(
     from kakeya_runtime.bench.spec import command
 
     command(model, dtype, _csv(proposers), _ints(ks), tuple(float(t) for t in _csv(temperatures)), max_tokens,
-            _csv(workloads), threads or None, Path(out))
+            _csv(workloads), threads or None, Path(out), repeats)
 
 
 calibrate_app = typer.Typer(help="Per-model measurements the runtime loads (head profiles).", no_args_is_help=True)
