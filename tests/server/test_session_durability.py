@@ -166,3 +166,27 @@ def test_import_refuses_damaged_or_foreign_archives(tmp_path: Path):
     with running_server(tiny_served(seed=3)) as b, Client(b.address) as other, \
             pytest.raises(FailedPrecondition, match="other weights"):
         other.import_session(archive)
+
+
+def test_speculative_tokens_are_journaled_and_the_default_survives(tmp_path: Path):
+    """A speculative Generate commits several tokens per step: each step is journaled before it is streamed, and
+    the session's default speculation comes back after a restart and through an archive."""
+    from kakeya import Speculation
+
+    served = tiny_served()
+    state = tmp_path / "state"
+    prompt = [5, 6, 7, 8, 9, 10, 11] * 6
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        s = client.create_session(prompt, speculation=Speculation("history", 4))
+        out = s.generate(40, ignore_eos=True).collect()
+        assert s.last_result.stats.verifier_steps > 0
+        history = list(s.info(include_history=True).history_token_ids)
+        assert history == prompt + out
+        archive = s.export()
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        back = client.session(s.id).info(include_history=True)
+        assert list(back.history_token_ids) == history and back.speculation == Speculation("history", 4)
+        imported = client.import_session(archive)
+        assert imported.info().speculation == Speculation("history", 4)
+        assert client.session(s.id).generate(12, ignore_eos=True).collect() == \
+            imported.generate(12, ignore_eos=True).collect()

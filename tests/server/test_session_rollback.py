@@ -75,10 +75,11 @@ def test_engine_error_rolls_back_and_the_session_goes_on(kind, fail_at, committe
         assert len(got) == committed  # tokens streamed before the fault stay committed, nothing else
         history, length = _state(s)
         assert history == HISTORY + got and length == len(HISTORY) + committed
-        # A full cache trims back; Gemma's sliding rings have overwritten what a trim needs, so they are dropped
-        # and the next Generate rebuilds them from the history.
+        # A full cache trims back. Gemma's sliding rings keep kv.cache.SLIDING_SPARE spare slots, so a decode step's
+        # fault trims back too; a fault in the 40-token prefill has overwritten what a trim needs, so the rings are
+        # dropped and the next Generate rebuilds them from the history.
         kept = thread.server.service.store._sessions[s.id].cache is not None
-        assert kept == (kind == "llama")
+        assert kept == (kind == "llama" or fail_at > 1)
         after = s.generate(max_tokens=6, ignore_eos=True, seed=3, temperature=0.7).collect()
         with client.create_session(initial_tokens=history) as fresh:
             assert fresh.generate(max_tokens=6, ignore_eos=True, seed=3, temperature=0.7).collect() == after

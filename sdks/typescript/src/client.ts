@@ -11,7 +11,9 @@ import * as cv from "./convert.js";
 import { fromServiceError, SessionNotFound } from "./errors.js";
 import * as pb from "./rpc.js";
 import { Tokenizer } from "./tokenization.js";
-import type { FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo } from "./types.js";
+import type {
+  FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo, Speculation,
+} from "./types.js";
 
 export type { GenerateOptions } from "./convert.js";
 
@@ -116,11 +118,17 @@ export class Client {
   }
 
   async createSession(
-    options: { initialTokens?: Iterable<number>; policy?: KvPolicy | string } & CallSignal = {},
+    options: {
+      initialTokens?: Iterable<number>;
+      policy?: KvPolicy | string;
+      /** The session's default speculation for Generates that set none (absent: off). */
+      speculation?: Speculation | string;
+    } & CallSignal = {},
   ): Promise<Session> {
     const request: pb.CreateSessionRequest = {
       initialTokenIds: cv.tokenList(options.initialTokens ?? [], "initialTokens"),
       policy: cv.policyToPb(options.policy),
+      speculation: cv.speculationToPb(options.speculation),
     };
     const r = await this.unary<pb.CreateSessionResponse>((md, o, cb) => this.stub.createSession(request, md, o, cb),
       options.signal);

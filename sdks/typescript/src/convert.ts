@@ -4,6 +4,7 @@ import { InvalidArgument } from "./errors.js";
 import type * as pb from "./rpc.js";
 import type {
   FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo, SparseCounters, SparseStats,
+  Speculation,
 } from "./types.js";
 
 const INT32_MIN = -(2 ** 31);
@@ -27,6 +28,18 @@ export function policyToPb(policy: KvPolicy | string | undefined): pb.KvPolicyIn
   if (policy === undefined) return undefined;
   const p = typeof policy === "string" ? { name: policy } : policy;
   return { name: p.name, params: p.params ? structToPb(p.params) : undefined };
+}
+
+/** undefined: unset (Generate: the session default; createSession: off); a string names the proposer. */
+export function speculationToPb(s: Speculation | string | undefined): pb.SpeculationIn | undefined {
+  if (s === undefined) return undefined;
+  const spec = typeof s === "string" ? { proposer: s } : s;
+  const k = spec.maxDraftTokens ?? 0;
+  if (typeof spec.proposer !== "string") throw new InvalidArgument("speculation.proposer must be a string");
+  if (!Number.isInteger(k) || k < 0 || k > 2 ** 32 - 1) {
+    throw new InvalidArgument(`speculation.maxDraftTokens must be a non-negative integer, got ${k}`);
+  }
+  return { proposer: spec.proposer, maxDraftTokens: k };
 }
 
 export function policyFromPb(p: pb.KvPolicyOut | null | undefined): KvPolicy {
@@ -84,6 +97,8 @@ export interface GenerateOptions {
    * `textBeforeStop(tokenizer.decode(gen.tokenIds), gen.result)` is the text before the stop string.
    */
   stop?: string | Iterable<string>;
+  /** Speculative decoding for this call ("history", "off" or a Speculation); absent: the session's default. */
+  speculation?: Speculation | string;
   /** Aborting cancels the Generate; iterating then rejects with `signal.reason`. */
   signal?: AbortSignal;
 }
@@ -118,6 +133,7 @@ export function generateRequest(sessionId: string, o: GenerateOptions): pb.Gener
     stopTokenIds: tokenList(o.stopTokens ?? [], "stopTokens"),
     ignoreEos: o.ignoreEos ?? false,
     stop,
+    speculation: speculationToPb(o.speculation),
   };
 }
 
@@ -137,6 +153,13 @@ export function statsFromPb(s: pb.GenerateStats | null | undefined): GenerateSta
     decodeTokensPerS: s?.decodeTokensPerSecond ?? 0,
     queueS: s?.queueSeconds ?? 0,
     resumeS: s?.resumeSeconds ?? 0,
+    speculation: s?.speculationProposer ?? "",
+    draftTokens: s?.draftTokens ?? 0,
+    acceptedDraftTokens: s?.acceptedDraftTokens ?? 0,
+    acceptanceRate: s?.acceptanceRate ?? 0,
+    tokensPerVerifierStep: s?.tokensPerVerifierStep ?? 0,
+    verifierSteps: s?.verifierSteps ?? 0,
+    speculationPauses: s?.speculationPauses ?? 0,
   };
 }
 
@@ -197,6 +220,8 @@ export function sessionInfoFromPb(r: pb.GetSessionInfoResponse, withHistory: boo
     kvCompressed: r.kvCompressed,
     idleCompressions: r.idleCompressions,
     sparse: r.sparse ? sparseFromPb(r.sparse) : null,
+    speculation: r.speculation
+      ? { proposer: r.speculation.proposer, maxDraftTokens: r.speculation.maxDraftTokens } : null,
     remaining: r.contextLength - r.historyLength,
   };
 }

@@ -22,4 +22,5 @@ export type { ChatMessage, ChatOptions, ChatTemplateTokenizer, OpenAIMessage, To
 export { textBeforeStop } from "./types.js";
 export type {
   FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo, SparseCounters, SparseStats,
+  Speculation,
 } from "./types.js";

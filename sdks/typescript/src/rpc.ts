@@ -25,6 +25,7 @@ export type {
 } from "./gen/kakeya/v1/GetSessionInfoResponse.js";
 export type { KvPolicy as KvPolicyIn, KvPolicy__Output as KvPolicyOut } from "./gen/kakeya/v1/KvPolicy.js";
 export type { RuntimeServiceClient } from "./gen/kakeya/v1/RuntimeService.js";
+export type { Speculation as SpeculationIn } from "./gen/kakeya/v1/Speculation.js";
 export type { SparseCounters__Output as SparseCounters } from "./gen/kakeya/v1/SparseCounters.js";
 export type { SparseStats__Output as SparseStats } from "./gen/kakeya/v1/SparseStats.js";
 export type { Struct, Struct__Output } from "./gen/google/protobuf/Struct.js";

@@ -17,6 +17,21 @@ export interface KvPolicy {
   params?: Record<string, unknown>;
 }
 
+/**
+ * Exact speculative decoding: a proposer drafts up to `maxDraftTokens` tokens per step and the model verifies them
+ * in one forward. It changes speed, never what is generated (greedy output is identical; sampled output has the same
+ * distribution). A seeded sampled stream repeats only with the same seed AND the same speculation setting.
+ * Proposers: "history" (copies from the session's own history: fast when the model quotes or re-emits earlier
+ * text), "self" (a layer-skipping draft from the served model itself), "draft_head" (an EAGLE-style head; untrained
+ * unless the server has one: exact but slow), "off". `maxDraftTokens` in [1, 16]; 0 or absent: the server default
+ * (4). The session's KV policy must be able to roll a draft back (full and restore can; sink_window and sparse need
+ * spare >= maxDraftTokens and the identity codec), else FailedPrecondition.
+ */
+export interface Speculation {
+  proposer: string;
+  maxDraftTokens?: number;
+}
+
 export interface GenerateStats {
   /** Only the history not yet cached: the incremental prefill. */
   prefillTokens: number;
@@ -28,6 +43,18 @@ export interface GenerateStats {
   queueS: number;
   /** Decompressing an idle-compressed cache before the prefill (part of ttftS). */
   resumeS: number;
+  /** The draft proposer used ("" when speculation was off). */
+  speculation: string;
+  /** Drafts the verifier checked, and how many it accepted. */
+  draftTokens: number;
+  acceptedDraftTokens: number;
+  /** acceptedDraftTokens / draftTokens. */
+  acceptanceRate: number;
+  /** Tokens emitted per verifier forward (accepted drafts + 1). */
+  tokensPerVerifierStep: number;
+  verifierSteps: number;
+  /** Times speculation paused because acceptance was too low to pay. */
+  speculationPauses: number;
 }
 
 export interface GenerateResult {
@@ -97,6 +124,8 @@ export interface SessionInfo {
   idleCompressions: number;
   /** The sparse policy's counters and memory split (null under other policies). */
   sparse: SparseStats | null;
+  /** The session's default speculation (null: off). */
+  speculation: Speculation | null;
   /** Tokens the session can still take (appends plus maxTokens). */
   remaining: number;
 }

@@ -93,6 +93,33 @@ describe("client", () => {
     await assert.rejects(s.info(), SessionNotFound);
   });
 
+  it("speculation: per call and session default, same greedy tokens, stats, typed refusals", async () => {
+    const block = Array.from({ length: 24 }, (_, i) => 3 + ((i * 7) % 90));
+    const history = [...block, 50, 51, 52, ...block.slice(0, 12)];
+    const plain = await client.createSession({ initialTokens: history });
+    const expected = await collect(plain.generate({ maxTokens: 40, ignoreEos: true }));
+    await plain.close();
+    const s = await client.createSession({ initialTokens: history, speculation: { proposer: "history", maxDraftTokens: 3 } });
+    assert.deepEqual((await s.info()).speculation, { proposer: "history", maxDraftTokens: 3 });
+    const gen = s.generate({ maxTokens: 40, ignoreEos: true });
+    assert.deepEqual(await collect(gen), expected);
+    const st = gen.stats!;
+    assert.equal(st.speculation, "history");
+    assert.ok(st.verifierSteps > 0 && st.draftTokens > 0 && st.draftTokens <= 3 * st.verifierSteps);
+    assert.equal(st.acceptanceRate, st.acceptedDraftTokens / st.draftTokens);
+    const off = s.generate({ maxTokens: 4, ignoreEos: true, speculation: "off" });
+    await collect(off);
+    assert.equal(off.stats!.speculation, "");
+    assert.equal(off.stats!.draftTokens, 0);
+    await assert.rejects(collect(s.generate({ maxTokens: 4, speculation: { proposer: "history", maxDraftTokens: 17 } })),
+      InvalidArgument);
+    await assert.rejects(collect(s.generate({ maxTokens: 4, speculation: "nope" })), InvalidArgument);
+    await s.close();
+    const ring = await client.createSession({ initialTokens: history, policy: { name: "sink_window", params: { window: 64 } } });
+    await assert.rejects(collect(ring.generate({ maxTokens: 4, speculation: "history" })), FailedPrecondition);
+    await ring.close();
+  });
+
   it("a policy and its params travel as a Struct both ways", async () => {
     const s = await client.createSession({ initialTokens: [1, 2], policy: { name: "sink_window", params: { sink: 4, window: 64 } } });
     assert.equal(s.policy?.name, "sink_window");

@@ -190,6 +190,27 @@ def sparse_cmd(
     command(model, _ints(lengths), dtype, params, oracle_steps, decode_tokens, threads or None, Path(out))
 
 
+@bench_app.command("spec")
+def spec_cmd(
+    model: str = typer.Option("smollm2", help="Bundled model (chat-formatted prompts: smollm2)."),
+    dtype: str = typer.Option("bf16", help="bf16 or fp32."),
+    proposers: str = typer.Option("history,self,draft_head", help="Draft proposers."),
+    ks: str = typer.Option("1,2,4", help="Max draft tokens per verifier step."),
+    temperatures: str = typer.Option("0,0.7", help="Sampling temperatures."),
+    max_tokens: int = typer.Option(128, help="Tokens generated per run."),
+    workloads: str = typer.Option("quote_tool_output,reemit_file_one_change,reformat_json,chat_explain,chat_story",
+                                  help="Workloads (bench/spec.py)."),
+    repeats: int = typer.Option(2, help="Alternating plain/speculative runs per setting (each keeps its fastest)."),
+    threads: int = typer.Option(0, help="Threads (0: torch's default)."),
+    out: str = typer.Option("results/spec/latest", help="Output directory."),
+) -> None:
+    """Speculative decoding vs plain decode: acceptance at each K, mean accepted length, wall time per token."""
+    from kakeya_runtime.bench.spec import command
+
+    command(model, dtype, _csv(proposers), _ints(ks), tuple(float(t) for t in _csv(temperatures)), max_tokens,
+            _csv(workloads), threads or None, Path(out), repeats)
+
+
 calibrate_app = typer.Typer(help="Per-model measurements the runtime loads (head profiles).", no_args_is_help=True)
 
 

@@ -132,6 +132,32 @@ class Engine:
             cache.end_step()
 
     @torch.inference_mode()
+    def verify(self, cache: ModelKV, ids: Tensor, *, logits: Logits = Logits.ALL,
+               return_hidden: bool = False) -> ForwardOutput:
+        """Append `ids` (B, T) to the cache like prefill (the chunk path), returning the last chunk's logits at
+        every position (Logits.ALL, fp32 (B, T, V)) and, with `return_hidden`, its final hidden states: a
+        speculative verifier step over [last token, drafts], or a prefill whose hidden states a draft needs."""
+        self._check_ids(cache, ids)
+        t = ids.shape[1]
+        if t == 0:
+            raise GenerationError("verify needs at least one token")
+        start = cache.length
+        if start + t > cache.capacity:
+            raise GenerationError(f"{start} + {t} positions exceed the cache capacity {cache.capacity}")
+        out = ForwardOutput(None, None)
+        cache.begin_step(ids, start)
+        try:
+            for c0 in range(0, t, self.prefill_chunk):
+                c1 = min(c0 + self.prefill_chunk, t)
+                last = c1 == t
+                positions = torch.arange(start + c0, start + c1, device=self.device)
+                out = self.model(ids[:, c0:c1], positions, cache, logits=logits if last else Logits.NONE,
+                                 return_hidden=return_hidden and last)
+        finally:
+            cache.end_step()
+        return out
+
+    @torch.inference_mode()
     def decode_rows(self, caches: Sequence[ModelKV], token_ids: Sequence[int]) -> Tensor:
         """One decode step for several independent sequences at once (one token each, each cache its own
         length and policy): projections and MLP batched, attention per row. Returns fp32 logits (N, V), row i

@@ -80,15 +80,24 @@ class FullLayerKV:
 
 
 class SlidingLayerKV:
-    """Ring of the last `window` positions: memory O(window) however long the sequence grows."""
+    """Ring of the last `window + spare` positions: memory O(window) however long the sequence grows.
+
+    Queries see the last `window` positions (the attention mask, by position). The `spare` extra slots keep
+    positions the window no longer needs, so the cache can roll back (trim) by up to `spare` positions once the
+    ring has wrapped, which speculative decoding needs (a rejected draft is trimmed away). Slots left holding
+    trimmed positions are skipped until they are overwritten."""
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, window: int, *, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
-        self.window = window
-        self.k = torch.zeros(batch, num_kv_heads, window, head_dim, dtype=dtype, device=device)
+                 device: torch.device | str = "cpu", spare: int = 0) -> None:
+        if window < 1 or spare < 0:
+            raise CacheError(f"need window >= 1 and spare >= 0, got {window}, {spare}")
+        self.window, self.spare = window, spare
+        self.slots = window + spare
+        self.k = torch.zeros(batch, num_kv_heads, self.slots, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.slot_positions = torch.zeros(window, dtype=torch.long, device=device)
+        self.slot_positions = torch.zeros(self.slots, dtype=torch.long, device=device)
         self.length = 0
+        self._stale_until = 0  # slots may hold trimmed positions (>= length) until length reaches this
 
     @property
     def nbytes(self) -> int:
@@ -96,9 +105,10 @@ class SlidingLayerKV:
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         _check_new(self.k, k, v)
-        t, w = k.shape[2], self.window
+        t, w = k.shape[2], self.slots
         held = min(self.length, w)
         if t == 1:
+            # Stale slots (trimmed positions above this one) are masked by causality: no filtering needed.
             slot = self.length % w
             self.k[:, :, slot : slot + 1] = k
             self.v[:, :, slot : slot + 1] = v
@@ -107,10 +117,14 @@ class SlidingLayerKV:
             n = min(self.length, w)
             return self.k[:, :, :n], self.v[:, :, :n], self.slot_positions[:n]
         # A chunk of queries needs the previous window plus the chunk itself: hand back both,
-        # then keep the last `window` positions in the ring.
-        k_all = torch.cat((self.k[:, :, :held], k), dim=2)
-        v_all = torch.cat((self.v[:, :, :held], v), dim=2)
-        pos_all = torch.cat((self.slot_positions[:held], positions))
+        # then keep the last `slots` positions in the ring.
+        k_old, v_old, pos_old = self.k[:, :, :held], self.v[:, :, :held], self.slot_positions[:held]
+        if self.length < self._stale_until:  # drop trimmed positions: the chunk brings them anew
+            keep_old = (pos_old < self.length).nonzero().squeeze(1)
+            k_old, v_old, pos_old = k_old[:, :, keep_old], v_old[:, :, keep_old], pos_old[keep_old]
+        k_all = torch.cat((k_old, k), dim=2)
+        v_all = torch.cat((v_old, v), dim=2)
+        pos_all = torch.cat((pos_old, positions))
         keep = min(t, w)
         slots = (torch.arange(self.length + t - keep, self.length + t, device=k.device)) % w
         self.k.index_copy_(2, slots, k[:, :, t - keep :])
@@ -122,23 +136,35 @@ class SlidingLayerKV:
     def trim(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise CacheError(f"cannot trim a cache of length {self.length} to {length}")
-        if length < self.length and self.length > self.window:
+        if length == self.length:
+            return
+        if self.length > self.slots and length - self.window < self.length - self.slots:
             raise CacheError(
-                f"sliding cache has overwritten positions below {self.length - self.window}; cannot trim to {length}"
+                f"sliding cache has overwritten positions below {self.length - self.slots}; cannot trim to {length} "
+                f"(roll back at most {self.spare} positions once the ring wrapped)"
             )
+        self._stale_until = max(self._stale_until, self.length)
         self.length = length
 
+    def rollback_room(self) -> int:
+        """How many positions `trim` can take back now."""
+        return self.length if self.length <= self.slots else self.spare
+
     def state(self) -> dict[str, Tensor]:
-        n = min(self.length, self.window)
+        n = min(self.length, self.slots)
         return {"k": self.k[:, :, :n].clone(), "v": self.v[:, :, :n].clone(),
-                "slot_positions": self.slot_positions[:n].clone(), "length": torch.tensor(self.length)}
+                "slot_positions": self.slot_positions[:n].clone(), "length": torch.tensor(self.length),
+                "stale_until": torch.tensor(self._stale_until)}
 
     def load_state(self, state: dict[str, Tensor]) -> None:
         n = state["k"].shape[2]
+        if n > self.slots:
+            raise CacheError(f"state of {n} slots exceeds the ring of {self.slots}")
         self.k[:, :, :n] = state["k"]
         self.v[:, :, :n] = state["v"]
         self.slot_positions[:n] = state["slot_positions"]
         self.length = int(state["length"])
+        self._stale_until = int(state.get("stale_until", 0))
 
 
 def _check_new(buf: Tensor, k: Tensor, v: Tensor) -> None:
@@ -214,6 +240,14 @@ class ModelKV(Sequence):
         return 1.0
 
 
+SLIDING_SPARE = 16  # extra ring slots of a native sliding layer: how far a speculative draft can be rolled back
+
+
+def sliding_spare(window: int, capacity: int) -> int:
+    """Spare ring slots for a native sliding layer of `window` in a cache of `capacity` positions (never past it)."""
+    return max(0, min(SLIDING_SPARE, capacity - window))
+
+
 def make_cache(config: ModelConfig, *, batch: int = 1, capacity: int | None = None,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> ModelKV:
     """The full-attention cache: FullLayerKV on global layers, a window ring on sliding layers."""
@@ -227,7 +261,7 @@ def make_cache(config: ModelConfig, *, batch: int = 1, capacity: int | None = No
     for i in range(config.num_hidden_layers):
         window = config.layer_window(i)
         if window is not None and window < cap:
-            layers.append(SlidingLayerKV(*shape, window, dtype=dtype, device=device))
+            layers.append(SlidingLayerKV(*shape, window, dtype=dtype, device=device, spare=sliding_spare(window, cap)))
         else:
             layers.append(FullLayerKV(*shape, cap, dtype=dtype, device=device))
     return ModelKV(layers, batch=batch, capacity=cap, dtype=dtype)

@@ -82,9 +82,9 @@ def _rebuilder(layer):
         cap, dtype, device, n = layer.capacity, layer.k.dtype, layer.k.device, layer.length
         return lambda: FullLayerKV(b, hk, d, cap, dtype=dtype, device=device, initial=max(n, 1))
     if isinstance(layer, SlidingLayerKV):
-        b, hk, w, d = layer.k.shape
-        dtype, device = layer.k.dtype, layer.k.device
-        return lambda: SlidingLayerKV(b, hk, d, w, dtype=dtype, device=device)
+        b, hk, _, d = layer.k.shape
+        w, spare, dtype, device = layer.window, layer.spare, layer.k.dtype, layer.k.device
+        return lambda: SlidingLayerKV(b, hk, d, w, dtype=dtype, device=device, spare=spare)
     raise PolicyError(f"idle compression does not support {type(layer).__name__} layers")
 
 

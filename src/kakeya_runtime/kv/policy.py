@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kakeya_runtime.kv.cache import CacheError, FullLayerKV, SlidingLayerKV, make_cache
+from kakeya_runtime.kv.cache import CacheError, FullLayerKV, SlidingLayerKV, make_cache, sliding_spare
 from kakeya_runtime.kv.compress import make_codec
 from kakeya_runtime.kv.heads import HeadProfileError, load_profile
 from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
@@ -116,7 +116,7 @@ def _layers(config: ModelConfig, cap: int, shape: tuple[int, int, int], dtype: t
         if window is None:
             layers.append(governed_layer(i))
         elif window < cap:
-            layers.append(SlidingLayerKV(*shape, window, dtype=dtype, device=device))
+            layers.append(SlidingLayerKV(*shape, window, dtype=dtype, device=device, spare=sliding_spare(window, cap)))
         else:
             layers.append(FullLayerKV(*shape, cap, dtype=dtype, device=device))
     return layers

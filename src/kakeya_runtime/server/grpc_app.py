@@ -198,7 +198,9 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     async def CreateSession(self, request, context):
         owner = await self._owner(context)
         params = params_from_struct(request.policy.params) if request.policy.HasField("params") else {}
-        session = await self.service.create(owner, request.initial_token_ids, request.policy.name, params)
+        speculation = _speculation(request.speculation) if request.HasField("speculation") else None
+        session = await self.service.create(owner, request.initial_token_ids, request.policy.name, params,
+                                            speculation=speculation)
         return pb.CreateSessionResponse(session_id=session.id, history_length=len(session.history),
                                         policy=_policy_pb(session.policy))
 
@@ -219,6 +221,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
             stop=tuple(request.stop),
+            speculation=_speculation(request.speculation) if request.HasField("speculation") else None,
         )
         events = self.service.generate(owner, request.session_id, params)
         # aclosing: a client that goes away cancels the engine job via the generator's finally.
@@ -235,6 +238,10 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                             ttft_seconds=st.ttft_s, decode_seconds=st.decode_s,
                             decode_tokens=st.decode_tokens, decode_tokens_per_second=st.decode_tokens_per_s,
                             queue_seconds=st.queue_s, resume_seconds=st.resume_s,
+                            speculation_proposer=st.speculation, draft_tokens=st.draft_tokens,
+                            accepted_draft_tokens=st.accepted_draft_tokens, acceptance_rate=st.acceptance_rate,
+                            tokens_per_verifier_step=st.tokens_per_verifier_step,
+                            verifier_steps=st.verifier_steps, speculation_pauses=st.speculation_pauses,
                         ),
                     ))
                 else:
@@ -267,6 +274,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             kv_compressed=snap.kv_compressed,
             idle_compressions=snap.idle_compressions,
             sparse=_sparse_pb(snap.sparse),
+            speculation=None if snap.speculation is None else pb.Speculation(
+                proposer=snap.speculation.proposer, max_draft_tokens=snap.speculation.max_draft_tokens),
         )
 
     async def GetModelInfo(self, request, context):
@@ -500,6 +509,10 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _speculation(msg: pb.Speculation) -> tuple[str, int]:
+    return msg.proposer, msg.max_draft_tokens
 
 
 def _sparse_pb(sparse: dict | None) -> pb.SparseStats | None:

@@ -32,6 +32,7 @@ from kakeya_runtime.kv.idle import IdleStats
 from kakeya_runtime.kv.spec import POLICIES
 from kakeya_runtime.sessions.errors import Invariant
 from kakeya_runtime.sessions.service import GenerateStats
+from kakeya_runtime.sessions.speculation import PROPOSERS as SPEC_PROPOSERS
 from kakeya_runtime.sessions.store import EndReason, Outcome, SessionStore
 
 _TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -189,7 +190,36 @@ class RuntimeMetrics:
             "kakeya_session_idle_resume_seconds", "Decompressing an idle-compressed cache at the next Generate.",
             buckets=_SECONDS_BUCKETS, registry=r,
         )
+        self.spec_draft_tokens_total = Counter(
+            "kakeya_speculation_draft_tokens_total", "Draft tokens the speculative verifier checked, by proposer.",
+            ["proposer"], registry=r,
+        )
+        self.spec_accepted_tokens_total = Counter(
+            "kakeya_speculation_accepted_tokens_total", "Draft tokens the verifier accepted, by proposer.",
+            ["proposer"], registry=r,
+        )
+        self.spec_verifier_steps_total = Counter(
+            "kakeya_speculation_verifier_steps_total", "Verifier forwards over at least one draft token, by proposer.",
+            ["proposer"], registry=r,
+        )
+        self.spec_pauses_total = Counter(
+            "kakeya_speculation_pauses_total", "Times the adaptive off-switch paused speculation because acceptance "
+            "was too low to pay, by proposer.", ["proposer"], registry=r,
+        )
+        self.spec_acceptance_rate = Histogram(
+            "kakeya_speculation_acceptance_rate", "Per Generate with drafts: accepted / drafted, by proposer.",
+            ["proposer"], buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0), registry=r,
+        )
+        self.spec_tokens_per_verifier_step = Histogram(
+            "kakeya_speculation_tokens_per_verifier_step", "Per Generate with drafts: tokens emitted per verifier "
+            "forward (accepted drafts + 1), by proposer.", ["proposer"],
+            buckets=(1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 17.0), registry=r,
+        )
         # Every label value exists from the start, so dashboards see zeros rather than gaps.
+        for name in SPEC_PROPOSERS:
+            for c in (self.spec_draft_tokens_total, self.spec_accepted_tokens_total, self.spec_verifier_steps_total,
+                      self.spec_pauses_total):
+                c.labels(name)
         for o in Outcome:
             self.session_total.labels(o.value)
         for reason in EndReason:
@@ -225,6 +255,16 @@ class RuntimeMetrics:
 
     def generate_finished(self, stats: GenerateStats, history_tokens: int) -> None:
         self.generated_tokens_total.inc(stats.decode_tokens)
+        if stats.speculation:
+            p = stats.speculation
+            self.spec_draft_tokens_total.labels(p).inc(stats.draft_tokens)
+            self.spec_accepted_tokens_total.labels(p).inc(stats.accepted_draft_tokens)
+            self.spec_verifier_steps_total.labels(p).inc(stats.verifier_steps)
+            self.spec_pauses_total.labels(p).inc(stats.speculation_pauses)
+            if stats.draft_tokens:
+                self.spec_acceptance_rate.labels(p).observe(stats.acceptance_rate)
+            if stats.verifier_steps:
+                self.spec_tokens_per_verifier_step.labels(p).observe(stats.tokens_per_verifier_step)
         self.session_history_tokens.observe(history_tokens)
         self.generate_prefill_tokens.observe(stats.prefill_tokens)
         self.generate_prefill_duration_seconds.observe(stats.prefill_s)

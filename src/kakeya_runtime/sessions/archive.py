@@ -29,13 +29,14 @@ class SessionArchive:
     context_length: int
     history: list[int]
     kv: bytes | None  # a KV snapshot of a prefix of the history, or None
+    settings: dict[str, Any]  # what else the session was created with (its default speculation)
 
 
 def encode(model: str, policy_name: str, policy_params: dict[str, Any], context_length: int,
-           history: Sequence[int], kv: bytes | None = None) -> bytes:
+           history: Sequence[int], kv: bytes | None = None, settings: dict[str, Any] | None = None) -> bytes:
     header = records.header_record({"format": ARCHIVE_FORMAT, "kind": "session-archive", "model": model,
                                     "policy": {"name": policy_name, "params": policy_params},
-                                    "context_length": context_length})
+                                    "context_length": context_length, "settings": settings or {}})
     parts = [records.MAGIC, header, records.tokens_record(list(history))]
     if kv is not None:
         parts.append(records.encode(RecordKind.KV, kv))
@@ -62,7 +63,8 @@ def decode(data: bytes) -> SessionArchive:
         if not isinstance(name, str) or not isinstance(params, dict):
             raise ArchiveError("the archive's policy is not a name and a parameter map")
         return SessionArchive(str(header["model"]), name, params, int(header["context_length"]),
-                              parsed.records[1].tokens(), parsed.records[2].payload if len(kinds) == 3 else None)
+                              parsed.records[1].tokens(), parsed.records[2].payload if len(kinds) == 3 else None,
+                              dict(header.get("settings") or {}))
     except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
         if isinstance(e, ArchiveError):
             raise

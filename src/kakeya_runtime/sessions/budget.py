@@ -28,6 +28,7 @@ import os
 
 import torch
 
+from kakeya_runtime.kv.cache import sliding_spare
 from kakeya_runtime.kv.compress import make_codec
 from kakeya_runtime.kv.spec import PolicySpec
 from kakeya_runtime.models.config import ModelConfig
@@ -45,7 +46,8 @@ def kv_worst_case_bytes(config: ModelConfig, spec: PolicySpec, context: int, dty
     for i in range(config.num_hidden_layers):
         window = config.layer_window(i)
         if window is not None:  # native sliding layer: its own ring (or a full layer when it covers the context)
-            resident += per_position * min(window, context)
+            ring = min(window + sliding_spare(window, context), context)  # kv.cache: window + spare slots
+            resident += per_position * ring
             if spec.name == "restore":
                 transient += per_position * min(window, context)  # the proposer's own ring for the layer
             continue

@@ -66,6 +66,7 @@ class RecoveredSession:
     context_length: int
     history: list[int]
     snapshot: Path | None  # its KV snapshot file, when one was written
+    settings: dict[str, Any]  # what else the session was created with (its default speculation)
     mtime: float  # the journal's last write: recovered sessions keep their least-recently-used order
     dropped_bytes: int  # a torn or corrupt tail cut off the journal (never an acknowledged record)
 
@@ -113,11 +114,11 @@ class StateDir:
     # ---- the store's hooks (sessions.store.Journal) --------------------------------------------
 
     def created(self, session_id: str, owner: str, policy_name: str, policy_params: dict[str, Any],
-                context_length: int, history: Sequence[int]) -> None:
+                context_length: int, history: Sequence[int], settings: dict[str, Any] | None = None) -> None:
         """A new session: its header and initial history, durable per the policy before this returns."""
         header = records.header_record({"id": session_id, "owner": owner, "model": self.model_id,
                                         "policy": {"name": policy_name, "params": policy_params},
-                                        "context_length": context_length})
+                                        "context_length": context_length, "settings": settings or {}})
         body = header + (records.tokens_record(list(history)) if history else b"")
         path = self.journal_path(session_id)
         try:
@@ -230,7 +231,8 @@ class StateDir:
             self._writers[sid] = _Writer(fd, parsed.good_bytes)
         snapshot = self.snapshot_path(sid)
         return RecoveredSession(sid, owner, str(policy["name"]), dict(policy.get("params") or {}), context, history,
-                                snapshot if snapshot.exists() else None, mtime, parsed.torn_bytes)
+                                snapshot if snapshot.exists() else None, dict(header.get("settings") or {}), mtime,
+                                parsed.torn_bytes)
 
     def close(self) -> None:
         """Close every journal (the server is stopping); the files stay for the next start."""

@@ -37,6 +37,8 @@ import torch
 
 from kakeya_runtime.engine.generate import Engine, FinishReason, GenerateRequest
 from kakeya_runtime.engine.sampling import SamplingError, SamplingParams
+from kakeya_runtime.engine.self_draft import DraftHead
+from kakeya_runtime.engine.speculative import SpecStats, SpeculativeStream
 from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
 from kakeya_runtime.kv.sink_window import PositionLimitError
 from kakeya_runtime.kv.sparse import SparseKV
@@ -57,8 +59,21 @@ from kakeya_runtime.sessions.journal import StateDir, StateDirError
 from kakeya_runtime.sessions.limits import Limits
 from kakeya_runtime.sessions.policy import CodecSpec, PolicyRegistry, PolicySpec, parse_codec
 from kakeya_runtime.sessions.scheduler import Scheduler
+from kakeya_runtime.sessions.speculation import (
+    SpeculationSpec,
+    check_rollback,
+    make_proposer,
+    parse_speculation,
+)
 from kakeya_runtime.sessions.stops import Detokenize, StopWatch, check_stop_strings
-from kakeya_runtime.sessions.store import NullObserver, Session, SessionSnapshot, SessionStore, StoreObserver
+from kakeya_runtime.sessions.store import (
+    NullObserver,
+    Session,
+    SessionSnapshot,
+    SessionStore,
+    StoreObserver,
+    session_settings,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -92,6 +107,8 @@ class GenerateParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()  # stop strings (sessions.stops): generation ends after the token completing one
+    # Speculation for this call: (proposer, max_draft_tokens) as the client sent it; None: the session default.
+    speculation: tuple[str, int] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,6 +123,13 @@ class GenerateStats:
     resume_s: float = 0.0  # decompressing an idle-compressed cache before the prefill (part of ttft_s)
     effective_attention_fraction: float = 1.0  # the last query's share of the prefix it attended to
     sparse: dict[str, Any] | None = None  # the sparse policy's counters for this Generate: total, per layer
+    speculation: str = ""  # the draft proposer used ("" when off)
+    draft_tokens: int = 0  # drafts the verifier checked
+    accepted_draft_tokens: int = 0
+    acceptance_rate: float = 0.0  # accepted / drafted
+    tokens_per_verifier_step: float = 0.0  # emitted tokens per verifier forward
+    verifier_steps: int = 0
+    speculation_pauses: int = 0  # times the adaptive off-switch paused speculation
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,6 +188,7 @@ class _Job:
     request: GenerateRequest
     loop: asyncio.AbstractEventLoop
     stops: tuple[str, ...] = ()  # stop strings, checked
+    speculation: SpeculationSpec | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)  # queue time includes the turn wait
@@ -211,6 +236,7 @@ class SessionService:
         self._sweeper: asyncio.Task | None = None
         self._compressions: set[asyncio.Task] = set()
         self.detokenize = detokenize
+        self.draft_head: DraftHead | None = None  # built on the first "draft_head" Generate (or set with weights)
 
     # ---- lifecycle of the service itself ---------------------------------------------------
 
@@ -250,8 +276,10 @@ class SessionService:
         for r in found:
             try:
                 spec = self.policies.resolve(r.policy_name, r.policy_params, self.engine.config, r.context_length)
+                speculation = r.settings.get("speculation")
+                default = None if speculation is None else parse_speculation(*speculation)
                 self.store.adopt(r.id, r.owner, spec, r.context_length, r.history, reserve_bytes=self.kv_reserve(spec),
-                                 snapshot=r.snapshot)
+                                 snapshot=r.snapshot, speculation=default)
             except SessionError as e:
                 raise StateDirError(f"cannot recover session {r.id} ({len(r.history)} tokens, policy {r.policy_name}): "
                                     f"{e.message}; start with limits and policies that admit it") from None
@@ -280,15 +308,19 @@ class SessionService:
     # ---- the API ---------------------------------------------------------------------------
 
     async def create(self, owner: str, initial_tokens: Sequence[int] = (), policy_name: str = "",
-                     policy_params: dict[str, Any] | None = None, *, evict: bool = True) -> Session:
-        """A new session; `evict=False` admits it only if no other session has to make room (sessions.limits)."""
+                     policy_params: dict[str, Any] | None = None, *, evict: bool = True,
+                     speculation: tuple[str, int] | None = None) -> Session:
+        """A new session; `evict=False` admits it only if no other session has to make room (sessions.limits);
+        `speculation`: the session's default (proposer, max_draft_tokens) for Generates that set none."""
         if len(initial_tokens) > self.context_length:  # before anything walks or copies the ids
             raise ResourceExhausted(f"initial history of {len(initial_tokens)} tokens exceeds the context length "
                                     f"{self.context_length}")
         self._check_tokens(initial_tokens, "initial_token_ids")
         spec = self.policies.resolve(policy_name, policy_params, self.engine.config, self.context_length)
+        default = None if speculation is None else parse_speculation(*speculation)
+        check_rollback(spec, default, at_create=True)
         return self.store.create(owner, spec, self.context_length, initial_tokens, reserve_bytes=self.kv_reserve(spec),
-                                 evict=evict)
+                                 evict=evict, speculation=default)
 
     def kv_reserve(self, spec: PolicySpec) -> int:
         """The KV bytes a session with this policy reserves against the budget: its worst case at the context."""
@@ -321,8 +353,11 @@ class SessionService:
         """Stream TokensEvent per committed token, then one DoneEvent. Leaving early cancels."""
         request = self._engine_request(params)
         stops = self._stop_strings(params.stop)
+        asked = None if params.speculation is None else parse_speculation(*params.speculation)
         session = self.store.get(owner, session_id)
-        job = _Job(session, request, asyncio.get_running_loop(), stops)
+        speculation = asked if params.speculation is not None else session.speculation
+        check_rollback(session.policy, speculation, at_create=False)
+        job = _Job(session, request, asyncio.get_running_loop(), stops, speculation)
         await self._take_turn(session)
         handed_off = False
         try:
@@ -374,7 +409,8 @@ class SessionService:
                 elif session.snapshot is not None and self.state is not None:
                     kv = await asyncio.to_thread(self.state.read_snapshot, session.snapshot)
             spec = session.policy
-            return archive.encode(self.model_id, spec.name, dict(spec.params), session.context_length, history, kv)
+            return archive.encode(self.model_id, spec.name, dict(spec.params), session.context_length, history, kv,
+                                  session_settings(session))
         except RuntimeError:  # the scheduler was shut down
             raise Unavailable("the server is shutting down") from None
         finally:
@@ -394,7 +430,12 @@ class SessionService:
         if arc.kv is not None and arc.model != self.model_id:
             raise FailedPrecondition("the archive's KV snapshot was computed by other weights than this server's "
                                      "(export it without KV, or import it into a server of those weights)")
-        session = await self.create(owner, arc.history, arc.policy_name, arc.policy_params)
+        speculation = arc.settings.get("speculation")
+        if speculation is not None and not (isinstance(speculation, list) and len(speculation) == 2
+                                            and isinstance(speculation[0], str) and isinstance(speculation[1], int)):
+            raise InvalidArgument("ImportSession: the archive's speculation setting is not [proposer, max_draft_tokens]")
+        session = await self.create(owner, arc.history, arc.policy_name, arc.policy_params,
+                                    speculation=None if speculation is None else tuple(speculation))
         if arc.kv is None:
             return session, False
         await self._take_turn(session)
@@ -572,17 +613,26 @@ class SessionService:
                 store.check(session)
             pending = store.pending_tokens(session)
             ids = torch.tensor([pending], dtype=torch.long, device=self.engine.device)  # (1, T)
-            stream = self.engine.stream(session.cache, ids, job.request, should_stop=job.cancel.is_set)
             watch = StopWatch.new(self.detokenize, job.stops) if job.stops and self.detokenize else None
             stop_ids = set(job.request.stop_ids)
-            with contextlib.closing(iter(stream)) as steps:  # closed early on a stop string: the turn ends there
-                for step_ids in steps:
-                    token = step_ids[0]
-                    store.commit_generated(session, token)
-                    job.emit(TokensEvent([token]))
-                    if watch is not None and token not in stop_ids and watch.push(token):
-                        stop_string = watch.matcher.matched
-                        break
+            ends_at = None if watch is None else (lambda token: token not in stop_ids and watch.push(token))
+            if job.speculation is None:
+                stream = self.engine.stream(session.cache, ids, job.request, should_stop=job.cancel.is_set)
+                with contextlib.closing(iter(stream)) as steps:  # closed early on a stop string: the turn ends there
+                    for step_ids in steps:
+                        token = step_ids[0]
+                        store.commit_generated(session, token)
+                        job.emit(TokensEvent([token]))
+                        if ends_at is not None and ends_at(token):
+                            break
+            else:  # the stream cuts a step at a completed stop string itself (and trims the cache to match)
+                stream = self._speculative_stream(session, ids, job, ends_at)
+                for tokens in stream:  # the cache already holds everything before the last of them
+                    store.commit_generated_run(session, tokens)
+                    for token in tokens:
+                        job.emit(TokensEvent([token]))
+            if watch is not None and watch.matcher.matched is not None:
+                stop_string = watch.matcher.matched
             store.finish_generate(session)
         except InvariantViolation as v:
             store.fail(session, v)
@@ -614,6 +664,7 @@ class SessionService:
         if stop_string is not None:
             result.finish_reason = FinishReason.STOP
         n = result.decode_tokens
+        spec = stream.stats if isinstance(stream, SpeculativeStream) else SpecStats()
         stats = GenerateStats(
             prefill_tokens=result.prefill_tokens,
             prefill_s=result.prefill_s,
@@ -625,6 +676,13 @@ class SessionService:
             ttft_s=resume_s + result.ttft_s,
             effective_attention_fraction=eaf,
             sparse=_sparse_delta(session.sparse, sparse_before) if session.sparse else None,
+            speculation="" if job.speculation is None else job.speculation.proposer,
+            draft_tokens=spec.drafted,
+            accepted_draft_tokens=spec.accepted,
+            acceptance_rate=spec.acceptance_rate,
+            tokens_per_verifier_step=spec.tokens_per_verifier_step,
+            verifier_steps=spec.verifier_steps,
+            speculation_pauses=spec.off_switches,
         )
         self.observer.generate_finished(stats, history_at_start)
         job.emit(DoneEvent(result.finish_reason, stats, len(session.history), stop_string))
@@ -646,6 +704,24 @@ class SessionService:
                 self.observer.kv_restored("recompute")
                 session.snapshot = None
         self.store.attach_cache(session, self.policies.build(self.engine, session.policy, session.context_length))
+
+    def _speculative_stream(self, session: Session, ids: torch.Tensor, job: _Job,
+                            ends_at: Callable[[int], bool] | None = None) -> SpeculativeStream:
+        """Engine thread: the session's draft proposer (kept between Generates while the setting stays the same, so
+        the history index only grows) and a speculative stream over the session's cache."""
+        spec = job.speculation
+        assert spec is not None
+        if session.drafts is None or session.drafts[0].proposer != spec.proposer:
+            session.drafts = (spec, make_proposer(spec, self.engine.model, self._draft_head))
+        context = self.store.history_tokens(session)
+        return SpeculativeStream(self.engine, session.cache, ids, job.request, session.drafts[1], context,
+                                 spec.max_draft_tokens, should_stop=job.cancel.is_set, ends_at=ends_at)
+
+    def _draft_head(self) -> DraftHead:
+        """Engine thread: the served model's EAGLE-style draft head, shared by sessions (random until trained)."""
+        if self.draft_head is None:
+            self.draft_head = DraftHead(self.engine.model)
+        return self.draft_head
 
     @staticmethod
     def _record_attention(session: Session) -> float:

@@ -103,7 +103,7 @@ class Journal(Protocol):
     """Where committed history is made durable (sessions.journal.StateDir); each hook raises OSError on failure."""
 
     def created(self, session_id: str, owner: str, policy_name: str, policy_params: dict[str, Any],
-                context_length: int, history: Sequence[int]) -> None: ...
+                context_length: int, history: Sequence[int], settings: dict[str, Any] | None = None) -> None: ...
 
     def appended(self, session_id: str, tokens: Sequence[int]) -> None: ...
 
@@ -152,6 +152,8 @@ class Session:
     sparse: dict | None = None  # the sparse policy's counters and bytes after the last Generate (kv.sparse)
     idle_compress_error: str | None = None  # compression failed once: the session is not retried
     snapshot: Any = None  # recovered or imported: a KV snapshot (path or bytes) the first Generate tries to load
+    speculation: Any = None  # the session's default sessions.speculation.SpeculationSpec (None: off)
+    drafts: Any = None  # (SpeculationSpec, DraftProposer) kept between Generates (the history index grows)
 
     @property
     def pending_length(self) -> int:
@@ -205,6 +207,7 @@ class SessionSnapshot:
     kv_compressed: bool = False
     idle_compressions: int = 0
     sparse: dict | None = None
+    speculation: Any = None  # the session's default SpeculationSpec (None: off)
 
 
 class SessionStore:
@@ -229,7 +232,8 @@ class SessionStore:
     # ---- lookup and lifecycle -------------------------------------------------------------
 
     def create(self, owner: str, policy: PolicySpec, context_length: int,
-               initial_tokens: Sequence[int] = (), reserve_bytes: int = 0, *, evict: bool = True) -> Session:
+               initial_tokens: Sequence[int] = (), reserve_bytes: int = 0, *, evict: bool = True,
+               speculation: Any = None) -> Session:
         """Admit a new session reserving `reserve_bytes` of the KV budget (sessions.limits: the owner's least
         recently used idle sessions make room; ResourceExhausted, nothing evicted, when they cannot; with
         `evict=False` nothing makes room and any limit reached refuses)."""
@@ -245,12 +249,12 @@ class SessionStore:
             now = self.clock()
             sid = "ses_" + secrets.token_urlsafe(SESSION_ID_BYTES)
             session = Session(sid, owner, policy, context_length, created_at=now, last_access=now,
-                              history=list(initial_tokens), reserved_bytes=reserve_bytes)
+                              history=list(initial_tokens), reserved_bytes=reserve_bytes, speculation=speculation)
             session.history_high_water = len(session.history)
             if self.journal is not None:  # durable before anything is evicted for it: a refusal changes nothing
                 with _journal_errors():
                     self.journal.created(sid, owner, policy.name, dict(policy.params), context_length,
-                                         session.history)
+                                         session.history, session_settings(session))
             for i in victims:
                 self._end_locked(held[i], EndReason.LRU)
             self._sessions[sid] = session
@@ -258,7 +262,7 @@ class SessionStore:
         return session
 
     def adopt(self, session_id: str, owner: str, policy: PolicySpec, context_length: int, history: Sequence[int],
-              reserve_bytes: int = 0, snapshot: Any = None) -> Session:
+              reserve_bytes: int = 0, snapshot: Any = None, speculation: Any = None) -> Session:
         """A session that already exists in the journal (a restart's recovery): admitted under the same limits as
         a new one, but never by evicting another (ResourceExhausted when it does not fit), with its own id. Its
         cache is built by its first Generate, from `snapshot` when that verifies, else from the history."""
@@ -272,7 +276,8 @@ class SessionStore:
                            draining=list(self._draining.values()), evict=False)
             now = self.clock()
             session = Session(session_id, owner, policy, context_length, created_at=now, last_access=now,
-                              history=list(history), reserved_bytes=reserve_bytes, snapshot=snapshot)
+                              history=list(history), reserved_bytes=reserve_bytes, snapshot=snapshot,
+                              speculation=speculation)
             session.history_high_water = len(session.history)
             self._sessions[session_id] = session
         self.observer.session_created()
@@ -414,6 +419,7 @@ class SessionStore:
                 kv_compressed=s.kv_compressed,
                 idle_compressions=s.idle_compressions,
                 sparse=s.sparse,
+                speculation=s.speculation,
             )
 
     # ---- mutations (each checks the invariants before and after) --------------------------
@@ -492,6 +498,22 @@ class SessionStore:
         """What the next prefill consumes: history[cached_length:] (incremental prefill)."""
         with self._lock:
             return session.history[session.cached_length:]
+
+    def history_tokens(self, session: Session) -> list[int]:
+        """A copy of the whole history (a draft proposer's context)."""
+        with self._lock:
+            return list(session.history)
+
+    def commit_generated_run(self, session: Session, tokens: Sequence[int]) -> None:
+        """A speculative step's tokens, in order, after the cache was trimmed to hold everything before the last of
+        them: the same end state (and checks) as committing them one by one with commit_generated."""
+        if not tokens:
+            return
+        with self._lock:
+            self._journal_tokens(session, tokens)  # before they exist for anyone (they are streamed after)
+            session.history.extend(tokens)
+            session.cached_length = len(session.history) - 1
+            self.check(session)
 
     def commit_generated(self, session: Session, token: int) -> None:
         """Called at each sampled token: every layer has consumed all of the history so far."""
@@ -616,6 +638,12 @@ class SessionStore:
             return SessionNotFound(f"session {session_id} {why}")
         # Unknown and foreign ids read the same, so ids owned by another key are not revealed.
         return SessionNotFound(f"session {quoted(session_id)} not found")
+
+
+def session_settings(session: Session) -> dict[str, Any]:
+    """What a journal keeps of a session besides its policy: its default speculation (sessions.speculation)."""
+    spec = session.speculation
+    return {} if spec is None else {"speculation": [spec.proposer, spec.max_draft_tokens]}
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from kakeya.types import (
     ModelInfo,
     SessionInfo,
     SparseStats,
+    Speculation,
 )
 
 __version__ = "0.1.0"
@@ -41,5 +42,5 @@ __all__ = [
     "Aborted", "AsyncClient", "AsyncGeneration", "AsyncSession", "Cancelled", "Client", "DeadlineExceeded",
     "FailedPrecondition", "FinishReason", "GenerateResult", "GenerateStats", "Generation", "InternalError",
     "InvalidArgument", "KakeyaError", "KvPolicy", "ModelInfo", "PermissionDenied", "ResourceExhausted", "Session",
-    "SessionInfo", "SessionNotFound", "SparseStats", "Unauthenticated", "Unavailable",
+    "SessionInfo", "SessionNotFound", "SparseStats", "Speculation", "Unauthenticated", "Unavailable",
 ]

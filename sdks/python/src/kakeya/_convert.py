@@ -19,6 +19,7 @@ from kakeya.types import (
     ModelInfo,
     SessionInfo,
     SparseStats,
+    Speculation,
 )
 
 _FINISH = {
@@ -61,17 +62,32 @@ def _int_if_whole(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
-def create_request(initial_tokens: Iterable[int] | None, policy: KvPolicy | str | None) -> pb.CreateSessionRequest:
+def speculation_pb(speculation: Speculation | str | None) -> pb.Speculation | None:
+    """None: unset (Generate: the session default; CreateSession: off); a str names the proposer ("off" too)."""
+    if speculation is None:
+        return None
+    if isinstance(speculation, str):
+        speculation = Speculation(speculation)
+    try:
+        return pb.Speculation(proposer=str(speculation.proposer), max_draft_tokens=int(speculation.max_draft_tokens))
+    except (TypeError, ValueError) as e:  # e.g. a negative max_draft_tokens
+        raise InvalidArgument(f"bad speculation: {e}") from None
+
+
+def create_request(initial_tokens: Iterable[int] | None, policy: KvPolicy | str | None,
+                   speculation: Speculation | str | None = None) -> pb.CreateSessionRequest:
     return pb.CreateSessionRequest(initial_token_ids=token_list(initial_tokens or (), "initial_tokens"),
-                                   policy=policy_pb(policy))
+                                   policy=policy_pb(policy), speculation=speculation_pb(speculation))
 
 
 def generate_request(session_id: str, *, max_tokens: int, seed: int | None, temperature: float, top_k: int,
                      top_p: float | None, stop_tokens: Iterable[int], ignore_eos: bool,
-                     stop: str | Iterable[str] = ()) -> pb.GenerateRequest:
+                     stop: str | Iterable[str] = (),
+                     speculation: Speculation | str | None = None) -> pb.GenerateRequest:
     stops = [stop] if isinstance(stop, str) else list(stop)  # one string is one stop string, not its characters
     if not all(isinstance(s, str) for s in stops):
         raise InvalidArgument("stop must be a string or an iterable of strings")
+    spec = speculation_pb(speculation)
     try:
         sampling = pb.SamplingParams(temperature=float(temperature), top_k=int(top_k))
         if top_p is not None:
@@ -80,7 +96,7 @@ def generate_request(session_id: str, *, max_tokens: int, seed: int | None, temp
             sampling.seed = int(seed)
         return pb.GenerateRequest(session_id=session_id, max_tokens=int(max_tokens), sampling=sampling,
                                   stop_token_ids=token_list(stop_tokens, "stop_tokens"), ignore_eos=ignore_eos,
-                                  stop=stops)
+                                  stop=stops, speculation=spec)
     except (TypeError, ValueError) as e:  # e.g. a negative seed or max_tokens beyond int32
         raise InvalidArgument(f"bad generate parameters: {e}") from None
 
@@ -95,6 +111,13 @@ def stats_from_pb(s: pb.GenerateStats) -> GenerateStats:
         decode_tokens_per_s=s.decode_tokens_per_second,
         queue_s=s.queue_seconds,
         resume_s=s.resume_seconds,
+        speculation=s.speculation_proposer,
+        draft_tokens=s.draft_tokens,
+        accepted_draft_tokens=s.accepted_draft_tokens,
+        acceptance_rate=s.acceptance_rate,
+        tokens_per_verifier_step=s.tokens_per_verifier_step,
+        verifier_steps=s.verifier_steps,
+        speculation_pauses=s.speculation_pauses,
     )
 
 
@@ -127,6 +150,8 @@ def session_info_from_pb(r: pb.GetSessionInfoResponse, with_history: bool) -> Se
         kv_compressed=r.kv_compressed,
         idle_compressions=r.idle_compressions,
         sparse=_sparse_from_pb(r.sparse) if r.HasField("sparse") else None,
+        speculation=Speculation(r.speculation.proposer, r.speculation.max_draft_tokens)
+        if r.HasField("speculation") else None,
     )
 
 

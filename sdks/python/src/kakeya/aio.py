@@ -15,7 +15,15 @@ from kakeya._channel import RootCertificates, open_channel
 from kakeya._proto import runtime_pb2 as pb
 from kakeya._proto import runtime_pb2_grpc as pb_grpc
 from kakeya.errors import SessionNotFound, from_rpc_error
-from kakeya.types import FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo
+from kakeya.types import (
+    FinishReason,
+    GenerateResult,
+    GenerateStats,
+    KvPolicy,
+    ModelInfo,
+    SessionInfo,
+    Speculation,
+)
 
 if TYPE_CHECKING:
     from kakeya.tokenization import Tokenizer
@@ -52,10 +60,11 @@ class AsyncClient:
         return Tokenizer.from_model_info(await self.model_info())
 
     def create_session(self, initial_tokens: Iterable[int] | None = None,
-                       policy: KvPolicy | str | None = None) -> SessionCreation:
+                       policy: KvPolicy | str | None = None,
+                       speculation: Speculation | str | None = None) -> SessionCreation:
         """`async with client.create_session(...) as session:` (closed at the end, as with `Client`), or
         `session = await client.create_session(...)`."""
-        request = cv.create_request(initial_tokens, policy)  # argument errors raise here, as in the sync client
+        request = cv.create_request(initial_tokens, policy, speculation)  # argument errors raise here, as in the sync client
         return SessionCreation(self, request)
 
     async def _create_session(self, request: Any) -> AsyncSession:
@@ -128,14 +137,16 @@ class AsyncSession:
 
     def generate(self, max_tokens: int = 256, *, seed: int | None = None, temperature: float = 0.0,
                  top_k: int = 0, top_p: float | None = None, stop_tokens: Iterable[int] = (),
-                 ignore_eos: bool = False, stop: str | Iterable[str] = ()) -> AsyncGeneration:
+                 ignore_eos: bool = False, stop: str | Iterable[str] = (),
+                 speculation: Speculation | str | None = None) -> AsyncGeneration:
         """`async for token_id in session.generate(...)`; use `async with` to cancel on early exit.
 
         Parameters as in the sync `Session.generate`: temperatures below 1e-4 (the server's sampling floor)
         decode greedily, exactly as 0 does.
         """
         req = cv.generate_request(self.id, max_tokens=max_tokens, seed=seed, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos, stop=stop)
+                                  top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos, stop=stop,
+                                  speculation=speculation)
         call = self.client._stub.Generate(req, metadata=self.client._metadata)
         return AsyncGeneration(self, call)
 

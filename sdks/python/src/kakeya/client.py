@@ -14,7 +14,15 @@ from kakeya._channel import RootCertificates, open_channel
 from kakeya._proto import runtime_pb2 as pb
 from kakeya._proto import runtime_pb2_grpc as pb_grpc
 from kakeya.errors import KakeyaError, SessionNotFound, from_rpc_error
-from kakeya.types import FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo
+from kakeya.types import (
+    FinishReason,
+    GenerateResult,
+    GenerateStats,
+    KvPolicy,
+    ModelInfo,
+    SessionInfo,
+    Speculation,
+)
 
 if TYPE_CHECKING:
     from kakeya.tokenization import Tokenizer
@@ -57,8 +65,9 @@ class Client:
         return Tokenizer.from_model_info(self.model_info())
 
     def create_session(self, initial_tokens: Iterable[int] | None = None,
-                       policy: KvPolicy | str | None = None) -> Session:
-        resp = self._unary(self._stub.CreateSession, cv.create_request(initial_tokens, policy))
+                       policy: KvPolicy | str | None = None,
+                       speculation: Speculation | str | None = None) -> Session:
+        resp = self._unary(self._stub.CreateSession, cv.create_request(initial_tokens, policy, speculation))
         return Session(self, resp.session_id, history_length=resp.history_length,
                        policy=cv.policy_from_pb(resp.policy))
 
@@ -112,14 +121,17 @@ class Session:
 
     def generate(self, max_tokens: int = 256, *, seed: int | None = None, temperature: float = 0.0,
                  top_k: int = 0, top_p: float | None = None, stop_tokens: Iterable[int] = (),
-                 ignore_eos: bool = False, stop: str | Iterable[str] = ()) -> Generation:
+                 ignore_eos: bool = False, stop: str | Iterable[str] = (),
+                 speculation: Speculation | str | None = None) -> Generation:
         """Start a Generate; iterate the result for token ids. Breaking out early cancels it.
 
         `temperature` 0 (the default) is greedy; otherwise it must be in (0, 100], and temperatures below
         1e-4 (the server's sampling floor) decode greedily too, exactly as 0 does (the seed is then unused).
         `top_k` 0 keeps the whole vocabulary, `top_p` is a nucleus mass in (0, 1], and a `seed` in
         [0, 2**63) makes sampling reproducible. `stop_tokens` stop on top of the model's EOS ids (unless
-        `ignore_eos`). Bad values raise InvalidArgument and leave the session unchanged.
+        `ignore_eos`). `speculation` ("history", "off" or a `Speculation`) overrides the session's default
+        for this call; it changes speed, never the output's distribution (a seeded stream repeats with the same
+        speculation setting). Bad values raise InvalidArgument and leave the session unchanged.
 
         `stop` (a string or several, at most 16 of 1 to 256 characters) ends the generation right after the token
         whose text completes one of them (`finish_reason` STOP, `result.stop_string` says which). Nothing is
@@ -127,7 +139,8 @@ class Session:
         `result.text_before_stop(tokenizer.decode(gen.token_ids))` gives the text before the stop string.
         """
         req = cv.generate_request(self.id, max_tokens=max_tokens, seed=seed, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos, stop=stop)
+                                  top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos, stop=stop,
+                                  speculation=speculation)
         call = self.client._stub.Generate(req, metadata=self.client._metadata)
         return Generation(self, call)
 

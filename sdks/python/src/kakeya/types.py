@@ -31,6 +31,22 @@ class KvPolicy:
 
 
 @dataclass(slots=True, frozen=True)
+class Speculation:
+    """Exact speculative decoding: a proposer drafts up to `max_draft_tokens` tokens per step and the model
+    verifies them in one forward. It changes speed, never what is generated (greedy output is identical; sampled
+    output has the same distribution). A seeded sampled stream repeats only with the same seed AND the same
+    speculation setting. Proposers: "history" (copies from the session's own history: fast when the model
+    quotes or re-emits earlier text), "self" (a layer-skipping draft from the served model itself), "draft_head"
+    (an EAGLE-style head; untrained unless the server has one: exact but slow), "off". `max_draft_tokens` in
+    [1, 16]; 0: the server default (4). The session's KV policy must be able to roll a draft back (full and
+    restore can; sink_window and sparse need spare >= max_draft_tokens and the identity codec), else
+    FailedPrecondition."""
+
+    proposer: str = "history"
+    max_draft_tokens: int = 0
+
+
+@dataclass(slots=True, frozen=True)
 class GenerateStats:
     prefill_tokens: int  # only the history not yet cached: the incremental prefill
     prefill_s: float
@@ -40,6 +56,13 @@ class GenerateStats:
     decode_tokens_per_s: float
     queue_s: float
     resume_s: float = 0.0  # decompressing an idle-compressed cache before the prefill (part of ttft_s)
+    speculation: str = ""  # the draft proposer used ("" when off)
+    draft_tokens: int = 0  # drafts the verifier checked
+    accepted_draft_tokens: int = 0
+    acceptance_rate: float = 0.0  # accepted / drafted
+    tokens_per_verifier_step: float = 0.0  # tokens emitted per verifier forward (accepted drafts + 1)
+    verifier_steps: int = 0
+    speculation_pauses: int = 0  # times speculation paused because acceptance was too low to pay
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,6 +123,7 @@ class SessionInfo:
     kv_compressed: bool = False  # compressed while idle; the next generate decompresses it
     idle_compressions: int = 0
     sparse: SparseStats | None = None  # the sparse policy's counters and memory split (None under others)
+    speculation: Speculation | None = None  # the session's default speculation (None: off)
 
     @property
     def remaining(self) -> int:

@@ -1,0 +1,257 @@
+"""Exact speculative decoding (seed 000 §11.5, Leviathan et al. 2023): a proposer drafts, the model verifies.
+
+One verifier step over a cache holding everything before the last sampled token `x`:
+
+1. the proposer (engine.drafts) guesses d_1..d_k (k <= max_draft_tokens, and never past max_new_tokens);
+2. the model runs one forward over [x, d_1..d_k] at positions L..L+k (the chunk path: with our attention kernel a
+   chunk's logits are bit-identical to token-by-token decode, INV-3), giving the target logits for every
+   position;
+3. greedy: d_i is accepted while it equals the argmax at its position, then the argmax after the last accepted
+   draft is emitted too (the same `argmax` the plain sampler takes, so the tokens are identical to plain decode);
+   sampling: d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)), where p_i is the target distribution
+   after the sampler's own transform (temperature, top-k, top-p: `sampling.probs_from_logits`) and q_i the
+   proposer's (one-hot for deterministic guesses); at the first rejection a token is drawn from the residual
+   norm(max(0, p_i - q_i)), and when every draft was accepted one more from p_{k+1}. Every emitted token is then
+   distributed exactly as plain sampling would draw it;
+4. the cache is trimmed to L + (emitted tokens): the rejected drafts' K/V are rolled back before anything is
+   committed, so the cache again holds everything before the last emitted token.
+
+A seeded stream is reproducible for a given speculation setting (proposer, max_draft_tokens): the random numbers
+are drawn in a different order than plain sampling's, so a seeded sampled stream with speculation is a different
+(equally distributed) stream than without. Greedy streams are identical with and without.
+
+Adaptive off-switch (`Governor`): a verifier step over k drafts costs about one decode step plus a little per
+draft; when the accepted tokens per step do not pay for that, the stream decodes plainly for a while and then
+probes again (backing off exponentially while it keeps not paying).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kakeya_runtime.engine.drafts import Draft, DraftProposer
+from kakeya_runtime.engine.generate import (
+    Engine,
+    FinishReason,
+    GenerateRequest,
+    GenerationError,
+    GenerationResult,
+)
+from kakeya_runtime.engine.sampling import SamplingParams, probs_from_logits, sample
+from kakeya_runtime.kv.cache import ModelKV
+from kakeya_runtime.models.base import Logits
+
+MAX_DRAFT_TOKENS = 16  # the most a verifier step drafts (kv.cache.SLIDING_SPARE keeps that much rollback room)
+
+
+@dataclass(slots=True)
+class SpecStats:
+    drafted: int = 0  # draft tokens sent to the verifier
+    accepted: int = 0  # of those, accepted
+    verifier_steps: int = 0  # forwards that checked at least one draft
+    plain_steps: int = 0  # single-token decode steps (no draft, or the off-switch was on)
+    off_switches: int = 0  # times the governor turned speculation off
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_verifier_step(self) -> float:
+        """Tokens emitted per verifier forward (accepted drafts + the one the verifier adds)."""
+        return (self.accepted + self.verifier_steps) / self.verifier_steps if self.verifier_steps else 0.0
+
+
+def verify_greedy(logits: Tensor, draft: Sequence[int]) -> list[int]:
+    """logits (k+1, V) fp32 at [x, d_1..d_k]; the emitted tokens: the accepted drafts, then the target's argmax."""
+    best = logits.argmax(dim=-1).tolist()
+    n = 0
+    while n < len(draft) and best[n] == draft[n]:
+        n += 1
+    return [*draft[:n], best[n]]
+
+
+def verify_sampled(logits: Tensor, draft: Draft, sampling: SamplingParams,
+                   generator: torch.Generator | None) -> list[int]:
+    """Leviathan et al.'s rejection sampling, exact for the sampler's transform of the target distribution."""
+    k = len(draft.tokens)
+    p = probs_from_logits(logits, sampling)  # (k+1, V): the distributions plain sampling draws from
+    if k == 0:
+        return [int(torch.multinomial(p[0], 1, generator=generator))]
+    idx = torch.tensor(draft.tokens, dtype=torch.long, device=p.device)
+    rows = torch.arange(k, device=p.device)
+    p_d = p[rows, idx]
+    q_d = torch.ones_like(p_d) if draft.q is None else draft.q.to(p.device)[rows, idx]
+    u = torch.rand(k, generator=generator, device=p.device)
+    # accept d_i with probability min(1, p/q): u < p/q, written without dividing (q_d > 0 for a drawn token)
+    rejected = (u * q_d >= p_d).tolist()
+    n = rejected.index(True) if True in rejected else k
+    if n == k:
+        return [*draft.tokens, int(torch.multinomial(p[k], 1, generator=generator))]
+    if draft.q is None:
+        residual = p[n].clone()
+        residual[draft.tokens[n]] = 0.0
+    else:
+        residual = (p[n] - draft.q[n].to(p.device)).clamp_min_(0.0)
+    if not float(residual.sum()) > 0.0:  # p == q: a rejection had probability 0 (float edge); p is the answer
+        residual = p[n]
+    return [*draft.tokens[:n], int(torch.multinomial(residual, 1, generator=generator))]
+
+
+class Governor:
+    """The adaptive off-switch. After each verifier step it updates an average of the tokens the step emitted per
+    unit of cost (a step with k drafts costs 1 + `draft_cost` * k decode steps); when that average falls below
+    `min_gain` after `warmup` steps, speculation pauses for `pause` plain tokens; after a pause a single probe step
+    decides: a bad one pauses again for twice as long (up to `max_pause`), a good one resumes (and resets the
+    pause once the average is clearly above the bar)."""
+
+    def __init__(self, *, draft_cost: float = 0.1, min_gain: float = 1.05, warmup: int = 4, decay: float = 0.8,
+                 pause: int = 16, max_pause: int = 256) -> None:
+        self.draft_cost, self.min_gain, self.warmup, self.decay = draft_cost, min_gain, warmup, decay
+        self.base_pause, self.max_pause = pause, max_pause
+        self.pause = pause
+        self.gain = 1.5  # optimistic start
+        self.steps = 0
+        self.off_for = 0  # plain tokens left before probing again
+        self.switches = 0
+
+    def active(self) -> bool:
+        return self.off_for == 0
+
+    def plain_token(self) -> None:
+        if self.off_for:
+            self.off_for -= 1
+
+    def step(self, drafted: int, emitted: int) -> None:
+        gain = emitted / (1.0 + self.draft_cost * drafted)
+        self.gain = self.decay * self.gain + (1.0 - self.decay) * gain
+        self.steps += 1
+        if self.steps >= self.warmup and self.gain < self.min_gain:
+            self.off_for = self.pause
+            self.pause = min(2 * self.pause, self.max_pause)
+            self.switches += 1
+            self.steps = self.warmup - 1  # after a pause one bad probe step is enough to pause again (longer)
+            self.gain = self.min_gain + 0.1  # ... while one good step resumes
+        elif self.gain >= self.min_gain + 0.2:
+            self.pause = self.base_pause
+
+
+class SpeculativeStream:
+    """Like TokenStream for one sequence (B = 1), but each step yields the list of tokens it emitted (one or more),
+    after the cache was trimmed to hold everything before the last of them. `result` is set once it ends.
+
+    `ends_at(token)`, when given, is asked about each token in order (none after one it says True for): True ends
+    the generation right after that token (finish STOP), the rest of the step dropped and the cache trimmed to
+    match, exactly as at a stop token (the session layer's stop strings)."""
+
+    def __init__(self, engine: Engine, cache: ModelKV, new_ids: Tensor, request: GenerateRequest,
+                 proposer: DraftProposer, context: Sequence[int], max_draft_tokens: int,
+                 should_stop: Callable[[], bool] | None = None, governor: Governor | None = None,
+                 ends_at: Callable[[int], bool] | None = None) -> None:
+        if cache.batch != 1 or new_ids.shape[0] != 1:
+            raise GenerationError("speculative decoding takes one sequence (batch 1)")
+        if not 1 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise GenerationError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {max_draft_tokens}")
+        engine.stream(cache, new_ids, request)  # the same request and capacity checks as plain decoding
+        self.engine, self.cache, self.new_ids, self.request = engine, cache, new_ids, request
+        self.proposer, self.max_draft = proposer, max_draft_tokens
+        proposer.attach(cache)
+        self.context = list(context)  # every token before the first generated one (history + new_ids)
+        self.should_stop = should_stop
+        self.ends_at = ends_at
+        self.governor = governor or Governor()
+        self.stats = SpecStats()
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        try:
+            yield from self._steps()
+        finally:
+            self.cache.end_turn()
+
+    def _steps(self) -> Iterator[list[int]]:
+        eng, cache, req, stats, gov = self.engine, self.cache, self.request, self.stats, self.governor
+        stop = set(req.stop_ids)
+        gen = req.sampling.make_generator(eng.device)
+        wants_hidden = bool(getattr(self.proposer, "wants_hidden", False))
+        ctx = self.context
+        t0 = time.perf_counter()
+        if wants_hidden:
+            out = eng.verify(cache, self.new_ids, logits=Logits.LAST, return_hidden=True)
+        else:
+            out = eng.prefill(cache, self.new_ids)
+        result = GenerationResult([[]], FinishReason.LENGTH, prefill_tokens=self.new_ids.shape[1],
+                                  prefill_s=time.perf_counter() - t0)
+        self.result = result
+        produced = result.token_ids[0]
+        first = int(sample(out.logits[:, -1], req.sampling, gen)[0])
+        t_first = time.perf_counter()
+        result.ttft_s = t_first - t0
+        self.proposer.begin(ctx)
+        if wants_hidden:
+            self.proposer.accepted(ctx, 0, out.hidden[0, -1:])
+        emitted = [first]
+        while True:
+            # Commit this step's tokens: cut at a stop token or max_new_tokens, trim the cache to match.
+            room = req.max_new_tokens - len(produced)
+            cut = emitted[:room]
+            ended = False
+            for i, tok in enumerate(cut):
+                if tok in stop or (self.ends_at is not None and self.ends_at(tok)):
+                    cut, ended = cut[: i + 1], True
+                    break
+            if len(cut) < len(emitted):  # keep the positions before the last kept token only
+                cache.trim(cache.length - (len(emitted) - len(cut)))
+            produced.extend(cut)
+            ctx.extend(cut)
+            result.decode_tokens = len(produced)
+            result.decode_s = time.perf_counter() - t_first
+            yield cut
+            if ended:
+                result.finish_reason = FinishReason.STOP
+                return
+            if self.should_stop is not None and self.should_stop():
+                result.finish_reason = FinishReason.CANCELLED
+                return
+            remaining = req.max_new_tokens - len(produced)
+            if remaining <= 0:
+                return
+            # Next step: draft (unless off), one forward over [last, drafts], verify, roll back the rejected.
+            draft = Draft([])
+            k_max = min(self.max_draft, remaining - 1)
+            if k_max > 0 and gov.active():
+                draft = self.proposer.propose(ctx, k_max, req.sampling, gen)
+                if len(draft.tokens) > k_max:
+                    draft = Draft(draft.tokens[:k_max], None if draft.q is None else draft.q[:k_max])
+            k = len(draft.tokens)
+            L = cache.length
+            ids = torch.tensor([[ctx[-1], *draft.tokens]], dtype=torch.long, device=eng.device)
+            if k == 0:
+                out = eng.decode_step(cache, ids) if not wants_hidden else eng.verify(cache, ids, return_hidden=True)
+                emitted = [int(sample(out.logits[:, -1], req.sampling, gen)[0])]
+                stats.plain_steps += 1
+                gov.plain_token()
+                if wants_hidden:
+                    self.proposer.accepted(ctx, 0, out.hidden[0])
+                continue
+            out = eng.verify(cache, ids, return_hidden=wants_hidden)
+            logits = out.logits[0]  # (k+1, V) fp32
+            if req.sampling.greedy:
+                emitted = verify_greedy(logits, draft.tokens)
+            else:
+                emitted = verify_sampled(logits, draft, req.sampling, gen)
+            n = len(emitted) - 1
+            if n < k:
+                cache.trim(L + n + 1)  # roll back the rejected drafts: the cache holds [.., x, d_1..d_n]
+            stats.drafted += k
+            stats.accepted += n
+            stats.verifier_steps += 1
+            gov.step(k, len(emitted))
+            stats.off_switches = gov.switches
+            if wants_hidden:
+                self.proposer.accepted(ctx, n, out.hidden[0, : n + 1])

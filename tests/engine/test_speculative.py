@@ -1,0 +1,299 @@
+"""Speculative decoding in the engine: exactness (greedy and sampled), rollback, the proposers' contracts.
+
+The sampled-exactness tests compare the distribution of generated tokens with the exact target distribution
+(computed by a batched forward over every first token), over >= 20k draws, with a chi-square threshold fixed
+here; a control against a slightly different temperature shows the same threshold does reject a wrong
+distribution. A deliberately bad proposer (uniformly random drafts) must be exact too, just slow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kakeya_runtime.engine.drafts import Draft, HistoryLookup, RandomDraft
+from kakeya_runtime.engine.generate import Engine, GenerateRequest
+from kakeya_runtime.engine.sampling import SamplingParams, probs_from_logits
+from kakeya_runtime.engine.speculative import SpeculativeStream, verify_sampled
+from kakeya_runtime.models.base import Logits
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny forwards: OpenMP threads only contend here
+
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # repeats, so the history proposer drafts
+CHI2_Z = 5.0  # (chi2 - dof) / sqrt(2 dof) above this fails: ~3e-7 one-sided for an exact sampler
+
+
+def _chi2_z(counts: torch.Tensor, expected_p: torch.Tensor, min_expected: float = 8.0) -> float:
+    """Pearson chi-square over cells with at least `min_expected` expected draws (the rest pooled), as a z-score."""
+    n = float(counts.sum())
+    exp = expected_p.double().flatten() * n
+    obs = counts.double().flatten()
+    big = exp >= min_expected
+    e = torch.cat([exp[big], exp[~big].sum().reshape(1)])
+    o = torch.cat([obs[big], obs[~big].sum().reshape(1)])
+    keep = e > 0
+    assert float(o[~keep].sum()) == 0.0, "a token with probability 0 was generated"
+    chi2 = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return (chi2 - dof) / math.sqrt(2 * dof)
+
+
+def _exact_two_tokens(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """P(t1, t2 | prompt) under plain sampling with `params`: (V, V)."""
+    v = model.config.vocab_size
+    ids = torch.tensor([prompt] * v, dtype=torch.long)
+    ids = torch.cat([ids, torch.arange(v)[:, None]], dim=1)
+    with torch.inference_mode():
+        logits = model(ids, torch.arange(ids.shape[1]), None, logits=Logits.ALL).logits
+    p1 = probs_from_logits(logits[0:1, -2].float(), params)[0].double()
+    p2 = probs_from_logits(logits[:, -1].float(), params).double()
+    return p1[:, None] * p2
+
+
+def _draw(engine: Engine, proposer, params: SamplingParams, n: int, k: int) -> tuple[torch.Tensor, float]:
+    """n speculative streams of 3 tokens after PROMPT, each seeded with its index (t1 from the prefill, t2 from a
+    verifier step over one draft); joint counts of (t1, t2), (V, V), and the acceptance rate. Every stream drafts
+    (asserted), so the verifier really is what is being tested."""
+    v = engine.config.vocab_size
+    cache = engine.new_cache(capacity=32)
+    engine.prefill(cache, torch.tensor([PROMPT[:-1]]))
+    base = cache.length
+    last = torch.tensor([PROMPT[-1:]])
+    counts = torch.zeros(v, v, dtype=torch.long)
+    drafted = accepted = 0
+    for i in range(n):
+        req = GenerateRequest(3, SamplingParams(params.temperature, params.top_k, params.top_p, seed=i))
+        stream = SpeculativeStream(engine, cache, last, req, proposer, PROMPT, k)
+        out = [t for step in stream for t in step]
+        counts[out[0], out[1]] += 1
+        assert stream.stats.drafted >= 1 or proposer.name == "history"  # history drafts only after a match
+        drafted += stream.stats.drafted
+        accepted += stream.stats.accepted
+        assert cache.length == base + 3  # everything before the last token: a rejected draft was rolled back
+        cache.trim(base)
+    assert drafted > n // 20
+    return counts, accepted / max(1, drafted)
+
+
+class _FirstTokenOracle:
+    """Drafts the token the target is most likely to emit first, then junk: acceptance is high, rejections real."""
+
+    name = "oracle"
+    wants_hidden = False
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def attach(self, cache) -> None:
+        pass
+
+    def begin(self, context) -> None:
+        pass
+
+    def propose(self, context, max_tokens, sampling, generator) -> Draft:
+        return Draft([self.token, 0][:max_tokens])
+
+    def accepted(self, context, n_accepted, hidden) -> None:
+        pass
+
+
+@pytest.mark.parametrize("proposer_kind", ["history", "random", "random_sampled_q"])
+def test_sampled_speculation_matches_the_target_distribution(make_tiny_model, proposer_kind: str) -> None:
+    """20k streams after the prompt (the second token comes from a verifier step), T=0.8 with top-k and
+    top-p: the joint distribution of (t1, t2) matches plain sampling's exactly; the same counts against the
+    distribution at T=0.9 are rejected by the same threshold (the test has power)."""
+    torch.manual_seed(0)
+    model = make_tiny_model("llama")
+    engine = Engine(model)
+    v = model.config.vocab_size
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+    proposer = {"history": lambda: HistoryLookup(min_match=1),
+                "random": lambda: RandomDraft(v, seed=1),
+                "random_sampled_q": lambda: RandomDraft(v, seed=2, sampled=True)}[proposer_kind]()
+    # The first token comes from the prefill, the second from [t1, draft] verified: draft the likely second token.
+    counts, rate = _draw(engine, proposer, params, 20_000, k=1)
+    exact = _exact_two_tokens(model, PROMPT, params)
+    z = _chi2_z(counts, exact)
+    assert z < CHI2_Z, f"z = {z:.2f}"
+    # Marginals too (sharper for the common tokens).
+    assert _chi2_z(counts.sum(0), exact.sum(0)) < CHI2_Z
+    wrong = _exact_two_tokens(model, PROMPT, SamplingParams(temperature=0.9, top_k=40, top_p=0.95))
+    assert _chi2_z(counts, wrong) > CHI2_Z  # power: a slightly different distribution is caught
+    if proposer_kind == "random":
+        assert 0.0 < rate < 0.2  # mostly rejected (the residual path), sometimes accepted
+    elif proposer_kind == "random_sampled_q":
+        assert rate > 0.3  # sum of min(p, uniform q)
+
+
+def test_verify_sampled_is_exact_for_every_transform() -> None:
+    """The verifier alone, 20k draws per setting and draft, with a draft the target likes, one it does not and a sampled q:
+    the first emitted token is distributed as p_0 (after the transform), the second (when the first draft was
+    accepted) as p_1."""
+    g = torch.Generator().manual_seed(0)
+    v = 24
+    logits = torch.randn(3, v, generator=g) * 2.0
+    settings = [SamplingParams(1.0), SamplingParams(0.6, top_k=6), SamplingParams(1.3, top_p=0.8),
+                SamplingParams(0.9, top_k=10, top_p=0.9)]
+    for params in settings:
+        p = probs_from_logits(logits, params).double()
+        good = int(p[0].argmax())
+        q = torch.softmax(torch.randn(2, v, generator=g), dim=-1)
+        dg = torch.Generator().manual_seed(2)
+        fixed = [Draft([good, int(p[1].argmax())]), Draft([int(p[0].argmin()), 3])]
+        # A sampled-q draft must be redrawn from q every time (that is what makes q's correction exact).
+        def sampled(q: torch.Tensor = q, dg: torch.Generator = dg) -> Draft:
+            return Draft([int(torch.multinomial(q[i], 1, generator=dg)) for i in range(2)], q)
+
+        makers = [lambda d=d: d for d in fixed] + [sampled]
+        for make in makers:
+            first = torch.zeros(v, dtype=torch.long)
+            second = torch.zeros(v, dtype=torch.long)
+            gen = torch.Generator().manual_seed(1)
+            for _ in range(20_000):
+                draft = make()
+                out = verify_sampled(logits, draft, params, gen)
+                first[out[0]] += 1
+                if out[0] == draft.tokens[0] and len(out) > 1:
+                    second[out[1]] += 1
+            assert _chi2_z(first, p[0]) < CHI2_Z, (params, draft.tokens)
+            if int(second.sum()) > 1000 and draft.q is None:  # fixed drafts: the second is drawn from p_1
+                assert _chi2_z(second, p[1]) < CHI2_Z, (params, draft.tokens)
+
+
+def test_seeded_speculative_stream_is_reproducible(make_tiny_model) -> None:
+    model = make_tiny_model("llama")
+    engine = Engine(model)
+    req = GenerateRequest(40, SamplingParams(temperature=0.9, top_k=20, seed=1234))
+    runs = []
+    for _ in range(2):
+        cache = engine.new_cache(capacity=128)
+        stream = SpeculativeStream(engine, cache, torch.tensor([PROMPT]), req, HistoryLookup(min_match=1), PROMPT, 4)
+        runs.append([t for step in stream for t in step])
+    assert runs[0] == runs[1] and len(runs[0]) == 40
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("proposer_kind", ["history", "random", "oracle"])
+def test_greedy_rollback_leaves_the_cache_as_plain_decode_does(make_tiny_model, family: str,
+                                                               proposer_kind: str) -> None:
+    """Greedy tokens identical to plain decode; afterwards every layer holds the same length, the same K/V bits
+    (at the same positions, the Gemma sliding rings included, wrapped several times) as after plain decode,
+    and the next turn's tokens are identical."""
+    model = make_tiny_model(family)
+    engine = Engine(model)
+    v = model.config.vocab_size
+    req = GenerateRequest(60, SamplingParams())
+    caches, outs, stats = [], [], None
+    for spec in (False, True):
+        cache = engine.new_cache(capacity=200)
+        ids = torch.tensor([PROMPT])
+        if spec:
+            proposer = {"history": HistoryLookup(min_match=1), "random": RandomDraft(v, seed=3),
+                        "oracle": _FirstTokenOracle(outs[0][1])}[proposer_kind]
+            stream = SpeculativeStream(engine, cache, ids, req, proposer, PROMPT, 5)
+            out = [t for step in stream for t in step]
+            stats = stream.stats
+        else:
+            out = engine.generate(cache, ids, req).token_ids[0]
+        caches.append(cache)
+        outs.append(out)
+    assert outs[0] == outs[1]
+    assert stats.drafted > 0
+    if proposer_kind != "history":  # the tiny models loop, so history drafts may all be accepted
+        assert stats.drafted > stats.accepted  # rejections happened (so did rollbacks)
+    plain, spec = caches
+    assert plain.layer_lengths() == spec.layer_lengths() == [len(PROMPT) + 59] * len(plain)
+    for a, b in zip(plain.state(), spec.state(), strict=True):
+        for key in a:
+            if key == "stale_until":
+                continue
+            if key == "slot_positions":  # same positions held; a trimmed slot may not be rewritten yet
+                held_a, held_b = a[key][a[key] < a["length"]], b[key][b[key] < b["length"]]
+                assert torch.equal(held_a.sort().values, held_b.sort().values)
+                continue
+            if key in ("k", "v") and "slot_positions" in a:
+                pos_a, pos_b = a["slot_positions"], b["slot_positions"]
+                for p in pos_a[pos_a < a["length"]].tolist():
+                    ia, ib = int((pos_a == p).nonzero()[0]), int((pos_b == p).nonzero()[0])
+                    assert torch.equal(a[key][:, :, ia], b[key][:, :, ib])
+                continue
+            assert torch.equal(a[key], b[key]), key
+    # The next turn: plain decode on both caches gives identical tokens.
+    nxt = torch.tensor([[outs[0][-1], 11, 12, 13]])
+    assert engine.generate(plain, nxt, GenerateRequest(20)).token_ids == \
+        engine.generate(spec, nxt, GenerateRequest(20)).token_ids
+
+
+def test_stop_token_inside_an_accepted_draft_ends_there(make_tiny_model) -> None:
+    model = make_tiny_model("llama")
+    engine = Engine(model)
+    plain = engine.generate(engine.new_cache(capacity=128), torch.tensor([PROMPT]), GenerateRequest(30)).token_ids[0]
+    stop = plain[7]
+    want = plain[: plain.index(stop) + 1]
+    cache = engine.new_cache(capacity=128)
+    req = GenerateRequest(30, stop_ids=(stop,))
+    # An oracle proposer that drafts the plain continuation: the stop token arrives inside an accepted draft.
+    context = list(PROMPT)
+
+    class Oracle(_FirstTokenOracle):
+        def propose(self, ctx, max_tokens, sampling, generator) -> Draft:
+            done = len(ctx) - len(context)
+            return Draft(plain[done : done + max_tokens])
+
+    stream = SpeculativeStream(engine, cache, torch.tensor([PROMPT]), req, Oracle(0), PROMPT, 8)
+    out = [t for step in stream for t in step]
+    assert out == want
+    assert stream.result.finish_reason.value == "stop"
+    assert cache.length == len(PROMPT) + len(want) - 1
+
+
+def test_history_lookup_drafts_follow_the_match() -> None:
+    h = HistoryLookup()
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    assert h.propose(ctx, 4, SamplingParams(), None).tokens == [4, 5, 6]  # match length 3 -> 3 tokens
+    ctx2 = ctx + [4, 5, 6, 7]
+    assert h.propose(ctx2, 4, SamplingParams(), None).tokens == [8, 9, 1, 2]  # longer match, capped at 4
+    assert h.propose([10, 11, 12], 4, SamplingParams(), None).tokens == []  # a new context resets; no match
+    cyc = [7, 8, 7, 8, 7, 8]
+    assert HistoryLookup().propose(cyc, 5, SamplingParams(), None).tokens == [7, 8, 7, 8]  # period 2 continues
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["self", "draft_head"])
+def test_model_based_drafts_are_exact_greedy(make_tiny_model, family: str, kind: str) -> None:
+    """Layer-skipping self-speculation (over the session's own cache) and a randomly initialised draft head:
+    greedy tokens identical to plain decode, the cache left as plain decode leaves it."""
+    from kakeya_runtime.engine.self_draft import DraftHead, DraftHeadProposer, LayerSkipDraft
+
+    model = make_tiny_model(family)
+    engine = Engine(model)
+    req = GenerateRequest(50, SamplingParams())
+    plain_cache = engine.new_cache(capacity=128)
+    plain = engine.generate(plain_cache, torch.tensor([PROMPT]), req).token_ids[0]
+    proposer = LayerSkipDraft(model, layers=2) if kind == "self" else DraftHeadProposer(DraftHead(model, seed=5))
+    cache = engine.new_cache(capacity=128)
+    stream = SpeculativeStream(engine, cache, torch.tensor([PROMPT]), req, proposer, PROMPT, 4)
+    assert [t for step in stream for t in step] == plain
+    assert stream.stats.drafted > 0
+    assert cache.layer_lengths() == plain_cache.layer_lengths()
+    nxt = torch.tensor([[plain[-1], 20, 21]])
+    assert engine.generate(cache, nxt, GenerateRequest(10)).token_ids == \
+        engine.generate(plain_cache, nxt, GenerateRequest(10)).token_ids
+
+
+@pytest.mark.parametrize("kind", ["self", "draft_head"])
+def test_model_based_drafts_sampled_exact(make_tiny_model, kind: str) -> None:
+    """Sampled drafts from the draft's own (transformed) distribution q: 20k two-token streams match the target."""
+    from kakeya_runtime.engine.self_draft import DraftHead, DraftHeadProposer, LayerSkipDraft
+
+    model = make_tiny_model("llama")
+    engine = Engine(model)
+    params = SamplingParams(temperature=0.7, top_k=30, top_p=0.9)
+    proposer = LayerSkipDraft(model, layers=2) if kind == "self" else DraftHeadProposer(DraftHead(model, seed=5))
+    counts, rate = _draw(engine, proposer, params, 20_000, k=1)
+    exact = _exact_two_tokens(model, PROMPT, params)
+    assert _chi2_z(counts, exact) < CHI2_Z
+    assert _chi2_z(counts.sum(0), exact.sum(0)) < CHI2_Z
+    assert rate > 0.0
