@@ -158,3 +158,28 @@ def test_stopping_early_keeps_bounded_policies_consistent(client, tok, policy):
         info = s.info(include_history=True)
         assert list(info.history_token_ids) == prompt + ref_ids
         assert info.cached_length == len(prompt) + N - 1 and info.inv1_violations == info.inv2_violations == 0
+
+
+@pytest.mark.real_model
+def test_stop_strings_on_smollm2_with_and_without_speculation(smollm2_bf16):
+    """The real model and tokenizer (multi-byte BPE pieces): a chat reply stops on the token completing a stop
+    string picked from the unstopped reply, the same with history speculation, and continues exactly after it."""
+    from kakeya_runtime.server.grpc_app import ServedModel
+
+    served = ServedModel.from_loaded(smollm2_bf16, "smollm2")
+    with running_server(served) as thread, Client(thread.address) as c:
+        tok = c.tokenizer()
+        prompt = tok.tokens_for_chat([{"role": "user", "content": "List three colours, one per line."}])
+        with c.create_session(initial_tokens=prompt) as s:
+            ref_ids = s.generate(max_tokens=40, ignore_eos=True).collect()
+        ref_text = tok.decode(ref_ids)
+        words = [w for w in ref_text.split() if w.isalpha() and len(w) > 3 and ref_text.find(w) > 0]
+        assert words, ref_text
+        stop = words[len(words) // 2]
+        k = _completing_prefix(tok, ref_ids, stop)
+        for speculation in (None, "history"):
+            with c.create_session(initial_tokens=prompt) as s:
+                gen = s.generate(max_tokens=40, ignore_eos=True, stop=stop, speculation=speculation)
+                assert gen.collect() == ref_ids[:k] and gen.result.stop_string == stop
+                assert gen.result.text_before_stop(tok.decode(ref_ids[:k])) == ref_text[: ref_text.find(stop)]
+                assert s.generate(max_tokens=40 - k, ignore_eos=True).collect() == ref_ids[k:]
