@@ -275,6 +275,7 @@ class SessionService:
         tokens = snapshots = dropped = 0
         for r in found:
             try:
+                self._check_tokens(r.history, "the journal's history")  # a journal of another vocabulary
                 spec = self.policies.resolve(r.policy_name, r.policy_params, self.engine.config, r.context_length)
                 speculation = r.settings.get("speculation")
                 default = None if speculation is None else parse_speculation(*speculation)
@@ -283,7 +284,6 @@ class SessionService:
             except SessionError as e:
                 raise StateDirError(f"cannot recover session {r.id} ({len(r.history)} tokens, policy {r.policy_name}): "
                                     f"{e.message}; start with limits and policies that admit it") from None
-            self._check_tokens(r.history, f"the journal of session {r.id}")
             tokens += len(r.history)
             snapshots += r.snapshot is not None
             dropped += r.dropped_bytes
