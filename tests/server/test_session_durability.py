@@ -150,7 +150,7 @@ def test_import_refuses_damaged_or_foreign_archives(tmp_path: Path):
     with running_server(served) as a, Client(a.address) as client:
         sid, history = _drive(client, ("full", {}))
         archive = client.session(sid).export(include_kv=True)
-        before = a.server.service.store.__len__()
+        before = len(a.server.service.store)
         with pytest.raises(InvalidArgument, match="damaged|checksum"):
             client.import_session(archive[:-10])
         with pytest.raises(InvalidArgument, match="not a Kakeya session file"):
@@ -162,7 +162,7 @@ def test_import_refuses_damaged_or_foreign_archives(tmp_path: Path):
         lie = arc.encode(parsed.model, "full", {}, parsed.context_length, [9] + parsed.history[1:], parsed.kv)
         with pytest.raises(InvalidArgument, match="not the session's first"):
             client.import_session(lie)
-        assert a.server.service.store.__len__() == before  # a refused import leaves nothing behind
+        assert len(a.server.service.store) == before  # a refused import leaves nothing behind
     with running_server(tiny_served(seed=3)) as b, Client(b.address) as other, \
             pytest.raises(FailedPrecondition, match="other weights"):
         other.import_session(archive)

@@ -404,8 +404,6 @@ class SessionService:
                 if session.cache is not None and session.cached_length > 0:
                     kv = await asyncio.wrap_future(self.scheduler.submit(
                         snapshot.dump, session.cache, history, session.cached_length, self.model_id))
-                elif isinstance(session.snapshot, bytes):
-                    kv = session.snapshot
                 elif session.snapshot is not None and self.state is not None:
                     kv = await asyncio.to_thread(self.state.read_snapshot, session.snapshot)
             spec = session.policy
@@ -693,7 +691,8 @@ class SessionService:
         source = session.snapshot
         if source is not None:
             try:
-                data = self.state.read_snapshot(source) if not isinstance(source, bytes) and self.state else source
+                assert self.state is not None  # only recovery sets a snapshot, and only with a state directory
+                data = self.state.read_snapshot(source)
                 cache = self.policies.build(self.engine, session.policy, session.context_length)
                 n = snapshot.load(cache, data, session.history, self.model_id)
                 self.store.attach_cache(session, cache, n)

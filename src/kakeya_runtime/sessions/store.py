@@ -35,6 +35,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from kakeya_runtime.kv.cache import CacheError, ModelKV
@@ -151,7 +152,7 @@ class Session:
     idle_compressions: int = 0  # times the cache was compressed while idle
     sparse: dict | None = None  # the sparse policy's counters and bytes after the last Generate (kv.sparse)
     idle_compress_error: str | None = None  # compression failed once: the session is not retried
-    snapshot: Any = None  # recovered or imported: a KV snapshot (path or bytes) the first Generate tries to load
+    snapshot: Path | None = None  # recovered: the KV snapshot file its first Generate tries to load
     speculation: Any = None  # the session's default sessions.speculation.SpeculationSpec (None: off)
     drafts: Any = None  # (SpeculationSpec, DraftProposer) kept between Generates (the history index grows)
 
