@@ -26,7 +26,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int VS = Vec::size();
 constexpr int BK = 32;           // positions per block
 constexpr int64_t SPLIT = 512;   // positions per superblock (a work item); a multiple of BK
-constexpr int64_t ROW_TILE = 64; // tokens per row tile
+constexpr int64_t ROW_TILE = 512; // tokens per row tile
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 #if defined(__AVX512BF16__)
@@ -323,10 +323,11 @@ inline float group_softmax(float* s, const uint32_t* vis, float scale, float& m,
   return alpha;
 }
 
-// The same work item on AMX tiles (bf16), blocks of BKA positions: scores as S^T = K . Q^T, one tdpbf16ps per
-// 32 dims from a zeroed tile; p . V of a block as P . V, four tdpbf16ps (32 keys each, in order) from a zeroed
-// tile, then acc = alpha * acc + that in fp32. Each element's sequence depends only on its own query row, so a
-// decode row (in a 16-row tile with zero rows) and a prompt row compute alike.
+// The same work item on AMX tiles (bf16), blocks of BKA positions: scores S = Q . K^T of a 16-row tile, one
+// tdpbf16ps per 32 dims from a zeroed tile (Q rows in place as A, the block's keys staged once as K^T in pairs as
+// B); p . V of a block as P . V, four tdpbf16ps (32 keys each, in order) from a zeroed tile, then
+// acc = alpha * acc + that in fp32. Each element's sequence depends only on its own query row, so a decode row
+// (in a 16-row tile with zero rows) and a prompt row compute alike.
 template <int D>
 void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_row,
                            int64_t v_row, int64_t R, const Rule& rule, const int64_t* order, const int64_t* pos,
@@ -340,19 +341,27 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   std::fill(st.l, st.l + R, 0.f);
   std::fill(st.n, st.n + R, 0.f);
   const int64_t RB = (R + 15) / 16;  // 16-row tiles
-  // Q^T in pairs per row tile: (RB, D/2, 16) uint32 = (q[r][2p], q[r][2p+1]); padding rows are zero.
-  kakeya_amx::AlignedBuffer<uint32_t> qt(RB * (D / 2) * 16);
-  std::memset(qt.data, 0, RB * (D / 2) * 16 * sizeof(uint32_t));
-  const auto* q32 = reinterpret_cast<const uint32_t*>(q);
-  for (int64_t r = 0; r < R; ++r)
-    for (int p = 0; p < D / 2; ++p) qt.data[((r / 16) * (D / 2) + p) * 16 + r % 16] = q32[r * (D / 2) + p];
-  kakeya_amx::AlignedBuffer<BF> kb(BKA * D);             // the block's keys by lane, zero rows where empty
+  // Q rows as A tiles: in place, but the last tile of a row count that is not a multiple of 16 is padded with zeros.
+  const int64_t full_rows = R / 16 * 16;
+  kakeya_amx::AlignedBuffer<BF> qtail(16 * D);
+  std::memset(qtail.data, 0, 16 * D * sizeof(BF));
+  if (full_rows < R) std::memcpy(qtail.data, q + full_rows * D, (R - full_rows) * D * sizeof(BF));
+  // The first query position of each row tile: a block wholly at or below it is seen whole by every row there
+  // (no window, plain keys), with no per-row masks to build.
+  std::vector<int64_t> tile_min(RB);
+  for (int64_t rb = 0; rb < RB; ++rb) {
+    int64_t mn = std::numeric_limits<int64_t>::max();
+    for (int64_t r = rb * 16; r < std::min<int64_t>(R, rb * 16 + 16); ++r) mn = std::min(mn, rule.q_pos[r % rule.T]);
+    tile_min[rb] = mn;
+  }
+  const bool plain = rule.kind == Kind::Plain && rule.window <= 0;
+  kakeya_amx::AlignedBuffer<uint32_t> kt2(D / 2 * BKA);  // K^T in pairs: [pair][lane], zero lanes where empty
   kakeya_amx::AlignedBuffer<uint32_t> vt2(BKA / 2 * D);  // values interleaved by lane pairs
-  kakeya_amx::AlignedBuffer<float> st_tile(KT * 256);    // S^T: [key tile][key][row]
-  kakeya_amx::AlignedBuffer<float> s_tile(KT * 256);     // S: [key tile][row][key]
+  kakeya_amx::AlignedBuffer<float> sb(16 * BKA);         // S of a row tile: [row][lane]
   kakeya_amx::AlignedBuffer<BF> pb(16 * BKA);            // P of a row tile, bf16, (16 rows, BKA lanes)
   kakeya_amx::AlignedBuffer<float> ob(16 * D);           // P . V of a row tile, (16 rows, D)
-  alignas(64) float s[BKA];
+  alignas(64) float tin[256], tout[256];
+  const BF* krow[BKA];
   const BF* vrow[BKA];
   float alpha[16];
   uint32_t vis[16][WORDS];
@@ -360,57 +369,70 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     const Block& blk = blocks[bi];
     const int64_t base = blk.min_pos / BKA * BKA;
     uint32_t present[WORDS] = {};
+    std::fill(krow, krow + BKA, nullptr);
     std::fill(vrow, vrow + BKA, nullptr);
     for (int64_t i = 0; i < blk.count; ++i) {
       const int64_t j = order[blk.first + i], lane = pos[blk.first + i] - base;
       present[lane / 32] |= 1u << (lane % 32);
+      krow[lane] = k + j * k_row;
       vrow[lane] = v + j * v_row;
     }
     bool staged = false;
     for (int64_t rb = 0; rb < RB; ++rb) {
       const int64_t r0 = rb * 16, rn = std::min<int64_t>(16, R - r0);
       uint32_t any = 0u;
-      for (int64_t i = 0; i < 16; ++i)
-        for (int w = 0; w < WORDS; ++w)
-          any |= vis[i][w] = i < rn ? rule.lanes((r0 + i) % rule.T, base + 32 * w, present[w]) : 0u;
+      if (plain && tile_min[rb] >= blk.max_pos) {
+        for (int64_t i = 0; i < 16; ++i)
+          for (int w = 0; w < WORDS; ++w) any |= vis[i][w] = i < rn ? present[w] : 0u;
+      } else {
+        for (int64_t i = 0; i < 16; ++i)
+          for (int w = 0; w < WORDS; ++w)
+            any |= vis[i][w] = i < rn ? rule.lanes((r0 + i) % rule.T, base + 32 * w, present[w]) : 0u;
+      }
       if (any == 0u) continue;
-      if (!staged) {  // once per block: keys by lane, values interleaved by lane pairs
-        if (blk.count < BKA) std::memset(kb.data, 0, BKA * D * sizeof(BF));
-        for (int64_t i = 0; i < blk.count; ++i) {
-          const int64_t j = order[blk.first + i];
-          std::memcpy(kb.data + (pos[blk.first + i] - base) * D, k + j * k_row, D * sizeof(BF));
+      if (!staged) {  // once per block: keys as K^T in pairs (16 x 16 transposes), values interleaved by lane pairs
+        for (int g = 0; g < KT; ++g) {
+          for (int p0 = 0; p0 < D / 2; p0 += 16) {
+            for (int l = 0; l < 16; ++l) {
+              const BF* kr = krow[g * 16 + l];
+              if (kr != nullptr) std::memcpy(tin + l * 16, kr + 2 * p0, 64);
+              else std::memset(tin + l * 16, 0, 64);
+            }
+            transpose16(tin, tout);
+            for (int p = 0; p < 16; ++p) std::memcpy(kt2.data + (p0 + p) * BKA + g * 16, tout + p * 16, 64);
+          }
         }
         interleave_values<D, BKA>(vrow, vt2.data);
         staged = true;
       }
+      const BF* qa = rn == 16 ? q + r0 * D : qtail.data;
       for (int pass = 0; pass < KT / 4; ++pass) {  // four key tiles at a time in C tiles 0-3
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        const BF* kp = kb.data + pass * 64 * D;
+        const uint32_t* kp = kt2.data + pass * 64;
         for (int sd = 0; sd < D / 32; ++sd) {
-          _tile_loadd(6, qt.data + (rb * (D / 2) + sd * 16) * 16, 64);
-          _tile_loadd(4, kp + sd * 32, D * 2);
+          _tile_loadd(4, qa + sd * 32, D * 2);
+          const uint32_t* kb2 = kp + sd * 16 * BKA;
+          _tile_loadd(6, kb2, BKA * 4);
           _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(5, kp + 16 * D + sd * 32, D * 2);
-          _tile_dpbf16ps(1, 5, 6);
-          _tile_loadd(4, kp + 32 * D + sd * 32, D * 2);
+          _tile_loadd(7, kb2 + 16, BKA * 4);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(6, kb2 + 32, BKA * 4);
           _tile_dpbf16ps(2, 4, 6);
-          _tile_loadd(5, kp + 48 * D + sd * 32, D * 2);
-          _tile_dpbf16ps(3, 5, 6);
+          _tile_loadd(7, kb2 + 48, BKA * 4);
+          _tile_dpbf16ps(3, 4, 7);
         }
-        float* out = st_tile.data + pass * 4 * 256;
-        _tile_stored(0, out, 64);
-        _tile_stored(1, out + 256, 64);
-        _tile_stored(2, out + 512, 64);
-        _tile_stored(3, out + 768, 64);
+        float* out = sb.data + pass * 64;
+        _tile_stored(0, out, BKA * 4);
+        _tile_stored(1, out + 16, BKA * 4);
+        _tile_stored(2, out + 32, BKA * 4);
+        _tile_stored(3, out + 48, BKA * 4);
       }
-      const bool transpose = rn > 4;  // a decode step's few rows read their columns directly (same values)
-      if (transpose)
-        for (int kt = 0; kt < KT; ++kt) transpose16(st_tile.data + kt * 256, s_tile.data + kt * 256);
       for (int64_t i = 0; i < 16; ++i) {
         alpha[i] = -1.f;
+        float* s = sb.data + i * BKA;
         uint32_t row_any = 0u;
         int seen = 0;
         for (int w = 0; w < WORDS; ++w) {
@@ -419,18 +441,13 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
         }
         if (row_any != 0u) {
           st.n[r0 + i] += static_cast<float>(seen);
-          if (transpose) {
-            for (int kt = 0; kt < KT; ++kt) std::memcpy(s + kt * 16, s_tile.data + kt * 256 + i * 16, 64);
-          } else {
-            for (int j = 0; j < BKA; ++j) s[j] = st_tile.data[(j / 16) * 256 + (j % 16) * 16 + i];
-          }
           alpha[i] = group_softmax(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i]);
+          for (int j = 0; j < BKA; j += 32)  // p rounded to bf16, nearest even
+            _mm512_storeu_si512(pb.data + i * BKA + j,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j)));
         } else {
-          std::fill(s, s + BKA, 0.f);
+          std::memset(pb.data + i * BKA, 0, BKA * sizeof(BF));  // 0 for rows with nothing here
         }
-        for (int j = 0; j < BKA; j += 32)  // p rounded to bf16, nearest even (0 for rows with nothing here)
-          _mm512_storeu_si512(pb.data + i * BKA + j,
-                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j)));
       }
       for (int d0 = 0; d0 < D; d0 += 64) {  // up to four 16-dim output tiles at a time
         const int nt = std::min(4, (D - d0) / 16);
