@@ -222,3 +222,55 @@ def test_batched_generation_rows_match_single_rows(make_tiny_model):
     for b in range(3):
         single = generate_greedy_cached(engine, prompts[b].tolist(), max_new_tokens=20)[10:]
         assert batched[b] == single
+
+
+def _storage(cache) -> list[tuple[int, int]]:
+    """Where every growing layer's K/V live (data pointers) and how many positions they hold room for."""
+    return [(layer.k.data_ptr(), layer.v.data_ptr(), layer.allocated) for layer in cache if hasattr(layer, "allocated")]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("speculative", [False, True])
+def test_decode_steps_allocate_nothing_in_the_cache(make_tiny_model, family, speculative):
+    """A generation that crosses the full layers' initial 256-position storage: the room for prompt +
+    max_new_tokens is made before the prefill, so no decode step reallocates or copies K/V (the storage
+    pointers and sizes stay as they were after the first step), and nbytes counts the reservation."""
+    from kakeya_runtime.engine.drafts import HistoryLookup
+    from kakeya_runtime.engine.speculative import SpeculativeStream
+
+    engine = Engine(make_tiny_model(family, max_position_embeddings=1024), prefill_chunk=64)
+    cache = engine.new_cache(capacity=1024)
+    before = _storage(cache)
+    assert before and all(n == 256 for _, _, n in before)  # the initial storage (doubling beyond it)
+    prompt = torch.tensor([_prompt(250, engine.config.vocab_size)])
+    request = GenerateRequest(max_new_tokens=40, stop_ids=())
+    if speculative:
+        stream = SpeculativeStream(engine, cache, prompt, request, HistoryLookup(), prompt[0].tolist(), 4)
+    else:
+        stream = engine.stream(cache, prompt, request)
+    seen = []
+    for _ in stream:
+        seen.append((_storage(cache), cache.length))
+    assert stream.result.decode_tokens == 40
+    assert cache.length > 256  # the decode steps wrote past the initial storage...
+    first = seen[0][0]
+    assert all(s == first for s, _ in seen)  # ...into room that was there before the first decode step
+    assert first != before and all(n >= 250 + 40 for _, _, n in first)
+    kv_bytes = sum(layer.k.nbytes + layer.v.nbytes for layer in cache)
+    assert cache.nbytes == kv_bytes  # the reserved room is counted
+
+
+def test_reserve_is_clamped_and_keeps_contents(make_tiny_model):
+    """reserve() past the capacity stops at it; growing keeps what was written; rings are left alone."""
+    engine = Engine(make_tiny_model("gemma3", max_position_embeddings=1024), prefill_chunk=64)
+    cache = engine.new_cache(capacity=600)
+    engine.prefill(cache, torch.tensor([_prompt(100, engine.config.vocab_size)]))
+    full = [layer for layer in cache if hasattr(layer, "allocated")]
+    rings = [layer for layer in cache if not hasattr(layer, "allocated")]
+    assert full and rings
+    keys = [layer.k[:, :, :100].clone() for layer in full]
+    ring_ptrs = [layer.k.data_ptr() for layer in rings]
+    cache.reserve(5000)
+    assert all(layer.allocated == 600 for layer in full)
+    assert all(torch.equal(layer.k[:, :, :100], k) for layer, k in zip(full, keys, strict=True))
+    assert [layer.k.data_ptr() for layer in rings] == ring_ptrs

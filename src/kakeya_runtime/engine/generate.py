@@ -241,6 +241,8 @@ class TokenStream:
         produced: list[list[int]] = [[] for _ in range(batch)]
         done = [False] * batch
         t0 = time.perf_counter()
+        # Room for the whole generation now: the decode steps then write into storage that is already there.
+        cache.reserve(cache.length + self.new_ids.shape[1] + req.max_new_tokens)
         out = eng.prefill(cache, self.new_ids, trace_layer=req.trace_layer)
         prefill_s = time.perf_counter() - t0
         result = GenerationResult(produced, FinishReason.LENGTH, prefill_tokens=self.new_ids.shape[1],

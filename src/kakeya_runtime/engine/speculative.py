@@ -181,6 +181,8 @@ class SpeculativeStream:
         wants_hidden = bool(getattr(self.proposer, "wants_hidden", False))
         ctx = self.context
         t0 = time.perf_counter()
+        # Room for the whole generation and a last verify's drafts now: no step after this one reallocates.
+        cache.reserve(cache.length + self.new_ids.shape[1] + req.max_new_tokens + self.max_draft + 1)
         if wants_hidden:
             out = eng.verify(cache, self.new_ids, logits=Logits.LAST, return_hidden=True)
         else:

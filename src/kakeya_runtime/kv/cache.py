@@ -23,7 +23,10 @@ class FullLayerKV:
     """(B, Hk, allocated, D) buffers; `length` positions filled, 0..length-1 in order.
 
     Storage grows by doubling up to `capacity` (the model's context or less), so an idle short
-    session does not hold a context-sized buffer; a copy happens only log2(capacity) times.
+    session does not hold a context-sized buffer; a copy happens only log2(capacity) times. A caller that knows
+    how far a step sequence can reach calls `reserve` first (the engine does at the start of every generation:
+    prompt + max_new_tokens), so the copy happens then and never inside the decode steps, whose writes land in
+    storage that is already there. `nbytes` counts what is allocated, reserved positions included.
     """
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
@@ -38,6 +41,15 @@ class FullLayerKV:
     def nbytes(self) -> int:
         """Bytes of the K/V tensors held (allocated storage, filled or not)."""
         return self.k.nbytes + self.v.nbytes
+
+    @property
+    def allocated(self) -> int:
+        """Positions the storage holds room for (filled or not)."""
+        return self.k.shape[2]
+
+    def reserve(self, positions: int) -> None:
+        """Make room for `positions` (clamped to the capacity) now, so writes up to there allocate nothing."""
+        self._reserve(min(positions, self.capacity))
 
     def _reserve(self, needed: int) -> None:
         if needed <= self.k.shape[2]:
@@ -213,6 +225,14 @@ class ModelKV(Sequence):
     def trim(self, length: int) -> None:
         for layer in self.layers:
             layer.trim(length)
+
+    def reserve(self, positions: int) -> None:
+        """Room for `positions` in every growing layer (FullLayerKV; rings and policy stores keep their own
+        sizes), so the steps up to there never reallocate or copy: called before a generation's prefill."""
+        for layer in self.layers:
+            grow = getattr(layer, "reserve", None)
+            if grow is not None:
+                grow(positions)
 
     def state(self) -> list[dict[str, Tensor]]:
         return [layer.state() for layer in self.layers]
