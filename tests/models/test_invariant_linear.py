@@ -88,7 +88,7 @@ def test_path_is_chosen_per_weight_not_per_call():
     path = native.linear_path(torch.bfloat16, 576, 960)
     assert path in ("amx", "avx512-bf16", "generic")
     assert native.linear_path(torch.float32, 576, 960) in ("avx512", "generic")
-    if native.bf16_amx():
+    if native.routes().linear_amx:  # the calibrated route (models/native.py)
         assert path == "amx"
 
 
@@ -102,3 +102,21 @@ def test_bad_inputs_raise():
         native.linear(x, w, torch.randn(5))
     with pytest.raises(RuntimeError, match="not supported"):
         native.linear(x.half(), w.half())
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_act_is_row_invariant_and_matches_torch(act, dtype):
+    """The MLP's act(gate) * up in one pass: a row's result is the same bits alone or among others (an odd
+    width too: its tail runs the same vector code), and it matches PyTorch's two-op computation in fp32."""
+    g = torch.Generator().manual_seed(5)
+    for width in (1536, 37):
+        x = (torch.randn(70, 2 * width, generator=g) * 3).to(dtype)
+        y = native.gated_act(x, act)
+        assert y.shape == (70, width) and y.dtype == dtype
+        assert torch.equal(native.gated_act(x[9:10], act), y[9:10])
+        assert torch.equal(native.gated_act(x[:33], act), y[:33])
+        gate, up = x[:, :width].float(), x[:, width:].float()
+        ref = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol)

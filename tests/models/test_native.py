@@ -240,6 +240,57 @@ def test_build_is_keyed_by_source_and_machine():
     assert path.parent.parent.name == "kernels" and len(path.parent.name) == 16
 
 
+def test_routes_are_measured_once_per_build_and_cached(tmp_path):
+    """The real calibration: both invariant paths timed on this machine (AMX where usable), the faster kept per
+    kernel, written once beside the library and read back by later processes without measuring again."""
+    found = native.calibrate(repeats=1)
+    if not bool(torch.ops.kakeya.amx_available()):
+        assert found.source == "no-amx" and not found.attention_amx and not found.linear_amx
+        return
+    assert found.source == "calibrated"
+    assert set(found.timings) == {"attention_amx", "attention_avx512", "linear_amx", "linear_avx512"}
+    assert all(t > 0 for t in found.timings.values())
+    t = found.timings
+    assert found.attention_amx == (t["attention_avx512"] >= native.ROUTE_MARGIN * t["attention_amx"])
+    assert found.linear_amx == (t["linear_avx512"] >= native.ROUTE_MARGIN * t["linear_amx"])
+    assert native.routes().attention_amx == native.bf16_amx()  # calibrate() left the routes in force alone
+    file = tmp_path / native.ROUTES_FILE
+    first = native._cached_routes(file)
+    assert first.source == "calibrated" and file.exists()
+    again = native._cached_routes(file)
+    assert again.source == "cached"
+    assert (again.attention_amx, again.linear_amx, again.timings) == (first.attention_amx, first.linear_amx,
+                                                                       first.timings)
+    assert (native.library_path().parent / native.ROUTES_FILE).exists()  # this build's own choice
+
+
+@pytest.mark.parametrize(("attention_amx", "linear_amx"), [(False, False), (True, True)])
+def test_every_route_is_invariant(attention_amx, linear_amx):
+    """Whichever route the calibration picks, a token's attention output and projection are the same bits in a
+    decode row, a chunk over the cache and a whole prompt."""
+    kept = native.routes()
+    try:
+        native.set_routes(attention_amx, linear_amx)
+        gen = torch.Generator().manual_seed(3)
+        s, hk, g, d = 700, 3, 3, 64
+        k, v = cache_views(1, hk, s, d, torch.bfloat16, gen)
+        q_all = torch.randn(1, hk, g, s, d, generator=gen).bfloat16()
+        pos = torch.arange(s)
+        whole = native.cached_attention(grouped(q_all, 0, s), k, v, pos, pos, 0.125).reshape(1, hk, g, s, d)
+        for t0, t1 in [(s - 1, s), (300, 557)]:
+            part = native.cached_attention(grouped(q_all, t0, t1), k[:, :, :t1], v[:, :, :t1], pos[t0:t1].clone(),
+                                           pos[:t1], 0.125)
+            assert torch.equal(part.reshape(1, hk, g, t1 - t0, d), whole[:, :, :, t0:t1])
+        x, w = torch.randn(300, 576, generator=gen).bfloat16(), torch.randn(960, 576, generator=gen).bfloat16()
+        y = native.linear(x, w)
+        assert torch.equal(native.linear(x[7:8], w), y[7:8]) and torch.equal(native.linear(x[:37], w), y[:37])
+        if bool(torch.ops.kakeya.amx_available()):
+            assert native.bf16_amx() == attention_amx
+            assert (native.linear_path(torch.bfloat16, 576, 960) == "amx") == linear_amx
+    finally:
+        native.set_routes(kept.attention_amx, kept.linear_amx)
+
+
 def test_compiles_under_torch_compile():
     """engine.compiled traces attend and the projections: both ops have fake implementations."""
     gen = torch.Generator().manual_seed(9)

@@ -444,6 +444,8 @@ def job_ours(job: dict[str, Any]) -> dict[str, Any]:
         "threads": threads,
         "kernels": native.backend(),
         "amx": native.bf16_amx() if native.enabled() else None,  # our kernels' bf16 path here
+        # the calibrated routes (which invariant path serves attention / projections) and their timings
+        "routes": _routes_json(native) if native.enabled() else None,
         "load_s": round(load_s, 2),
         "compile_s": None if compile_s is None else round(compile_s, 1),
         "weight_bytes": report.weight_bytes_after,
@@ -461,6 +463,11 @@ def job_ours(job: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_process": _ru_maxrss(),  # the whole process, loading included
         "first_tokens": res.token_ids[0][:16],
     }
+
+
+def _routes_json(native) -> dict[str, Any]:
+    r = native.routes()
+    return {"attention_amx": r.attention_amx, "linear_amx": r.linear_amx, "timings": r.timings, "source": r.source}
 
 
 def _step_stats(stamps: list[float]) -> dict[str, float]:

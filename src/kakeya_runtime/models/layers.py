@@ -246,10 +246,13 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.fused_act: str | None = None  # the native kernels' one-pass act(gate) * up, when they have it
         if act == "silu":
             self.act = F.silu
+            self.fused_act = "silu"
         elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
             self.act = lambda x: F.gelu(x, approximate="tanh")
+            self.fused_act = "gelu_tanh"
         elif act == "gelu":
             self.act = F.gelu
         else:
@@ -257,7 +260,11 @@ class GatedMLP(nn.Module):
         self._register_load_state_dict_pre_hook(_fuse_hook(("gate_proj", "up_proj"), "gate_up_proj"))
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_act is not None and native.enabled():
+            h = native.gated_act(gate_up.reshape(-1, gate_up.shape[-1]), self.fused_act)
+            return self.down_proj(h.view(*gate_up.shape[:-1], self.intermediate))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

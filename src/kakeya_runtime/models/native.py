@@ -3,6 +3,7 @@
 - `kakeya::cached_attention(q, k, v, q_pos, k_pos, window, sink, scale)`: every attention call of the models
   (fresh prompts, chunks over a cache, decode steps, windows), one fixed order of operations per query.
 - `kakeya::linear(x, w, bias, out_fp32)`: every projection and the LM head, one fixed order per output element.
+- `kakeya::gated_act(x, act)`: the gated MLP's act(gate) * up in one elementwise pass.
 - `kakeya::sparse_attention` / `kakeya::block_select`: the sparse KV policy's attention over an exact hot set and
   selected cold blocks, and its indexer (kv.sparse), with the same per-query invariance.
 
@@ -10,6 +11,13 @@ So a position's K/V and logits do not depend on the shape of the step they ran i
 layers.linear). The library is compiled with g++ against the installed torch for this CPU (-march=native) on
 first use, under the kakeya cache dir, keyed by the sources, the flags, torch's version, the compiler and the
 CPU's feature flags; later processes load it in milliseconds. A build takes ~16 s.
+
+Routes: on a CPU with AMX tiles, attention and projections each have two invariant paths (AMX tiles, or
+AVX-512 BF16 dot products). Which one serves is measured, not assumed: the first process after a build times
+both on a prefill chunk over a cache plus decode steps (about a second, `calibrate`) and keeps the faster,
+preferring AMX unless the other wins by ROUTE_MARGIN; the choice is cached beside the library (routes.json,
+so keyed like the build: sources, flags, torch, compiler, CPU flags) and every later process loads it. One
+route serves every shape in a process (decode, chunk, fresh prompt), so a position computes alike in any step.
 
 `KAKEYA_ATTENTION=sdpa` switches to PyTorch's SDPA and GEMMs (faster on long fresh prompts, not invariant);
 with the default `native`, kernels that cannot be built raise NativeKernelError instead of quietly running the
@@ -20,10 +28,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import subprocess
 import sys
 import threading
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -36,14 +47,30 @@ HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head s
 CXXFLAGS = ("-O3", "-march=native", "-std=c++20", "-fPIC", "-shared", "-fopenmp")
 
 
+ROUTE_MARGIN = 0.85  # the AVX-512 path replaces AMX only when it takes less than this fraction of AMX's time
+ROUTES_FILE = "routes.json"
+
+
 class NativeKernelError(RuntimeError):
     """The native attention kernel could not be built or loaded (the message has the compiler's output)."""
+
+
+@dataclass(slots=True)
+class Routes:
+    """Which invariant path serves bf16 attention and projections in this process, and the timings (seconds per
+    calibration workload, AMX vs AVX-512) it was chosen from; `source`: "calibrated", "cached" or "no-amx"."""
+
+    attention_amx: bool
+    linear_amx: bool
+    timings: dict[str, float]
+    source: str
 
 
 _lock = threading.Lock()
 _loaded: Path | None = None
 _backend: str | None = None
 _bf16_dot = False
+_routes: Routes | None = None
 
 
 def backend() -> str:
@@ -163,6 +190,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.kakeya.linear(x, weight, bias, out_fp32)
 
 
+GATED_ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
+def gated_act(x: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for x (M, 2I) = [gate | up] in one pass, each element in fp32 and rounded once (SiLU or
+    tanh-GELU); (M, I). Elementwise, so a row's result does not depend on the rows beside it."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.gated_act(x, GATED_ACTS[act])
+
+
 def linear_path(dtype: torch.dtype, in_features: int, out_features: int) -> str:
     """Which code a weight of this shape runs on here: "amx", "avx512-bf16", "avx512" or "generic"."""
     load()
@@ -199,8 +237,109 @@ def load() -> Path:
                                     f"{BACKEND_ENV}=sdpa") from None
         _register_fake()
         _bf16_dot = bool(torch.ops.kakeya.bf16_dot())
+        _apply(_cached_routes(path.parent / ROUTES_FILE))
         _loaded = path
         return path
+
+
+def routes() -> Routes:
+    """The routes in force (loading the library, and calibrating once per build, if needed)."""
+    load()
+    assert _routes is not None
+    return _routes
+
+
+def set_routes(attention_amx: bool, linear_amx: bool) -> Routes:
+    """Force the routes for this process (tests, experiments); nothing is cached. Call it before any model runs:
+    a process that switches mid-session computes positions on two paths."""
+    load()
+    return _apply(Routes(attention_amx, linear_amx, {}, "set"))
+
+
+def calibrate(*, repeats: int = 3) -> Routes:
+    """Time each invariant path on this machine and return the faster per kernel (does not apply or cache it).
+
+    Workloads (bf16, SmolLM2-like shapes): attention, a 256-token chunk (3 query heads per KV head) over a 1,024
+    key cache plus 32 decode rows over 2,048 keys; projections, a 256-row and 8 one-row products on a 576 x 1,536
+    weight. Best of `repeats` after a warm-up; about a second in all."""
+    load()
+    return _measure(repeats)
+
+
+def _measure(repeats: int) -> Routes:
+    ops = torch.ops.kakeya
+    if not bool(ops.amx_available()):
+        return Routes(False, False, {}, "no-amx")
+    before = (_routes.attention_amx, _routes.linear_amx) if _routes is not None else (True, True)
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).bfloat16()
+
+    q, k, v = rnd(1, 3, 768, 64), rnd(1, 3, 1024, 64), rnd(1, 3, 1024, 64)
+    qd, kd, vd = rnd(1, 3, 3, 64), rnd(1, 3, 2048, 64), rnd(1, 3, 2048, 64)
+    q_pos, k_pos, kd_pos, d_pos = torch.arange(768, 1024), torch.arange(1024), torch.arange(2048), torch.tensor([2047])
+    x, xd, w = rnd(256, 576), rnd(1, 576), rnd(1536, 576)
+
+    def attention() -> None:
+        ops.cached_attention(q, k, v, q_pos, k_pos, 0, 0, 0.125)
+        for _ in range(32):
+            ops.cached_attention(qd, kd, vd, d_pos, kd_pos, 0, 0, 0.125)
+
+    def projections() -> None:
+        ops.linear(x, w, None, False)
+        for _ in range(8):
+            ops.linear(xd, w, None, False)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    timings: dict[str, float] = {}
+    try:
+        for amx in (True, False):
+            ops.set_amx(amx, amx)
+            tag = "amx" if amx else "avx512"
+            timings[f"attention_{tag}"] = best(attention)
+            timings[f"linear_{tag}"] = best(projections)
+    finally:
+        ops.set_amx(*before)
+    return Routes(timings["attention_avx512"] >= ROUTE_MARGIN * timings["attention_amx"],
+                  timings["linear_avx512"] >= ROUTE_MARGIN * timings["linear_amx"],
+                  {key: round(t, 6) for key, t in timings.items()}, "calibrated")
+
+
+def _cached_routes(file: Path) -> Routes:
+    """This build's routes: read from `file`, or calibrated now and written there (first process after a build)."""
+    if not bool(torch.ops.kakeya.amx_available()):
+        return Routes(False, False, {}, "no-amx")
+    try:
+        data = json.loads(file.read_text())
+        return Routes(bool(data["attention_amx"]), bool(data["linear_amx"]), dict(data["timings"]), "cached")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    with open(file.parent / "build.lock", "w") as lock:  # one process measures; the others wait and read
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if file.exists():
+            return _cached_routes(file)
+        found = _measure(3)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**asdict(found), "torch_threads": torch.get_num_threads(),
+                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1))
+        os.replace(tmp, file)
+        return found
+
+
+def _apply(found: Routes) -> Routes:
+    global _routes
+    torch.ops.kakeya.set_amx(found.attention_amx, found.linear_amx)
+    _routes = found
+    return found
 
 
 def build(path: Path) -> Path:
@@ -242,6 +381,7 @@ def _register_fake() -> None:
         lambda q, k, v, q_pos, k_pos, window, sink, scale: q.new_empty(q.shape))
     torch.library.register_fake("kakeya::sparse_attention")(
         lambda q, *args: (q.new_empty(q.shape), q.new_empty(*q.shape[:3], 2, dtype=torch.long)))
+    torch.library.register_fake("kakeya::gated_act")(lambda x, act: x.new_empty(x.shape[0], x.shape[1] // 2))
     torch.library.register_fake("kakeya::linear")(
         lambda x, w, bias, out_fp32=False: x.new_empty(x.shape[0], w.shape[0],
                                                        dtype=torch.float32 if out_fp32 else x.dtype))

@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 
@@ -32,6 +33,12 @@ inline bool permitted() {
   }();
   return ok;
 }
+
+// Which kernels run on AMX tiles in this process, when permitted: the start-up calibration's choice
+// (models/native.py, measured once per machine and cached), set before the first call and then fixed, so every
+// call of the process computes alike. Off: the AVX-512 (BF16) paths.
+inline std::atomic<bool> attention_on{true};
+inline std::atomic<bool> linear_on{true};
 
 // Every tile 16 rows x 64 bytes: C (16 x 16 fp32), A (16 rows x 32 bf16), B (16 pair-rows x 16 columns).
 inline void configure() {

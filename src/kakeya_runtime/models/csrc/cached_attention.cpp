@@ -242,7 +242,7 @@ inline void interleave_values(const c10::BFloat16* const* vrow, uint32_t* vt2) {
 template <typename T>
 inline bool amx_enabled() {
 #if defined(KAKEYA_AMX)
-  return std::is_same_v<T, c10::BFloat16> && kakeya_amx::permitted();
+  return std::is_same_v<T, c10::BFloat16> && kakeya_amx::permitted() && kakeya_amx::attention_on.load();
 #else
   return false;
 #endif
@@ -970,6 +970,20 @@ TORCH_LIBRARY(kakeya, m) {
         "(Tensor, Tensor)");
   m.def("bf16_dot() -> bool", [] { return kBf16Dot; });  // built with AVX512-BF16 dot products
   m.def("bf16_amx() -> bool", [] { return amx_enabled<c10::BFloat16>(); });  // bf16 attention on AMX tiles
+  // AMX tiles usable here at all (CPU, kernel, KAKEYA_AMX), and the per-process choice of which kernels use them.
+  m.def("amx_available() -> bool", [] {
+#if defined(KAKEYA_AMX)
+    return kakeya_amx::permitted();
+#else
+    return false;
+#endif
+  });
+  m.def("set_amx(bool attention, bool linear) -> ()", [](bool attention, bool linear) {
+#if defined(KAKEYA_AMX)
+    kakeya_amx::attention_on.store(attention);
+    kakeya_amx::linear_on.store(linear);
+#endif
+  });
 }
 
 TORCH_LIBRARY_IMPL(kakeya, CPU, m) {

@@ -43,6 +43,7 @@ inline void store_row(float* acc, const float* bias, T* dst, int64_t n) {
 // ---------------------------------------------------------------- AMX (bf16)
 constexpr bool kAmx = true;
 using kakeya_amx::permitted;
+inline bool linear_amx() { return kakeya_amx::linear_on.load(); }
 
 // C^T tiles for NN blocks of 16 W rows and NM blocks of 16 x rows, over K in steps of 32. A tile s of W block i
 // sits at wa + i * w_block + s * w_step with rows w_stride bytes apart (the weights in place, or a packed
@@ -134,6 +135,7 @@ void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
 #else
 constexpr bool kAmx = false;
 inline bool permitted() { return false; }
+inline bool linear_amx() { return false; }
 #endif
 
 #if defined(__AVX512F__)
@@ -248,7 +250,7 @@ void linear_generic(const at::Tensor& x, const at::Tensor& w, const float* bias,
 enum class Path { Amx, Dot, Generic };
 
 Path choose(at::ScalarType dtype, int64_t K, int64_t N) {
-  if (dtype == at::kBFloat16 && kAmx && K % 32 == 0 && N % 16 == 0 && permitted()) return Path::Amx;
+  if (dtype == at::kBFloat16 && kAmx && K % 32 == 0 && N % 16 == 0 && permitted() && linear_amx()) return Path::Amx;
 #if defined(__AVX512F__)
   if (dtype == at::kFloat) return Path::Dot;
 #if defined(__AVX512BF16__)
@@ -311,11 +313,73 @@ std::string linear_path(int64_t dtype_code, int64_t K, int64_t N) {
   }
 }
 
+// The gated MLP's middle, act(gate) * up, in one pass: x (M, 2I) = [gate | up] rows (the fused projection's output),
+// y (M, I). Each element in fp32 (the activation, then the product) and rounded once to x's dtype; the same vector
+// code for every element of a row (a short tail through the same ops, masked), so it depends on its own inputs only.
+// act 0: SiLU, 1: GELU (tanh approximation).
+template <typename T>
+void gated_rows(const T* xp, int64_t x_row, T* yp, int64_t I, int64_t M, int64_t act) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int VS = Vec::size();
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(I), u(I);
+    for (int64_t m = begin; m < end; ++m) {
+      const T* row = xp + m * x_row;
+      if constexpr (std::is_same_v<T, float>) {
+        std::copy(row, row + I, g.data());
+        std::copy(row + I, row + 2 * I, u.data());
+      } else {
+        at::vec::convert(row, g.data(), I);
+        at::vec::convert(row + I, u.data(), I);
+      }
+      for (int64_t j = 0; j < I; j += VS) {
+        const int n = static_cast<int>(std::min<int64_t>(VS, I - j));
+        const Vec a = Vec::loadu(g.data() + j, n), b = Vec::loadu(u.data() + j, n);
+        Vec h;
+        if (act == 0) {
+          h = a / (Vec(1.f) + a.neg().exp());
+        } else {
+          const Vec inner = Vec(0.7978845608028654f) * (a + Vec(0.044715f) * a * a * a);
+          h = Vec(0.5f) * a * (Vec(1.f) + inner.tanh());
+        }
+        (h * b).store(g.data() + j, n);
+      }
+      T* dst = yp + m * I;
+      if constexpr (std::is_same_v<T, float>) {
+        std::copy(g.data(), g.data() + I, dst);
+      } else {
+        at::vec::convert(g.data(), dst, I);
+      }
+    }
+  });
+}
+
+at::Tensor gated_act(const at::Tensor& x, int64_t act) {
+  TORCH_CHECK(x.device().is_cpu(), "gated_act: CPU only");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1, "gated_act: x (M, 2I) with contiguous rows");
+  TORCH_CHECK(act == 0 || act == 1, "gated_act: act 0 (silu) or 1 (gelu tanh)");
+  const int64_t M = x.size(0), I = x.size(1) / 2;
+  auto y = at::empty({M, I}, x.options());
+  if (M == 0 || I == 0) return y;
+  if (x.scalar_type() == at::kFloat) {
+    gated_rows<float>(x.const_data_ptr<float>(), x.stride(0), y.data_ptr<float>(), I, M, act);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gated_act: float32 or bfloat16");
+    gated_rows<c10::BFloat16>(x.const_data_ptr<c10::BFloat16>(), x.stride(0), y.data_ptr<c10::BFloat16>(), I, M,
+                              act);
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
+  m.def("gated_act(Tensor x, int act) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, bool out_fp32=False) -> Tensor");
   m.def("linear_path(int dtype, int k, int n) -> str", &linear_path);  // dtype 1: bf16, else fp32
 }
 
-TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("gated_act", &gated_act);
+}
