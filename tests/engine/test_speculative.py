@@ -250,14 +250,52 @@ def test_stop_token_inside_an_accepted_draft_ends_there(make_tiny_model) -> None
 
 
 def test_history_lookup_drafts_follow_the_match() -> None:
-    h = HistoryLookup()
+    """The longest suffix match (most recent occurrence) drafts what followed it, draft_factor * m tokens for a
+    match of m (SuffixDecoding's adaptive length), capped by max_tokens; a cycle continues past the context's end."""
+    sp = SamplingParams()
+    h = HistoryLookup(draft_factor=1)
     ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
-    assert h.propose(ctx, 4, SamplingParams(), None).tokens == [4, 5, 6]  # match length 3 -> 3 tokens
+    assert h.propose(ctx, 4, sp, None).tokens == [4, 5, 6]  # match length 3 -> 3 tokens
     ctx2 = ctx + [4, 5, 6, 7]
-    assert h.propose(ctx2, 4, SamplingParams(), None).tokens == [8, 9, 1, 2]  # longer match, capped at 4
-    assert h.propose([10, 11, 12], 4, SamplingParams(), None).tokens == []  # a new context resets; no match
+    assert h.propose(ctx2, 4, sp, None).tokens == [8, 9, 1, 2]  # longer match, capped at 4
+    assert h.propose([10, 11, 12], 4, sp, None).tokens == []  # a new context resets; no match
     cyc = [7, 8, 7, 8, 7, 8]
-    assert HistoryLookup().propose(cyc, 5, SamplingParams(), None).tokens == [7, 8, 7, 8]  # period 2 continues
+    assert HistoryLookup(draft_factor=1).propose(cyc, 5, sp, None).tokens == [7, 8, 7, 8]  # period 2 continues
+    # The default: 4 tokens per matched token, up to the adaptive cap (15).
+    h = HistoryLookup()
+    assert HistoryLookup.auto_draft_tokens == 15
+    assert h.propose(ctx, 15, sp, None).tokens == [4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6]  # m = 3 -> 12 tokens
+    assert h.propose(ctx2, 15, sp, None).tokens == [8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]  # m = 7 -> cap
+    assert HistoryLookup().propose([10, 11, 12, 11], 15, sp, None).tokens == [12, 11, 12, 11]  # m = 1 -> 4
+    assert HistoryLookup(min_match=2).propose([10, 11, 12, 11], 15, sp, None).tokens == []
+    # The most recent occurrence wins: 5 was followed by 6, later by 9.
+    assert HistoryLookup(draft_factor=1).propose([5, 6, 0, 5, 9, 0, 5], 1, sp, None).tokens == [9]
+
+
+def test_history_lookup_drafts_from_related_histories() -> None:
+    """`related` histories (the same owner's other sessions) are drafted from when the context itself has no
+    (or a shorter) match, and only then; they are re-read at each begin()."""
+    sp = SamplingParams()
+    other = {"s1": [50, 51, 52, 53, 54, 55, 56]}
+    h = HistoryLookup(related=lambda: other)
+    ctx = [1, 2, 3, 51, 52]
+    h.begin(ctx)
+    assert h.propose(ctx, 15, sp, None).tokens == [53, 54, 55, 56]  # what followed 51 52 there
+    assert HistoryLookup().propose(ctx, 15, sp, None).tokens == []  # without it: nothing to copy
+    own = [52, 9, 9, 52]  # its own match: 52 (m = 1); the related history has no longer one (9 52 is not there)
+    h2 = HistoryLookup(related=lambda: other)
+    h2.begin(own)
+    assert h2.propose(own, 15, sp, None).tokens == [9, 9, 52, 9]  # own m = 1 (52), nothing longer elsewhere
+    ctx3 = [7, 51, 52, 8, 51, 52]  # own match 51 52 (m = 2) ties the related one: the own history wins
+    h3 = HistoryLookup(related=lambda: other)
+    h3.begin(ctx3)
+    assert h3.propose(ctx3, 15, sp, None).tokens[:2] == [8, 51]
+    other["s1"] = other["s1"] + [57, 58]  # it grew: re-read (and indexed incrementally) at the next begin
+    h.begin(ctx)
+    assert h.propose(ctx, 15, sp, None).tokens == [53, 54, 55, 56, 57, 58]
+    other.clear()
+    h.begin(ctx)
+    assert h.propose(ctx, 15, sp, None).tokens == []  # a session that ended is no longer drafted from
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

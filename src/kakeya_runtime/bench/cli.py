@@ -192,23 +192,26 @@ def sparse_cmd(
 
 @bench_app.command("spec")
 def spec_cmd(
-    model: str = typer.Option("smollm2", help="Bundled model (chat-formatted prompts: smollm2)."),
+    model: str = typer.Option("smollm2", help="Bundled model (smollm2: chat prompts; others: completion prompts)."),
     dtype: str = typer.Option("bf16", help="bf16 or fp32."),
     proposers: str = typer.Option("history,self,draft_head", help="Draft proposers."),
-    ks: str = typer.Option("1,2,4", help="Max draft tokens per verifier step."),
+    ks: str = typer.Option("1,2,4,auto", help="Max draft tokens per verifier step (auto: the adaptive setting)."),
     temperatures: str = typer.Option("0,0.7", help="Sampling temperatures."),
-    max_tokens: int = typer.Option(128, help="Tokens generated per run."),
+    max_tokens: int = typer.Option(128, help="Tokens generated per run (fewer when the model ends its reply)."),
     workloads: str = typer.Option("quote_tool_output,reemit_file_one_change,reformat_json,chat_explain,chat_story",
                                   help="Workloads (bench/spec.py)."),
+    prompts: str = typer.Option("", help="Prompt style: chat or completion (default: chat for smollm2)."),
     repeats: int = typer.Option(2, help="Alternating plain/speculative runs per setting (each keeps its fastest)."),
     threads: int = typer.Option(0, help="Threads (0: torch's default)."),
+    merge: bool = typer.Option(False, "--merge", help="Keep the output JSON's records of other workloads."),
     out: str = typer.Option("results/spec/latest", help="Output directory."),
 ) -> None:
     """Speculative decoding vs plain decode: acceptance at each K, mean accepted length, wall time per token."""
     from kakeya_runtime.bench.spec import command
 
-    command(model, dtype, _csv(proposers), _ints(ks), tuple(float(t) for t in _csv(temperatures)), max_tokens,
-            _csv(workloads), threads or None, Path(out), repeats)
+    k_values = tuple(0 if k.strip().lower() == "auto" else int(k) for k in _csv(ks))
+    command(model, dtype, _csv(proposers), k_values, tuple(float(t) for t in _csv(temperatures)), max_tokens,
+            _csv(workloads), threads or None, Path(out), repeats, prompts or None, merge)
 
 
 calibrate_app = typer.Typer(help="Per-model measurements the runtime loads (head profiles).", no_args_is_help=True)

@@ -62,7 +62,9 @@ from kakeya_runtime.sessions.scheduler import Scheduler
 from kakeya_runtime.sessions.speculation import (
     SpeculationSpec,
     check_rollback,
+    draft_tokens,
     make_proposer,
+    owner_histories,
     parse_speculation,
 )
 from kakeya_runtime.sessions.stops import Detokenize, StopWatch, check_stop_strings
@@ -711,10 +713,11 @@ class SessionService:
         spec = job.speculation
         assert spec is not None
         if session.drafts is None or session.drafts[0].proposer != spec.proposer:
-            session.drafts = (spec, make_proposer(spec, self.engine.model, self._draft_head))
+            session.drafts = (spec, make_proposer(spec, self.engine.model, self._draft_head,
+                                                  owner_histories(self.store.live_sessions, session)))
         context = self.store.history_tokens(session)
         return SpeculativeStream(self.engine, session.cache, ids, job.request, session.drafts[1], context,
-                                 spec.max_draft_tokens, should_stop=job.cancel.is_set, ends_at=ends_at)
+                                 draft_tokens(spec, session.policy), should_stop=job.cancel.is_set, ends_at=ends_at)
 
     def _draft_head(self) -> DraftHead:
         """Engine thread: the served model's EAGLE-style draft head, shared by sessions (random until trained)."""
