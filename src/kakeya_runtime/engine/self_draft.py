@@ -168,8 +168,8 @@ class DraftHead(nn.Module):
         if missing or extra:
             raise DraftHeadError(f"{source}: missing tensors {missing}, unexpected tensors {extra} (a draft head has "
                                  f"{', '.join(sorted(want))})")
-        for name, t in want.items():
-            got = tensors[name]
+        for name in sorted(want, key=lambda n: (n != "fc.weight", n)):  # fc first: it carries the model's size
+            t, got = want[name], tensors[name]
             if tuple(got.shape) != tuple(t.shape):
                 raise DraftHeadError(f"{source}: {name} has shape {tuple(got.shape)}, the served model "
                                      f"(hidden size {self.fc.weight.shape[0]}) needs {tuple(t.shape)}")

@@ -7,6 +7,7 @@ import contextlib
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -88,6 +89,10 @@ def serve(
         help="Largest request accepted (gRPC receive limit; bigger ones get RESOURCE_EXHAUSTED). Default: sized "
              "to the context, 5 bytes per token id + 1 MiB.",
     ),
+    draft_head: str | None = typer.Option(
+        None, "--draft-head", metavar="PATH",
+        help="Trained weights (safetensors) for the draft_head speculation proposer, checked against the model.",
+    ),
 ) -> None:
     """Serve a model over gRPC (kakeya.v1) with server-owned sessions."""
     from kakeya_runtime.server.grpc_app import RuntimeServer, ServedModel, ServerConfig
@@ -115,6 +120,9 @@ def serve(
     except ValueError as e:  # InsecureBindError included
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
+    if draft_head is not None and not Path(draft_head).is_file():
+        console.print(f"[red]error:[/] --draft-head {draft_head}: no such file")
+        raise typer.Exit(2)
     problem = port_problem(_listens(config, no_metrics))  # before the model load, not after it
     if problem:
         console.print(f"[red]error:[/] {problem}", soft_wrap=True)
@@ -152,6 +160,16 @@ def serve(
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(1) from None
     console.print(f"Numerics: {kernel}")
+    head = None
+    if draft_head is not None:
+        from kakeya_runtime.engine.self_draft import DraftHead, DraftHeadError
+
+        try:
+            head = DraftHead.from_file(loaded.model, draft_head)
+        except DraftHeadError as e:  # the wrong model's head, a truncated file: say so, serve nothing
+            console.print(f"[red]error:[/] {e}", soft_wrap=True)
+            raise typer.Exit(2) from None
+        console.print(f"Draft head: {draft_head}")
     from kakeya_runtime.sessions.journal import StateDirError
 
     try:
@@ -162,6 +180,8 @@ def serve(
     except (StateDirError, OSError) as e:  # a state dir of another model, a session the limits cannot hold
         console.print(f"[red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(1) from None
+    if head is not None:
+        server.service.draft_head = head
     if state_dir is not None:
         r = server.recovery
         console.print(f"State dir {state_dir} (fsync {fsync}): recovered {r.sessions} session(s), {r.tokens} tokens, "

@@ -67,8 +67,8 @@ def draft_tokens(spec: SpeculationSpec, policy: PolicySpec) -> int:
 
 def rollback_problem(policy: PolicySpec, max_draft_tokens: int) -> str | None:
     """Why a cache of this policy cannot roll back a rejected draft of max_draft_tokens exactly (None: it can;
-    0, adaptive, needs one position)."""
-    max_draft_tokens = max(1, max_draft_tokens)
+    0, adaptive, needs one position: its drafts are then capped at the policy's spare slots)."""
+    need = max(1, max_draft_tokens)
     if policy.name in ("full", "restore") and (policy.name == "full" or policy.codec.kind == "identity"):
         return None
     if policy.name == "restore":
@@ -77,9 +77,11 @@ def rollback_problem(policy: PolicySpec, max_draft_tokens: int) -> str | None:
     if policy.codec.kind != "identity":
         return (f"the {policy.name} policy with the lossy {policy.codec.kind} codec cannot verify drafts exactly "
                 "(use codec=identity)")
-    if policy.spare < max_draft_tokens:
+    if policy.spare < need:
+        asked = ("adaptive speculation (max_draft_tokens=0)" if max_draft_tokens == 0
+                 else f"speculation with max_draft_tokens={max_draft_tokens}")
         return (f"the {policy.name} policy can roll back {policy.spare} positions (its spare ring slots); "
-                f"speculation with max_draft_tokens={max_draft_tokens} needs spare >= {max_draft_tokens}")
+                f"{asked} needs spare >= {need}")
     return None
 
 

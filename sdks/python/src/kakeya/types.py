@@ -38,7 +38,8 @@ class Speculation:
     speculation setting. Proposers: "history" (copies from the session's own history: fast when the model
     quotes or re-emits earlier text), "self" (a layer-skipping draft from the served model itself), "draft_head"
     (an EAGLE-style head; untrained unless the server has one: exact but slow), "off". `max_draft_tokens` in
-    [1, 16]; 0: the server default (4). The session's KV policy must be able to roll a draft back (full and
+    [1, 16]; 0: adaptive (history drafts up to 15 tokens, more the longer its match; self and draft_head up to
+    4, grown from 1 while accepted). The session's KV policy must be able to roll a draft back (full and
     restore can; sink_window and sparse need spare >= max_draft_tokens and the identity codec), else
     FailedPrecondition."""
 
