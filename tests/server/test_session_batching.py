@@ -1,0 +1,224 @@
+"""Continuous batching through the real gRPC server and the SDK (sessions.batch).
+
+INV-3 extended to batch composition: a seeded session's stream is bit-identical alone and decoded beside other
+sessions of other lengths, policies, sampling, stop strings and speculation (a long prompt arriving meanwhile is
+prefilled in chunks between their decode steps). An engine error in a batched step ends only the failing session
+(rolled back); a Generate cancelled while its prompt is still being prefilled leaves its session untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from kakeya import Client, InternalError, KvPolicy, Speculation
+
+from kakeya_runtime.kv.cache import FullLayerKV
+from kakeya_runtime.server.testing import SlowModel, running_server, tiny_model, tiny_served
+from kakeya_runtime.sessions.policy import PolicyRegistry
+
+DELAY = 0.003  # per forward: rows overlap for sure, tests stay fast
+TARGET = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 20240601, "ignore_eos": True}
+
+
+def _history(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + 7 * i) % 90 + 3 for i in range(n)]
+
+
+# (history length, policy, generate kwargs): the target first, then its neighbours
+ROWS: list[tuple[int, KvPolicy | None, dict[str, Any]]] = [
+    (37, None, {"max_tokens": 24, **TARGET}),
+    (300, KvPolicy("sink_window", {"sink": 4, "window": 32}), {"max_tokens": 30, "ignore_eos": True}),
+    (5, KvPolicy("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2}),
+     {"max_tokens": 40, "temperature": 0.7, "seed": 3, "ignore_eos": True}),
+    (120, KvPolicy("restore", {"sink": 4, "window": 32, "granularity": "per_turn"}),
+     {"max_tokens": 20, "temperature": 1.1, "top_k": 5, "seed": 99, "ignore_eos": True}),
+    (60, None, {"max_tokens": 30, "ignore_eos": True, "speculation": Speculation("history", 4)}),
+]
+
+
+def _run(client: Client, n: int, policy: KvPolicy | None, kw: dict[str, Any], seed: int) -> list[int]:
+    with client.create_session(initial_tokens=_history(n, seed), policy=policy) as s:
+        return s.generate(**kw).collect()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_streams_are_bit_identical_alone_and_batched(kind):
+    slow = SlowModel(tiny_model(kind), DELAY)
+    with running_server(tiny_served(kind, model=slow), step_tokens=16) as thread:
+        with Client(thread.address) as client:
+            alone = [_run(client, n, p, kw, i) for i, (n, p, kw) in enumerate(ROWS)]
+        stats = thread.server.service.scheduler.stats
+        batched_before = stats.batched_steps
+        got: dict[int, list[int]] = {}
+        start = threading.Barrier(len(ROWS))
+
+        def run(i: int) -> None:
+            n, p, kw = ROWS[i]
+            with Client(thread.address) as c:
+                start.wait()
+                got[i] = _run(c, n, p, kw, i)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ROWS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(got) == list(range(len(ROWS)))
+        for i in range(len(ROWS)):
+            assert got[i] == alone[i], f"row {i} ({ROWS[i][1]}) changed when batched"
+        assert stats.batched_steps > batched_before  # they really were decoded together
+        assert slow.max_rows >= 3
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_decode_steps():
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    with running_server(tiny_served(model=slow), step_tokens=16) as thread, Client(thread.address) as client:
+        sched = thread.server.service.scheduler
+        busy = client.create_session(initial_tokens=_history(10, 1))
+        ref_busy = None
+        with client.create_session(initial_tokens=_history(10, 1)) as solo:
+            ref_busy = solo.generate(max_tokens=60, ignore_eos=True).collect()
+        gen = busy.generate(max_tokens=60, ignore_eos=True)
+        it = iter(gen)
+        first = [next(it)]
+        chunks_before = sched.stats.prefill_chunks
+        long = client.create_session(initial_tokens=_history(400, 2))
+        out = long.generate(max_tokens=4, ignore_eos=True)
+        long_tokens = out.collect()
+        during = sched.stats.prefill_chunks - chunks_before
+        rest = list(it)
+        assert first + rest == ref_busy  # the busy session never noticed
+        assert during >= 400 // 15  # at most step_tokens - 1 prompt tokens per step while the other decodes
+        with client.create_session(initial_tokens=_history(400, 2)) as fresh:
+            assert fresh.generate(max_tokens=4, ignore_eos=True).collect() == long_tokens
+
+
+def test_cancel_between_prefill_chunks_leaves_the_session_untouched():
+    slow = SlowModel(tiny_model("llama"), 0.01)
+    with running_server(tiny_served(model=slow), step_tokens=16) as thread, Client(thread.address) as client:
+        sched = thread.server.service.scheduler
+        busy = client.create_session(initial_tokens=[4, 5, 6])
+        it = iter(busy.generate(max_tokens=300, ignore_eos=True))
+        next(it)  # decoding: the long prompt below is chunked 15 tokens a step
+        prompt = _history(400, 5)
+        s = client.create_session(initial_tokens=prompt)
+        before = sched.stats.prefill_chunks
+        gen = s.generate(max_tokens=5, ignore_eos=True)
+        deadline = time.time() + 10
+        while sched.stats.prefill_chunks < before + 3 and time.time() < deadline:
+            time.sleep(0.002)
+        gen.cancel()
+        deadline = time.time() + 10
+        while s.info().generating and time.time() < deadline:
+            time.sleep(0.01)
+        assert sched.stats.prefill_chunks - before < 400 // 15  # it stopped before its prompt was read
+        info = s.info(include_history=True)
+        assert list(info.history_token_ids) == prompt and info.cached_length == 0 and not info.generating
+        again = s.generate(max_tokens=5, ignore_eos=True).collect()
+        with client.create_session(initial_tokens=prompt) as fresh:
+            assert fresh.generate(max_tokens=5, ignore_eos=True).collect() == again
+        it.close()
+
+
+class _Broken(FullLayerKV):
+    """Raises at its `fail_at`-th write and at the next (the batched step, then its replay alone), then heals."""
+
+    fail_at = 0
+    writes = 0
+
+    def update_and_fetch(self, k, v, positions):
+        self.writes += 1
+        if self.fail_at <= self.writes < self.fail_at + 2:
+            raise RuntimeError("injected engine fault")
+        return super().update_and_fetch(k, v, positions)
+
+
+class _FaultyRegistry(PolicyRegistry):
+    """The first "full" cache with idle codec e8 (the marker) breaks in its last layer."""
+
+    armed = True
+
+    def build(self, engine, spec, capacity):
+        cache = super().build(engine, spec, capacity)
+        if self.armed and spec.name == "full" and spec.idle_codec is not None and spec.idle_codec.kind == "e8":
+            self.armed = False
+            layer = cache.layers[-1]
+            layer.__class__ = _Broken
+            layer.fail_at, layer.writes = 6, 0  # the prefill and 4 decode steps write; the 5th step fails
+        return cache
+
+
+def test_an_engine_error_in_a_batched_step_rolls_back_only_its_session():
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    healthy = [(_history(20 + 9 * i, i), 30) for i in range(3)]
+    with running_server(tiny_served(model=slow), policies=_FaultyRegistry()) as thread, \
+            Client(thread.address) as client:
+        sched = thread.server.service.scheduler
+        refs = []
+        for h, n in healthy:
+            with client.create_session(initial_tokens=h) as s:
+                refs.append(s.generate(max_tokens=n, ignore_eos=True, seed=7, temperature=0.8).collect())
+        sessions = [client.create_session(initial_tokens=h) for h, _ in healthy]
+        iters = [iter(s.generate(max_tokens=n, ignore_eos=True, seed=7, temperature=0.8))
+                 for s, (_, n) in zip(sessions, healthy, strict=True)]
+        firsts = [[next(it)] for it in iters]  # all three are decoding now
+        faulty_history = _history(20, 9)  # one prefill chunk (the budget leaves 29 tokens beside 3 decoders)
+        faulty = client.create_session(initial_tokens=faulty_history, policy=KvPolicy("full", {"idle_codec": "e8"}))
+        got = []
+        with pytest.raises(InternalError, match="rolled back"):
+            for tok in faulty.generate(max_tokens=20, ignore_eos=True):
+                got.append(tok)
+        outs = [f + list(it) for f, it in zip(firsts, iters, strict=True)]
+        assert outs == refs  # the others went on, bit for bit
+        assert len(got) == 5 and sched.stats.isolated_errors >= 1
+        info = faulty.info(include_history=True)
+        assert list(info.history_token_ids) == faulty_history + got
+        # the session goes on like a fresh one with its history
+        after = faulty.generate(max_tokens=6, ignore_eos=True).collect()
+        with client.create_session(initial_tokens=faulty_history + got) as fresh:
+            assert fresh.generate(max_tokens=6, ignore_eos=True).collect() == after
+
+
+def test_max_batch_one_is_serial_and_gives_the_same_streams():
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    with running_server(tiny_served(model=slow), max_concurrent=1) as thread:
+        got: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            n, p, kw = ROWS[i]
+            with Client(thread.address) as c:
+                got[i] = _run(c, n, p, kw, i)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert slow.max_rows == 1 and thread.server.service.scheduler.stats.batched_steps == 0
+        with Client(thread.address) as client:
+            assert [got[i] for i in range(3)] == [_run(client, *ROWS[i], i) for i in range(3)]
+
+
+def test_batch_metrics_are_exported():
+    from kakeya_runtime.server.testing import metric_value, scrape_metrics
+
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    with running_server(tiny_served(model=slow)) as thread, Client(thread.address) as client:
+        text = scrape_metrics(thread)
+        assert metric_value(text, "kakeya_engine_queue_depth") == 0
+        assert metric_value(text, "kakeya_engine_batch_size") == 0
+        with client.create_session(initial_tokens=[3, 4]) as a, client.create_session(initial_tokens=[5, 6]) as b:
+            ia = iter(a.generate(max_tokens=40, ignore_eos=True))
+            next(ia)
+            ib = iter(b.generate(max_tokens=40, ignore_eos=True))
+            next(ib)
+            text = scrape_metrics(thread)
+            assert metric_value(text, "kakeya_engine_batch_size") == 2
+            list(ia), list(ib)
+        text = scrape_metrics(thread)
+        assert metric_value(text, "kakeya_engine_decode_batch_rows_count") > 0
+        assert metric_value(text, "kakeya_engine_decode_batch_rows_bucket", '{le="1.0"}') < \
+            metric_value(text, "kakeya_engine_decode_batch_rows_count")  # some steps carried both
