@@ -222,3 +222,86 @@ def test_batch_metrics_are_exported():
         assert metric_value(text, "kakeya_engine_decode_batch_rows_count") > 0
         assert metric_value(text, "kakeya_engine_decode_batch_rows_bucket", '{le="1.0"}') < \
             metric_value(text, "kakeya_engine_decode_batch_rows_count")  # some steps carried both
+
+
+@pytest.mark.real_model
+def test_smollm2_greedy_streams_batched_equal_solo(english_text):
+    import torch
+
+    from kakeya_runtime.models.loader import ModelLoadError, load_model
+    from kakeya_runtime.server.grpc_app import ServedModel
+
+    try:
+        served = ServedModel.from_loaded(load_model("smollm2", dtype=torch.bfloat16), "smollm2")
+    except ModelLoadError as e:
+        pytest.skip(f"smollm2 unavailable: {e}")
+    with running_server(served, step_tokens=32) as thread, Client(thread.address) as client:
+        from kakeya.tokenization import Tokenizer
+
+        ids = list(Tokenizer.from_model_info(client.model_info()).encode(english_text))
+        prompts = [ids[:40], ids[10:310], ids[5:12], ids[50:170]]  # the 300-token one is chunked beside the others
+        alone = []
+        for p in prompts:
+            with client.create_session(initial_tokens=p) as s:
+                alone.append(s.generate(max_tokens=16, ignore_eos=True).collect())
+        got: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            with Client(thread.address) as c, c.create_session(initial_tokens=prompts[i]) as s:
+                got[i] = s.generate(max_tokens=16, ignore_eos=True).collect()
+
+        before = thread.server.service.scheduler.stats.batched_steps
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [got[i] for i in range(len(prompts))] == alone
+        assert thread.server.service.scheduler.stats.batched_steps > before
+
+
+def _ascii_run(text: str, width: int = 2) -> str | None:
+    for i in range(len(text) // 3, len(text) - width + 1):
+        s = text[i:i + width]
+        if all(ch.isascii() and ch.isprintable() for ch in s):
+            return s
+    return None
+
+
+def test_stop_strings_end_each_batched_row_where_it_ends_alone():
+    from kakeya import FinishReason
+    from kakeya.tokenization import Tokenizer
+
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    with running_server(tiny_served(model=slow), step_tokens=16) as thread, Client(thread.address) as client:
+        tok = Tokenizer.from_model_info(client.model_info())
+        rows = []
+        for i in range(3):
+            h = _history(12 + 20 * i, 40 + i)
+            with client.create_session(initial_tokens=h) as s:
+                stop = _ascii_run(tok.decode(s.generate(max_tokens=60, ignore_eos=True).collect()))
+            assert stop is not None
+            with client.create_session(initial_tokens=h) as s:
+                g = s.generate(max_tokens=60, ignore_eos=True, stop=[stop])
+                ref = g.collect()
+                assert g.finish_reason is FinishReason.STOP and len(ref) < 60
+            rows.append((h, stop, ref))
+        got: dict[int, tuple[list[int], str | None]] = {}
+
+        def run(i: int) -> None:
+            h, stop, _ = rows[i]
+            with Client(thread.address) as c, c.create_session(initial_tokens=h) as s:
+                g = s.generate(max_tokens=60, ignore_eos=True, stop=[stop])
+                got[i] = (g.collect(), g.result.stop_string)
+                assert list(s.info(include_history=True).history_token_ids) == h + got[i][0]
+
+        with client.create_session(initial_tokens=[7, 8, 9]) as busy:
+            it = iter(busy.generate(max_tokens=200, ignore_eos=True))
+            next(it)
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(rows))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            it.close()
+        assert {i: got[i] for i in range(len(rows))} == {i: (ref, stop) for i, (_, stop, ref) in enumerate(rows)}
