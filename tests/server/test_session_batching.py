@@ -260,8 +260,8 @@ def test_smollm2_greedy_streams_batched_equal_solo(english_text):
         assert thread.server.service.scheduler.stats.batched_steps > before
 
 
-def _ascii_run(text: str, width: int = 2) -> str | None:
-    for i in range(len(text) // 3, len(text) - width + 1):
+def _ascii_run(text: str, width: int = 1) -> str | None:
+    for i in range(2, len(text) - width + 1):
         s = text[i:i + width]
         if all(ch.isascii() and ch.isprintable() for ch in s):
             return s
@@ -277,7 +277,7 @@ def test_stop_strings_end_each_batched_row_where_it_ends_alone():
         tok = Tokenizer.from_model_info(client.model_info())
         rows = []
         for i in range(3):
-            h = _history(12 + 20 * i, 40 + i)
+            h = list(tok.encode("Once upon a time" + " there was" * i))
             with client.create_session(initial_tokens=h) as s:
                 stop = _ascii_run(tok.decode(s.generate(max_tokens=60, ignore_eos=True).collect()))
             assert stop is not None
