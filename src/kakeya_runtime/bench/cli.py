@@ -214,6 +214,37 @@ def spec_cmd(
             _csv(workloads), threads or None, Path(out), repeats, prompts or None, merge)
 
 
+@bench_app.command("concurrent")
+def concurrent_cmd(
+    model: str = typer.Option("smollm2", help="Model `kakeya serve` loads."),
+    sessions: str = typer.Option("1,2,4,8", help="Concurrent sessions per phase."),
+    turns: int = typer.Option(2, help="Agent turns per session per phase."),
+    reply_tokens: int = typer.Option(48, help="Tokens generated per turn (greedy, EOS ignored)."),
+    long_prompt: int = typer.Option(4096, help="Tokens of the prompt arriving while others decode (0: skip)."),
+    long_decoders: int = typer.Option(4, help="Sessions decoding while the long prompt arrives."),
+    long_reply_tokens: int = typer.Option(256, help="Tokens each of those decodes."),
+    max_batch: int = typer.Option(8, help="--max-batch of the batching server."),
+    step_tokens: int = typer.Option(32, help="--step-tokens of both servers."),
+    schedulers: str = typer.Option("batch,serial", help="batch (--max-batch N) and/or serial (--max-batch 1)."),
+    out: str = typer.Option("results/concurrent", help="Output directory (concurrent.json)."),
+) -> None:
+    """Continuous batching vs the serial scheduler: aggregate tok/s, turn and inter-token latency at N sessions."""
+    import sys
+
+    from kakeya_runtime.bench.concurrent import ConcurrentConfig, run_concurrent
+
+    bad = [s for s in _csv(schedulers) if s not in ("batch", "serial")]
+    if bad:
+        raise typer.BadParameter(f"unknown schedulers {bad} (batch, serial)")
+    config = ConcurrentConfig(model=model, sessions=_ints(sessions), turns=turns, reply_tokens=reply_tokens,
+                              long_prompt=long_prompt, long_decoders=long_decoders,
+                              long_reply_tokens=long_reply_tokens, max_batch=max_batch, step_tokens=step_tokens,
+                              schedulers=_csv(schedulers), out=Path(out))
+    result = run_concurrent(config, command_line="kakeya " + shlex.join(sys.argv[1:]))
+    typer.echo(json.dumps(result["targets"], indent=2))
+    typer.echo(f"wrote {result['path']}")
+
+
 calibrate_app = typer.Typer(help="Per-model measurements the runtime loads (head profiles).", no_args_is_help=True)
 
 

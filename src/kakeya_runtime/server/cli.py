@@ -64,7 +64,12 @@ def serve(
     insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without TLS (API keys and "
                                   "tokens then cross the network in clear)."),
     ttl: float = typer.Option(1800.0, "--ttl", help="Idle seconds before a session is evicted."),
-    max_concurrent: int = typer.Option(1, "--max-concurrent", help="Generations running at once."),
+    max_concurrent: int = typer.Option(
+        8, "--max-batch", "--max-concurrent", help="Generates running at once, decoded together in one batched "
+        "forward per step (continuous batching); more wait in FIFO order. 1: one at a time (serial)."),
+    step_tokens: int = typer.Option(
+        32, "--step-tokens", help="Tokens per engine step (one per decoding session, the rest for a new prompt's "
+        "prefill chunk): smaller keeps the others' inter-token latency lower while a long prompt is read."),
     context: int | None = typer.Option(None, "--context", help="Per-session context limit (default: the model's)."),
     dtype: str = typer.Option("bfloat16", "--dtype", help=f"Weights/activations dtype: {DTYPE_HELP}."),
     idle_compress_after: float | None = typer.Option(
@@ -107,7 +112,7 @@ def serve(
         raise typer.Exit(2) from None
     config = ServerConfig(host=host, port=port, metrics_port=None if no_metrics else metrics_port,
                           api_keys=tuple(api_key), max_sessions=max_sessions, idle_ttl_s=ttl,
-                          max_concurrent=max_concurrent, context_length=context,
+                          max_concurrent=max_concurrent, step_tokens=step_tokens, context_length=context,
                           idle_compress_after_s=idle_compress_after, idle_codec=idle_codec, idle_q=idle_q,
                           max_request_bytes=max_request_bytes, openai_port=openai_port,
                           openai_max_queue=openai_max_queue, max_sessions_per_key=max_sessions_per_key,
@@ -200,7 +205,7 @@ async def _serve_forever(server: Any, console: Console) -> None:
     await server.start()
     cfg = server.config
     console.print(f"Kakeya serving [bold]{server.served.name}[/] on [bold cyan]{server.address}[/] "
-                  f"(max_sessions={cfg.max_sessions}, ttl={cfg.idle_ttl_s:g}s, max_concurrent={cfg.max_concurrent}, "
+                  f"(max_sessions={cfg.max_sessions}, ttl={cfg.idle_ttl_s:g}s, max_batch={cfg.max_concurrent}, step_tokens={cfg.step_tokens}, "
                   f"auth={'on' if cfg.api_keys else 'off'}, kv policies={','.join(server.service.policies.names())}, "
                   f"idle compression={_idle_text(server)}, max request={server.max_request_bytes / 2**20:.2f} MiB)")
     limits = server.service.store.limits

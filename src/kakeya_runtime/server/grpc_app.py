@@ -26,6 +26,7 @@ from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor
 from kakeya_runtime.server.boundary import StatusBoundary
 from kakeya_runtime.server.health import add_health_and_reflection
 from kakeya_runtime.server.metrics import RpcMetricsInterceptor, RuntimeMetrics
+from kakeya_runtime.sessions.batch import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
 from kakeya_runtime.sessions.budget import default_kv_budget
 from kakeya_runtime.sessions.errors import InvalidArgument, ResourceExhausted, quoted
 from kakeya_runtime.sessions.journal import FsyncPolicy, StateDir
@@ -100,7 +101,8 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     max_sessions: int = 64
     idle_ttl_s: float = 1800.0
-    max_concurrent: int = 1
+    max_concurrent: int = DEFAULT_MAX_BATCH  # Generates batched at once (the engine loop's max batch; 1: serial)
+    step_tokens: int = DEFAULT_STEP_TOKENS  # tokens per engine step: decode rows + prefill chunks (sessions.batch)
     context_length: int | None = None  # None: the model's max positions
     sweep_interval_s: float | None = None
     idle_compress_after_s: float | None = None  # compress sessions idle this long; None: never
@@ -363,7 +365,8 @@ class RuntimeServer:
             self.engine,
             eos_ids=eos,
             config=ServiceConfig(max_sessions=c.max_sessions, idle_ttl_s=c.idle_ttl_s,
-                                 max_concurrent=c.max_concurrent, context_length=c.context_length,
+                                 max_concurrent=c.max_concurrent, step_tokens=c.step_tokens,
+                                 context_length=c.context_length,
                                  sweep_interval_s=c.sweep_interval_s, idle_compress_after_s=c.idle_compress_after_s,
                                  idle_codec=c.idle_codec, idle_q=c.idle_q, limits=limits),
             policies=policies,
@@ -373,6 +376,7 @@ class RuntimeServer:
             detokenize=detokenizer(served.tokenizer_json) if served.tokenizer_json else None,  # for stop strings
         )
         self.metrics.bind_store(self.service.store, self.service.policies.names())
+        self.metrics.bind_scheduler(self.service.scheduler)
         # Every journaled session is back before the first call can arrive (StateDirError when one cannot be).
         self.recovery: RecoveryStats = self.service.recover()
         self.metrics.sessions_recovered(self.recovery.sessions)
