@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -77,7 +77,8 @@ class CompiledDecode:
         with _keep_mv():
             return self._fn(token_ids, positions, cache)
 
-    def warmup(self, engine, lengths: tuple[int, ...] = ()) -> float:  # engine.decode_forward must be self
+    def warmup(self, engine, lengths: tuple[int, ...] = (),
+               progress: Callable[[int, int], None] | None = None) -> float:  # engine.decode_forward must be self
         """Compile now rather than on the first real token: decode twice from caches of a few lengths.
 
         The graph guards on cache state, and each state below is one compiled variant: a fresh cache
@@ -92,12 +93,16 @@ class CompiledDecode:
             grown = 300  # FullLayerKV starts at 256 positions and reallocates past them
             ring = w * (grown // w + 1) if w else 0  # a multiple of the window past `grown`: slot 0 again
             lengths = tuple(sorted({8, grown} | ({w - 1, ring - 1, ring + 8} if w else set())))
-        for n in lengths:
+        for i, n in enumerate(lengths):
+            if progress is not None:
+                progress(i, len(lengths))
             cache = engine.new_cache(capacity=min(limit, max(n + 4, 4 * (w or 0), 512)))
             engine.prefill(cache, torch.zeros(1, n, dtype=torch.long, device=engine.device))
             tok = torch.zeros(1, 1, dtype=torch.long, device=engine.device)
             for _ in range(2):
                 engine.decode_step(cache, tok)
+        if progress is not None:
+            progress(len(lengths), len(lengths))
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
 
