@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kakeya_runtime.kv.cache import FullLayerKV, ModelKV, SlidingLayerKV
 from kakeya_runtime.models.base import DecoderModel, ForwardOutput, Logits
 
 
@@ -52,12 +53,81 @@ class CompileOptions:
                 "emulate_precision_casts": self.emulate_precision_casts, **self.extra}
 
 
-class CompiledDecode:
-    """Callable with the model's signature for the (B, 1) decode case; anything else runs eagerly."""
+class _FullStep:
+    """A FullLayerKV's decode step (one new position at `length`), rebuilt inside the compiled step from the layer's
+    tensors: the same writes and the same views as FullLayerKV.update_and_fetch for one token."""
 
-    def __init__(self, model: DecoderModel, options: CompileOptions | None = None) -> None:
+    __slots__ = ("k", "v", "key_positions", "length")
+
+    def __init__(self, k: Tensor, v: Tensor, key_positions: Tensor, length) -> None:
+        self.k, self.v, self.key_positions, self.length = k, v, key_positions, length
+
+    def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        end = self.length + 1
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        return self.k[:, :, :end], self.v[:, :, :end], self.key_positions[:end]
+
+
+class _RingStep:
+    """A SlidingLayerKV's decode step, as SlidingLayerKV.update_and_fetch does it for one token."""
+
+    __slots__ = ("k", "v", "slot_positions", "length", "slots")
+
+    def __init__(self, k: Tensor, v: Tensor, slot_positions: Tensor, length, slots: int) -> None:
+        self.k, self.v, self.slot_positions, self.length, self.slots = k, v, slot_positions, length, slots
+
+    def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        slot = self.length % self.slots
+        self.k[:, :, slot : slot + 1] = k
+        self.v[:, :, slot : slot + 1] = v
+        self.slot_positions[slot : slot + 1] = positions
+        n = min(self.length + 1, self.slots)
+        return self.k[:, :, :n], self.v[:, :, :n], self.slot_positions[:n]
+
+
+def _tensor_layout(cache) -> tuple[tuple[int, ...], list[Tensor], int] | None:
+    """For a cache of plain full and sliding layers all at one length: (slots per layer, 0 for a full one; the
+    layers' tensors, flat; the length). None for anything else (other KV policies), which takes the object path."""
+    layers = getattr(cache, "layers", None)
+    if type(cache) is not ModelKV or not layers:
+        return None
+    slots: list[int] = []
+    tensors: list[Tensor] = []
+    length = layers[0].length
+    for layer in layers:
+        if layer.length != length:
+            return None
+        if type(layer) is FullLayerKV:
+            slots.append(0)
+            tensors += (layer.k, layer.v, layer.key_positions)
+        elif type(layer) is SlidingLayerKV:
+            slots.append(layer.slots)
+            tensors += (layer.k, layer.v, layer.slot_positions)
+        else:
+            return None
+    return tuple(slots), tensors, length
+
+
+class CompiledDecode:
+    """Callable with the model's signature for the (B, 1) decode case; anything else runs eagerly.
+
+    The compiled step takes tensors, not the cache object: Dynamo checks its guards on every call, and guards on a
+    cache object cover every layer's attributes (measured ~1.7 ms of a 1k SmolLM2 step on 30 layers, see
+    `kakeya bench compiled-step`). A cache of plain full / sliding layers (the full policy) is handed over as its
+    layers' K/V and position tensors, one shared length and the ring sizes; the step rebuilds each layer's
+    one-token update from them (_FullStep, _RingStep: the same writes and views as kv.cache) and the layers'
+    lengths advance after it. RoPE rows are gathered eagerly before the call (their table lookup reads a position
+    as a Python int, which would split the graph). Other caches (sink_window, restore, sparse) take the object
+    path: `tensor_args=False` forces it everywhere (the bench's "before").
+    """
+
+    def __init__(self, model: DecoderModel, options: CompileOptions | None = None, *,
+                 tensor_args: bool = True) -> None:
         self.model = model
         self.options = options or CompileOptions()
+        self.tensor_args = tensor_args
+        self._act_dtype: torch.dtype | None = None
         self.cache_dir = inductor_cache_dir()
         self.compile_s = 0.0
         # Sizes that happen to be equal (say, a cache's capacity and its allocation) must not become one
@@ -65,17 +135,42 @@ class CompiledDecode:
         torch.fx.experimental._config.use_duck_shape = False
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         self._fn = torch.compile(self._step, dynamic=True, options=self.options.inductor_options())
+        self._tensor_fn = torch.compile(self._tensor_step, dynamic=True, options=self.options.inductor_options())
 
     def _step(self, token_ids: Tensor, positions: Tensor, cache) -> ForwardOutput:
         return self.model(token_ids, positions, cache, logits=Logits.LAST)
+
+    def _tensor_step(self, token_ids: Tensor, positions: Tensor, rope: dict, slots: tuple[int, ...],
+                     tensors: list[Tensor], length: int) -> Tensor:
+        """DecoderModel.forward for one decode token (Logits.LAST, no trace), over per-layer steps built from
+        tensors; returns the logits."""
+        model = self.model
+        steps = [_FullStep(tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], length) if n == 0 else
+                 _RingStep(tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], length, n)
+                 for i, n in enumerate(slots)]
+        h = model.embed(token_ids)
+        for i in range(len(steps)):
+            h, _ = model.layer_forward(i, h, positions, rope, steps[i], False)
+        return model.project(model.norm(h[:, -1:]))
 
     def __call__(self, token_ids: Tensor, positions: Tensor, cache, *, logits: Logits = Logits.LAST,
                  trace_layer: int | None = None) -> ForwardOutput:
         if (trace_layer is not None or logits is not Logits.LAST or token_ids.shape[1] != 1
                 or _grows(cache)):
             return self.model(token_ids, positions, cache, logits=logits, trace_layer=trace_layer)
+        layout = _tensor_layout(cache) if self.tensor_args else None
+        if layout is None:
+            with _keep_mv():
+                return self._fn(token_ids, positions, cache)
+        slots, tensors, length = layout
+        if self._act_dtype is None:  # the dtype the model's forward builds its RoPE rows in: its embeddings'
+            self._act_dtype = self.model.embed(token_ids).dtype
+        rope = self.model.rope_tables(positions, self._act_dtype)
         with _keep_mv():
-            return self._fn(token_ids, positions, cache)
+            logits = self._tensor_fn(token_ids, positions, rope, slots, tensors, length)
+        for layer in cache:
+            layer.length += 1
+        return ForwardOutput(logits, None)
 
     def warmup(self, engine, lengths: tuple[int, ...] = (),
                progress: Callable[[int, int], None] | None = None) -> float:  # engine.decode_forward must be self
@@ -93,6 +188,7 @@ class CompiledDecode:
             grown = 300  # FullLayerKV starts at 256 positions and reallocates past them
             ring = w * (grown // w + 1) if w else 0  # a multiple of the window past `grown`: slot 0 again
             lengths = tuple(sorted({8, grown} | ({w - 1, ring - 1, ring + 8} if w else set())))
+            lengths = tuple(n for n in lengths if n + 4 <= limit)  # a short-context model never reaches the rest
         for i, n in enumerate(lengths):
             if progress is not None:
                 progress(i, len(lengths))

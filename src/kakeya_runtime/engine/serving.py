@@ -192,6 +192,7 @@ def next_token_logprobs(model: nn.Module, ids: Sequence[int]) -> torch.Tensor:
     from kakeya_runtime.engine.generate import Engine
     from kakeya_runtime.models.base import Logits
 
+    ids = list(ids)[: model.config.max_position_embeddings]
     engine = Engine(model, prefill_chunk=len(ids))
     cache = engine.new_cache(capacity=len(ids))
     out = engine.prefill(cache, torch.tensor([list(ids)], dtype=torch.long), logits=Logits.ALL)
@@ -200,6 +201,8 @@ def next_token_logprobs(model: nn.Module, ids: Sequence[int]) -> torch.Tensor:
 
 def compare(ref: torch.Tensor, other: torch.Tensor) -> Fidelity:
     """KL(ref || other) per position (nats) and top-1 agreement."""
+    n = min(ref.shape[0], other.shape[0])
+    ref, other = ref[:n], other[:n]
     kl = (ref.exp() * (ref - other)).sum(-1).clamp(min=0)
     return Fidelity(positions=ref.shape[0], kl_mean=float(kl.mean()), kl_max=float(kl.max()),
                     top1_agree=float((ref.argmax(-1) == other.argmax(-1)).float().mean()))
@@ -207,7 +210,9 @@ def compare(ref: torch.Tensor, other: torch.Tensor) -> Fidelity:
 
 @torch.inference_mode()
 def measure_speed(engine: Any, ids: Sequence[int], *, steps: int = SPEED_DECODE_STEPS) -> Speed:
-    """Prefill `ids` from an empty cache, then `steps` decode steps; eager or as `engine` is set up."""
+    """Prefill `ids` from an empty cache, then `steps` decode steps; eager or as `engine` is set up. A model with
+    a shorter context than that prefills fewer tokens."""
+    ids = list(ids)[: engine.config.max_position_embeddings - steps - 1]
     t = torch.tensor([list(ids)], dtype=torch.long, device=engine.device)
     warm = engine.new_cache(capacity=min(len(ids), 64) + 4)
     out = engine.prefill(warm, t[:, :min(len(ids), 64)])  # first-call costs off the clock
