@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_invariance import check_schedules, split  # tests/engine is on sys.path (rootdir-relative imports)
 
 from kakeya_runtime.engine import serving
 from kakeya_runtime.engine.generate import Engine
 from kakeya_runtime.engine.serving import Candidate, Fidelity, ServingError, Speed
-
-from test_invariance import check_schedules, split  # tests/engine is on sys.path (rootdir-relative imports)
 
 
 def test_parse_weights_accepts_formats_and_names_the_choices():

@@ -45,10 +45,11 @@ def test_bad_weight_flags_are_refused_before_loading(args, message):
 
 
 @pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """Calibration and conversion caches of this test only (the served process inherits the variable)."""
-    monkeypatch.setenv("KAKEYA_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+def calibration(tmp_path, monkeypatch):
+    """A calibration file of this test only (the served process inherits the variable)."""
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv(serving.CALIBRATION_ENV, str(path))
+    return path
 
 
 def engine_greedy(path, fmt: str, prompt: list[int], n: int) -> list[int]:
@@ -78,7 +79,7 @@ def serve_and_compare(path, fmt: str, extra: list[str], prompt: list[int], n: in
     return info, metrics, log
 
 
-def test_int8_served_through_grpc_equals_the_engine(tiny_gguf, cache_dir):
+def test_int8_served_through_grpc_equals_the_engine(tiny_gguf, calibration):
     path = tiny_gguf("llama").path
     prompt = [random.Random(0).randrange(3, 259) for _ in range(40)]
     info, metrics, log = serve_and_compare(path, "int8", ["--no-compile"], prompt)
@@ -90,7 +91,7 @@ def test_int8_served_through_grpc_equals_the_engine(tiny_gguf, cache_dir):
     assert "Serving: weights int8 (flag); decode eager" in log
 
 
-def test_int4_with_the_compiled_step_equals_the_eager_engine(tiny_gguf, cache_dir):
+def test_int4_with_the_compiled_step_equals_the_eager_engine(tiny_gguf, calibration):
     path = tiny_gguf("gemma3").path
     prompt = [random.Random(1).randrange(6, 281) for _ in range(30)]  # past the tiny Gemma's sliding window
     info, metrics, log = serve_and_compare(path, "int4", ["--compile"], prompt, n=40)
@@ -99,7 +100,7 @@ def test_int4_with_the_compiled_step_equals_the_eager_engine(tiny_gguf, cache_di
     assert "Compiling the decode step" in log and "decode compiled" in log
 
 
-def test_auto_picks_a_faithful_invariant_format_and_caches_its_measurements(tiny_gguf, cache_dir):
+def test_auto_picks_a_faithful_invariant_format_and_caches_its_measurements(tiny_gguf, calibration):
     path = tiny_gguf("llama").path
 
     def start() -> tuple[str, object, str]:
@@ -120,7 +121,7 @@ def test_auto_picks_a_faithful_invariant_format_and_caches_its_measurements(tiny
     assert metric_value(metrics, "kakeya_serving_info", f'{{weights="{chosen}",source="auto"}}') == 1
     for fmt, (_, rest) in rows.items():  # random tiny weights: whatever is unfaithful says so and is not timed
         assert ("turn" in rest) != ("not faithful" in rest), (fmt, rest)
-    assert (cache_dir / "serve" / "calibration.json").is_file()
+    assert calibration.is_file()
     assert "(cached)" not in log
     log2, info2, _ = start()  # the second start measures nothing
     assert info2.weight_format == chosen

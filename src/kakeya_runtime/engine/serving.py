@@ -233,13 +233,17 @@ def measure_speed(engine: Any, ids: Sequence[int], *, steps: int = SPEED_DECODE_
 # the calibration file
 
 
-def calibration_path() -> Path:
-    root = os.environ.get("KAKEYA_CACHE_DIR")
-    if not root:
-        from platformdirs import user_cache_dir
+CALIBRATION_ENV = "KAKEYA_SERVE_CALIBRATION"
 
-        root = user_cache_dir("kakeya")
-    return Path(root) / "serve" / "calibration.json"
+
+def calibration_path() -> Path:
+    """$KAKEYA_SERVE_CALIBRATION, else serve/calibration.json in the kakeya cache dir (models.loader.cache_root)."""
+    env = os.environ.get(CALIBRATION_ENV)
+    if env:
+        return Path(env)
+    from kakeya_runtime.models.loader import cache_root
+
+    return cache_root() / "serve" / "calibration.json"
 
 
 def machine_key() -> str:
