@@ -9,6 +9,7 @@ The three variants' greedy tokens must agree (the compiled step computes what ea
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -16,7 +17,10 @@ from typing import Any
 
 SCHEMA = "kakeya.bench.compiled_step"
 SCHEMA_VERSION = 1
-VARIANTS = ("eager", "compiled-object", "compiled-tensors")
+# The last runs the tensor step with Dynamo's guards skipped (torch.compiler.set_stance(skip_guard_eval_unsafe=True)):
+# not something to serve (a state no variant was compiled for would run a wrong one), but the bound on what any
+# further guard work could still save.
+VARIANTS = ("eager", "compiled-object", "compiled-tensors", "compiled-tensors-no-guards")
 
 
 @dataclass(slots=True)
@@ -47,27 +51,39 @@ def run_compiled_step_bench(spec: CompiledStepSpec, *, command_line: str = "") -
     ids = (bm.token_ids * (spec.context // max(1, len(bm.token_ids)) + 1))[: spec.context]
     results: dict[str, Any] = {}
     tokens: dict[str, list[int]] = {}
+    step_logits: dict[str, list[Any]] = {}
     for variant in VARIANTS:
         engine = Engine(bm.model)
         compile_s = None
         if variant != "eager":
-            compiled = CompiledDecode(bm.model, tensor_args=variant == "compiled-tensors")
+            compiled = CompiledDecode(bm.model, tensor_args=variant != "compiled-object")
             engine.decode_forward = compiled
             compile_s = compiled.warmup(engine)
+        stance = (torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+                  if variant.endswith("no-guards") else contextlib.nullcontext())
         cache = engine.new_cache(capacity=spec.context + spec.steps + spec.profile_steps + 2)
         out = engine.prefill(cache, torch.tensor([ids]))
-        tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        seq = [int(tok)]
-        stamps = [time.perf_counter()]
-        for _ in range(spec.steps):
-            tok = engine.decode_step(cache, tok).logits[:, -1].argmax(-1, keepdim=True)
-            seq.append(int(tok))
-            stamps.append(time.perf_counter())
-        step_s = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(spec.profile_steps):
-                tok = engine.decode_step(cache, tok).logits[:, -1].argmax(-1, keepdim=True)
-                seq.append(int(tok))
+        # Every variant feeds the eager run's greedy tokens (teacher forcing), so each step's logits compare.
+        forced = tokens.get("eager")
+        seq = [int(out.logits[:, -1].argmax())]
+        logits: list[torch.Tensor] = []
+
+        def step(seq=seq, forced=forced, logits=logits, engine=engine, cache=cache) -> None:
+            fed = seq[-1] if forced is None else forced[len(logits)]
+            lg = engine.decode_step(cache, torch.tensor([[fed]])).logits[0, -1]
+            logits.append(lg)
+            seq.append(int(lg.argmax()))
+
+        step()  # this cache's compiled variant, found through the guards
+        with stance:
+            stamps = [time.perf_counter()]
+            for _ in range(spec.steps):
+                step()
+                stamps.append(time.perf_counter())
+            step_s = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(spec.profile_steps):
+                    step()
         lookups = [e for e in prof.events() if e.name == "TorchDynamo Cache Lookup"]
         guard_us = sum(e.cpu_time_total for e in lookups)  # microseconds
         results[variant] = {
@@ -79,6 +95,7 @@ def run_compiled_step_bench(spec: CompiledStepSpec, *, command_line: str = "") -
             "guard_ms_per_step": guard_us / 1e3 / spec.profile_steps,
         }
         tokens[variant] = seq
+        step_logits[variant] = logits
     ref = tokens["eager"]
     return {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "created_unix": time.time(),
@@ -86,6 +103,10 @@ def run_compiled_step_bench(spec: CompiledStepSpec, *, command_line: str = "") -
         "cpu_busy_before": round(busy_before, 3),
         "variants": results,
         "tokens_equal_eager": {v: tokens[v] == ref for v in VARIANTS},
+        # Per variant: the first decode step whose logits differ from eager's in any bit (None: none did).
+        "first_logits_mismatch": {v: next((i for i, (a, b) in enumerate(zip(step_logits[v], step_logits["eager"],
+                                                                             strict=True)) if not torch.equal(a, b)),
+                                           None) for v in VARIANTS},
         "guard_ms_saved_per_step": results["compiled-object"]["guard_ms_per_step"]
         - results["compiled-tensors"]["guard_ms_per_step"],
         "speedup_tensors_vs_object": results["compiled-object"]["step_ms_median"]

@@ -410,3 +410,29 @@ def served_as_loaded(model: nn.Module, compiled: bool) -> ServingChoice:
         invariant = True
     return ServingChoice(weights=fmt, compiled=compiled, source="as loaded",
                          invariant=invariant and native.backend() == "native")
+
+
+@torch.inference_mode()
+def compiled_step_invariant(model: nn.Module, compiled: Any, ids: Sequence[int], *, steps: int = 8) -> bool:
+    """INV-3 for a compiled decode step on this machine: `ids` prefilled in one shot (eager) against all but the
+    last `steps` prefilled and those fed as decode steps through `compiled`: the same last logits and the same
+    cache, bit for bit. Inductor generates its own reductions and elementwise kernels, whose rounding may differ
+    from eager's on some shapes and CPUs: then the compiled step would write other K/V than a prefill does."""
+    from kakeya_runtime.engine.generate import Engine
+
+    ids = list(ids)[: model.config.max_position_embeddings]
+    t = torch.tensor([ids], dtype=torch.long)
+    eager = Engine(model)
+    ref = eager.new_cache(capacity=len(ids))
+    ref_logits = eager.prefill(ref, t).logits
+    stepped = Engine(model)
+    stepped.decode_forward = compiled
+    cache = stepped.new_cache(capacity=len(ids))
+    stepped.prefill(cache, t[:, : len(ids) - steps])
+    logits = None
+    for i in range(len(ids) - steps, len(ids)):
+        logits = stepped.decode_step(cache, t[:, i : i + 1]).logits
+    if logits is None or not torch.equal(logits, ref_logits):
+        return False
+    return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+               for x, y in zip(ref.state(), cache.state(), strict=True))
