@@ -133,3 +133,19 @@ def test_calibrate_measures_once_then_reads_the_cache(tmp_path, make_tiny_model)
     # another model (or machine) is measured afresh
     serving.calibrate(load, encode, "tiny-2", ("bf16",), calibration=serving.Calibration(path))
     assert loads == ["bf16"]
+
+
+def test_compiled_step_probe_passes_an_exact_step_and_catches_an_inexact_one(make_tiny_model):
+    from kakeya_runtime.engine.compiled import CompiledDecode
+
+    model = serving.apply_format(make_tiny_model("llama", vocab_size=128, max_position_embeddings=512), "int8")
+    ids = torch.randint(0, 128, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    compiled = CompiledDecode(model)
+    assert serving.compiled_step_invariant(model, compiled, ids)
+
+    def off_by_a_bit(token_ids, positions, cache, **kw):  # what a step rounding differently from prefill does
+        out = model(token_ids, positions, cache, **kw)
+        out.logits = out.logits + 1e-6
+        return out
+
+    assert not serving.compiled_step_invariant(model, off_by_a_bit, ids)
