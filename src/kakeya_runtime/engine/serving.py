@@ -208,7 +208,6 @@ def compare(ref: torch.Tensor, other: torch.Tensor) -> Fidelity:
                     top1_agree=float((ref.argmax(-1) == other.argmax(-1)).float().mean()))
 
 
-@torch.inference_mode()
 def measure_speed(engine: Any, ids: Sequence[int], *, steps: int = SPEED_DECODE_STEPS) -> Speed:
     """Prefill `ids` from an empty cache, then `steps` decode steps; eager or as `engine` is set up. A model with
     a shorter context than that prefills fewer tokens."""
@@ -412,7 +411,6 @@ def served_as_loaded(model: nn.Module, compiled: bool) -> ServingChoice:
                          invariant=invariant and native.backend() == "native")
 
 
-@torch.inference_mode()
 def compiled_step_invariant(model: nn.Module, compiled: Any, ids: Sequence[int], *, steps: int = 8) -> bool:
     """INV-3 for a compiled decode step on this machine: `ids` prefilled in one shot (eager) against all but the
     last `steps` prefilled and those fed as decode steps through `compiled`: the same last logits and the same
@@ -422,7 +420,7 @@ def compiled_step_invariant(model: nn.Module, compiled: Any, ids: Sequence[int],
 
     ids = list(ids)[: model.config.max_position_embeddings]
     t = torch.tensor([ids], dtype=torch.long)
-    eager = Engine(model)
+    eager = Engine(model)  # caches made outside inference mode, as sessions make theirs (the engine's calls are in it)
     ref = eager.new_cache(capacity=len(ids))
     ref_logits = eager.prefill(ref, t).logits
     stepped = Engine(model)

@@ -71,10 +71,11 @@ def serve(
         "auto", "--weights", help="Projection weight format: auto, bf16, fp32, int8, int4 or int4-mixed. auto (the "
         "default) serves the fastest format on this machine among those faithful to bf16 (next-token KL <= 0.01, "
         "top-1 >= 0.95 on the bench text) whose kernels keep INV-3 here; measured at the first start, then cached."),
-    compile_decode: bool | None = typer.Option(
-        None, "--compile/--no-compile", help="Run decode steps through a torch.compile'd step, compiled at start-up "
-        "(tens of seconds). Default: compile, then keep it only if its decode steps are bit-identical to eager "
-        "prefill here (INV-3); --compile keeps it either way (GetModelInfo then reports invariant_numerics false)."),
+    compile_decode: bool = typer.Option(
+        False, "--compile/--no-compile", help="Run decode steps through a torch.compile'd step, compiled at start-up "
+        "(tens of seconds; ~1.3x faster decode). Off by default: Inductor's own reductions and elementwise kernels "
+        "can round a decode step differently from an eager prefill of the same tokens, so INV-3 (turn by turn equals "
+        "one shot) is not guaranteed with it; GetModelInfo then reports invariant_numerics false."),
     recalibrate: bool = typer.Option(
         False, "--recalibrate", help="Measure --weights auto's fidelity and speed again instead of using the cache."),
     idle_compress_after: float | None = typer.Option(
@@ -209,7 +210,7 @@ def resolve_weights(weights: str, dtype: str | None) -> str:
     return fmt
 
 
-def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool | None, recalibrate: bool,
+def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, recalibrate: bool,
                    console: Console) -> tuple[Any, Any]:
     """Settle the format (measuring, for auto, behind a progress bar), convert `loaded.model` to it in place of the
     first load, and compile and warm the decode step. Returns (ServingChoice, the compiled step or None)."""
@@ -267,12 +268,12 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool | 
     elif fmt != first:  # auto chose another format than the bf16 it measured against
         with console.status(f"Loading {fmt}…", spinner="dots"):
             loaded.model = load(fmt)
-    choice = serving.ServingChoice(weights=fmt, compiled=compile_decode is not False, source=source,
+    choice = serving.ServingChoice(weights=fmt, compiled=compile_decode, source=source,
                                    invariant=True, fidelity=fidelity, speed=speed, candidates=candidates)
     engine = Engine(loaded.model)
     compiled = None
     ids = serving.bench_text_ids(lambda t: loaded.tokenizer.encode(t).ids, 256)
-    if compile_decode is not False:
+    if compile_decode:
         from kakeya_runtime.engine.compiled import CompiledDecode
 
         compiled = CompiledDecode(loaded.model)
@@ -280,18 +281,12 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool | 
         with Progress(*columns, console=console) as bar:
             task = bar.add_task("Compiling the decode step", total=None)
             choice.compile_s = compiled.warmup(engine, progress=lambda i, n: bar.update(task, completed=i, total=n))
-        with console.status("Checking the compiled step against eager prefill (INV-3)…", spinner="dots"):
-            same = serving.compiled_step_invariant(loaded.model, compiled, ids)
-        if not same and compile_decode is None:
-            console.print("[yellow]note:[/] the compiled decode step is not bit-identical to eager prefill on this "
-                          "machine (INV-3 would break): serving eager decode steps (--compile keeps it anyway)",
-                          soft_wrap=True)
-            compiled, engine.decode_forward, choice.compiled = None, None, False
-        elif not same:
-            console.print("[yellow]warning:[/] --compile: the compiled decode step is not bit-identical to eager "
-                          "prefill here, so a session built turn by turn can differ from one built in one shot",
-                          soft_wrap=True)
-            choice.invariant = False
+        # Not invariant by construction (a probe over some tokens cannot show it for all: on SmolLM2 a compiled step
+        # matched eager for 12 steps and then rounded one logit differently, results/engine/compiled_step_*.json).
+        choice.invariant = False
+        console.print("[yellow]note:[/] --compile: decode steps may round differently from an eager prefill of the "
+                      "same tokens, so a session built turn by turn can differ from one built in one shot (INV-3 is "
+                      "not guaranteed; invariant_numerics is reported false)", soft_wrap=True)
     with console.status("Measuring the served decode step…", spinner="dots"):
         choice.decode_tok_s = serving.measure_speed(engine, ids, steps=16).decode_tok_s
     return choice, compiled
