@@ -147,4 +147,18 @@ export interface ModelInfo {
   idleCompressAfterS: number | null;
   /** The server's default idle codec, e.g. "d4/q38". */
   idleCodec: string | null;
+  /** The served weight format (kakeya serve --weights): bf16, fp32, int8, int4 or int4-mixed ("" from older servers). */
+  weightFormat: string;
+  /** How it was chosen: "auto", "flag" or "as loaded". */
+  weightFormatSource: string;
+  /** Decode steps run a torch.compile'd step. */
+  compiledDecode: boolean;
+  /** Next-token KL vs bf16 on the bench text; null for bf16 itself or when not measured. */
+  fidelityKl: number | null;
+  /** Top-1 agreement with bf16 on the bench text; null for bf16 itself or when not measured. */
+  fidelityTop1: number | null;
+  /** INV-3: the served numerics are bit-exact whatever the step shapes. */
+  invariantNumerics: boolean;
+  /** Decode tokens/s measured at the server's start-up; null when not measured. */
+  measuredDecodeTokS: number | null;
 }

@@ -34,6 +34,43 @@ def _ints(value: str) -> tuple[int, ...]:
         raise typer.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
+@bench_app.command("compiled-step")
+def compiled_step_cmd(
+    model: str = typer.Option("smollm2", help="smollm2, gemma3-270m, a .gguf path, or tiny / tiny-gemma."),
+    weights: str = typer.Option("bf16", help="Served weight format (engine.serving): bf16, fp32, int8, int4, "
+                                "int4-mixed."),
+    context: int = typer.Option(1024, help="Tokens prefilled before the timed decode steps."),
+    steps: int = typer.Option(64, help="Timed decode steps per variant."),
+    profile_steps: int = typer.Option(16, help="Further steps under the profiler (guard time per step)."),
+    threads: int = typer.Option(0, help="Torch threads (0: torch's default)."),
+    out: str = typer.Option("results/engine/compiled_step.json", help="Output JSON."),
+) -> None:
+    """One decode step eager, compiled over the cache object, and compiled over tensors: step time and Dynamo's
+    guard time per step."""
+    from kakeya_runtime.bench.compiled_step import CompiledStepSpec, run_compiled_step_bench
+    from kakeya_runtime.engine.serving import parse_weights
+
+    try:
+        weights = parse_weights(weights)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if weights == "auto":
+        raise typer.BadParameter("--weights names one format here")
+    spec = CompiledStepSpec(model=model, weights=weights, context=context, steps=steps, profile_steps=profile_steps,
+                            threads=threads or None)
+    command_line = shlex.join(["kakeya", "bench", "compiled-step", "--model", model, "--weights", weights,
+                               "--context", str(context), "--steps", str(steps), "--profile-steps",
+                               str(profile_steps), "--threads", str(threads), "--out", out])
+    run = run_compiled_step_bench(spec, command_line=command_line)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run, indent=1) + "\n")
+    for name, v in run["variants"].items():
+        typer.echo(f"{name:>17}: step {v['step_ms_median']:.2f} ms median ({v['decode_tok_s_median']:.1f} tok/s), "
+                   f"guards {v['guard_ms_per_step']:.3f} ms/step over {v['guard_lookups_per_step']:.1f} lookups")
+    typer.echo(f"tokens equal eager: {run['tokens_equal_eager']}; wrote {path}")
+
+
 @bench_app.command("engine")
 def engine_cmd(
     models: str = typer.Option("smollm2,gemma3-270m", help="Comma-separated: smollm2, gemma3-270m, a .gguf path, "

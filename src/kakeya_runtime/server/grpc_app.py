@@ -20,6 +20,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from kakeya_runtime.engine.generate import Engine, FinishReason
+from kakeya_runtime.engine.serving import ServingChoice, served_as_loaded
 from kakeya_runtime.kv.spec import CODEC_KINDS, DEFAULT_Q
 from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor
@@ -85,6 +86,9 @@ class ServedModel:
     chat_template: str | None = None
     eos_ids: tuple[int, ...] = ()
     bos_id: int | None = None
+    # What `kakeya serve --weights/--compile` chose (engine.serving): reported by GetModelInfo and /metrics.
+    serving: ServingChoice | None = None
+    decode_forward: Any = None  # the compiled decode step (engine.compiled.CompiledDecode), if any
 
     @classmethod
     def from_loaded(cls, loaded: Any, name: str) -> ServedModel:
@@ -184,6 +188,12 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             idle_compress_after_seconds=service.config.idle_compress_after_s or 0.0,
             idle_codec=service.idle_codec.label if service.idle_codec is not None else "",
         )
+        serving = served.serving or served_as_loaded(service.engine.model, served.decode_forward is not None)
+        fid = serving.fidelity
+        self.model_info.MergeFrom(pb.GetModelInfoResponse(
+            weight_format=serving.weights, weight_format_source=serving.source, compiled_decode=serving.compiled,
+            fidelity_kl=None if fid is None else fid.kl_mean, fidelity_top1=None if fid is None else fid.top1_agree,
+            invariant_numerics=serving.invariant, measured_decode_tokens_per_second=serving.decode_tok_s or 0.0))
         # An archive holds at most the context's token ids and a snapshot of the largest cache (full) at the context.
         full = service.policies.resolve("full", {}, cfg, service.context_length)
         self.max_import_bytes = 4 * service.context_length + 2 * service.kv_reserve(full) + REQUEST_HEADROOM_BYTES
@@ -351,6 +361,7 @@ class RuntimeServer:
         rpcs = list(pb.DESCRIPTOR.services_by_name["RuntimeService"].methods_by_name)
         self.metrics = RuntimeMetrics(served.name, rpcs)
         self.engine = Engine(served.model)
+        self.engine.decode_forward = served.decode_forward
         eos = served.eos_ids or tuple(served.model.config.eos_token_ids)
         c = self.config
         # Per-key limits left unset are an equal share of the server's among the keys (one key, or none: all).
@@ -377,6 +388,7 @@ class RuntimeServer:
         )
         self.metrics.bind_store(self.service.store, self.service.policies.names())
         self.metrics.bind_scheduler(self.service.scheduler)
+        self.metrics.serving(served.serving or served_as_loaded(served.model, served.decode_forward is not None))
         # Every journaled session is back before the first call can arrive (StateDirError when one cannot be).
         self.recovery: RecoveryStats = self.service.recover()
         self.metrics.sessions_recovered(self.recovery.sessions)

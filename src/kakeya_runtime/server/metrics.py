@@ -258,6 +258,24 @@ class RuntimeMetrics:
         self.engine_batch_size.set_function(lambda: scheduler.batch_size)
         scheduler.on_step = self.engine_decode_batch_rows.observe
 
+    def serving(self, choice: Any) -> None:
+        """kakeya_serving_info{weights, source, compiled, invariant} 1 (engine.serving.ServingChoice), and the
+        start-up measurements as gauges (absent when not measured)."""
+        Gauge("kakeya_serving_info", "The served configuration (kakeya serve --weights/--compile), always 1.",
+              ["weights", "source", "compiled", "invariant"], registry=self.registry).labels(
+            choice.weights, choice.source, str(bool(choice.compiled)).lower(),
+            str(bool(choice.invariant)).lower()).set(1)
+        values = {"kakeya_serving_decode_tokens_per_second": ("Decode rate of the served configuration measured at "
+                                                              "start-up.", choice.decode_tok_s),
+                  "kakeya_serving_fidelity_kl": ("Next-token KL (nats) of the served format vs bf16 on the bench "
+                                                 "text.", None if choice.fidelity is None else choice.fidelity.kl_mean),
+                  "kakeya_serving_fidelity_top1": ("Top-1 agreement of the served format with bf16 on the bench "
+                                                   "text.", None if choice.fidelity is None
+                                                   else choice.fidelity.top1_agree)}
+        for name, (doc, value) in values.items():
+            if value is not None:
+                Gauge(name, doc, registry=self.registry).set(value)
+
     # ---- observer hooks (called from the loop and the engine thread; prometheus is thread-safe) ----
 
     def session_created(self) -> None:

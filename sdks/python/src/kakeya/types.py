@@ -148,3 +148,11 @@ class ModelInfo:
     kv_policies: tuple[str, ...]
     idle_compress_after_s: float | None = None  # None: the server never compresses idle sessions
     idle_codec: str | None = None  # the server's default idle codec, e.g. "d4/q38"
+    # The served configuration (kakeya serve --weights/--compile); "" from servers older than these fields.
+    weight_format: str = ""  # bf16, fp32, int8, int4 or int4-mixed
+    weight_format_source: str = ""  # auto, flag or "as loaded"
+    compiled_decode: bool = False
+    fidelity_kl: float | None = None  # next-token KL vs bf16 on the bench text; None for bf16 / not measured
+    fidelity_top1: float | None = None  # top-1 agreement with bf16 on the bench text
+    invariant_numerics: bool = False  # INV-3: bit-exact whatever the step shapes
+    measured_decode_tok_s: float | None = None  # decode rate measured at the server's start-up
