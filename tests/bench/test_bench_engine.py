@@ -49,7 +49,10 @@ def test_plan_runs_fidelity_before_speed_and_peers_once_per_model():
                            long_prefill=(), long_prefill_model=None)
     jobs = plan_jobs(spec)
     kinds = [j["kind"] for j in jobs]
-    assert kinds == ["fidelity"] + ["ours"] * 6 + ["transformers", "llamacpp", "llamacpp"]
+    assert kinds == ["fidelity"] + ["ours"] * 6 + ["transformers"] + ["llamacpp"] * 4
+    # llama.cpp at each context with flash attention off and on; fidelity once (its logits do not depend on it)
+    assert [(j["ctx"], j["flash_attn"], j["positions"] > 0) for j in jobs if j["kind"] == "llamacpp"] == [
+        (1024, False, True), (1024, True, False), (4096, False, False), (4096, True, False)]
     assert [(j["fmt"], j["kernels"]) for j in jobs if j["kind"] == "ours"][:3] == [
         ("bf16", "native"), ("bf16", "sdpa"), ("int4", "native")]
 
@@ -72,3 +75,21 @@ def test_summary_ratios_and_targets():
     met = {t["target"]: t["met"] for t in s["targets"]}
     assert met == {"bf16 decode >= 1.5x transformers": True, "fastest format decode >= 1.2x llama.cpp": True,
                    "prefill >= 5x llama.cpp": True}
+
+
+def test_llamacpp_peer_is_its_best_setting_per_metric():
+    def lc(flash, prefill, decode):
+        return {"job": {"kind": "llamacpp", "model": "m", "ctx": 4096, "flash_attn": flash},
+                "prefill_tok_s": prefill, "decode_tok_s": decode, "ttft_s": 4096 / prefill}
+
+    run = {"jobs": [
+        {"job": {"kind": "ours", "model": "m", "fmt": "int4", "ctx": 4096}, "prefill_tok_s": 1000.0,
+         "decode_tok_s": 60.0, "ttft_s": 4.1},
+        lc(False, 185.0, 42.4), lc(True, 239.0, 35.9),  # the measurement: each setting wins one metric
+    ]}
+    (row,) = summarize(run)["rows"]
+    best = row["peers"]["llama.cpp"]
+    assert (best["prefill_tok_s"], best["decode_tok_s"]) == (239.0, 42.4)
+    assert set(row["peers"]) == {"llama.cpp", "llama.cpp fa=on", "llama.cpp fa=off"}
+    assert abs(row["formats"]["int4"]["vs"]["llama.cpp"]["decode"] - 60.0 / 42.4) < 1e-3
+    assert abs(row["formats"]["int4"]["vs"]["llama.cpp"]["prefill"] - 1000.0 / 239.0) < 1e-3

@@ -8,6 +8,7 @@ distribution. A deliberately bad proposer (uniformly random drafts) must be exac
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from kakeya_runtime.engine.drafts import Draft, HistoryLookup, RandomDraft
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
-from kakeya_runtime.engine.sampling import SamplingParams, probs_from_logits
+from kakeya_runtime.engine.sampling import SamplingParams, probs_from_logits, sample
 from kakeya_runtime.engine.speculative import SpeculativeStream, verify_sampled
 from kakeya_runtime.models.base import Logits
 
@@ -52,29 +53,95 @@ def _exact_two_tokens(model, prompt: list[int], params: SamplingParams) -> torch
     return p1[:, None] * p2
 
 
+def _stream_pair(engine: Engine, cache, proposer, params: SamplingParams, seed: int, k: int) -> tuple[list[int], object]:
+    """One real speculative stream after PROMPT (the cache holds PROMPT[:-1]), seeded with `seed`, read until it
+    has emitted two tokens (t1 from the prefill, t2 from a verifier step over the draft), then closed; the cache is
+    asserted to hold exactly everything before the last emitted token (a rejected draft was rolled back)."""
+    base = cache.length
+    req = GenerateRequest(3, SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed))
+    stream = SpeculativeStream(engine, cache, torch.tensor([PROMPT[-1:]]), req, proposer, PROMPT, k)
+    out: list[int] = []
+    steps = iter(stream)
+    for step in steps:
+        out.extend(step)
+        if len(out) >= 2:
+            break
+    steps.close()
+    assert cache.length == base + len(out)
+    cache.trim(base)
+    return out[:2], stream.stats
+
+
 def _draw(engine: Engine, proposer, params: SamplingParams, n: int, k: int) -> tuple[torch.Tensor, float]:
-    """n speculative streams of 3 tokens after PROMPT, each seeded with its index (t1 from the prefill, t2 from a
-    verifier step over one draft); joint counts of (t1, t2), (V, V), and the acceptance rate. Every stream drafts
-    (asserted), so the verifier really is what is being tested."""
+    """n real speculative streams of two tokens after PROMPT, each seeded with its index; joint counts of
+    (t1, t2), (V, V), and the acceptance rate. Every stream drafts (asserted), so the verifier really is tested."""
     v = engine.config.vocab_size
     cache = engine.new_cache(capacity=32)
     engine.prefill(cache, torch.tensor([PROMPT[:-1]]))
-    base = cache.length
-    last = torch.tensor([PROMPT[-1:]])
     counts = torch.zeros(v, v, dtype=torch.long)
     drafted = accepted = 0
     for i in range(n):
-        req = GenerateRequest(3, SamplingParams(params.temperature, params.top_k, params.top_p, seed=i))
-        stream = SpeculativeStream(engine, cache, last, req, proposer, PROMPT, k)
-        out = [t for step in stream for t in step]
-        counts[out[0], out[1]] += 1
-        assert stream.stats.drafted >= 1 or proposer.name == "history"  # history drafts only after a match
-        drafted += stream.stats.drafted
-        accepted += stream.stats.accepted
-        assert cache.length == base + 3  # everything before the last token: a rejected draft was rolled back
-        cache.trim(base)
+        (t1, t2), stats = _stream_pair(engine, cache, proposer, params, i, k)
+        counts[t1, t2] += 1
+        assert stats.drafted >= 1 or proposer.name == "history"  # history drafts only after a match
+        drafted += stats.drafted
+        accepted += stats.accepted
     assert drafted > n // 20
     return counts, accepted / max(1, drafted)
+
+
+def _draw_rows(engine: Engine, make_proposer, params: SamplingParams, n: int, *, rows: int = 2500,
+               check: int = 150) -> tuple[torch.Tensor, float]:
+    """The same n two-token draws as `_draw` (seeds 0..n-1, one-token drafts), `rows` independent draws per
+    forward: the prefill of PROMPT[-1] and the verifier forward over [t1, draft] run on a batch of rows (our
+    kernels give every row the logits it gets alone, INV-3), and each row goes through the real pieces a stream
+    runs, in a stream's order: `sample` for t1, the proposer's propose (after begin/accepted), `verify_sampled`
+    for t2, each row's generator seeded like the stream's. The first `check` draws are also run as real
+    SpeculativeStreams and must give the very same tokens, so the counts are those of n real streams.
+
+    One proposer from `make_proposer()` serves every row in order (as `_draw` shares one between its streams, so a
+    proposer with its own random generator draws the same drafts); a fresh one replays the check streams."""
+    v = engine.config.vocab_size
+    counts = torch.zeros(v, v, dtype=torch.long)
+    drafted = accepted = 0
+    pairs: list[tuple[int, int]] = []
+    proposer = make_proposer()
+    for r0 in range(0, n, rows):
+        b = min(rows, n - r0)
+        cache = engine.new_cache(batch=b, capacity=32)
+        engine.prefill(cache, torch.tensor([PROMPT[:-1]] * b))
+        out = engine.verify(cache, torch.tensor([PROMPT[-1:]] * b), logits=Logits.LAST, return_hidden=True)
+        gens = [SamplingParams(params.temperature, params.top_k, params.top_p, seed=r0 + i).make_generator()
+                for i in range(b)]
+        t1s, drafts = [], []
+        for i in range(b):
+            t1 = int(sample(out.logits[i : i + 1, -1], params, gens[i])[0])
+            proposer.begin(PROMPT)
+            if proposer.wants_hidden:
+                proposer.accepted(PROMPT, 0, out.hidden[i, -1:])
+            draft = proposer.propose([*PROMPT, t1], 1, params, gens[i])
+            t1s.append(t1)
+            drafts.append(draft)
+        # A row without a draft (history: t1 matched nothing) gets a pad token the stream would not have fed; its
+        # t2 is sampled from the logits at t1, which do not see the pad: what a plain decode step samples from.
+        ver = engine.verify(cache, torch.tensor([[t1, *(d.tokens or [0])] for t1, d in zip(t1s, drafts, strict=True)]))
+        for i in range(b):
+            if drafts[i].tokens:
+                emitted = verify_sampled(ver.logits[i], drafts[i], params, gens[i])
+                drafted += 1
+                accepted += int(len(emitted) == 2)
+            else:
+                emitted = [int(sample(ver.logits[i, :1], params, gens[i])[0])]
+            counts[t1s[i], emitted[0]] += 1
+            pairs.append((t1s[i], emitted[0]))
+    cache = engine.new_cache(capacity=32)
+    engine.prefill(cache, torch.tensor([PROMPT[:-1]]))
+    proposer = make_proposer()
+    for i in range(min(check, rows, n)):
+        got, _ = _stream_pair(engine, cache, proposer, params, i, 1)
+        assert tuple(got) == pairs[i], (i, got, pairs[i])
+    assert drafted > n // 20  # (history drafts only after a match) the verifier is really being tested
+    return counts, accepted / drafted
 
 
 class _FirstTokenOracle:
@@ -109,11 +176,11 @@ def test_sampled_speculation_matches_the_target_distribution(make_tiny_model, pr
     engine = Engine(model)
     v = model.config.vocab_size
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
-    proposer = {"history": lambda: HistoryLookup(min_match=1),
-                "random": lambda: RandomDraft(v, seed=1),
-                "random_sampled_q": lambda: RandomDraft(v, seed=2, sampled=True)}[proposer_kind]()
-    # The first token comes from the prefill, the second from [t1, draft] verified: draft the likely second token.
-    counts, rate = _draw(engine, proposer, params, 20_000, k=1)
+    make = {"history": lambda: HistoryLookup(min_match=1),
+            "random": lambda: RandomDraft(v, seed=1),
+            "random_sampled_q": lambda: RandomDraft(v, seed=2, sampled=True)}[proposer_kind]
+    # The first token comes from the prefill, the second from [t1, draft] verified.
+    counts, rate = _draw_rows(engine, make, params, 20_000)
     exact = _exact_two_tokens(model, PROMPT, params)
     z = _chi2_z(counts, exact)
     assert z < CHI2_Z, f"z = {z:.2f}"
@@ -250,14 +317,52 @@ def test_stop_token_inside_an_accepted_draft_ends_there(make_tiny_model) -> None
 
 
 def test_history_lookup_drafts_follow_the_match() -> None:
-    h = HistoryLookup()
+    """The longest suffix match (most recent occurrence) drafts what followed it, draft_factor * m tokens for a
+    match of m (SuffixDecoding's adaptive length), capped by max_tokens; a cycle continues past the context's end."""
+    sp = SamplingParams()
+    h = HistoryLookup(draft_factor=1)
     ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
-    assert h.propose(ctx, 4, SamplingParams(), None).tokens == [4, 5, 6]  # match length 3 -> 3 tokens
+    assert h.propose(ctx, 4, sp, None).tokens == [4, 5, 6]  # match length 3 -> 3 tokens
     ctx2 = ctx + [4, 5, 6, 7]
-    assert h.propose(ctx2, 4, SamplingParams(), None).tokens == [8, 9, 1, 2]  # longer match, capped at 4
-    assert h.propose([10, 11, 12], 4, SamplingParams(), None).tokens == []  # a new context resets; no match
+    assert h.propose(ctx2, 4, sp, None).tokens == [8, 9, 1, 2]  # longer match, capped at 4
+    assert h.propose([10, 11, 12], 4, sp, None).tokens == []  # a new context resets; no match
     cyc = [7, 8, 7, 8, 7, 8]
-    assert HistoryLookup().propose(cyc, 5, SamplingParams(), None).tokens == [7, 8, 7, 8]  # period 2 continues
+    assert HistoryLookup(draft_factor=1).propose(cyc, 5, sp, None).tokens == [7, 8, 7, 8]  # period 2 continues
+    # The default: 4 tokens per matched token, up to the adaptive cap (15).
+    h = HistoryLookup()
+    assert HistoryLookup.auto_draft_tokens == 15
+    assert h.propose(ctx, 15, sp, None).tokens == [4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6]  # m = 3 -> 12 tokens
+    assert h.propose(ctx2, 15, sp, None).tokens == [8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]  # m = 7 -> cap
+    assert HistoryLookup().propose([10, 11, 12, 11], 15, sp, None).tokens == [12, 11, 12, 11]  # m = 1 -> 4
+    assert HistoryLookup(min_match=2).propose([10, 11, 12, 11], 15, sp, None).tokens == []
+    # The most recent occurrence wins: 5 was followed by 6, later by 9.
+    assert HistoryLookup(draft_factor=1).propose([5, 6, 0, 5, 9, 0, 5], 1, sp, None).tokens == [9]
+
+
+def test_history_lookup_drafts_from_related_histories() -> None:
+    """`related` histories (the same owner's other sessions) are drafted from when the context itself has no
+    (or a shorter) match, and only then; they are re-read at each begin()."""
+    sp = SamplingParams()
+    other = {"s1": [50, 51, 52, 53, 54, 55, 56]}
+    h = HistoryLookup(related=lambda: other)
+    ctx = [1, 2, 3, 51, 52]
+    h.begin(ctx)
+    assert h.propose(ctx, 15, sp, None).tokens == [53, 54, 55, 56]  # what followed 51 52 there
+    assert HistoryLookup().propose(ctx, 15, sp, None).tokens == []  # without it: nothing to copy
+    own = [52, 9, 9, 52]  # its own match: 52 (m = 1); the related history has no longer one (9 52 is not there)
+    h2 = HistoryLookup(related=lambda: other)
+    h2.begin(own)
+    assert h2.propose(own, 15, sp, None).tokens == [9, 9, 52, 9]  # own m = 1 (52), nothing longer elsewhere
+    ctx3 = [7, 51, 52, 8, 51, 52]  # own match 51 52 (m = 2) ties the related one: the own history wins
+    h3 = HistoryLookup(related=lambda: other)
+    h3.begin(ctx3)
+    assert h3.propose(ctx3, 15, sp, None).tokens[:2] == [8, 51]
+    other["s1"] = other["s1"] + [57, 58]  # it grew: re-read (and indexed incrementally) at the next begin
+    h.begin(ctx)
+    assert h.propose(ctx, 15, sp, None).tokens == [53, 54, 55, 56, 57, 58]
+    other.clear()
+    h.begin(ctx)
+    assert h.propose(ctx, 15, sp, None).tokens == []  # a session that ended is no longer drafted from
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -291,9 +396,61 @@ def test_model_based_drafts_sampled_exact(make_tiny_model, kind: str) -> None:
     model = make_tiny_model("llama")
     engine = Engine(model)
     params = SamplingParams(temperature=0.7, top_k=30, top_p=0.9)
-    proposer = LayerSkipDraft(model, layers=2) if kind == "self" else DraftHeadProposer(DraftHead(model, seed=5))
-    counts, rate = _draw(engine, proposer, params, 20_000, k=1)
+    if kind == "self":  # it drafts over the stream's own (one-row) cache: real streams
+        counts, rate = _draw(engine, LayerSkipDraft(model, layers=2), params, 20_000, k=1)
+    else:
+        head = DraftHead(model, seed=5)
+        counts, rate = _draw_rows(engine, lambda: DraftHeadProposer(head), params, 20_000)
     exact = _exact_two_tokens(model, PROMPT, params)
     assert _chi2_z(counts, exact) < CHI2_Z
     assert _chi2_z(counts.sum(0), exact.sum(0)) < CHI2_Z
     assert rate > 0.0
+
+
+def test_draft_head_weights_round_trip_through_safetensors(make_tiny_model, tmp_path) -> None:
+    """A saved head loads back bit-identical and drafts exactly what it drafted before (same tokens, same stats);
+    weights that do not fit the model are refused with a typed error naming the problem, the head unchanged."""
+    from kakeya_runtime.engine.self_draft import DraftHead, DraftHeadError, DraftHeadProposer
+
+    model = make_tiny_model("llama")
+    engine = Engine(model)
+    head = DraftHead(model, intermediate=96, seed=7)
+    path = tmp_path / "head.safetensors"
+    head.save(path)
+    loaded = DraftHead.from_file(model, path)
+    assert loaded.up.weight.shape == (96, model.config.hidden_size)  # the file's intermediate size
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert not torch.equal(loaded.fc.weight, DraftHead(model, intermediate=96, seed=8).fc.weight)  # not a default
+    runs = []
+    for h in (head, loaded):
+        cache = engine.new_cache(capacity=128)
+        stream = SpeculativeStream(engine, cache, torch.tensor([PROMPT]), GenerateRequest(40), DraftHeadProposer(h),
+                                   PROMPT, 4)
+        runs.append(([t for step in stream for t in step], stream.stats.drafted, stream.stats.accepted))
+    assert runs[0] == runs[1] and runs[0][1] > 0
+    plain = engine.generate(engine.new_cache(capacity=128), torch.tensor([PROMPT]), GenerateRequest(40))
+    assert runs[1][0] == plain.token_ids[0]
+    # Another model's head (hidden size 32): shape error.
+    from kakeya_runtime.models.registry import build_model
+    from kakeya_runtime.server.testing import tiny_config
+
+    other = build_model(dataclasses.replace(tiny_config("llama"), hidden_size=32, intermediate_size=64))
+    DraftHead(other).save(tmp_path / "other.safetensors")
+    with pytest.raises(DraftHeadError, match="fc.weight has shape"):
+        DraftHead.from_file(model, tmp_path / "other.safetensors")
+    # Missing or extra tensors, a file that is not safetensors: typed errors.
+    from safetensors.torch import save_file
+
+    sd = {k: v.clone() for k, v in head.state_dict().items()}
+    save_file({k: v for k, v in sd.items() if k != "down.weight"}, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(DraftHeadError, match="missing tensors \\['down.weight'\\]"):
+        DraftHead.from_file(model, tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(DraftHeadError, match="cannot read"):
+        DraftHead.from_file(model, tmp_path / "junk.safetensors")
+    before = {k: v.clone() for k, v in loaded.state_dict().items()}
+    bad = {**sd, "norm_scale": torch.ones(3)}
+    with pytest.raises(DraftHeadError, match="norm_scale has shape"):
+        loaded.load_tensors(bad)
+    assert all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())  # nothing changed

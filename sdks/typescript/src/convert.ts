@@ -242,5 +242,12 @@ export function modelInfoFromPb(r: pb.GetModelInfoResponse): ModelInfo {
     kvPolicies: [...r.kvPolicies],
     idleCompressAfterS: r.idleCompressAfterSeconds || null,
     idleCodec: r.idleCodec || null,
+    weightFormat: r.weightFormat,
+    weightFormatSource: r.weightFormatSource,
+    compiledDecode: r.compiledDecode,
+    fidelityKl: r.fidelityKl ?? null,
+    fidelityTop1: r.fidelityTop1 ?? null,
+    invariantNumerics: r.invariantNumerics,
+    measuredDecodeTokS: r.measuredDecodeTokensPerSecond || null,
   };
 }

@@ -23,8 +23,8 @@ export interface KvPolicy {
  * distribution). A seeded sampled stream repeats only with the same seed AND the same speculation setting.
  * Proposers: "history" (copies from the session's own history: fast when the model quotes or re-emits earlier
  * text), "self" (a layer-skipping draft from the served model itself), "draft_head" (an EAGLE-style head; untrained
- * unless the server has one: exact but slow), "off". `maxDraftTokens` in [1, 16]; 0 or absent: the server default
- * (4). The session's KV policy must be able to roll a draft back (full and restore can; sink_window and sparse need
+ * unless the server has one: exact but slow), "off". `maxDraftTokens` in [1, 16]; 0 or absent: adaptive (history
+ * drafts up to 15 tokens, more the longer its match; self and draft_head up to 4). The session's KV policy must be able to roll a draft back (full and restore can; sink_window and sparse need
  * spare >= maxDraftTokens and the identity codec), else FailedPrecondition.
  */
 export interface Speculation {
@@ -147,4 +147,18 @@ export interface ModelInfo {
   idleCompressAfterS: number | null;
   /** The server's default idle codec, e.g. "d4/q38". */
   idleCodec: string | null;
+  /** The served weight format (kakeya serve --weights): bf16, fp32, int8, int4 or int4-mixed ("" from older servers). */
+  weightFormat: string;
+  /** How it was chosen: "auto", "flag" or "as loaded". */
+  weightFormatSource: string;
+  /** Decode steps run a torch.compile'd step. */
+  compiledDecode: boolean;
+  /** Next-token KL vs bf16 on the bench text; null for bf16 itself or when not measured. */
+  fidelityKl: number | null;
+  /** Top-1 agreement with bf16 on the bench text; null for bf16 itself or when not measured. */
+  fidelityTop1: number | null;
+  /** INV-3: the served numerics are bit-exact whatever the step shapes. */
+  invariantNumerics: boolean;
+  /** Decode tokens/s measured at the server's start-up; null when not measured. */
+  measuredDecodeTokS: number | null;
 }

@@ -48,6 +48,14 @@ describe("client", () => {
     assert.deepEqual(info.kvPolicies, ["full", "sink_window", "restore", "sparse"]);
     assert.equal(info.idleCompressAfterS, null); // idle compression is off by default
     assert.equal(info.idleCodec, null);
+    // An embedded test server serves its model as loaded (kakeya serve reports --weights/--compile's choice).
+    assert.equal(info.weightFormat, "fp32");
+    assert.equal(info.weightFormatSource, "as loaded");
+    assert.equal(info.compiledDecode, false);
+    assert.equal(info.fidelityKl, null);
+    assert.equal(info.fidelityTop1, null);
+    assert.equal(info.invariantNumerics, true);
+    assert.equal(info.measuredDecodeTokS, null);
     assert.equal(info.maxSessions, 64);
     assert.equal(info.maxConcurrent, 1);
     assert.equal(info.sessionIdleTtlS, 1800);

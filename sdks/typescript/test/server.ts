@@ -66,7 +66,9 @@ export function startTinyServer(
 
 /** `kakeya serve` on a bundled model, any free port, no metrics endpoint. */
 export function startModelServer(model = "smollm2"): Promise<RunningServer> {
-  return startServer(["-m", "kakeya_runtime.cli", "serve", "--model", model, "--port", "0", "--no-metrics"]);
+  // bf16 and eager: a fast start (the default, --weights auto with the compiled step, measures and compiles first).
+  return startServer(["-m", "kakeya_runtime.cli", "serve", "--model", model, "--weights", "bf16", "--no-compile",
+    "--port", "0", "--no-metrics"]);
 }
 
 /** Run a Python snippet with the runtime's interpreter; resolves to its stdout. */

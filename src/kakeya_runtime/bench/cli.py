@@ -34,6 +34,43 @@ def _ints(value: str) -> tuple[int, ...]:
         raise typer.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
+@bench_app.command("compiled-step")
+def compiled_step_cmd(
+    model: str = typer.Option("smollm2", help="smollm2, gemma3-270m, a .gguf path, or tiny / tiny-gemma."),
+    weights: str = typer.Option("bf16", help="Served weight format (engine.serving): bf16, fp32, int8, int4, "
+                                "int4-mixed."),
+    context: int = typer.Option(1024, help="Tokens prefilled before the timed decode steps."),
+    steps: int = typer.Option(64, help="Timed decode steps per variant."),
+    profile_steps: int = typer.Option(16, help="Further steps under the profiler (guard time per step)."),
+    threads: int = typer.Option(0, help="Torch threads (0: torch's default)."),
+    out: str = typer.Option("results/engine/compiled_step.json", help="Output JSON."),
+) -> None:
+    """One decode step eager, compiled over the cache object, and compiled over tensors: step time and Dynamo's
+    guard time per step."""
+    from kakeya_runtime.bench.compiled_step import CompiledStepSpec, run_compiled_step_bench
+    from kakeya_runtime.engine.serving import parse_weights
+
+    try:
+        weights = parse_weights(weights)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if weights == "auto":
+        raise typer.BadParameter("--weights names one format here")
+    spec = CompiledStepSpec(model=model, weights=weights, context=context, steps=steps, profile_steps=profile_steps,
+                            threads=threads or None)
+    command_line = shlex.join(["kakeya", "bench", "compiled-step", "--model", model, "--weights", weights,
+                               "--context", str(context), "--steps", str(steps), "--profile-steps",
+                               str(profile_steps), "--threads", str(threads), "--out", out])
+    run = run_compiled_step_bench(spec, command_line=command_line)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run, indent=1) + "\n")
+    for name, v in run["variants"].items():
+        typer.echo(f"{name:>17}: step {v['step_ms_median']:.2f} ms median ({v['decode_tok_s_median']:.1f} tok/s), "
+                   f"guards {v['guard_ms_per_step']:.3f} ms/step over {v['guard_lookups_per_step']:.1f} lookups")
+    typer.echo(f"tokens equal eager: {run['tokens_equal_eager']}; wrote {path}")
+
+
 @bench_app.command("engine")
 def engine_cmd(
     models: str = typer.Option("smollm2,gemma3-270m", help="Comma-separated: smollm2, gemma3-270m, a .gguf path, "
@@ -192,23 +229,57 @@ def sparse_cmd(
 
 @bench_app.command("spec")
 def spec_cmd(
-    model: str = typer.Option("smollm2", help="Bundled model (chat-formatted prompts: smollm2)."),
+    model: str = typer.Option("smollm2", help="Bundled model (smollm2: chat prompts; others: completion prompts)."),
     dtype: str = typer.Option("bf16", help="bf16 or fp32."),
     proposers: str = typer.Option("history,self,draft_head", help="Draft proposers."),
-    ks: str = typer.Option("1,2,4", help="Max draft tokens per verifier step."),
+    ks: str = typer.Option("1,2,4,auto", help="Max draft tokens per verifier step (auto: the adaptive setting)."),
     temperatures: str = typer.Option("0,0.7", help="Sampling temperatures."),
-    max_tokens: int = typer.Option(128, help="Tokens generated per run."),
+    max_tokens: int = typer.Option(128, help="Tokens generated per run (fewer when the model ends its reply)."),
     workloads: str = typer.Option("quote_tool_output,reemit_file_one_change,reformat_json,chat_explain,chat_story",
                                   help="Workloads (bench/spec.py)."),
+    prompts: str = typer.Option("", help="Prompt style: chat or completion (default: chat for smollm2)."),
     repeats: int = typer.Option(2, help="Alternating plain/speculative runs per setting (each keeps its fastest)."),
     threads: int = typer.Option(0, help="Threads (0: torch's default)."),
+    merge: bool = typer.Option(False, "--merge", help="Keep the output JSON's records of other workloads."),
     out: str = typer.Option("results/spec/latest", help="Output directory."),
 ) -> None:
     """Speculative decoding vs plain decode: acceptance at each K, mean accepted length, wall time per token."""
     from kakeya_runtime.bench.spec import command
 
-    command(model, dtype, _csv(proposers), _ints(ks), tuple(float(t) for t in _csv(temperatures)), max_tokens,
-            _csv(workloads), threads or None, Path(out), repeats)
+    k_values = tuple(0 if k.strip().lower() == "auto" else int(k) for k in _csv(ks))
+    command(model, dtype, _csv(proposers), k_values, tuple(float(t) for t in _csv(temperatures)), max_tokens,
+            _csv(workloads), threads or None, Path(out), repeats, prompts or None, merge)
+
+
+@bench_app.command("concurrent")
+def concurrent_cmd(
+    model: str = typer.Option("smollm2", help="Model `kakeya serve` loads."),
+    sessions: str = typer.Option("1,2,4,8", help="Concurrent sessions per phase."),
+    turns: int = typer.Option(2, help="Agent turns per session per phase."),
+    reply_tokens: int = typer.Option(48, help="Tokens generated per turn (greedy, EOS ignored)."),
+    long_prompt: int = typer.Option(4096, help="Tokens of the prompt arriving while others decode (0: skip)."),
+    long_decoders: int = typer.Option(4, help="Sessions decoding while the long prompt arrives."),
+    long_reply_tokens: int = typer.Option(256, help="Tokens each of those decodes."),
+    max_batch: int = typer.Option(8, help="--max-batch of the batching server."),
+    step_tokens: int = typer.Option(32, help="--step-tokens of both servers."),
+    schedulers: str = typer.Option("batch,serial", help="batch (--max-batch N) and/or serial (--max-batch 1)."),
+    out: str = typer.Option("results/concurrent", help="Output directory (concurrent.json)."),
+) -> None:
+    """Continuous batching vs the serial scheduler: aggregate tok/s, turn and inter-token latency at N sessions."""
+    import sys
+
+    from kakeya_runtime.bench.concurrent import ConcurrentConfig, run_concurrent
+
+    bad = [s for s in _csv(schedulers) if s not in ("batch", "serial")]
+    if bad:
+        raise typer.BadParameter(f"unknown schedulers {bad} (batch, serial)")
+    config = ConcurrentConfig(model=model, sessions=_ints(sessions), turns=turns, reply_tokens=reply_tokens,
+                              long_prompt=long_prompt, long_decoders=long_decoders,
+                              long_reply_tokens=long_reply_tokens, max_batch=max_batch, step_tokens=step_tokens,
+                              schedulers=_csv(schedulers), out=Path(out))
+    result = run_concurrent(config, command_line="kakeya " + shlex.join(sys.argv[1:]))
+    typer.echo(json.dumps(result["targets"], indent=2))
+    typer.echo(f"wrote {result['path']}")
 
 
 calibrate_app = typer.Typer(help="Per-model measurements the runtime loads (head profiles).", no_args_is_help=True)

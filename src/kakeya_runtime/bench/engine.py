@@ -63,6 +63,8 @@ class EngineBenchSpec:
     # Formats also run on PyTorch's own kernels (the sdpa backend: library GEMMs and SDPA, not invariant), as the
     # peer of our invariant kernels in the same run; they show as "<fmt>@sdpa".
     previous_formats: tuple[str, ...] = ("bf16", "fp32")
+    # llama.cpp runs with flash attention off and on; the peer is the better of the two per metric.
+    llamacpp_flash_attn: tuple[bool, ...] = (False, True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -86,8 +88,10 @@ def plan_jobs(spec: EngineBenchSpec) -> list[dict[str, Any]]:
             jobs.append({"kind": "transformers", "model": model, "contexts": list(spec.contexts),
                          "steps": spec.decode_steps, "positions": spec.fidelity_positions, "ref_file": ref})
             for j, ctx in enumerate(spec.contexts):
-                jobs.append({"kind": "llamacpp", "model": model, "ctx": ctx, "steps": spec.decode_steps,
-                             "positions": spec.fidelity_positions if j == 0 else 0, "ref_file": ref})
+                for flash in spec.llamacpp_flash_attn:  # its best setting is the peer (per metric)
+                    jobs.append({"kind": "llamacpp", "model": model, "ctx": ctx, "steps": spec.decode_steps,
+                                 "flash_attn": flash, "ref_file": ref,
+                                 "positions": spec.fidelity_positions if j == 0 and flash is False else 0})
     if spec.long_prefill_model and spec.long_prefill:
         lengths = sorted(spec.long_prefill)
         for chunk in sorted(spec.long_prefill_chunks):
@@ -186,7 +190,10 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
                 peers[(job["model"], int(ctx), "transformers")] = {**m, "cpu_busy_before": r.get("cpu_busy_before")}
             fidelity.setdefault(job["model"], {})["transformers"] = r.get("fidelity")
         elif job["kind"] == "llamacpp":
-            peers[(job["model"], job["ctx"], "llama.cpp")] = r
+            if r.get("skipped"):
+                continue
+            fa = job.get("flash_attn")
+            peers[(job["model"], job["ctx"], "llama.cpp" if fa is None else f"llama.cpp fa={'on' if fa else 'off'}")] = r
             if r.get("fidelity"):
                 fidelity.setdefault(job["model"], {})["llama.cpp"] = r["fidelity"]
         elif job["kind"] == "fidelity":
@@ -195,6 +202,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             long_prefill.append({k: r[k] for k in ("tokens", "chunk", "prefill_s", "prefill_tok_s", "kv_bytes",
                                                    "rss_before", "peak_rss_prefill", "prefill_peak_over_before")}
                                 | {"model": job["model"]})
+    for (m, c) in {(k[0], k[1]) for k in peers if k[2].startswith("llama.cpp fa=")}:
+        peers[(m, c, "llama.cpp")] = _best_of({k[2]: v for k, v in peers.items() if k[:2] == (m, c)
+                                               and k[2].startswith("llama.cpp fa=")})
     rows = []
     models = list(dict.fromkeys(k[0] for k in ours))
     contexts = sorted({k[1] for k in ours})
@@ -218,9 +228,23 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows, "fidelity": fidelity, "long_prefill": long_prefill, "targets": targets}
 
 
+def _best_of(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One peer from several settings of it: the best value of each metric, and which setting gave it."""
+    out: dict[str, Any] = {"best_of": {}}
+    for key, better in (("prefill_tok_s", max), ("decode_tok_s", max), ("decode_tok_s_median", max),
+                        ("ttft_s", min), ("peak_rss_process", min), ("peak_rss_run", min)):
+        have = {name: r[key] for name, r in runs.items() if r.get(key) is not None}
+        if have:
+            name = better(have, key=have.__getitem__)
+            out[key] = have[name]
+            out["best_of"][key] = name
+    out["cpu_busy_before"] = max((r.get("cpu_busy_before") or 0.0) for r in runs.values())
+    return out
+
+
 def _speed(r: dict[str, Any]) -> dict[str, Any]:
     keys = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_median", "ttft_s", "peak_rss_process", "peak_rss_run",
-            "weight_bytes", "cpu_busy_before", "compile_s", "load_s")
+            "weight_bytes", "cpu_busy_before", "compile_s", "load_s", "best_of", "flash_attn")
     return {k: r.get(k) for k in keys if r.get(k) is not None}
 
 
@@ -613,8 +637,9 @@ def job_llamacpp(job: dict[str, Any]) -> dict[str, Any]:
     ctx, steps = job["ctx"], job["steps"]
     ids = _text_ids(BenchModel(None, ids_all, None), ctx)
     t0 = time.perf_counter()
+    flash = bool(job.get("flash_attn", False))
     llm = llama_cpp.Llama(str(gguf), n_ctx=ctx + steps + 8, n_threads=threads, n_threads_batch=threads,
-                          n_batch=512, n_ubatch=512, logits_all=False, verbose=False)
+                          n_batch=512, n_ubatch=512, logits_all=False, verbose=False, flash_attn=flash)
     load_s = time.perf_counter() - t0
     n_vocab = llm.n_vocab()
 
@@ -639,7 +664,7 @@ def job_llamacpp(job: dict[str, Any]) -> dict[str, Any]:
         stamps.append(time.perf_counter())
     decode_s = stamps[-1] - stamps[0]
     result: dict[str, Any] = {
-        "threads": threads, "load_s": round(load_s, 2), "llama_cpp_version": llama_cpp.__version__,
+        "threads": threads, "load_s": round(load_s, 2), "llama_cpp_version": llama_cpp.__version__, "flash_attn": flash,
         "prefill_s": prefill_s, "prefill_tok_s": ctx / prefill_s, "ttft_s": ttft,
         "decode_s": decode_s, "decode_tok_s": steps / decode_s, **_step_stats(stamps),
         "peak_rss_run": peak_rss_bytes(), "peak_rss_process": _ru_maxrss(),

@@ -214,7 +214,13 @@ class Engine:
 
 
 class TokenStream:
-    """Iterates one list of B token ids per step; `result` is set once the stream ends."""
+    """Iterates one list of B token ids per step; `result` is set once the stream ends.
+
+    The same stream can be driven step by step from outside (sessions.batch, continuous batching): `prefill(n)`
+    feeds the next n prompt tokens and, after the last, samples the first step; `take(logits)` samples a step
+    from a decode forward the driver ran itself (`next_input` is the token to feed); `ended()`, asked after the
+    consumer saw a step's ids, says whether the stream is over (and why); `close()` runs the cache's end-of-turn
+    hook. Iterating does exactly that with whole prefills and solo decode steps, so both ways sample the same."""
 
     def __init__(self, engine: Engine, cache: ModelKV, new_ids: Tensor, request: GenerateRequest,
                  should_stop: Callable[[], bool] | None) -> None:
@@ -223,6 +229,14 @@ class TokenStream:
         self.result: GenerationResult | None = None
         self.attn_rows: list[Tensor] = []  # per step, when request.trace_layer is set
         self.step_logits: list[Tensor] = []  # per step (B, V) fp32, when request.keep_logits is set
+        self.next_input: Tensor | None = None  # (B, 1): the last sampled ids, what the next decode step consumes
+        self._gen = request.sampling.make_generator(engine.device)
+        self._stop = set(request.stop_ids)
+        self._done = [False] * cache.batch
+        self._prefilled = 0
+        self._t0 = 0.0
+        self._t_first: float | None = None
+        self._closed = False
 
     def __iter__(self) -> Iterator[list[int]]:
         return self._run()
@@ -231,50 +245,89 @@ class TokenStream:
         try:
             yield from self._steps()
         finally:
-            self.cache.end_turn()  # policy hook (restore per_turn: drop the turn's restored K/V)
+            self.close()
 
     def _steps(self) -> Iterator[list[int]]:
-        eng, cache, req = self.engine, self.cache, self.request
-        stop = set(req.stop_ids)
-        gen = req.sampling.make_generator(eng.device)
-        batch = cache.batch
-        produced: list[list[int]] = [[] for _ in range(batch)]
-        done = [False] * batch
-        t0 = time.perf_counter()
-        # Room for the whole generation now: the decode steps then write into storage that is already there.
-        cache.reserve(cache.length + self.new_ids.shape[1] + req.max_new_tokens)
-        out = eng.prefill(cache, self.new_ids, trace_layer=req.trace_layer)
-        prefill_s = time.perf_counter() - t0
-        result = GenerationResult(produced, FinishReason.LENGTH, prefill_tokens=self.new_ids.shape[1],
-                                  prefill_s=prefill_s)
-        self.result = result
-        t_first = None
-        for step in range(req.max_new_tokens):
-            if out.attn_row is not None:
-                self.attn_rows.append(out.attn_row)
-            if req.keep_logits:
-                self.step_logits.append(out.logits[:, -1].float())
-            next_ids = sample(out.logits[:, -1], req.sampling, gen)  # (B,)
-            ids = next_ids.tolist()  # the one sync point per step
-            if t_first is None:
-                t_first = time.perf_counter()
-                result.ttft_s = t_first - t0
-            for b, tok in enumerate(ids):
-                if not done[b]:
-                    produced[b].append(tok)
-                    done[b] = tok in stop
-            result.decode_tokens = step + 1
-            result.decode_s = time.perf_counter() - t_first
+        ids = self.prefill()
+        while True:
+            assert ids is not None
             yield ids
-            if all(done):
-                result.finish_reason = FinishReason.STOP
+            if self.ended():
                 return
-            if self.should_stop is not None and self.should_stop():
-                result.finish_reason = FinishReason.CANCELLED
-                return
-            if step + 1 == req.max_new_tokens:
-                return
-            out = eng.decode_step(cache, next_ids[:, None], trace_layer=req.trace_layer)
+            ids = self.decode()
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens not yet prefilled (0 once the first step was sampled)."""
+        return self.new_ids.shape[1] - self._prefilled
+
+    def prefill(self, max_tokens: int | None = None) -> list[int] | None:
+        """Prefill up to `max_tokens` more prompt tokens (all that are left when None); after the last of them,
+        sample the first step and return its ids (None while prompt tokens are left)."""
+        t = self.new_ids.shape[1]
+        a = self._prefilled
+        if a >= t:
+            raise GenerationError("the prompt is already prefilled")
+        b = t if max_tokens is None else min(t, a + max(1, max_tokens))
+        if a == 0:
+            self._t0 = time.perf_counter()
+            # Room for the whole generation now: the decode steps then write into storage that is already there.
+            self.cache.reserve(self.cache.length + t + self.request.max_new_tokens)
+            self.result = GenerationResult([[] for _ in range(self.cache.batch)], FinishReason.LENGTH,
+                                           prefill_tokens=t)
+        last = b == t
+        out = self.engine.prefill(self.cache, self.new_ids[:, a:b],
+                                  trace_layer=self.request.trace_layer if last else None)
+        self._prefilled = b
+        assert self.result is not None
+        self.result.prefill_s = time.perf_counter() - self._t0  # wall time, other rows' steps included
+        return self.take(out.logits[:, -1], out.attn_row) if last else None
+
+    def decode(self) -> list[int]:
+        """One solo decode step over `next_input`, sampled."""
+        assert self.next_input is not None
+        out = self.engine.decode_step(self.cache, self.next_input, trace_layer=self.request.trace_layer)
+        return self.take(out.logits[:, -1], out.attn_row)
+
+    def take(self, logits: Tensor, attn_row: Tensor | None = None) -> list[int]:
+        """Sample one step from its logits (B, V) (the prefill's last position or a decode step's)."""
+        req, result = self.request, self.result
+        assert result is not None
+        if attn_row is not None:
+            self.attn_rows.append(attn_row)
+        if req.keep_logits:
+            self.step_logits.append(logits.float())
+        next_ids = sample(logits, req.sampling, self._gen)  # (B,)
+        ids = next_ids.tolist()  # the one sync point per step
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+            result.ttft_s = self._t_first - self._t0
+        for b, tok in enumerate(ids):
+            if not self._done[b]:
+                result.token_ids[b].append(tok)
+                self._done[b] = tok in self._stop
+        result.decode_tokens += 1
+        result.decode_s = time.perf_counter() - self._t_first
+        self.next_input = next_ids[:, None]
+        return ids
+
+    def ended(self) -> bool:
+        """After the consumer saw a step: whether the stream ends here (setting result.finish_reason)."""
+        result = self.result
+        assert result is not None
+        if all(self._done):
+            result.finish_reason = FinishReason.STOP
+            return True
+        if self.should_stop is not None and self.should_stop():
+            result.finish_reason = FinishReason.CANCELLED
+            return True
+        return result.decode_tokens >= self.request.max_new_tokens
+
+    def close(self) -> None:
+        """The cache's end-of-turn hook (restore per_turn: drop the turn's restored K/V), once."""
+        if not self._closed:
+            self._closed = True
+            self.cache.end_turn()
 
 
 def generate_greedy_cached(engine: Engine, prompt_ids: Sequence[int], *, max_new_tokens: int,

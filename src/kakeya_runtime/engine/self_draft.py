@@ -29,6 +29,16 @@ from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.models.base import DecoderModel
 
 
+class DraftHeadError(ValueError):
+    """Draft-head weights that do not fit the served model (missing or unexpected tensors, wrong shapes), or a file
+    that is not readable safetensors."""
+
+
+def _decode_weights(model: DecoderModel) -> int:
+    """Weights a decode step reads (every layer plus the LM head): the unit of a draft's cost."""
+    return sum(p.numel() for p in model.layers.parameters()) + model.head_weight().numel()
+
+
 def _pick(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> tuple[int, Tensor | None]:
     """A draft token from (V,) fp32 logits: argmax when greedy (q not needed), else a draw from q (returned)."""
     if sampling.greedy:
@@ -42,6 +52,7 @@ class LayerSkipDraft:
 
     name = "self"
     wants_hidden = False
+    auto_draft_tokens = 4
 
     def __init__(self, model: DecoderModel, layers: int | None = None) -> None:
         n = len(model.layers)
@@ -50,6 +61,9 @@ class LayerSkipDraft:
             raise ValueError(f"layers must be in [1, {n}], got {self.layers}")
         self.model = model
         self.cache: ModelKV | None = None
+        # A drafted token reads the first layers and the LM head: that share of a decode step (the off-switch's cost).
+        first = sum(p.numel() for layer in model.layers[: self.layers] for p in layer.parameters())
+        self.draft_cost = (first + model.head_weight().numel()) / _decode_weights(model)
 
     def attach(self, cache: ModelKV) -> None:
         self.cache = cache
@@ -119,9 +133,49 @@ class DraftHead(nn.Module):
     def target(self) -> DecoderModel:
         return self._target[0]
 
-    def load(self, path: Path) -> None:
-        """Trained weights (a state_dict of fc/up/down/norm_scale) from a later training pipeline."""
-        self.load_state_dict(torch.load(path, map_location=self.fc.weight.device, weights_only=True))
+    def save(self, path: Path) -> None:
+        """The head's own weights (fc, up, down, norm_scale) as safetensors, the format `from_file` loads."""
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(path),
+                  metadata={"format": "kakeya-draft-head", "hidden_size": str(self.fc.weight.shape[0])})
+
+    @classmethod
+    def from_file(cls, model: DecoderModel, path: Path | str) -> DraftHead:
+        """A head with trained weights from a safetensors file (what a training pipeline writes: fc (C, 2C),
+        up (I, C), down (C, I), norm_scale (C,), any float dtype), checked against the served model's hidden size
+        C; the intermediate size I is the file's. DraftHeadError when the file does not fit."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(path))
+        except (OSError, SafetensorError) as e:
+            raise DraftHeadError(f"cannot read draft head weights {str(path)!r}: {e}") from None
+        up = tensors.get("up.weight")
+        if up is None or up.dim() != 2:
+            raise DraftHeadError(f"draft head file {str(path)!r} has no 2-D 'up.weight' (tensors: "
+                                 f"{', '.join(sorted(tensors)) or 'none'})")
+        head = cls(model, intermediate=int(up.shape[0]))
+        head.load_tensors(tensors, source=str(path))
+        return head
+
+    def load_tensors(self, tensors: dict[str, Tensor], *, source: str = "draft head weights") -> None:
+        """Replace the head's weights, after checking every name and shape (nothing changes when one is wrong)."""
+        want = self.state_dict()
+        missing = sorted(set(want) - set(tensors))
+        extra = sorted(set(tensors) - set(want))
+        if missing or extra:
+            raise DraftHeadError(f"{source}: missing tensors {missing}, unexpected tensors {extra} (a draft head has "
+                                 f"{', '.join(sorted(want))})")
+        for name in sorted(want, key=lambda n: (n != "fc.weight", n)):  # fc first: it carries the model's size
+            t, got = want[name], tensors[name]
+            if tuple(got.shape) != tuple(t.shape):
+                raise DraftHeadError(f"{source}: {name} has shape {tuple(got.shape)}, the served model "
+                                     f"(hidden size {self.fc.weight.shape[0]}) needs {tuple(t.shape)}")
+            if not got.is_floating_point():
+                raise DraftHeadError(f"{source}: {name} is {got.dtype}, not a float tensor")
+        self.load_state_dict({k: v.to(want[k].dtype) for k, v in tensors.items()})
 
     @torch.inference_mode()
     def step(self, feature: Tensor, token: int) -> tuple[Tensor, Tensor]:
@@ -140,10 +194,13 @@ class DraftHeadProposer:
 
     name = "draft_head"
     wants_hidden = True
+    auto_draft_tokens = 4
 
     def __init__(self, head: DraftHead) -> None:
         self.head = head
         self.feature: Tensor | None = None
+        own = sum(p.numel() for p in head.parameters())  # + the shared LM head, read once per drafted token
+        self.draft_cost = (own + head.target.head_weight().numel()) / _decode_weights(head.target)
 
     def attach(self, cache: ModelKV) -> None:
         pass

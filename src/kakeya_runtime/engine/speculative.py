@@ -20,9 +20,16 @@ A seeded stream is reproducible for a given speculation setting (proposer, max_d
 are drawn in a different order than plain sampling's, so a seeded sampled stream with speculation is a different
 (equally distributed) stream than without. Greedy streams are identical with and without.
 
-Adaptive off-switch (`Governor`): a verifier step over k drafts costs about one decode step plus a little per
-draft; when the accepted tokens per step do not pay for that, the stream decodes plainly for a while and then
-probes again (backing off exponentially while it keeps not paying).
+Draft length. `max_draft_tokens` caps each step; 0 asks for the proposer's own adaptive cap (`auto_draft_tokens`):
+history lookup drafts up to CHEAP_VERIFY_TOKENS - 1 (a verifier chunk of up to 16 rows costs about one decode step
+on the CPU kernels: one AMX tile of rows), its draft following the match length; the model-based proposers, whose
+every drafted token costs a draft forward, start at one token per step and double it while whole drafts are
+accepted (halving it at a rejection), so a draft that is rarely right costs little before the off-switch acts.
+
+Adaptive off-switch (`Governor`): a step's cost in decode steps is 1 + (VERIFY_COST + the proposer's `draft_cost`)
+per drafted token; when the tokens it emitted per unit of cost stay below the bar, the stream decodes plainly for
+a while and then probes again with a one-token draft (backing off exponentially while it keeps not paying). It
+counts tokens, never time, so a seeded stream stays reproducible.
 """
 
 from __future__ import annotations
@@ -47,6 +54,13 @@ from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.models.base import Logits
 
 MAX_DRAFT_TOKENS = 16  # the most a verifier step drafts (kv.cache.SLIDING_SPARE keeps that much rollback room)
+VERIFY_COST = 0.01  # measured extra cost of a verifier chunk per drafted token, in decode steps (<= 16 rows)
+DEFAULT_AUTO_DRAFT = 4  # the adaptive cap of a proposer that names none
+
+
+def auto_draft_tokens(proposer: DraftProposer) -> int:
+    """The draft cap `max_draft_tokens=0` stands for with this proposer."""
+    return int(getattr(proposer, "auto_draft_tokens", DEFAULT_AUTO_DRAFT))
 
 
 @dataclass(slots=True)
@@ -78,66 +92,101 @@ def verify_greedy(logits: Tensor, draft: Sequence[int]) -> list[int]:
 
 def verify_sampled(logits: Tensor, draft: Draft, sampling: SamplingParams,
                    generator: torch.Generator | None) -> list[int]:
-    """Leviathan et al.'s rejection sampling, exact for the sampler's transform of the target distribution."""
+    """Leviathan et al.'s rejection sampling, exact for the sampler's transform of the target distribution.
+
+    The target distribution of a row is computed only when that row is reached (the rows after the first
+    rejection are never needed: with top-k/top-p each row costs a sort over the vocabulary); the random numbers
+    are drawn in a fixed order (k uniforms, then one token), whichever rows are computed."""
     k = len(draft.tokens)
-    p = probs_from_logits(logits, sampling)  # (k+1, V): the distributions plain sampling draws from
     if k == 0:
-        return [int(torch.multinomial(p[0], 1, generator=generator))]
-    idx = torch.tensor(draft.tokens, dtype=torch.long, device=p.device)
-    rows = torch.arange(k, device=p.device)
-    p_d = p[rows, idx]
-    q_d = torch.ones_like(p_d) if draft.q is None else draft.q.to(p.device)[rows, idx]
-    u = torch.rand(k, generator=generator, device=p.device)
-    # accept d_i with probability min(1, p/q): u < p/q, written without dividing (q_d > 0 for a drawn token)
-    rejected = (u * q_d >= p_d).tolist()
-    n = rejected.index(True) if True in rejected else k
-    if n == k:
-        return [*draft.tokens, int(torch.multinomial(p[k], 1, generator=generator))]
-    if draft.q is None:
-        residual = p[n].clone()
-        residual[draft.tokens[n]] = 0.0
-    else:
-        residual = (p[n] - draft.q[n].to(p.device)).clamp_min_(0.0)
-    if not float(residual.sum()) > 0.0:  # p == q: a rejection had probability 0 (float edge); p is the answer
-        residual = p[n]
-    return [*draft.tokens[:n], int(torch.multinomial(residual, 1, generator=generator))]
+        return [int(torch.multinomial(probs_from_logits(logits[:1], sampling)[0], 1, generator=generator))]
+    u = torch.rand(k, generator=generator, device=logits.device).tolist()
+    q = None if draft.q is None else draft.q.to(logits.device)
+    for i, d in enumerate(draft.tokens):
+        p = probs_from_logits(logits[i : i + 1], sampling)[0]  # the distribution plain sampling draws from
+        p_d = float(p[d])
+        q_d = 1.0 if q is None else float(q[i, d])
+        # accept d_i with probability min(1, p/q): u < p/q, written without dividing (q_d > 0 for a drawn token)
+        if u[i] * q_d >= p_d:
+            if q is None:
+                residual = p.clone()
+                residual[d] = 0.0
+            else:
+                residual = (p - q[i]).clamp_min_(0.0)
+            if not float(residual.sum()) > 0.0:  # p == q: a rejection had probability 0 (float edge); p is the answer
+                residual = p
+            return [*draft.tokens[:i], int(torch.multinomial(residual, 1, generator=generator))]
+    p = probs_from_logits(logits[k : k + 1], sampling)[0]
+    return [*draft.tokens, int(torch.multinomial(p, 1, generator=generator))]
 
 
 class Governor:
-    """The adaptive off-switch. After each verifier step it updates an average of the tokens the step emitted per
-    unit of cost (a step with k drafts costs 1 + `draft_cost` * k decode steps); when that average falls below
-    `min_gain` after `warmup` steps, speculation pauses for `pause` plain tokens; after a pause a single probe step
-    decides: a bad one pauses again for twice as long (up to `max_pause`), a good one resumes (and resets the
-    pause once the average is clearly above the bar)."""
+    """The adaptive off-switch and draft-length control, in token counts only (never time: a seeded stream must
+    replay the same steps).
 
-    def __init__(self, *, draft_cost: float = 0.1, min_gain: float = 1.05, warmup: int = 4, decay: float = 0.8,
-                 pause: int = 16, max_pause: int = 256) -> None:
-        self.draft_cost, self.min_gain, self.warmup, self.decay = draft_cost, min_gain, warmup, decay
+    After each verifier step it updates an average (decay `decay`) of the tokens the step emitted per unit of
+    cost, a step with k drafts costing 1 + `cost` * k decode steps (`cost`: the verifier's extra per drafted token
+    plus the proposer's own drafting). When the average falls below `min_gain`, speculation pauses for `pause`
+    plain tokens; the step after a pause is a probe with a one-token draft: a bad one pauses again for twice as
+    long (up to `max_pause`), a good one resumes (and resets the pause once the average is clearly above the bar).
+    The average starts just above the bar, so one clearly losing step is enough to pause.
+
+    `slow_start` (the model-based proposers, whose drafted tokens each cost a draft forward): the draft length
+    starts at 1, doubles after a step whose whole draft was accepted and falls back to the accepted length + 1
+    after a rejection. Otherwise (history lookup: drafting is free) every step may draft up to the cap."""
+
+    def __init__(self, *, cost: float = VERIFY_COST, min_gain: float = 1.0, decay: float = 0.7, pause: int = 4,
+                 max_pause: int = 64, slow_start: bool = False) -> None:
+        self.cost, self.min_gain, self.decay = cost, min_gain, decay
         self.base_pause, self.max_pause = pause, max_pause
         self.pause = pause
-        self.gain = 1.5  # optimistic start
-        self.steps = 0
+        self.slow_start = slow_start
+        self.gain = min_gain + 0.1
+        self.length = 1  # slow start: the next draft's length
+        self.probing = False
         self.off_for = 0  # plain tokens left before probing again
         self.switches = 0
+
+    @classmethod
+    def for_proposer(cls, proposer: DraftProposer) -> Governor:
+        """History lookup (drafting is free: pause briefly, probe often) or a model-based proposer (each drafted
+        token costs `draft_cost` decode steps: slow start, long pauses)."""
+        draft_cost = float(getattr(proposer, "draft_cost", 0.0))
+        if draft_cost <= 0.0:  # a failed draft costs the verifier's few percent: pause only when clearly losing
+            return cls(min_gain=0.95)
+        return cls(cost=VERIFY_COST + draft_cost, min_gain=1.05, pause=16, max_pause=256, slow_start=True)
 
     def active(self) -> bool:
         return self.off_for == 0
 
+    def draft_length(self, cap: int) -> int:
+        """How many tokens the next step may draft (at most `cap`)."""
+        if not self.slow_start:
+            return cap
+        return min(cap, 1 if self.probing else self.length)
+
     def plain_token(self) -> None:
         if self.off_for:
             self.off_for -= 1
+            if self.off_for == 0:
+                self.probing = True
 
     def step(self, drafted: int, emitted: int) -> None:
-        gain = emitted / (1.0 + self.draft_cost * drafted)
-        self.gain = self.decay * self.gain + (1.0 - self.decay) * gain
-        self.steps += 1
-        if self.steps >= self.warmup and self.gain < self.min_gain:
+        accepted = emitted - 1
+        gain = emitted / (1.0 + self.cost * drafted)
+        if self.probing:  # a probe decides alone
+            self.probing = False
+            self.gain = gain if gain < self.min_gain else max(gain, self.min_gain + 0.1)
+        else:
+            self.gain = self.decay * self.gain + (1.0 - self.decay) * gain
+        self.length = min(2 * self.length, MAX_DRAFT_TOKENS) if accepted == drafted else accepted + 1
+        if self.gain < self.min_gain:
             self.off_for = self.pause
             self.pause = min(2 * self.pause, self.max_pause)
             self.switches += 1
-            self.steps = self.warmup - 1  # after a pause one bad probe step is enough to pause again (longer)
-            self.gain = self.min_gain + 0.1  # ... while one good step resumes
-        elif self.gain >= self.min_gain + 0.2:
+            self.gain = self.min_gain + 0.1  # after the pause the probe alone decides
+            self.length = 1
+        elif self.gain >= self.min_gain + 0.3:
             self.pause = self.base_pause
 
 
@@ -155,8 +204,11 @@ class SpeculativeStream:
                  ends_at: Callable[[int], bool] | None = None) -> None:
         if cache.batch != 1 or new_ids.shape[0] != 1:
             raise GenerationError("speculative decoding takes one sequence (batch 1)")
-        if not 1 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise GenerationError(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {max_draft_tokens}")
+        if not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise GenerationError(f"max_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}] (0: the proposer's "
+                                  f"adaptive cap), got {max_draft_tokens}")
+        if max_draft_tokens == 0:
+            max_draft_tokens = min(auto_draft_tokens(proposer), MAX_DRAFT_TOKENS)
         engine.stream(cache, new_ids, request)  # the same request and capacity checks as plain decoding
         self.engine, self.cache, self.new_ids, self.request = engine, cache, new_ids, request
         self.proposer, self.max_draft = proposer, max_draft_tokens
@@ -164,7 +216,7 @@ class SpeculativeStream:
         self.context = list(context)  # every token before the first generated one (history + new_ids)
         self.should_stop = should_stop
         self.ends_at = ends_at
-        self.governor = governor or Governor()
+        self.governor = governor or Governor.for_proposer(proposer)
         self.stats = SpecStats()
         self.result: GenerationResult | None = None
 
@@ -225,7 +277,7 @@ class SpeculativeStream:
                 return
             # Next step: draft (unless off), one forward over [last, drafts], verify, roll back the rejected.
             draft = Draft([])
-            k_max = min(self.max_draft, remaining - 1)
+            k_max = gov.draft_length(min(self.max_draft, remaining - 1))
             if k_max > 0 and gov.active():
                 draft = self.proposer.propose(ctx, k_max, req.sampling, gen)
                 if len(draft.tokens) > k_max:

@@ -20,12 +20,14 @@ import grpc
 from google.protobuf import struct_pb2
 
 from kakeya_runtime.engine.generate import Engine, FinishReason
+from kakeya_runtime.engine.serving import ServingChoice, served_as_loaded
 from kakeya_runtime.kv.spec import CODEC_KINDS, DEFAULT_Q
 from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor
 from kakeya_runtime.server.boundary import StatusBoundary
 from kakeya_runtime.server.health import add_health_and_reflection
 from kakeya_runtime.server.metrics import RpcMetricsInterceptor, RuntimeMetrics
+from kakeya_runtime.sessions.batch import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
 from kakeya_runtime.sessions.budget import default_kv_budget
 from kakeya_runtime.sessions.errors import InvalidArgument, ResourceExhausted, quoted
 from kakeya_runtime.sessions.journal import FsyncPolicy, StateDir
@@ -84,6 +86,9 @@ class ServedModel:
     chat_template: str | None = None
     eos_ids: tuple[int, ...] = ()
     bos_id: int | None = None
+    # What `kakeya serve --weights/--compile` chose (engine.serving): reported by GetModelInfo and /metrics.
+    serving: ServingChoice | None = None
+    decode_forward: Any = None  # the compiled decode step (engine.compiled.CompiledDecode), if any
 
     @classmethod
     def from_loaded(cls, loaded: Any, name: str) -> ServedModel:
@@ -100,7 +105,8 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     max_sessions: int = 64
     idle_ttl_s: float = 1800.0
-    max_concurrent: int = 1
+    max_concurrent: int = DEFAULT_MAX_BATCH  # Generates batched at once (the engine loop's max batch; 1: serial)
+    step_tokens: int = DEFAULT_STEP_TOKENS  # tokens per engine step: decode rows + prefill chunks (sessions.batch)
     context_length: int | None = None  # None: the model's max positions
     sweep_interval_s: float | None = None
     idle_compress_after_s: float | None = None  # compress sessions idle this long; None: never
@@ -182,6 +188,12 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             idle_compress_after_seconds=service.config.idle_compress_after_s or 0.0,
             idle_codec=service.idle_codec.label if service.idle_codec is not None else "",
         )
+        serving = served.serving or served_as_loaded(service.engine.model, served.decode_forward is not None)
+        fid = serving.fidelity
+        self.model_info.MergeFrom(pb.GetModelInfoResponse(
+            weight_format=serving.weights, weight_format_source=serving.source, compiled_decode=serving.compiled,
+            fidelity_kl=None if fid is None else fid.kl_mean, fidelity_top1=None if fid is None else fid.top1_agree,
+            invariant_numerics=serving.invariant, measured_decode_tokens_per_second=serving.decode_tok_s or 0.0))
         # An archive holds at most the context's token ids and a snapshot of the largest cache (full) at the context.
         full = service.policies.resolve("full", {}, cfg, service.context_length)
         self.max_import_bytes = 4 * service.context_length + 2 * service.kv_reserve(full) + REQUEST_HEADROOM_BYTES
@@ -349,6 +361,7 @@ class RuntimeServer:
         rpcs = list(pb.DESCRIPTOR.services_by_name["RuntimeService"].methods_by_name)
         self.metrics = RuntimeMetrics(served.name, rpcs)
         self.engine = Engine(served.model)
+        self.engine.decode_forward = served.decode_forward
         eos = served.eos_ids or tuple(served.model.config.eos_token_ids)
         c = self.config
         # Per-key limits left unset are an equal share of the server's among the keys (one key, or none: all).
@@ -363,7 +376,8 @@ class RuntimeServer:
             self.engine,
             eos_ids=eos,
             config=ServiceConfig(max_sessions=c.max_sessions, idle_ttl_s=c.idle_ttl_s,
-                                 max_concurrent=c.max_concurrent, context_length=c.context_length,
+                                 max_concurrent=c.max_concurrent, step_tokens=c.step_tokens,
+                                 context_length=c.context_length,
                                  sweep_interval_s=c.sweep_interval_s, idle_compress_after_s=c.idle_compress_after_s,
                                  idle_codec=c.idle_codec, idle_q=c.idle_q, limits=limits),
             policies=policies,
@@ -373,6 +387,8 @@ class RuntimeServer:
             detokenize=detokenizer(served.tokenizer_json) if served.tokenizer_json else None,  # for stop strings
         )
         self.metrics.bind_store(self.service.store, self.service.policies.names())
+        self.metrics.bind_scheduler(self.service.scheduler)
+        self.metrics.serving(served.serving or served_as_loaded(served.model, served.decode_forward is not None))
         # Every journaled session is back before the first call can arrive (StateDirError when one cannot be).
         self.recovery: RecoveryStats = self.service.recover()
         self.metrics.sessions_recovered(self.recovery.sessions)

@@ -30,6 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kakeya_runtime.kv.idle import IdleStats
 from kakeya_runtime.kv.spec import POLICIES
+from kakeya_runtime.sessions.batch import BatchScheduler
 from kakeya_runtime.sessions.errors import Invariant
 from kakeya_runtime.sessions.service import GenerateStats
 from kakeya_runtime.sessions.speculation import PROPOSERS as SPEC_PROPOSERS
@@ -232,6 +233,17 @@ class RuntimeMetrics:
                 self.rpc_errors_total.labels(rpc, code.name)
         for limit in LIMITS:
             self.limit_refusals_total.labels(limit)
+        self.engine_queue_depth = Gauge(
+            "kakeya_engine_queue_depth", "Generates (and other engine calls) waiting for the engine loop.", registry=r,
+        )
+        self.engine_batch_size = Gauge(
+            "kakeya_engine_batch_size", "Generates running in the engine loop's batch now (at most --max-batch).",
+            registry=r,
+        )
+        self.engine_decode_batch_rows = Histogram(
+            "kakeya_engine_decode_batch_rows", "Sessions decoded together per engine step (one batched forward).",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r,
+        )
         self._http: ThreadingHTTPServer | None = None
 
     def bind_store(self, store: SessionStore, policies: list[str] | tuple[str, ...] = POLICIES) -> None:
@@ -240,6 +252,29 @@ class RuntimeMetrics:
         self.session_kv_reserved_bytes.set_function(store.kv_reserved_bytes)
         self.kv_budget_bytes.set(store.limits.kv_budget or 0)
         self.registry.register(_PerPolicyCollector(store, list(policies)))
+
+    def bind_scheduler(self, scheduler: BatchScheduler) -> None:
+        self.engine_queue_depth.set_function(lambda: scheduler.queued)
+        self.engine_batch_size.set_function(lambda: scheduler.batch_size)
+        scheduler.on_step = self.engine_decode_batch_rows.observe
+
+    def serving(self, choice: Any) -> None:
+        """kakeya_serving_info{weights, source, compiled, invariant} 1 (engine.serving.ServingChoice), and the
+        start-up measurements as gauges (absent when not measured)."""
+        Gauge("kakeya_serving_info", "The served configuration (kakeya serve --weights/--compile), always 1.",
+              ["weights", "source", "compiled", "invariant"], registry=self.registry).labels(
+            choice.weights, choice.source, str(bool(choice.compiled)).lower(),
+            str(bool(choice.invariant)).lower()).set(1)
+        values = {"kakeya_serving_decode_tokens_per_second": ("Decode rate of the served configuration measured at "
+                                                              "start-up.", choice.decode_tok_s),
+                  "kakeya_serving_fidelity_kl": ("Next-token KL (nats) of the served format vs bf16 on the bench "
+                                                 "text.", None if choice.fidelity is None else choice.fidelity.kl_mean),
+                  "kakeya_serving_fidelity_top1": ("Top-1 agreement of the served format with bf16 on the bench "
+                                                   "text.", None if choice.fidelity is None
+                                                   else choice.fidelity.top1_agree)}
+        for name, (doc, value) in values.items():
+            if value is not None:
+                Gauge(name, doc, registry=self.registry).set(value)
 
     # ---- observer hooks (called from the loop and the engine thread; prometheus is thread-safe) ----
 

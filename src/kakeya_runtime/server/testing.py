@@ -124,15 +124,23 @@ class SlowModel(torch.nn.Module):
         self.active = 0
         self.max_active = 0
         self.forwards = 0
+        self.max_rows = 0  # the most sessions one batched decode forward carried (1 for a plain forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(self.inner, 1, *args, **kwargs)
+
+    def forward_rows(self, input_ids: Any, *args: Any) -> Any:
+        return self._timed(self.inner.forward_rows, input_ids.shape[0], input_ids, *args)
+
+    def _timed(self, fn: Any, rows: int, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             self.active += 1
             self.forwards += 1
             self.max_active = max(self.max_active, self.active)
+            self.max_rows = max(self.max_rows, rows)
         try:
             time.sleep(self.delay_s)
-            return self.inner(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             with self._lock:
                 self.active -= 1

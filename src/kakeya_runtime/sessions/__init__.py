@@ -1,5 +1,6 @@
 """Sessions: server-issued ids, raw-token history bound byte-exactly to a per-session KV cache."""
 
+from kakeya_runtime.sessions.batch import BatchScheduler
 from kakeya_runtime.sessions.errors import (
     ErrorKind,
     FailedPrecondition,
@@ -13,7 +14,6 @@ from kakeya_runtime.sessions.errors import (
     Unavailable,
 )
 from kakeya_runtime.sessions.policy import PolicyRegistry, PolicySpec
-from kakeya_runtime.sessions.scheduler import Scheduler
 from kakeya_runtime.sessions.service import (
     DoneEvent,
     GenerateParams,
@@ -34,7 +34,7 @@ from kakeya_runtime.sessions.store import (
 __all__ = [
     "DoneEvent", "EndReason", "ErrorKind", "FailedPrecondition", "GenerateParams",
     "GenerateStats", "InternalError", "InvalidArgument", "Invariant", "InvariantViolation", "Outcome",
-    "PolicyRegistry", "PolicySpec", "ResourceExhausted", "Scheduler", "ServiceConfig", "Session", "SessionError",
+    "PolicyRegistry", "PolicySpec", "ResourceExhausted", "BatchScheduler", "ServiceConfig", "Session", "SessionError",
     "SessionNotFound", "SessionService", "SessionSnapshot", "SessionState", "SessionStore", "TokensEvent",
     "Unavailable",
 ]

@@ -15,7 +15,7 @@ and GetSessionInfo work on a compressed session as on any other.
 Stop strings (sessions.stops) are matched on the engine thread as each token commits, so a Generate ends on the
 very token that completes one: that token and all before it are in the history and were streamed, nothing after.
 
-Model work is handed to the Scheduler's engine threads; the event loop only validates, moves
+Model work is handed to the engine loop (sessions.batch: continuous batching); the event loop only validates, moves
 Python ints and relays events. Validation happens before anything changes, so a refused call
 leaves the session exactly as it was.
 """
@@ -28,14 +28,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from kakeya_runtime.engine.generate import Engine, FinishReason, GenerateRequest
+from kakeya_runtime.engine.generate import Engine, FinishReason, GenerateRequest, TokenStream
 from kakeya_runtime.engine.sampling import SamplingError, SamplingParams
 from kakeya_runtime.engine.self_draft import DraftHead
 from kakeya_runtime.engine.speculative import SpecStats, SpeculativeStream
@@ -44,6 +44,7 @@ from kakeya_runtime.kv.sink_window import PositionLimitError
 from kakeya_runtime.kv.sparse import SparseKV
 from kakeya_runtime.kv.spec import DEFAULT_Q
 from kakeya_runtime.sessions import archive, snapshot
+from kakeya_runtime.sessions.batch import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS, BatchScheduler
 from kakeya_runtime.sessions.budget import kv_worst_case_bytes
 from kakeya_runtime.sessions.errors import (
     FailedPrecondition,
@@ -58,11 +59,12 @@ from kakeya_runtime.sessions.errors import (
 from kakeya_runtime.sessions.journal import StateDir, StateDirError
 from kakeya_runtime.sessions.limits import Limits
 from kakeya_runtime.sessions.policy import CodecSpec, PolicyRegistry, PolicySpec, parse_codec
-from kakeya_runtime.sessions.scheduler import Scheduler
 from kakeya_runtime.sessions.speculation import (
     SpeculationSpec,
     check_rollback,
+    draft_tokens,
     make_proposer,
+    owner_histories,
     parse_speculation,
 )
 from kakeya_runtime.sessions.stops import Detokenize, StopWatch, check_stop_strings
@@ -88,7 +90,8 @@ MIN_TEMPERATURE = 1e-4
 class ServiceConfig:
     max_sessions: int = 64
     idle_ttl_s: float = 1800.0  # 30 min, seed 000 §2.6
-    max_concurrent: int = 1  # in-flight generations across all sessions
+    max_concurrent: int = DEFAULT_MAX_BATCH  # Generates running at once: the engine loop's max batch (1: serial)
+    step_tokens: int = DEFAULT_STEP_TOKENS  # tokens per engine step (decode rows + prefill chunks), see batch
     context_length: int | None = None  # per-session limit; None: the model's max positions
     sweep_interval_s: float | None = None  # sweeper period; None: min(ttl / 2, idle_compress_after_s / 2, 30 s)
     idle_compress_after_s: float | None = None  # compress a session's KV idle this long; None: never
@@ -232,7 +235,8 @@ class SessionService:
         self.store = SessionStore(idle_ttl_s=self.config.idle_ttl_s, observer=self.observer, clock=clock,
                                   limits=limits, journal=state)
         self._worst_case: dict[PolicySpec, int] = {}
-        self.scheduler = Scheduler(self.config.max_concurrent)
+        self.scheduler = BatchScheduler(engine, max_batch=self.config.max_concurrent,
+                                        step_tokens=self.config.step_tokens)
         self._sweeper: asyncio.Task | None = None
         self._compressions: set[asyncio.Task] = set()
         self.detokenize = detokenize
@@ -363,7 +367,7 @@ class SessionService:
         try:
             self._mutate(session, lambda: self.store.begin_generate(session, request.max_new_tokens, job.cancel))
             try:
-                future = self.scheduler.submit(self._run, job)
+                future = self.scheduler.submit_turn(_Turn(self, job))
             except RuntimeError:  # the scheduler was shut down
                 handed_off = job.finished = True
                 self._end_job(job)
@@ -591,100 +595,6 @@ class SessionService:
             job.released = True
             self._release_turn(job.session, generated=True)
 
-    def _run(self, job: _Job) -> None:
-        """Engine thread: prefill history[cached_length:], decode, commit each token as it comes."""
-        session, store = job.session, self.store
-        started = time.perf_counter()
-        queue_s = started - job.submitted_at
-        history_at_start = len(session.history)
-        if job.cancel.is_set():  # client gone or session closed while queued: touch nothing
-            job.emit(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=queue_s), history_at_start))
-            return
-        stream = None
-        stop_string: str | None = None
-        resume_s = 0.0
-        try:
-            if session.cache is None:
-                self._build_cache(session)
-            elif is_compressed(session.cache):
-                resume_s = decompress(session.cache).seconds  # idle-compressed: unpack before the prefill
-                store.check(session)
-            pending = store.pending_tokens(session)
-            ids = torch.tensor([pending], dtype=torch.long, device=self.engine.device)  # (1, T)
-            watch = StopWatch.new(self.detokenize, job.stops) if job.stops and self.detokenize else None
-            stop_ids = set(job.request.stop_ids)
-            ends_at = None if watch is None else (lambda token: token not in stop_ids and watch.push(token))
-            if job.speculation is None:
-                stream = self.engine.stream(session.cache, ids, job.request, should_stop=job.cancel.is_set)
-                with contextlib.closing(iter(stream)) as steps:  # closed early on a stop string: the turn ends there
-                    for step_ids in steps:
-                        token = step_ids[0]
-                        store.commit_generated(session, token)
-                        job.emit(TokensEvent([token]))
-                        if ends_at is not None and ends_at(token):
-                            break
-            else:  # the stream cuts a step at a completed stop string itself (and trims the cache to match)
-                stream = self._speculative_stream(session, ids, job, ends_at)
-                for tokens in stream:  # the cache already holds everything before the last of them
-                    store.commit_generated_run(session, tokens)
-                    for token in tokens:
-                        job.emit(TokensEvent([token]))
-            if watch is not None and watch.matcher.matched is not None:
-                stop_string = watch.matcher.matched
-            store.finish_generate(session)
-        except InvariantViolation as v:
-            store.fail(session, v)
-            job.emit(v)
-            return
-        except Exception as e:  # an engine error: roll the session back to its last consistent state
-            try:
-                store.roll_back(session)
-            except InvariantViolation as v:  # the session's own record broke: that is a real violation
-                store.fail(session, v)
-                job.emit(v)
-                return
-            finally:
-                self._record_attention(session)
-            if isinstance(e, PositionLimitError):  # the store's context checks should make this unreachable
-                job.emit(ResourceExhausted(f"generation stopped at the model's position limit: {e}",
-                                           limit="model_positions"))
-            elif isinstance(e, SessionError):  # e.g. the journal could not be written: its own typed status
-                job.emit(e)
-            else:
-                _log.exception("Generate on session %s failed; the session was rolled back", session.id)
-                job.emit(InternalError(f"generation failed ({type(e).__name__}); the session was rolled back to "
-                                       f"its last committed token and can be used again"))
-            return
-        sparse_before = session.sparse
-        eaf = self._record_attention(session)
-        result = stream.result
-        assert result is not None
-        if stop_string is not None:
-            result.finish_reason = FinishReason.STOP
-        n = result.decode_tokens
-        spec = stream.stats if isinstance(stream, SpeculativeStream) else SpecStats()
-        stats = GenerateStats(
-            prefill_tokens=result.prefill_tokens,
-            prefill_s=result.prefill_s,
-            decode_s=result.decode_s,
-            decode_tokens=n,
-            decode_tokens_per_s=(n - 1) / result.decode_s if n > 1 and result.decode_s > 0 else 0.0,
-            queue_s=queue_s,
-            resume_s=resume_s,
-            ttft_s=resume_s + result.ttft_s,
-            effective_attention_fraction=eaf,
-            sparse=_sparse_delta(session.sparse, sparse_before) if session.sparse else None,
-            speculation="" if job.speculation is None else job.speculation.proposer,
-            draft_tokens=spec.drafted,
-            accepted_draft_tokens=spec.accepted,
-            acceptance_rate=spec.acceptance_rate,
-            tokens_per_verifier_step=spec.tokens_per_verifier_step,
-            verifier_steps=spec.verifier_steps,
-            speculation_pauses=spec.off_switches,
-        )
-        self.observer.generate_finished(stats, history_at_start)
-        job.emit(DoneEvent(result.finish_reason, stats, len(session.history), stop_string))
-
     def _build_cache(self, session: Session) -> None:
         """Engine thread: the session's first cache, from its verified snapshot when it has one (a recovered or
         imported session), else empty (the prefill then computes the whole history)."""
@@ -711,10 +621,11 @@ class SessionService:
         spec = job.speculation
         assert spec is not None
         if session.drafts is None or session.drafts[0].proposer != spec.proposer:
-            session.drafts = (spec, make_proposer(spec, self.engine.model, self._draft_head))
+            session.drafts = (spec, make_proposer(spec, self.engine.model, self._draft_head,
+                                                  owner_histories(self.store.live_sessions, session)))
         context = self.store.history_tokens(session)
         return SpeculativeStream(self.engine, session.cache, ids, job.request, session.drafts[1], context,
-                                 spec.max_draft_tokens, should_stop=job.cancel.is_set, ends_at=ends_at)
+                                 draft_tokens(spec, session.policy), should_stop=job.cancel.is_set, ends_at=ends_at)
 
     def _draft_head(self) -> DraftHead:
         """Engine thread: the served model's EAGLE-style draft head, shared by sessions (random until trained)."""
@@ -734,6 +645,138 @@ class SessionService:
                 session.sparse = {"total": cache.counters().as_dict(), "layers": cache.layer_counters(),
                                   **{k: memory[k] for k in ("hot_bytes", "cold_bytes", "index_bytes")}}
         return session.attention_fraction
+
+
+@dataclass(slots=True)
+class _Turn:
+    """A Generate as the engine loop drives it (sessions.batch.Turn): open the session's stream, commit and relay
+    each step's tokens, end with stats, or roll the session back on an engine error. Runs on the engine thread."""
+
+    service: SessionService
+    job: _Job
+    stream: TokenStream | SpeculativeStream | None = None
+    watch: StopWatch | None = None
+    ends_at: Callable[[int], bool] | None = None
+    queue_s: float = 0.0
+    resume_s: float = 0.0
+    history_at_start: int = 0
+
+    def begin(self) -> TokenStream | Iterator[list[int]] | None:
+        """Prefill history[cached_length:] next, then decode; None when the turn already answered."""
+        job, svc = self.job, self.service
+        session, store = job.session, svc.store
+        self.queue_s = time.perf_counter() - job.submitted_at
+        self.history_at_start = len(session.history)
+        if job.cancel.is_set():  # client gone or session closed while queued: touch nothing
+            job.emit(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=self.queue_s), self.history_at_start))
+            return None
+        try:
+            if session.cache is None:
+                svc._build_cache(session)
+            elif is_compressed(session.cache):
+                self.resume_s = decompress(session.cache).seconds  # idle-compressed: unpack before the prefill
+                store.check(session)
+            pending = store.pending_tokens(session)
+            ids = torch.tensor([pending], dtype=torch.long, device=svc.engine.device)  # (1, T)
+            watch = StopWatch.new(svc.detokenize, job.stops) if job.stops and svc.detokenize else None
+            stop_ids = set(job.request.stop_ids)
+            self.watch = watch
+            self.ends_at = None if watch is None else (lambda token: token not in stop_ids and watch.push(token))
+            if job.speculation is None:
+                self.stream = svc.engine.stream(session.cache, ids, job.request, should_stop=job.cancel.is_set)
+                return self.stream
+            # the stream cuts a step at a completed stop string itself (and trims the cache to match)
+            self.stream = svc._speculative_stream(session, ids, job, self.ends_at)
+            return iter(self.stream)
+        except Exception as e:
+            self.fail(e)
+            return None
+
+    def cancelled(self) -> bool:
+        return self.job.cancel.is_set()
+
+    def deliver(self, tokens: list[int]) -> bool:
+        session, store, job = self.job.session, self.service.store, self.job
+        if isinstance(self.stream, SpeculativeStream):  # the cache already holds everything before the last token
+            store.commit_generated_run(session, tokens)
+            for token in tokens:
+                job.emit(TokensEvent([token]))
+            return False
+        (token,) = tokens
+        store.commit_generated(session, token)
+        job.emit(TokensEvent([token]))
+        return self.ends_at is not None and self.ends_at(token)
+
+    def finish(self) -> None:
+        job, svc, stream = self.job, self.service, self.stream
+        session, store = job.session, svc.store
+        assert stream is not None
+        if isinstance(stream, TokenStream) and stream.prefill_left > 0:  # cancelled between prefill chunks
+            store.roll_back(session)  # the partial prefill goes; nothing was committed
+            job.emit(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=self.queue_s, resume_s=self.resume_s),
+                               self.history_at_start))
+            return
+        stop_string = None
+        if self.watch is not None and self.watch.matcher.matched is not None:
+            stop_string = self.watch.matcher.matched
+        store.finish_generate(session)
+        sparse_before = session.sparse
+        eaf = svc._record_attention(session)
+        result = stream.result
+        assert result is not None
+        if stop_string is not None:
+            result.finish_reason = FinishReason.STOP
+        n = result.decode_tokens
+        spec = stream.stats if isinstance(stream, SpeculativeStream) else SpecStats()
+        stats = GenerateStats(
+            prefill_tokens=result.prefill_tokens,
+            prefill_s=result.prefill_s,
+            decode_s=result.decode_s,
+            decode_tokens=n,
+            decode_tokens_per_s=(n - 1) / result.decode_s if n > 1 and result.decode_s > 0 else 0.0,
+            queue_s=self.queue_s,
+            resume_s=self.resume_s,
+            ttft_s=self.resume_s + result.ttft_s,
+            effective_attention_fraction=eaf,
+            sparse=_sparse_delta(session.sparse, sparse_before) if session.sparse else None,
+            speculation="" if job.speculation is None else job.speculation.proposer,
+            draft_tokens=spec.drafted,
+            accepted_draft_tokens=spec.accepted,
+            acceptance_rate=spec.acceptance_rate,
+            tokens_per_verifier_step=spec.tokens_per_verifier_step,
+            verifier_steps=spec.verifier_steps,
+            speculation_pauses=spec.off_switches,
+        )
+        svc.observer.generate_finished(stats, self.history_at_start)
+        job.emit(DoneEvent(result.finish_reason, stats, len(session.history), stop_string))
+
+    def fail(self, e: Exception) -> None:
+        """An error after the turn began: an invariant violation fails the session; an engine error rolls it back
+        to its last consistent state (every token committed before the error included)."""
+        job, svc = self.job, self.service
+        session, store = job.session, svc.store
+        if isinstance(e, InvariantViolation):
+            store.fail(session, e)
+            job.emit(e)
+            return
+        try:
+            store.roll_back(session)
+        except InvariantViolation as v:  # the session's own record broke: that is a real violation
+            store.fail(session, v)
+            job.emit(v)
+            return
+        finally:
+            svc._record_attention(session)
+        if isinstance(e, PositionLimitError):  # the store's context checks should make this unreachable
+            job.emit(ResourceExhausted(f"generation stopped at the model's position limit: {e}",
+                                       limit="model_positions"))
+        elif isinstance(e, SessionError):  # e.g. the journal could not be written: its own typed status
+            job.emit(e)
+        else:
+            _log.error("Generate on session %s failed; the session was rolled back", session.id, exc_info=e)
+            job.emit(InternalError(f"generation failed ({type(e).__name__}); the session was rolled back to "
+                                   f"its last committed token and can be used again"))
+
 
 
 def _sparse_delta(now: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:

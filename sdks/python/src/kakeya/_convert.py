@@ -180,6 +180,13 @@ def model_info_from_pb(r: pb.GetModelInfoResponse) -> ModelInfo:
         kv_policies=tuple(r.kv_policies),
         idle_compress_after_s=r.idle_compress_after_seconds or None,
         idle_codec=r.idle_codec or None,
+        weight_format=r.weight_format,
+        weight_format_source=r.weight_format_source,
+        compiled_decode=r.compiled_decode,
+        fidelity_kl=r.fidelity_kl if r.HasField("fidelity_kl") else None,
+        fidelity_top1=r.fidelity_top1 if r.HasField("fidelity_top1") else None,
+        invariant_numerics=r.invariant_numerics,
+        measured_decode_tok_s=r.measured_decode_tokens_per_second or None,
     )
 
 

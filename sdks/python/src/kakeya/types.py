@@ -38,7 +38,8 @@ class Speculation:
     speculation setting. Proposers: "history" (copies from the session's own history: fast when the model
     quotes or re-emits earlier text), "self" (a layer-skipping draft from the served model itself), "draft_head"
     (an EAGLE-style head; untrained unless the server has one: exact but slow), "off". `max_draft_tokens` in
-    [1, 16]; 0: the server default (4). The session's KV policy must be able to roll a draft back (full and
+    [1, 16]; 0: adaptive (history drafts up to 15 tokens, more the longer its match; self and draft_head up to
+    4, grown from 1 while accepted). The session's KV policy must be able to roll a draft back (full and
     restore can; sink_window and sparse need spare >= max_draft_tokens and the identity codec), else
     FailedPrecondition."""
 
@@ -147,3 +148,11 @@ class ModelInfo:
     kv_policies: tuple[str, ...]
     idle_compress_after_s: float | None = None  # None: the server never compresses idle sessions
     idle_codec: str | None = None  # the server's default idle codec, e.g. "d4/q38"
+    # The served configuration (kakeya serve --weights/--compile); "" from servers older than these fields.
+    weight_format: str = ""  # bf16, fp32, int8, int4 or int4-mixed
+    weight_format_source: str = ""  # auto, flag or "as loaded"
+    compiled_decode: bool = False
+    fidelity_kl: float | None = None  # next-token KL vs bf16 on the bench text; None for bf16 / not measured
+    fidelity_top1: float | None = None  # top-1 agreement with bf16 on the bench text
+    invariant_numerics: bool = False  # INV-3: bit-exact whatever the step shapes
+    measured_decode_tok_s: float | None = None  # decode rate measured at the server's start-up

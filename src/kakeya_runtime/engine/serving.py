@@ -1,0 +1,436 @@
+"""What `kakeya serve` runs: a weight format (engine.weights) and, optionally, the compiled decode step
+(engine.compiled), chosen per model and per machine.
+
+Served formats keep INV-3: a quantized linear runs every row count through its int kernel
+(`Prefill.KERNEL`), never the dequantize-then-matmul prefill path, whose numbers differ from the kernel's
+(a session built turn by turn would then differ from one built in one shot). That holds only if the int
+kernel's result for a row does not depend on how many rows share the call, which depends on the torch
+build and the CPU: `kernel_rows_invariant` checks it on this machine, and a format that fails is refused.
+
+`--weights auto` (the default) picks, among the formats that are
+- faithful: next-token KL vs our bf16 <= FIDELITY_KL_MAX and top-1 agreement >= FIDELITY_TOP1_MIN over
+  FIDELITY_POSITIONS positions of the bench text (CPython's language reference). This depends on the model
+  and the format only, so it is measured once per model file and format and cached;
+- invariant on this machine (above),
+the one that serves REFERENCE_TURN (a turn's new tokens prefilled, then its reply decoded) fastest, from
+prefill and decode rates measured on this machine (eager; cached per machine: CPU, threads, torch, kernels).
+Both caches live in one JSON file under the kakeya cache dir; `recalibrate` measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kakeya_runtime.engine.weights import Int4Linear, Int8Linear, Prefill, WeightFormat, quantize_model
+
+AUTO = "auto"
+FORMATS: tuple[str, ...] = tuple(f.value for f in WeightFormat)
+FIDELITY_KL_MAX = 0.01  # nats, mean over positions
+FIDELITY_TOP1_MIN = 0.95
+FIDELITY_POSITIONS = 256
+# The turn `auto` minimises: new tokens prefilled, tokens generated (an agent turn: a tool result in, a reply out).
+REFERENCE_TURN = (512, 128)
+SPEED_DECODE_STEPS = 32
+CALIBRATION_VERSION = 1  # bump when what is measured, or how a format is built, changes
+
+
+class ServingError(ValueError):
+    """A --weights / --compile request that cannot be served (unknown format, not invariant here, ...)."""
+
+
+def parse_weights(text: str) -> str:
+    """'auto' or a weight format name (case-insensitive); ServingError listing the choices otherwise."""
+    value = text.strip().lower()
+    if value == AUTO or value in FORMATS:
+        return value
+    raise ServingError(f"--weights must be {AUTO} or one of {', '.join(FORMATS)}, got {text!r}")
+
+
+def load_dtype(fmt: str) -> torch.dtype:
+    """The dtype to load weights in before `apply_format`: quantized formats start from fp32, where the
+    loader's weights hold a GGUF file's values exactly."""
+    return torch.float32 if fmt in ("fp32", "int8", "int4", "int4-mixed") else torch.bfloat16
+
+
+def apply_format(model: nn.Module, fmt: str) -> nn.Module:
+    """Convert a model loaded in `load_dtype(fmt)` to the served form of `fmt`, in place. bf16 and fp32 are
+    served as loaded; quantized formats run every row count through the int kernel (INV-3)."""
+    f = WeightFormat(fmt)
+    if f.quantized:
+        quantize_model(model, f, prefill=Prefill.KERNEL)
+    return model.eval()
+
+
+def kernel_rows_invariant(fmt: str, *, rows: int = 300) -> bool:
+    """Whether this machine's int kernel(s) for `fmt` give a row the same bits whatever rows share its call
+    (one row, chunks of several sizes, all at once). True for the unquantized formats (our kernels' job)."""
+    f = WeightFormat(fmt)
+    if not f.quantized:
+        return True
+    kinds = {WeightFormat.INT8: (Int8Linear,), WeightFormat.INT4: (Int4Linear,),
+             WeightFormat.INT4_MIXED: (Int8Linear, Int4Linear)}[f]
+    g = torch.Generator().manual_seed(0)
+    for kind in kinds:
+        for n, k in ((192, 256), (64, 512)):
+            lin = kind(torch.randn(n, k, generator=g) * 0.05, None)
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+            with torch.inference_mode():
+                whole = lin.kernel_mm(x)
+                for size in (1, 3, 16, 64, 128, 257):
+                    parts = torch.cat([lin.kernel_mm(x[i : i + size]) for i in range(0, rows, size)])
+                    if not torch.equal(parts, whole):
+                        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# measurements
+
+
+@dataclass(slots=True)
+class Fidelity:
+    """Next-token agreement with our bf16 over the bench text."""
+
+    positions: int
+    kl_mean: float
+    kl_max: float
+    top1_agree: float
+
+    @property
+    def faithful(self) -> bool:
+        return self.kl_mean <= FIDELITY_KL_MAX and self.top1_agree >= FIDELITY_TOP1_MIN
+
+
+@dataclass(slots=True)
+class Speed:
+    """Eager rates on this machine: a REFERENCE_TURN[0]-token prefill, then decode steps right after it."""
+
+    prefill_tok_s: float
+    decode_tok_s: float
+
+    def turn_s(self, turn: tuple[int, int] = REFERENCE_TURN) -> float:
+        return turn[0] / self.prefill_tok_s + turn[1] / self.decode_tok_s
+
+
+@dataclass(slots=True)
+class Candidate:
+    fmt: str
+    invariant: bool
+    fidelity: Fidelity | None  # None: the reference itself (bf16)
+    speed: Speed | None = None  # measured only for formats that may be served
+    cached: bool = False  # fidelity and speed came from the calibration file
+
+    @property
+    def faithful(self) -> bool:
+        return self.fidelity is None or self.fidelity.faithful
+
+    @property
+    def eligible(self) -> bool:
+        return self.faithful and self.invariant
+
+    def why_not(self) -> str:
+        if not self.invariant:
+            return "its int kernel is not row-invariant on this machine (INV-3)"
+        if not self.faithful:
+            assert self.fidelity is not None
+            return (f"not faithful: KL {self.fidelity.kl_mean:.4f} (max {FIDELITY_KL_MAX}), top-1 "
+                    f"{self.fidelity.top1_agree:.3f} (min {FIDELITY_TOP1_MIN})")
+        return ""
+
+
+@dataclass(slots=True)
+class ServingChoice:
+    """The configuration a server runs, and how it was arrived at (printed at start-up, in GetModelInfo, in
+    /metrics)."""
+
+    weights: str
+    compiled: bool
+    source: str  # "flag" (--weights) or "auto"
+    invariant: bool  # the format's kernels are row-invariant here (our kernels handle the rest of INV-3)
+    fidelity: Fidelity | None = None  # vs bf16; None for bf16 itself, or a flag-chosen format never measured
+    speed: Speed | None = None  # eager, measured at start-up or cached
+    decode_tok_s: float | None = None  # the served decode step (compiled if so), measured after warm-up
+    compile_s: float | None = None
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def describe(self) -> str:
+        parts = [f"weights {self.weights} ({self.source})", f"decode {'compiled' if self.compiled else 'eager'}"]
+        if self.fidelity is not None:
+            parts.append(f"KL vs bf16 {self.fidelity.kl_mean:.4f}, top-1 {self.fidelity.top1_agree:.3f}")
+        if self.decode_tok_s:
+            parts.append(f"decode {self.decode_tok_s:.1f} tok/s")
+        if self.compile_s is not None:
+            parts.append(f"compiled in {self.compile_s:.0f} s")
+        return "; ".join(parts)
+
+
+def bench_text_ids(encode: Callable[[str], list[int]], n: int) -> list[int]:
+    """The first n tokens of the bench text (CPython's language reference), repeated if short."""
+    from pydoc_data.topics import topics
+
+    ids = encode("\n\n".join(topics[k] for k in sorted(topics)[:40]))
+    if not ids:
+        raise ServingError("the bench text encodes to no tokens")
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+@torch.inference_mode()
+def next_token_logprobs(model: nn.Module, ids: Sequence[int]) -> torch.Tensor:
+    from kakeya_runtime.engine.generate import Engine
+    from kakeya_runtime.models.base import Logits
+
+    ids = list(ids)[: model.config.max_position_embeddings]
+    engine = Engine(model, prefill_chunk=len(ids))
+    cache = engine.new_cache(capacity=len(ids))
+    out = engine.prefill(cache, torch.tensor([list(ids)], dtype=torch.long), logits=Logits.ALL)
+    return out.logits[0].float().log_softmax(-1)
+
+
+def compare(ref: torch.Tensor, other: torch.Tensor) -> Fidelity:
+    """KL(ref || other) per position (nats) and top-1 agreement."""
+    n = min(ref.shape[0], other.shape[0])
+    ref, other = ref[:n], other[:n]
+    kl = (ref.exp() * (ref - other)).sum(-1).clamp(min=0)
+    return Fidelity(positions=ref.shape[0], kl_mean=float(kl.mean()), kl_max=float(kl.max()),
+                    top1_agree=float((ref.argmax(-1) == other.argmax(-1)).float().mean()))
+
+
+def measure_speed(engine: Any, ids: Sequence[int], *, steps: int = SPEED_DECODE_STEPS) -> Speed:
+    """Prefill `ids` from an empty cache, then `steps` decode steps; eager or as `engine` is set up. A model with
+    a shorter context than that prefills fewer tokens."""
+    ids = list(ids)[: engine.config.max_position_embeddings - steps - 1]
+    t = torch.tensor([list(ids)], dtype=torch.long, device=engine.device)
+    warm = engine.new_cache(capacity=min(len(ids), 64) + 4)
+    out = engine.prefill(warm, t[:, :min(len(ids), 64)])  # first-call costs off the clock
+    engine.decode_step(warm, out.logits[:, -1].argmax(-1, keepdim=True))
+    cache = engine.new_cache(capacity=len(ids) + steps + 1)
+    t0 = time.perf_counter()
+    out = engine.prefill(cache, t)
+    prefill_s = time.perf_counter() - t0
+    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = engine.decode_step(cache, tok).logits[:, -1].argmax(-1, keepdim=True)
+    decode_s = time.perf_counter() - t0
+    return Speed(prefill_tok_s=len(ids) / prefill_s, decode_tok_s=steps / decode_s)
+
+
+# ------------------------------------------------------------------------------------------------
+# the calibration file
+
+
+CALIBRATION_ENV = "KAKEYA_SERVE_CALIBRATION"
+
+
+def calibration_path() -> Path:
+    """$KAKEYA_SERVE_CALIBRATION, else serve/calibration.json in the kakeya cache dir (models.loader.cache_root)."""
+    env = os.environ.get(CALIBRATION_ENV)
+    if env:
+        return Path(env)
+    from kakeya_runtime.models.loader import cache_root
+
+    return cache_root() / "serve" / "calibration.json"
+
+
+def machine_key() -> str:
+    """What a speed measurement depends on besides the model and format: the CPU, the threads, torch, our kernels."""
+    from kakeya_runtime.models import native
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    kernels = native.backend()
+    if kernels == "native":
+        kernels += "+amx" if native.bf16_amx() else ""
+    return f"{cpu}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{kernels}"
+
+
+def model_key(source: str | Path | None, name: str) -> str:
+    """A model file (or directory) identity: its path, size and mtime; a name alone for in-memory models."""
+    if source is None:
+        return f"name:{name}"
+    p = Path(source)
+    try:
+        st = p.stat()
+        return f"{p.resolve()}|{st.st_size}|{int(st.st_mtime)}"
+    except OSError:
+        return f"name:{name}"
+
+
+class Calibration:
+    """Fidelity per (model, format) and speed per (machine, model, format), kept in one JSON file."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"version": CALIBRATION_VERSION, "fidelity": {}, "speed": {}}
+        if path is not None and path.is_file():
+            try:
+                data = json.loads(path.read_text())
+                if data.get("version") == CALIBRATION_VERSION:
+                    self.data = data
+            except (OSError, ValueError):
+                pass  # unreadable: measure again and overwrite
+
+    @staticmethod
+    def _key(*parts: str) -> str:
+        return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:24]
+
+    def fidelity(self, model: str, fmt: str) -> Fidelity | None:
+        d = self.data["fidelity"].get(self._key(model, fmt, torch.__version__))
+        return None if d is None else Fidelity(d["positions"], d["kl_mean"], d["kl_max"], d["top1_agree"])
+
+    def speed(self, machine: str, model: str, fmt: str) -> Speed | None:
+        d = self.data["speed"].get(self._key(machine, model, fmt))
+        return None if d is None else Speed(d["prefill_tok_s"], d["decode_tok_s"])
+
+    def put_fidelity(self, model: str, fmt: str, value: Fidelity) -> None:
+        self.data["fidelity"][self._key(model, fmt, torch.__version__)] = asdict(value) | {"model": model, "fmt": fmt}
+
+    def put_speed(self, machine: str, model: str, fmt: str, value: Speed) -> None:
+        self.data["speed"][self._key(machine, model, fmt)] = asdict(value) | {"machine": machine, "model": model,
+                                                                              "fmt": fmt}
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.path)
+
+
+# ------------------------------------------------------------------------------------------------
+# choosing
+
+
+Progress = Callable[[str], None]
+
+
+def calibrate(load: Callable[[str], nn.Module], encode: Callable[[str], list[int]], model: str,
+              formats: Sequence[str] = FORMATS, *, calibration: Calibration | None = None,
+              recalibrate: bool = False, progress: Progress | None = None) -> list[Candidate]:
+    """Fidelity (vs bf16), row invariance and speed of each format in `formats`, measured or from `calibration`.
+
+    `load(fmt)` returns a fresh model already in `fmt`'s served form; `encode` tokenizes text; `model` keys the
+    cache (see model_key). Speed is measured only for faithful, invariant formats."""
+    from kakeya_runtime.engine.generate import Engine
+
+    cal = calibration or Calibration(None)
+    machine = machine_key()
+    say = progress or (lambda _msg: None)
+    ids = bench_text_ids(encode, max(FIDELITY_POSITIONS, REFERENCE_TURN[0]))
+    fid_ids, speed_ids = ids[:FIDELITY_POSITIONS], ids[:REFERENCE_TURN[0]]
+    todo = list(dict.fromkeys(formats))
+    need_ref = any(f != "bf16" and (recalibrate or cal.fidelity(model, f) is None) for f in todo)
+    ref: torch.Tensor | None = None
+    out: list[Candidate] = []
+    for fmt in sorted(todo, key=lambda f: f != "bf16"):  # bf16 first: it is the reference
+        invariant = kernel_rows_invariant(fmt)
+        fidelity = None if fmt == "bf16" or recalibrate else cal.fidelity(model, fmt)
+        cand = Candidate(fmt, invariant, fidelity, None if recalibrate else cal.speed(machine, model, fmt),
+                         cached=True)
+        m: nn.Module | None = None
+        if fmt != "bf16" and fidelity is None:
+            cand.cached = False
+            if ref is None:
+                say("bf16: reference logits")
+                ref = next_token_logprobs(load("bf16"), fid_ids)
+            say(f"{fmt}: loading")
+            m = load(fmt)
+            say(f"{fmt}: fidelity")
+            cand.fidelity = compare(ref, next_token_logprobs(m, fid_ids))
+            cal.put_fidelity(model, fmt, cand.fidelity)
+        if cand.eligible and cand.speed is None:
+            cand.cached = False
+            if m is None:
+                say(f"{fmt}: loading")
+                m = load(fmt)
+            if fmt == "bf16" and need_ref and ref is None:
+                say("bf16: reference logits")
+                ref = next_token_logprobs(m, fid_ids)
+            say(f"{fmt}: speed")
+            cand.speed = measure_speed(Engine(m), speed_ids)
+            cal.put_speed(machine, model, fmt, cand.speed)
+        del m
+        out.append(cand)
+        say(f"{fmt}: done")
+    cal.save()
+    return out
+
+
+def pick(candidates: Sequence[Candidate], turn: tuple[int, int] = REFERENCE_TURN) -> Candidate:
+    """The eligible candidate with the shortest reference turn (bf16 when nothing else qualifies)."""
+    eligible = [c for c in candidates if c.eligible and c.speed is not None]
+    if not eligible:
+        bf16 = [c for c in candidates if c.fmt == "bf16"]
+        if bf16:
+            return bf16[0]
+        raise ServingError("no weight format is both faithful and invariant on this machine")
+    return min(eligible, key=lambda c: c.speed.turn_s(turn))  # type: ignore[union-attr]
+
+
+def check_requested(fmt: str) -> bool:
+    """For an explicit --weights: refuse a quantized format whose kernel is not row-invariant here."""
+    if not kernel_rows_invariant(fmt):
+        raise ServingError(f"--weights {fmt}: this machine's {fmt} kernel gives a row different bits depending on "
+                           "the rows beside it, which would break INV-3 (a session built turn by turn would differ "
+                           "from one built in one shot); serve bf16 or another format")
+    return True
+
+
+def served_as_loaded(model: nn.Module, compiled: bool) -> ServingChoice:
+    """The choice a server embedded without `kakeya serve`'s (tests, benches) reports: the model as it is."""
+    from kakeya_runtime.engine.weights import QuantLinear
+    from kakeya_runtime.models import native
+
+    kinds = {type(m) for name, m in model.named_modules() if isinstance(m, QuantLinear) and name != "lm_head"}
+    if kinds:
+        fmt = "int8" if kinds == {Int8Linear} else "int4" if kinds == {Int4Linear} else "int4-mixed"
+        invariant = all(m.prefill is Prefill.KERNEL for m in model.modules() if isinstance(m, QuantLinear))
+    else:
+        dtype = next(model.parameters()).dtype
+        fmt = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
+        invariant = True
+    return ServingChoice(weights=fmt, compiled=compiled, source="as loaded",
+                         invariant=invariant and native.backend() == "native")
+
+
+def compiled_step_invariant(model: nn.Module, compiled: Any, ids: Sequence[int], *, steps: int = 8) -> bool:
+    """INV-3 for a compiled decode step on this machine: `ids` prefilled in one shot (eager) against all but the
+    last `steps` prefilled and those fed as decode steps through `compiled`: the same last logits and the same
+    cache, bit for bit. Inductor generates its own reductions and elementwise kernels, whose rounding may differ
+    from eager's on some shapes and CPUs: then the compiled step would write other K/V than a prefill does."""
+    from kakeya_runtime.engine.generate import Engine
+
+    ids = list(ids)[: model.config.max_position_embeddings]
+    t = torch.tensor([ids], dtype=torch.long)
+    eager = Engine(model)  # caches made outside inference mode, as sessions make theirs (the engine's calls are in it)
+    ref = eager.new_cache(capacity=len(ids))
+    ref_logits = eager.prefill(ref, t).logits
+    stepped = Engine(model)
+    stepped.decode_forward = compiled
+    cache = stepped.new_cache(capacity=len(ids))
+    stepped.prefill(cache, t[:, : len(ids) - steps])
+    logits = None
+    for i in range(len(ids) - steps, len(ids)):
+        logits = stepped.decode_step(cache, t[:, i : i + 1]).logits
+    if logits is None or not torch.equal(logits, ref_logits):
+        return False
+    return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+               for x, y in zip(ref.state(), cache.state(), strict=True))

@@ -1,0 +1,350 @@
+"""Continuous batching: one engine thread steps every running Generate.
+
+The loop admits Generates in FIFO order up to `max_batch` running at once (the rest wait in the queue) and then,
+step after step:
+
+* every plain (non-speculative) row that has a sampled token to feed decodes it in ONE forward
+  (`Engine.decode_rows`: projections and MLP batched, attention per row over the row's own cache; each row's
+  logits are bit-identical to its decode step alone, so a session's stream does not depend on who it ran beside);
+  a lone row takes `Engine.decode_step` (the same logits, and the compiled decode path when one is set);
+* a row still prefilling its new tokens gets the step's remaining token budget (`step_tokens` minus the decode
+  rows, at least a quarter of it), oldest first, so a long prompt is cut into chunks between decode steps instead of stalling the others.
+  With nobody decoding, a prefill takes `Engine.prefill_chunk` tokens a step. A position's K/V and the last
+  position's logits do not depend on how the prompt was chunked (INV-3), so neither does the stream;
+* a speculative row runs one verifier step of its own stream (its prefill is its first step, whole): its forward
+  is over [last token, drafts] of its own cache, so it is not batched with the others;
+* every row's step ends with the `Turn` committing and streaming its tokens, then checking stops and cancellation
+  (checked between prefill chunks too).
+
+Each row samples with its own stream's generator (its own seed), so batch composition never changes a stream.
+An engine error in a batched forward is isolated: every row of it is put back to its length before the step and
+decoded alone; the rows that fail alone end with their own error (their Turn rolls the session back), the others
+go on with the logits they got alone (the same bits). Other engine work (idle compression, snapshots, imports) is
+submitted as plain calls and runs between steps, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kakeya_runtime.engine.generate import Engine, TokenStream
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BATCH = 8
+DEFAULT_STEP_TOKENS = 32
+
+
+class Turn(Protocol):
+    """One Generate as the loop drives it (the session service implements it); every method runs on the loop."""
+
+    def begin(self) -> TokenStream | Iterator[list[int]] | None:
+        """Set up the session and open its stream: a TokenStream (batched rows) or a speculative stream's steps
+        (one list of tokens per step); None when the turn answered already (cancelled while queued, or failed)."""
+
+    def cancelled(self) -> bool: ...
+
+    def deliver(self, tokens: list[int]) -> bool:
+        """Commit and stream a step's tokens; True ends the turn after them (a stop string completed)."""
+
+    def finish(self) -> None:
+        """The stream ended (stop, length, cancel: also a cancel before the prefill completed)."""
+
+    def fail(self, error: Exception) -> None:
+        """The turn's engine work raised: roll its session back and answer the error."""
+
+
+@dataclass(slots=True)
+class _Row:
+    turn: Turn
+    future: Future
+    stream: TokenStream | None = None  # plain rows
+    steps: Iterator[list[int]] | None = None  # speculative rows
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: Future = field(default_factory=Future)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Counters of the loop (read by metrics)."""
+
+    steps: int = 0
+    batched_steps: int = 0  # decode forwards over more than one row
+    decode_rows: int = 0  # rows decoded, all steps together
+    prefill_chunks: int = 0
+    isolated_errors: int = 0  # batched forwards that raised and were replayed row by row
+
+
+class BatchScheduler:
+    """The engine thread. `submit_turn` queues a Generate (its future completes when the turn ended, or is
+    cancelled if the loop shut down before it began); `submit` queues any other engine call."""
+
+    def __init__(self, engine: Engine, *, max_batch: int = DEFAULT_MAX_BATCH,
+                 step_tokens: int = DEFAULT_STEP_TOKENS,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.step_tokens = step_tokens
+        self.on_step = on_step  # called with the rows decoded in each step that decoded any
+        self.stats = StepStats()
+        self._cv = threading.Condition()
+        self._waiting: deque[_Row] = deque()
+        self._calls: deque[_Call] = deque()
+        self._active: list[_Row] = []
+        self._in_call = False
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="kakeya-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the caller's side (any thread) -----------------------------------------------------
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        call = _Call(fn, args)
+        with self._cv:
+            if self._closing:
+                raise RuntimeError("the scheduler is shut down")
+            self._calls.append(call)
+            self._cv.notify()
+        return call.future
+
+    def submit_turn(self, turn: Turn) -> Future:
+        row = _Row(turn, Future())
+        with self._cv:
+            if self._closing:
+                raise RuntimeError("the scheduler is shut down")
+            self._waiting.append(row)
+            self._cv.notify()
+        return row.future
+
+    @property
+    def queued(self) -> int:
+        """Generates and engine calls waiting to start."""
+        return len(self._waiting) + len(self._calls)
+
+    @property
+    def running(self) -> int:
+        """Generates in the batch, plus an engine call being run."""
+        return len(self._active) + self._in_call
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._active)
+
+    def shutdown(self, *, wait: bool = True) -> None:
+        """Queued Generates and calls are dropped (their futures cancelled); running Generates go on until they
+        end (the server cancels them), then the thread exits."""
+        with self._cv:
+            self._closing = True
+            dropped = [*self._waiting, *self._calls]
+            self._waiting.clear()
+            self._calls.clear()
+            self._cv.notify()
+        for item in dropped:
+            item.future.cancel()
+        if wait:
+            self._thread.join()
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._calls or self._waiting or self._active or self._closing):
+                    self._cv.wait()
+                if self._closing and not self._active:
+                    return
+                calls = list(self._calls)
+                self._calls.clear()
+                admit: list[_Row] = []
+                while self._waiting and len(self._active) + len(admit) < self.max_batch:
+                    admit.append(self._waiting.popleft())
+            for call in calls:
+                self._run_call(call)
+            for row in admit:
+                self._admit(row)
+            if self._active:
+                self._step()
+                self._active = [r for r in self._active if not r.done]
+
+    def _run_call(self, call: _Call) -> None:
+        if not call.future.set_running_or_notify_cancel():
+            return
+        self._in_call = True
+        try:
+            call.future.set_result(call.fn(*call.args))
+        except BaseException as e:
+            call.future.set_exception(e)
+        finally:
+            self._in_call = False
+
+    def _admit(self, row: _Row) -> None:
+        if not row.future.set_running_or_notify_cancel():
+            return
+        try:
+            opened = row.turn.begin()
+        except Exception as e:  # begin answers its own errors; this is a bug, but the turn must still end
+            self._fail(row, e)
+            return
+        if opened is None:
+            self._end(row)
+            return
+        if isinstance(opened, TokenStream):
+            row.stream = opened
+        else:
+            row.steps = opened
+        self._active.append(row)
+
+    def _step(self) -> None:
+        self.stats.steps += 1
+        rows = [r for r in self._active if not r.done]
+        decoding = [r for r in rows if r.stream is not None and r.stream.prefill_left == 0]
+        prefilling = [r for r in rows if r.stream is not None and r.stream.prefill_left > 0]
+        speculative = [r for r in rows if r.steps is not None]
+        if decoding:
+            self._decode(decoding)
+        for row in speculative:
+            self._speculate(row)
+        others = len(decoding) + len(speculative)
+        # a prefill always moves: at least a quarter of the budget, however many rows decode
+        budget = max(self.step_tokens - len(decoding), -(-self.step_tokens // 4)) if others \
+            else self.engine.prefill_chunk
+        for row in prefilling:
+            if budget <= 0:
+                break
+            budget -= self._prefill(row, budget)
+
+    def _prefill(self, row: _Row, budget: int) -> int:
+        stream = row.stream
+        assert stream is not None
+        if row.turn.cancelled():  # between chunks: the turn rolls back the partial prefill
+            self._finish(row)
+            return 0
+        n = min(budget, stream.prefill_left)
+        try:
+            ids = stream.prefill(n)
+        except Exception as e:
+            self._fail(row, e)
+            return n
+        self.stats.prefill_chunks += 1
+        if ids is not None:
+            self._deliver(row, ids)
+        return n
+
+    def _decode(self, rows: list[_Row]) -> None:
+        self.stats.decode_rows += len(rows)
+        if self.on_step is not None:
+            self.on_step(len(rows))
+        if len(rows) == 1:
+            self._decode_alone(rows[0])
+            return
+        self.stats.batched_steps += 1
+        streams = [r.stream for r in rows]
+        caches = [s.cache for s in streams]
+        lengths = [c.length for c in caches]
+        try:
+            tokens = [int(s.next_input[0, 0]) for s in streams]
+            logits = self.engine.decode_rows(caches, tokens)
+        except Exception:  # isolate: replay each row alone from where it was
+            self.stats.isolated_errors += 1
+            for row, cache, length in zip(rows, caches, lengths, strict=True):
+                try:
+                    if cache.length != length:
+                        cache.trim(length)
+                except Exception as e:
+                    self._fail(row, e)
+                    continue
+                self._decode_alone(row)
+            return
+        for i, row in enumerate(rows):
+            stream = row.stream
+            try:
+                ids = stream.take(logits[i : i + 1])
+            except Exception as e:
+                self._fail(row, e)
+                continue
+            self._deliver(row, ids)
+
+    def _decode_alone(self, row: _Row) -> None:
+        stream = row.stream
+        try:
+            ids = stream.decode()
+        except Exception as e:
+            self._fail(row, e)
+            return
+        self._deliver(row, ids)
+
+    def _speculate(self, row: _Row) -> None:
+        steps = row.steps
+        try:
+            tokens = next(steps, None)
+        except Exception as e:
+            self._fail(row, e)
+            return
+        if tokens is None:  # the speculative stream ended by itself (stop, length, cancel)
+            self._finish(row)
+            return
+        try:
+            stop = row.turn.deliver(tokens)
+        except Exception as e:
+            self._fail(row, e)
+            return
+        if stop:
+            self._finish(row)
+
+    def _deliver(self, row: _Row, ids: list[int]) -> None:
+        """A plain row's step: commit and stream, then stop, cancel or length end it."""
+        try:
+            stop = row.turn.deliver(ids)
+        except Exception as e:
+            self._fail(row, e)
+            return
+        if stop or row.stream.ended():
+            self._finish(row)
+
+    def _close_stream(self, row: _Row) -> None:
+        if row.stream is not None:
+            row.stream.close()
+        elif row.steps is not None and hasattr(row.steps, "close"):
+            row.steps.close()
+
+    def _finish(self, row: _Row) -> None:
+        try:
+            self._close_stream(row)
+            row.turn.finish()
+        except Exception as e:
+            self._fail(row, e, closed=True)
+            return
+        self._end(row)
+
+    def _fail(self, row: _Row, error: Exception, *, closed: bool = False) -> None:
+        if not closed:
+            with contextlib.suppress(Exception):
+                self._close_stream(row)
+        try:
+            row.turn.fail(error)
+        except Exception:  # the turn's own error handling broke: log it, the loop and the other rows go on
+            _log.exception("a Generate's error handling failed")
+        finally:
+            self._end(row)
+
+    def _end(self, row: _Row) -> None:
+        row.done = True
+        if not row.future.done():
+            row.future.set_result(None)

@@ -1,0 +1,151 @@
+"""engine.serving: the formats `kakeya serve` runs keep INV-3 (every row count through the int kernel), the
+choice among them (fidelity, invariance, speed; the calibration cache), and the flag parsing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_invariance import check_schedules, split  # tests/engine is on sys.path (rootdir-relative imports)
+
+from kakeya_runtime.engine import serving
+from kakeya_runtime.engine.generate import Engine
+from kakeya_runtime.engine.serving import Candidate, Fidelity, ServingError, Speed
+
+
+def test_parse_weights_accepts_formats_and_names_the_choices():
+    assert serving.parse_weights("AUTO") == "auto"
+    assert serving.parse_weights(" int4-mixed ") == "int4-mixed"
+    for bad in ("int3", "", "q4_k_m", "bf16,int8"):
+        with pytest.raises(ServingError, match="auto or one of bf16, fp32, int8, int4, int4-mixed"):
+            serving.parse_weights(bad)
+
+
+def test_int_kernels_are_row_invariant_here():
+    """What makes a quantized format servable: on this machine's torch the int kernels give a row the same bits
+    whatever rows share the call (checked again at every start; a machine where it fails refuses the format)."""
+    for fmt in serving.FORMATS:
+        assert serving.kernel_rows_invariant(fmt), fmt
+        assert serving.check_requested(fmt)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-mixed"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_served_quantized_formats_keep_inv3(fmt, family, make_tiny_model):
+    model = serving.apply_format(make_tiny_model(family, vocab_size=128), fmt)
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    check_schedules(model, ids, {
+        "turns": [37, 1, 90, 5, 67],
+        "prefill then decode steps": [150] + ["d"] * 50,
+        "decode steps from the first token": ["d"] * 200,
+    }, chunks=(1, 7, 64, 512))
+
+
+def test_quantized_prefill_through_dequantized_weights_would_break_inv3(make_tiny_model):
+    """Why served formats run prefill through the kernel: the dequantize-then-matmul path (the bench's default,
+    faster) writes other K/V than the kernel's decode steps, so turn-by-turn differs from one shot."""
+    from kakeya_runtime.engine.weights import quantize_model
+
+    model = make_tiny_model("llama", vocab_size=128)
+    quantize_model(model, "int8", prefill="dequant", prefill_rows=16)
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(AssertionError):
+        check_schedules(model, ids, {"prefill then decode steps": [40] + ["d"] * 24})
+
+
+@pytest.mark.real_model
+def test_smollm2_int4_served_form_keeps_inv3(english_text):
+    from kakeya_runtime.models.loader import load_model
+
+    loaded = load_model("smollm2", dtype=torch.float32)
+    model = serving.apply_format(loaded.model, "int4")
+    ids = torch.tensor([loaded.tokenizer.encode(english_text).ids[:600]])
+    check_schedules(model, ids, {"turns": [130, 21, 300, 149], "chunks of 64": split(600, 64),
+                                 "prefill then decode steps": [590] + ["d"] * 10}, chunks=(64,))
+
+
+def test_compiled_decode_step_keeps_inv3_on_a_served_format(make_tiny_model):
+    from kakeya_runtime.engine.compiled import CompiledDecode
+
+    model = serving.apply_format(make_tiny_model("gemma3", vocab_size=128), "int4")
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(4))
+    eager = Engine(model)
+    ref = eager.new_cache()
+    ref_logits = eager.prefill(ref, ids).logits
+    engine = Engine(model)
+    engine.decode_forward = CompiledDecode(model)
+    cache = engine.new_cache()
+    engine.prefill(cache, ids[:, :20])
+    for t in range(20, 120):
+        logits = engine.decode_step(cache, ids[:, t : t + 1]).logits
+    assert torch.equal(logits, ref_logits)
+    for x, y in zip(ref.state(), cache.state(), strict=True):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _cand(fmt, kl=0.001, top1=0.99, invariant=True, speed=(1000.0, 50.0)):
+    return Candidate(fmt, invariant, None if fmt == "bf16" else Fidelity(256, kl, kl * 4, top1),
+                     None if speed is None else Speed(*speed))
+
+
+def test_pick_takes_the_fastest_faithful_invariant_format():
+    bf16 = _cand("bf16", speed=(2400.0, 56.0))
+    int4 = _cand("int4", speed=(700.0, 80.0))  # decode faster, prefill slower: the reference turn decides
+    unfaithful = _cand("int4-mixed", kl=0.2, top1=0.77, speed=(5000.0, 500.0))
+    variant = _cand("int8", invariant=False, speed=(5000.0, 500.0))
+    assert serving.pick([bf16, int4, unfaithful, variant]) is int4  # 0.73 + 1.60 s against 0.21 + 2.29 s
+    assert serving.pick([bf16, int4, unfaithful, variant], turn=(4096, 128)) is bf16
+    assert not unfaithful.eligible and "not faithful" in unfaithful.why_not()
+    assert not variant.eligible and "INV-3" in variant.why_not()
+    assert serving.pick([bf16, unfaithful]) is bf16
+    with pytest.raises(ServingError, match="no weight format"):
+        serving.pick([unfaithful, variant])
+
+
+def test_fidelity_thresholds_are_the_issue_s():
+    assert Fidelity(256, 0.0099, 0.05, 0.95).faithful
+    assert not Fidelity(256, 0.0101, 0.05, 0.99).faithful
+    assert not Fidelity(256, 0.001, 0.05, 0.949).faithful
+
+
+def test_calibrate_measures_once_then_reads_the_cache(tmp_path, make_tiny_model):
+    from kakeya_runtime.server.testing import TINY_VOCAB
+
+    loads: list[str] = []
+
+    def load(fmt):
+        loads.append(fmt)
+        model = make_tiny_model("llama", vocab_size=TINY_VOCAB, max_position_embeddings=1024)
+        return serving.apply_format(model.to(serving.load_dtype(fmt)), fmt)
+
+    encode = lambda text: [b + 3 for b in text.encode()]  # noqa: E731 - a byte tokenizer for the tiny vocab
+    path = tmp_path / "calibration.json"
+    first = serving.calibrate(load, encode, "tiny", ("bf16", "int8", "int4"), calibration=serving.Calibration(path))
+    assert [c.fmt for c in first] == ["bf16", "int8", "int4"] and not any(c.cached for c in first)
+    assert first[0].fidelity is None and first[1].fidelity is not None and first[2].fidelity is not None
+    assert first[2].fidelity.kl_mean > first[1].fidelity.kl_mean  # int4 is further from bf16 than int8
+    for c in first:
+        assert (c.speed is not None) == c.eligible
+    assert path.is_file() and loads
+    loads.clear()
+    again = serving.calibrate(load, encode, "tiny", ("bf16", "int8", "int4"), calibration=serving.Calibration(path))
+    assert loads == [] and all(c.cached for c in again)
+    assert [(c.fidelity, c.speed) for c in again] == [(c.fidelity, c.speed) for c in first]
+    # another model (or machine) is measured afresh
+    serving.calibrate(load, encode, "tiny-2", ("bf16",), calibration=serving.Calibration(path))
+    assert loads == ["bf16"]
+
+
+def test_compiled_step_probe_passes_an_exact_step_and_catches_an_inexact_one(make_tiny_model):
+    from kakeya_runtime.engine.compiled import CompiledDecode
+
+    model = serving.apply_format(make_tiny_model("llama", vocab_size=128, max_position_embeddings=512), "int8")
+    ids = torch.randint(0, 128, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    compiled = CompiledDecode(model)
+    assert serving.compiled_step_invariant(model, compiled, ids)
+
+    def off_by_a_bit(token_ids, positions, cache, **kw):  # what a step rounding differently from prefill does
+        out = model(token_ids, positions, cache, **kw)
+        out.logits = out.logits + 1e-6
+        return out
+
+    assert not serving.compiled_step_invariant(model, off_by_a_bit, ids)

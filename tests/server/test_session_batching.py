@@ -1,0 +1,307 @@
+"""Continuous batching through the real gRPC server and the SDK (sessions.batch).
+
+INV-3 extended to batch composition: a seeded session's stream is bit-identical alone and decoded beside other
+sessions of other lengths, policies, sampling, stop strings and speculation (a long prompt arriving meanwhile is
+prefilled in chunks between their decode steps). An engine error in a batched step ends only the failing session
+(rolled back); a Generate cancelled while its prompt is still being prefilled leaves its session untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from kakeya import Client, InternalError, KvPolicy, Speculation
+
+from kakeya_runtime.kv.cache import FullLayerKV
+from kakeya_runtime.server.testing import SlowModel, running_server, tiny_model, tiny_served
+from kakeya_runtime.sessions.policy import PolicyRegistry
+
+DELAY = 0.003  # per forward: rows overlap for sure, tests stay fast
+TARGET = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 20240601, "ignore_eos": True}
+
+
+def _history(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + 7 * i) % 90 + 3 for i in range(n)]
+
+
+# (history length, policy, generate kwargs): the target first, then its neighbours
+ROWS: list[tuple[int, KvPolicy | None, dict[str, Any]]] = [
+    (37, None, {"max_tokens": 24, **TARGET}),
+    (300, KvPolicy("sink_window", {"sink": 4, "window": 32}), {"max_tokens": 30, "ignore_eos": True}),
+    (5, KvPolicy("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2}),
+     {"max_tokens": 40, "temperature": 0.7, "seed": 3, "ignore_eos": True}),
+    (120, KvPolicy("restore", {"sink": 4, "window": 32, "granularity": "per_turn"}),
+     {"max_tokens": 20, "temperature": 1.1, "top_k": 5, "seed": 99, "ignore_eos": True}),
+    (60, None, {"max_tokens": 30, "ignore_eos": True, "speculation": Speculation("history", 4)}),
+]
+
+
+def _run(client: Client, n: int, policy: KvPolicy | None, kw: dict[str, Any], seed: int) -> list[int]:
+    with client.create_session(initial_tokens=_history(n, seed), policy=policy) as s:
+        return s.generate(**kw).collect()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_streams_are_bit_identical_alone_and_batched(kind):
+    slow = SlowModel(tiny_model(kind), DELAY)
+    with running_server(tiny_served(kind, model=slow), step_tokens=16) as thread:
+        with Client(thread.address) as client:
+            alone = [_run(client, n, p, kw, i) for i, (n, p, kw) in enumerate(ROWS)]
+        stats = thread.server.service.scheduler.stats
+        batched_before = stats.batched_steps
+        got: dict[int, list[int]] = {}
+        start = threading.Barrier(len(ROWS))
+
+        def run(i: int) -> None:
+            n, p, kw = ROWS[i]
+            with Client(thread.address) as c:
+                start.wait()
+                got[i] = _run(c, n, p, kw, i)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ROWS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(got) == list(range(len(ROWS)))
+        for i in range(len(ROWS)):
+            assert got[i] == alone[i], f"row {i} ({ROWS[i][1]}) changed when batched"
+        assert stats.batched_steps > batched_before  # they really were decoded together
+        assert slow.max_rows >= 3
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_decode_steps():
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    with running_server(tiny_served(model=slow), step_tokens=16) as thread, Client(thread.address) as client:
+        sched = thread.server.service.scheduler
+        busy = client.create_session(initial_tokens=_history(10, 1))
+        ref_busy = None
+        with client.create_session(initial_tokens=_history(10, 1)) as solo:
+            ref_busy = solo.generate(max_tokens=60, ignore_eos=True).collect()
+        gen = busy.generate(max_tokens=60, ignore_eos=True)
+        it = iter(gen)
+        first = [next(it)]
+        chunks_before = sched.stats.prefill_chunks
+        long = client.create_session(initial_tokens=_history(400, 2))
+        out = long.generate(max_tokens=4, ignore_eos=True)
+        long_tokens = out.collect()
+        during = sched.stats.prefill_chunks - chunks_before
+        rest = list(it)
+        assert first + rest == ref_busy  # the busy session never noticed
+        assert during >= 400 // 15  # at most step_tokens - 1 prompt tokens per step while the other decodes
+        with client.create_session(initial_tokens=_history(400, 2)) as fresh:
+            assert fresh.generate(max_tokens=4, ignore_eos=True).collect() == long_tokens
+
+
+def test_cancel_between_prefill_chunks_leaves_the_session_untouched():
+    slow = SlowModel(tiny_model("llama"), 0.01)
+    with running_server(tiny_served(model=slow), step_tokens=16) as thread, Client(thread.address) as client:
+        sched = thread.server.service.scheduler
+        busy = client.create_session(initial_tokens=[4, 5, 6])
+        it = iter(busy.generate(max_tokens=300, ignore_eos=True))
+        next(it)  # decoding: the long prompt below is chunked 15 tokens a step
+        prompt = _history(400, 5)
+        s = client.create_session(initial_tokens=prompt)
+        before = sched.stats.prefill_chunks
+        gen = s.generate(max_tokens=5, ignore_eos=True)
+        deadline = time.time() + 10
+        while sched.stats.prefill_chunks < before + 3 and time.time() < deadline:
+            time.sleep(0.002)
+        gen.cancel()
+        deadline = time.time() + 10
+        while s.info().generating and time.time() < deadline:
+            time.sleep(0.01)
+        assert sched.stats.prefill_chunks - before < 400 // 15  # it stopped before its prompt was read
+        info = s.info(include_history=True)
+        assert list(info.history_token_ids) == prompt and info.cached_length == 0 and not info.generating
+        again = s.generate(max_tokens=5, ignore_eos=True).collect()
+        with client.create_session(initial_tokens=prompt) as fresh:
+            assert fresh.generate(max_tokens=5, ignore_eos=True).collect() == again
+        it.close()
+
+
+class _Broken(FullLayerKV):
+    """Raises at its `fail_at`-th write and at the next (the batched step, then its replay alone), then heals."""
+
+    fail_at = 0
+    writes = 0
+
+    def update_and_fetch(self, k, v, positions):
+        self.writes += 1
+        if self.fail_at <= self.writes < self.fail_at + 2:
+            raise RuntimeError("injected engine fault")
+        return super().update_and_fetch(k, v, positions)
+
+
+class _FaultyRegistry(PolicyRegistry):
+    """The first "full" cache with idle codec e8 (the marker) breaks in its last layer."""
+
+    armed = True
+
+    def build(self, engine, spec, capacity):
+        cache = super().build(engine, spec, capacity)
+        if self.armed and spec.name == "full" and spec.idle_codec is not None and spec.idle_codec.kind == "e8":
+            self.armed = False
+            layer = cache.layers[-1]
+            layer.__class__ = _Broken
+            layer.fail_at, layer.writes = 6, 0  # the prefill and 4 decode steps write; the 5th step fails
+        return cache
+
+
+def test_an_engine_error_in_a_batched_step_rolls_back_only_its_session():
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    healthy = [(_history(20 + 9 * i, i), 30) for i in range(3)]
+    with running_server(tiny_served(model=slow), policies=_FaultyRegistry()) as thread, \
+            Client(thread.address) as client:
+        sched = thread.server.service.scheduler
+        refs = []
+        for h, n in healthy:
+            with client.create_session(initial_tokens=h) as s:
+                refs.append(s.generate(max_tokens=n, ignore_eos=True, seed=7, temperature=0.8).collect())
+        sessions = [client.create_session(initial_tokens=h) for h, _ in healthy]
+        iters = [iter(s.generate(max_tokens=n, ignore_eos=True, seed=7, temperature=0.8))
+                 for s, (_, n) in zip(sessions, healthy, strict=True)]
+        firsts = [[next(it)] for it in iters]  # all three are decoding now
+        faulty_history = _history(20, 9)  # one prefill chunk (the budget leaves 29 tokens beside 3 decoders)
+        faulty = client.create_session(initial_tokens=faulty_history, policy=KvPolicy("full", {"idle_codec": "e8"}))
+        got = []
+        with pytest.raises(InternalError, match="rolled back"):
+            for tok in faulty.generate(max_tokens=20, ignore_eos=True):
+                got.append(tok)
+        outs = [f + list(it) for f, it in zip(firsts, iters, strict=True)]
+        assert outs == refs  # the others went on, bit for bit
+        assert len(got) == 5 and sched.stats.isolated_errors >= 1
+        info = faulty.info(include_history=True)
+        assert list(info.history_token_ids) == faulty_history + got
+        # the session goes on like a fresh one with its history
+        after = faulty.generate(max_tokens=6, ignore_eos=True).collect()
+        with client.create_session(initial_tokens=faulty_history + got) as fresh:
+            assert fresh.generate(max_tokens=6, ignore_eos=True).collect() == after
+
+
+def test_max_batch_one_is_serial_and_gives_the_same_streams():
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    with running_server(tiny_served(model=slow), max_concurrent=1) as thread:
+        got: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            n, p, kw = ROWS[i]
+            with Client(thread.address) as c:
+                got[i] = _run(c, n, p, kw, i)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert slow.max_rows == 1 and thread.server.service.scheduler.stats.batched_steps == 0
+        with Client(thread.address) as client:
+            assert [got[i] for i in range(3)] == [_run(client, *ROWS[i], i) for i in range(3)]
+
+
+def test_batch_metrics_are_exported():
+    from kakeya_runtime.server.testing import metric_value, scrape_metrics
+
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    with running_server(tiny_served(model=slow)) as thread, Client(thread.address) as client:
+        text = scrape_metrics(thread)
+        assert metric_value(text, "kakeya_engine_queue_depth") == 0
+        assert metric_value(text, "kakeya_engine_batch_size") == 0
+        with client.create_session(initial_tokens=[3, 4]) as a, client.create_session(initial_tokens=[5, 6]) as b:
+            ia = iter(a.generate(max_tokens=40, ignore_eos=True))
+            next(ia)
+            ib = iter(b.generate(max_tokens=40, ignore_eos=True))
+            next(ib)
+            text = scrape_metrics(thread)
+            assert metric_value(text, "kakeya_engine_batch_size") == 2
+            list(ia), list(ib)
+        text = scrape_metrics(thread)
+        assert metric_value(text, "kakeya_engine_decode_batch_rows_count") > 0
+        assert metric_value(text, "kakeya_engine_decode_batch_rows_bucket", '{le="1.0"}') < \
+            metric_value(text, "kakeya_engine_decode_batch_rows_count")  # some steps carried both
+
+
+@pytest.mark.real_model
+def test_smollm2_greedy_streams_batched_equal_solo(english_text):
+    import torch
+
+    from kakeya_runtime.models.loader import ModelLoadError, load_model
+    from kakeya_runtime.server.grpc_app import ServedModel
+
+    try:
+        served = ServedModel.from_loaded(load_model("smollm2", dtype=torch.bfloat16), "smollm2")
+    except ModelLoadError as e:
+        pytest.skip(f"smollm2 unavailable: {e}")
+    with running_server(served, step_tokens=32) as thread, Client(thread.address) as client:
+        from kakeya.tokenization import Tokenizer
+
+        ids = list(Tokenizer.from_model_info(client.model_info()).encode(english_text))
+        prompts = [ids[:40], ids[10:310], ids[5:12], ids[50:170]]  # the 300-token one is chunked beside the others
+        alone = []
+        for p in prompts:
+            with client.create_session(initial_tokens=p) as s:
+                alone.append(s.generate(max_tokens=16, ignore_eos=True).collect())
+        got: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            with Client(thread.address) as c, c.create_session(initial_tokens=prompts[i]) as s:
+                got[i] = s.generate(max_tokens=16, ignore_eos=True).collect()
+
+        before = thread.server.service.scheduler.stats.batched_steps
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [got[i] for i in range(len(prompts))] == alone
+        assert thread.server.service.scheduler.stats.batched_steps > before
+
+
+def _ascii_run(text: str, width: int = 1) -> str | None:
+    for i in range(2, len(text) - width + 1):
+        s = text[i:i + width]
+        if all(ch.isascii() and ch.isprintable() for ch in s):
+            return s
+    return None
+
+
+def test_stop_strings_end_each_batched_row_where_it_ends_alone():
+    from kakeya import FinishReason
+    from kakeya.tokenization import Tokenizer
+
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    with running_server(tiny_served(model=slow), step_tokens=16) as thread, Client(thread.address) as client:
+        tok = Tokenizer.from_model_info(client.model_info())
+        rows = []
+        for i in range(3):
+            h = list(tok.encode("Once upon a time" + " there was" * i))
+            with client.create_session(initial_tokens=h) as s:
+                stop = _ascii_run(tok.decode(s.generate(max_tokens=60, ignore_eos=True).collect()))
+            assert stop is not None
+            with client.create_session(initial_tokens=h) as s:
+                g = s.generate(max_tokens=60, ignore_eos=True, stop=[stop])
+                ref = g.collect()
+                assert g.finish_reason is FinishReason.STOP and len(ref) < 60
+            rows.append((h, stop, ref))
+        got: dict[int, tuple[list[int], str | None]] = {}
+
+        def run(i: int) -> None:
+            h, stop, _ = rows[i]
+            with Client(thread.address) as c, c.create_session(initial_tokens=h) as s:
+                g = s.generate(max_tokens=60, ignore_eos=True, stop=[stop])
+                got[i] = (g.collect(), g.result.stop_string)
+                assert list(s.info(include_history=True).history_token_ids) == h + got[i][0]
+
+        with client.create_session(initial_tokens=[7, 8, 9]) as busy:
+            it = iter(busy.generate(max_tokens=200, ignore_eos=True))
+            next(it)
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(rows))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            it.close()
+        assert {i: got[i] for i in range(len(rows))} == {i: (ref, stop) for i, (_, stop, ref) in enumerate(rows)}
