@@ -148,7 +148,8 @@ def test_smollm2_int4_served_keeps_inv3_turn_by_turn_and_equals_the_engine(engli
     served = ServedModel.from_loaded(loaded, "smollm2")
     served.serving = serving.ServingChoice(weights="int4", compiled=False, source="flag", invariant=True)
     ids = loaded.tokenizer.encode(english_text).ids
-    turns = [ids[:23], ids[23:28], ids[28:628], ids[628:629], ids[629:669]]
+    assert len(ids) >= 600
+    turns = [ids[:23], ids[23:28], ids[28:560], ids[560:561], ids[561:600]]  # one past the 512-token prefill chunk
     engine = Engine(loaded.model)
     cache = engine.new_cache(capacity=100)
     expected = engine.generate(cache, torch.tensor([ids[:60]]), GenerateRequest(24)).token_ids[0]
