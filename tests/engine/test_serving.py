@@ -92,7 +92,8 @@ def test_pick_takes_the_fastest_faithful_invariant_format():
     int4 = _cand("int4", speed=(700.0, 80.0))  # decode faster, prefill slower: the reference turn decides
     unfaithful = _cand("int4-mixed", kl=0.2, top1=0.77, speed=(5000.0, 500.0))
     variant = _cand("int8", invariant=False, speed=(5000.0, 500.0))
-    assert serving.pick([bf16, int4, unfaithful, variant]) is int4  # 0.73 + 1.60 s against 0.21 + 2.29 s
+    assert serving.pick([bf16, int4, unfaithful, variant], turn=(512, 128)) is int4  # 0.73 + 1.60 s vs 0.21 + 2.29 s
+    assert serving.pick([bf16, int4, unfaithful, variant]) is bf16  # the default turn reads 1,024: 1.46 + 1.60 s vs 0.43 + 2.29 s
     assert serving.pick([bf16, int4, unfaithful, variant], turn=(4096, 128)) is bf16
     assert not unfaithful.eligible and "not faithful" in unfaithful.why_not()
     assert not variant.eligible and "INV-3" in variant.why_not()
