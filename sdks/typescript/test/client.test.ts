@@ -57,7 +57,7 @@ describe("client", () => {
     assert.equal(info.invariantNumerics, true);
     assert.equal(info.measuredDecodeTokS, null);
     assert.equal(info.maxSessions, 64);
-    assert.equal(info.maxConcurrent, 1);
+    assert.equal(info.maxConcurrent, 8); // the server's default max batch
     assert.equal(info.sessionIdleTtlS, 1800);
     assert.equal(await client.modelInfo(), info); // cached
     assert.notEqual(await client.modelInfo({ refresh: true }), info);
