@@ -33,6 +33,12 @@ def test_serve_rejects_bad_idle_compression_settings_before_loading():
         assert result.exit_code == 2 and message in result.output, (args, result.output)
 
 
+def test_serve_rejects_a_bad_batch_setting_before_loading():
+    for args in (["--max-batch", "0"], ["--step-tokens", "0"]):
+        result = CliRunner().invoke(_app(), ["serve", "--model", "does-not-matter", *args])
+        assert result.exit_code == 2 and f"{args[0]} must be >= 1" in result.output, (args, result.output)
+
+
 def test_serve_rejects_a_bad_max_request_bytes_before_loading():
     for value in ("0", "-5", str(2**31)):
         result = CliRunner().invoke(_app(), ["serve", "--model", "does-not-matter", "--max-request-bytes", value])

@@ -150,6 +150,9 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        for flag, value in (("--max-batch", self.max_concurrent), ("--step-tokens", self.step_tokens)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.idle_compress_after_s is not None and not self.idle_compress_after_s > 0:
             raise ValueError(f"idle_compress_after_s must be > 0, got {self.idle_compress_after_s}")
         if self.idle_codec is not None and self.idle_codec.lower() not in (*CODEC_KINDS, "none"):
