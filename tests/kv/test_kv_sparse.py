@@ -75,11 +75,28 @@ def test_tripwire_zero_blocks_selected(tiny_llama, monkeypatch):
         _prefill(tiny_llama, SMALL, _ids(60), 16)
 
 
-def test_tripwire_missing_summaries(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("codec", ["d4", "identity"])  # three calls per step, or the fused one
+def test_tripwire_missing_summaries(tiny_llama, monkeypatch, codec):
     """Blocks that never reach the cold tier cannot be scored: the kernel refuses, nothing falls back."""
     monkeypatch.setattr(SparseLayerKV, "_complete_blocks", lambda self, *a: None)
     with pytest.raises(SparseIndexError, match="have summaries"):
-        _prefill(tiny_llama, SMALL, _ids(60), 16)
+        _prefill(tiny_llama, {**SMALL, "codec": codec}, _ids(60), 16)
+
+
+@pytest.mark.parametrize("codec", ["identity", "int8"])
+def test_fused_step_equals_three_calls(tiny_model, monkeypatch, codec):
+    """kakeya::sparse_step (indexer, attention and tripwire in one call, for a cold tier read in place) gives the
+    bits and the counters of the three separate calls, in a prompt and token by token."""
+    ids = _ids(90)
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(SparseLayerKV, "fused", fused)
+        runs.append([_prefill(tiny_model, {**SMALL, "codec": codec}, ids, chunk) for chunk in (90, 1)])
+    for (a, ca), (b, cb) in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+        assert ca.layer_counters() == cb.layer_counters() and ca.counters().blocks_selected > 0
+        assert ca.effective_attention_fraction == cb.effective_attention_fraction
+    assert torch.equal(runs[0][0][0], runs[0][1][0])
 
 
 def test_tripwire_blocks_lost_before_attention(tiny_llama, monkeypatch):
@@ -95,7 +112,8 @@ def test_tripwire_blocks_lost_before_attention(tiny_llama, monkeypatch):
         _prefill(tiny_llama, SMALL, _ids(60), 16)
 
 
-def test_tripwire_hot_range_lost(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("codec", ["d4", "identity"])
+def test_tripwire_hot_range_lost(tiny_llama, monkeypatch, codec):
     real = SparseLayerKV._write_hot
 
     def forget(self, k, v, positions, start):
@@ -104,7 +122,7 @@ def test_tripwire_hot_range_lost(tiny_llama, monkeypatch):
 
     monkeypatch.setattr(SparseLayerKV, "_write_hot", forget)
     with pytest.raises(SparseIndexError, match="hot range|hot ring"):
-        _prefill(tiny_llama, SMALL, _ids(60), 1)
+        _prefill(tiny_llama, {**SMALL, "codec": codec}, _ids(60), 1)
 
 
 def test_hot_bytes_flat_cold_bytes_packed(tiny_llama):

@@ -75,6 +75,9 @@ class SparseLayerKV:
     """One governed layer's hot ring, packed cold blocks and block summaries; it runs its own attention."""
 
     owns_attention = True  # models.layers.Attention hands it the queries (the indexer needs them)
+    # A cold tier the kernel reads as stored takes one fused call per step (kakeya::sparse_step); lattice codes
+    # are decoded between the indexer and the attention. False: every codec takes the three calls (tests).
+    fused = True
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, sink: int, window: int, block: int,
                  topk: int, max_positions: int, codec: KVCodec, spare: int = 0, dtype: torch.dtype,
@@ -108,12 +111,12 @@ class SparseLayerKV:
         self.n_blocks = 0  # complete blocks in the cold tier
         self._alloc_cold(initial_blocks)
         self.length = 0
-        self.counters = SparseCounters()
-        self.last_fraction = 1.0  # the newest query's attended share of its prefix
+        # SparseCounters' fields, then the newest query's attended and visible keys (kept by the kernels' tripwire)
+        self._counts = torch.zeros(8, dtype=torch.long)
         self.peak_decoded_bytes = 0  # decoded cold K/V held during a step, at its largest
         self.probe: OracleProbe | None = None
-        self._identity_slots = torch.arange(initial_blocks)  # lossless cold tier: block j is at slot j
         self._ring_full = False  # every hot slot holds a position (known without a tensor read once true)
+        self._hot_all = (self.k_hot, self.v_hot, self.hot_pos)
 
     def _alloc_cold(self, blocks: int) -> None:
         b, _, _, d = self.k_hot.shape
@@ -123,6 +126,7 @@ class SparseLayerKV:
         self.cold_v = self.codec.alloc(lead, d, self.dtype, self.k_hot.device)
         self.kmin = torch.zeros(b, hk, blocks, d, dtype=self.dtype, device=self.k_hot.device)
         self.kmax = torch.zeros_like(self.kmin)
+        self._direct = None  # the cold tier as the kernel reads it in place (direct codecs), built on first use
 
     def _reserve_blocks(self, needed: int) -> None:
         have = self.kmin.shape[2]
@@ -177,6 +181,9 @@ class SparseLayerKV:
     def _write_hot(self, k: Tensor, v: Tensor, positions: Tensor, start: int) -> None:
         """Keep the chunk's sink positions and its last `ring` positions."""
         end = start + k.shape[2]
+        if end == start + 1 and start >= self.sink and self.k_hot.is_cpu:  # a decode step: one slot, one call
+            native.ring_write(self.k_hot, self.v_hot, self.hot_pos, k, v, positions, self.slot(start))
+            return
         if start < self.sink:
             n = min(end, self.sink) - start
             self.k_hot[:, :, start : start + n], self.v_hot[:, :, start : start + n] = k[:, :, :n], v[:, :, :n]
@@ -239,7 +246,31 @@ class SparseLayerKV:
         self.kmin[:, :, sl], self.kmax[:, :, sl] = seen.amin(3), seen.amax(3)
         self.n_blocks = target
 
-    def _decode_blocks(self, select: Tensor) -> tuple[Tensor, ...]:
+    @property
+    def counters(self) -> SparseCounters:
+        return SparseCounters(*self._counts[:6].tolist())
+
+    @property
+    def last_fraction(self) -> float:
+        """The newest query's attended share of its prefix (1.0 before any step)."""
+        attended, visible = self._counts[6:].tolist()
+        return attended / visible if visible else 1.0
+
+    def _direct_cold(self) -> tuple[Tensor, ...]:
+        """A direct codec's cold tier in place, every allocated block (the kernel reads only the selected ones):
+        K/V (B, Hc, blocks * block, D) (int8: codes and their scales, k, v, k_scale, v_scale) and the slots (block j
+        at slot j). Views, made once per allocation."""
+        if self._direct is None:
+            blocks = self.kmin.shape[2]
+            n = blocks * self.block
+            flat = [t.reshape(*t.shape[:2], n, *t.shape[4:]) for store in (self.cold_k, self.cold_v)
+                    for t in store.values()]
+            if len(flat) == 4:  # codes and scales: k, v, k_scale, v_scale
+                flat = [flat[0], flat[2], flat[1], flat[3]]
+            self._direct = (*flat, torch.arange(blocks))
+        return self._direct
+
+    def _decode_blocks(self, select: Tensor | None) -> tuple[Tensor, ...]:
         """The cold side as the kernel takes it: K/V (B, Hk, U * block, D) (or int8 codes and their scales) and
         where block j lies in them (slot (N,), -1: absent). A codec the kernel reads as stored (identity, int8) is
         handed over in place, whole (the kernel reads only the selected blocks); lattice codes are decoded for
@@ -248,14 +279,7 @@ class SparseLayerKV:
             empty = self.k_hot[:, :0, :0]
             return empty, empty, torch.full((self.n_blocks,), -1, dtype=torch.long)
         if self.codec.direct:
-            if self._identity_slots.shape[0] < self.n_blocks:
-                self._identity_slots = torch.arange(max(self.n_blocks, 2 * self._identity_slots.shape[0]))
-            n = self.n_blocks * self.block
-            flat = [t[:, :, : self.n_blocks].reshape(*t.shape[:2], n, *t.shape[4:])
-                    for store in (self.cold_k, self.cold_v) for t in store.values()]
-            if len(flat) == 4:  # codes and scales: k, v, k_scale, v_scale
-                flat = [flat[0], flat[2], flat[1], flat[3]]
-            return (*flat, self._identity_slots[: self.n_blocks])
+            return self._direct_cold()
         words = select.shape[-1]
         shifts = torch.arange(64, device=select.device)
         bits = ((select.reshape(-1, words, 1) >> shifts) & 1).any(0).reshape(-1)[: self.n_blocks]
@@ -282,11 +306,14 @@ class SparseLayerKV:
         if t == 1:  # in place: the ring now holds everything the token sees
             self._write_hot(k, v, positions, start)
             self._complete_blocks(k, v, end, end)
-            n = min(end, self.hot_pos.shape[0])
+            n = self.hot_pos.shape[0]
             if not self._ring_full and end >= n:  # after a trim the ring has holes until it wraps once more
                 self._ring_full = bool((self.hot_pos >= 0).all())
-            held = slice(0, n) if end <= n or self._ring_full else (self.hot_pos >= 0).nonzero()[:, 0]
-            hot = (self.k_hot[:, :, held], self.v_hot[:, :, held], self.hot_pos[held])
+            if self._ring_full:
+                hot = self._hot_all
+            else:
+                held = slice(0, end) if end <= n else (self.hot_pos >= 0).nonzero()[:, 0]
+                hot = (self.k_hot[:, :, held], self.v_hot[:, :, held], self.hot_pos[held])
         else:
             held = (self.hot_pos >= 0).nonzero()[:, 0]
             hot = (torch.cat((self.k_hot.index_select(2, held), k), dim=2),
@@ -299,18 +326,24 @@ class SparseLayerKV:
         if not qg.is_contiguous():
             qg = qg.contiguous()
         try:
-            select, scored = native.block_select(qg, self.kmin[:, :, : self.n_blocks],
-                                                 self.kmax[:, :, : self.n_blocks], positions, window=self.window,
-                                                 sink=self.sink, block=self.block, topk=self._topk_t)
-        except RuntimeError as e:  # the kernel's checks: e.g. a selectable block without a summary
+            if self.fused and (self.codec.direct or not self.cold_heads):
+                cold = self._decode_blocks(None)  # in place: no selection needed
+                out, select = native.sparse_step(qg, hot, cold, self.kmin, self.kmax, self.n_blocks, positions, scale,
+                                                 window=self.window, sink=self.sink, block=self.block,
+                                                 topk=self._topk_t, cold_head=self._cold_head_t,
+                                                 counters=self._counts)
+            else:
+                select, scored = native.block_select(qg, self.kmin[:, :, : self.n_blocks],
+                                                     self.kmax[:, :, : self.n_blocks], positions, window=self.window,
+                                                     sink=self.sink, block=self.block, topk=self._topk_t)
+                cold = self._decode_blocks(select)
+                out, seen = native.sparse_attention(qg, hot, cold, select, positions, scale, window=self.window,
+                                                    sink=self.sink, block=self.block, cold_head=self._cold_head_t)
+                native.sparse_check(seen, scored, positions, window=self.window, sink=self.sink, block=self.block,
+                                    topk=self._topk_t, counters=self._counts)
+        except RuntimeError as e:  # the kernels' checks: a selectable block without a summary, a selected block
+            # that was not provided, a query that did not see its hot range or its blocks
             raise SparseIndexError(str(e).split("\n")[0]) from None
-        cold = self._decode_blocks(select)
-        try:
-            out, seen = native.sparse_attention(qg, hot, cold, select, positions, scale, window=self.window,
-                                                sink=self.sink, block=self.block, cold_head=self._cold_head_t)
-        except RuntimeError as e:  # the kernel's checks: e.g. a selected block that was not decoded
-            raise SparseIndexError(str(e).split("\n")[0]) from None
-        self._check(seen, scored, positions)
         if self.probe is not None:
             self._measure(q, k, select, positions, scale)
         return out.reshape(b, h, t, d)
@@ -335,24 +368,6 @@ class SparseLayerKV:
         attended = hot | (chosen & (pos < self.hot_lo(p)))
         probe.masses.append((probs * attended[:, None, :]).sum(-1).flatten().tolist())
         probe.window_masses.append((probs * hot[None, None, :]).sum(-1).flatten().tolist())
-
-    def _check(self, seen: Tensor, scored: Tensor, positions: Tensor) -> None:
-        """Every query saw exactly its sinks and hot range, and min(topk, scored) whole cold blocks (raises
-        SparseIndexError otherwise); then count the step."""
-        try:
-            counts = native.sparse_check(seen, scored, positions, window=self.window, sink=self.sink,
-                                         block=self.block, topk=self._topk_t).tolist()
-        except RuntimeError as e:
-            raise SparseIndexError(str(e).split("\n")[0]) from None
-        queries, blocks_scored, blocks_selected, attended, visible, newest = counts
-        c = self.counters
-        c.steps += 1
-        c.queries += queries
-        c.blocks_scored += blocks_scored
-        c.blocks_selected += blocks_selected
-        c.positions_attended += attended
-        c.positions_visible += visible
-        self.last_fraction = newest / (seen.shape[0] * seen.shape[1]) / (int(positions[-1]) + 1)
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor):
         raise CacheError("a sparse layer attends itself (models.layers.Attention calls attend with the queries)")

@@ -5,7 +5,8 @@
 - `kakeya::linear(x, w, bias, out_fp32)`: every projection and the LM head, one fixed order per output element.
 - `kakeya::gated_act(x, act)`: the gated MLP's act(gate) * up in one elementwise pass.
 - `kakeya::sparse_attention` / `kakeya::block_select`: the sparse KV policy's attention over an exact hot set and
-  selected cold blocks, and its indexer (kv.sparse), with the same per-query invariance.
+  selected cold blocks, and its indexer (kv.sparse), with the same per-query invariance; `kakeya::sparse_step`
+  runs both and the step's tripwire in one call.
 
 So a position's K/V and logits do not depend on the shape of the step they ran in (see layers.attend and
 layers.linear). The library is compiled with g++ against the installed torch for this CPU (-march=native) on
@@ -167,14 +168,37 @@ def block_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, q_pos:
 
 
 def sparse_check(seen: torch.Tensor, scored: torch.Tensor, q_pos: torch.Tensor, *, window: int, sink: int,
-                 block: int, topk: int | torch.Tensor) -> torch.Tensor:
+                 block: int, topk: int | torch.Tensor, counters: torch.Tensor) -> None:
     """The sparse step's tripwire on sparse_attention's `seen` counts: raises unless every query row saw exactly
-    its sinks and hot range and min(topk, scored) whole cold blocks. Returns int64 (6,): query tokens x KV heads,
-    blocks scored, blocks selected, keys attended, keys visible, and the newest token's attended keys (summed
-    over batch and KV heads)."""
+    its sinks and hot range and min(topk, scored) whole cold blocks. Then adds the step to `counters`, int64 (8,):
+    steps, query tokens x KV heads, blocks scored, blocks selected, keys attended, keys visible (summed), and
+    the newest token's attended and visible keys (summed over batch and KV heads, set each step)."""
     if _loaded is None:
         load()
-    return torch.ops.kakeya.sparse_check(seen, scored, q_pos, window, sink, block, _per_head(topk, seen.shape[1]))
+    torch.ops.kakeya.sparse_check(seen, scored, q_pos, window, sink, block, _per_head(topk, seen.shape[1]), counters)
+
+
+def sparse_step(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cold: tuple[torch.Tensor, ...],
+                kmin: torch.Tensor, kmax: torch.Tensor, n_blocks: int, q_pos: torch.Tensor, scale: float, *,
+                window: int, sink: int, block: int, topk: torch.Tensor, cold_head: torch.Tensor,
+                counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_select over the first n_blocks summaries, sparse_attention over `hot` and `cold` (a cold tier the
+    kernel reads as stored: bf16 blocks or int8 codes with their scales, and the slots) and sparse_check into
+    `counters`, in one call. Returns the output (B, Hk, R, D) and the selection bitsets (B, Hk, T, words)."""
+    if _loaded is None:
+        load()
+    k, v, *scales, slot = cold
+    k_scale, v_scale = scales if scales else (None, None)
+    return torch.ops.kakeya.sparse_step(q, *hot, k, v, k_scale, v_scale, slot, cold_head, kmin, kmax, n_blocks, topk,
+                                        q_pos, window, sink, block, scale, counters)
+
+
+def ring_write(k_hot: torch.Tensor, v_hot: torch.Tensor, hot_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, slot: int) -> None:
+    """A decode step's K/V (B, Hk, 1, D) at `positions` (1,) into slot `slot` of a sparse layer's hot ring."""
+    if _loaded is None:
+        load()
+    torch.ops.kakeya.ring_write(k_hot, v_hot, hot_pos, k, v, positions, slot)
 
 
 def _per_head(topk: int | torch.Tensor, heads: int) -> torch.Tensor:
@@ -381,6 +405,9 @@ def _register_fake() -> None:
         lambda q, k, v, q_pos, k_pos, window, sink, scale: q.new_empty(q.shape))
     torch.library.register_fake("kakeya::sparse_attention")(
         lambda q, *args: (q.new_empty(q.shape), q.new_empty(*q.shape[:3], 2, dtype=torch.long)))
+    torch.library.register_fake("kakeya::sparse_step")(
+        lambda q, *args: (q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[1], args[13].shape[0], 1,
+                                                            dtype=torch.long)))
     torch.library.register_fake("kakeya::gated_act")(lambda x, act: x.new_empty(x.shape[0], x.shape[1] // 2))
     torch.library.register_fake("kakeya::linear")(
         lambda x, w, bias, out_fp32=False: x.new_empty(x.shape[0], w.shape[0],

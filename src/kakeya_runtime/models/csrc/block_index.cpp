@@ -16,57 +16,140 @@
 
 #include "common.h"
 
+#include <memory>
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int VS = Vec::size();
+
+constexpr int64_t CHUNK = 64;  // blocks per scoring work item
+
+// Widen D values of T to fp32 (exact).
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t D) {
+  at::vec::convert(src, dst, D);
+}
+
+// Scores of blocks [j0, j1) of one token against its G query rows (qf (G, D) fp32) into score[j]: per block and
+// row, sum_d max(q_d lo_d, q_d hi_d) as D / VS vector steps in order, then one fixed lane tree; the token's score
+// is the largest over its rows (NaN: -inf). The tree is the same for every block whatever the range, so a
+// block's score never depends on how the blocks were cut into work items.
+template <typename T>
+void score_blocks(const float* qf, int64_t G, int64_t D, const T* mn, const T* mx, int64_t row_stride, int64_t j0,
+                  int64_t j1, float* score) {
+  constexpr float NINF = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && D <= 256) {
+    // 16 blocks at a time: per row, 16 accumulators folded by reduce16 (one fixed pattern).
+    alignas(64) float lo[256], hi[256];
+    __m512 acc[8][16];  // rows (at most 8 per pass) x 16 blocks
+    for (int64_t jb = j0; jb < j1; jb += 16) {
+      const int64_t nb = std::min<int64_t>(16, j1 - jb);
+      alignas(64) float best[16];
+      std::fill(best, best + 16, NINF);
+      for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const int64_t gn = std::min<int64_t>(8, G - g0);
+        for (int64_t jj = 0; jj < 16; ++jj) {
+          for (int64_t g = 0; g < gn; ++g) acc[g][jj] = _mm512_setzero_ps();
+          if (jj >= nb) continue;
+          widen(mn + (jb + jj) * row_stride, lo, D);
+          widen(mx + (jb + jj) * row_stride, hi, D);
+          for (int64_t g = 0; g < gn; ++g) {
+            const float* qg = qf + (g0 + g) * D;
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+              const __m512 qv = _mm512_loadu_ps(qg + d);
+              a = _mm512_add_ps(a, _mm512_max_ps(_mm512_mul_ps(qv, _mm512_load_ps(lo + d)),
+                                                 _mm512_mul_ps(qv, _mm512_load_ps(hi + d))));
+            }
+            acc[g][jj] = a;
+          }
+        }
+        for (int64_t g = 0; g < gn; ++g) {
+          __m512 sv = reduce16(acc[g]);
+          sv = _mm512_mask_mov_ps(sv, _mm512_cmp_ps_mask(sv, sv, _CMP_UNORD_Q), _mm512_set1_ps(NINF));
+          alignas(64) float sg[16];
+          _mm512_store_ps(sg, sv);
+          for (int64_t jj = 0; jj < nb; ++jj) best[jj] = std::max(best[jj], sg[jj]);
+        }
+      }
+      std::copy(best, best + nb, score + jb);
+    }
+    return;
+  }
+#endif
+  std::vector<float> lo(D), hi(D);
+  for (int64_t j = j0; j < j1; ++j) {
+    widen(mn + j * row_stride, lo.data(), D);
+    widen(mx + j * row_stride, hi.data(), D);
+    float best = NINF;
+    for (int64_t g = 0; g < G; ++g) {
+      Vec acc(0.f);  // D / VS vector steps in order, then one fixed lane tree
+      for (int64_t d = 0; d < D; d += VS) {
+        const Vec qv = Vec::loadu(qf + g * D + d);
+        acc = acc + at::vec::maximum(qv * Vec::loadu(lo.data() + d), qv * Vec::loadu(hi.data() + d));
+      }
+      const float sc = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, acc);
+      best = std::max(best, std::isnan(sc) ? NINF : sc);
+    }
+    score[j] = best;
+  }
+}
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& q_pos,
          int64_t window, int64_t sink, int64_t block, const std::vector<int64_t>& head_topk,
          const std::vector<int64_t>& cold_head, at::Tensor& select, at::Tensor& scored) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), NT = q_pos.size(0);
-  const int64_t G = R / NT, N = kmin.size(2), words = select.size(3);
+  const int64_t G = R / NT, words = select.size(3);
   const int64_t* qp = q_pos.const_data_ptr<int64_t>();
   const T* qd = q.const_data_ptr<T>();
   const T* mn = kmin.const_data_ptr<T>();
   const T* mx = kmax.const_data_ptr<T>();
   auto* sel = reinterpret_cast<uint64_t*>(select.data_ptr<int64_t>());
   int64_t* nsc = scored.data_ptr<int64_t>();
-  at::parallel_for(0, B * H * NT, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), lo(D), hi(D), score;
+  // Per (batch, head, token): blocks it may select (n), and whether it must score them (n > topk).
+  const int64_t items = B * H * NT;
+  int64_t most = 0;
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t h = (item / NT) % H, t = item % NT, topk = head_topk[h];
+    const int64_t n = topk == 0 ? 0 : std::max<int64_t>(0, qp[t] + 1 - window - sink) / block;
+    nsc[item] = n;
+    if (n > topk) most = std::max(most, n);
+  }
+  // Scoring: work items of CHUNK blocks of one token (a decode step's few tokens still spread over the threads).
+  const int64_t chunks = (most + CHUNK - 1) / CHUNK;
+  std::unique_ptr<float[]> scores(new float[std::max<int64_t>(1, items * most)]);  // every read entry is written
+  at::parallel_for(0, items * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D);
+    int64_t loaded = -1;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t item = w / chunks, c = w % chunks, n = nsc[item];
+      const int64_t bh = item / NT, t = item % NT, b = bh / H, h = bh % H;
+      if (n <= head_topk[h] || c * CHUNK >= n) continue;
+      if (loaded != item) {
+        for (int64_t g = 0; g < G; ++g)
+          widen(qd + b * q.stride(0) + h * q.stride(1) + (g * NT + t) * q.stride(2), qf.data() + g * D, D);
+        loaded = item;
+      }
+      const int64_t off = b * kmin.stride(0) + cold_head[h] * kmin.stride(1);
+      score_blocks<T>(qf.data(), G, D, mn + off, mx + off, kmin.stride(2), c * CHUNK,
+                      std::min<int64_t>(n, (c + 1) * CHUNK), scores.get() + item * most);
+    }
+  });
+  at::parallel_for(0, items, 16, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> idx;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t bh = item / NT, t = item % NT, b = bh / H, h = bh % H, topk = head_topk[h];
-      const int64_t n = topk == 0 ? 0 : std::max<int64_t>(0, qp[t] + 1 - window - sink) / block;
-      nsc[item] = n;
+      const int64_t n = nsc[item], topk = head_topk[(item / NT) % H];
       uint64_t* row = sel + item * words;
       std::fill(row, row + words, 0ull);
       if (n == 0) continue;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = static_cast<float>(qd[b * q.stride(0) + h * q.stride(1) + (g * NT + t) * q.stride(2) + d]);
       if (n <= topk) {  // every block: no scores needed
         for (int64_t j = 0; j < n; ++j) row[j >> 6] |= 1ull << (j & 63);
         continue;
       }
-      score.resize(n);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t off = b * kmin.stride(0) + cold_head[h] * kmin.stride(1) + j * kmin.stride(2);
-        at::vec::convert(mn + off, lo.data(), D);  // exact widening (bf16 -> fp32) or a copy
-        at::vec::convert(mx + off, hi.data(), D);
-        float best = -std::numeric_limits<float>::infinity();
-        for (int64_t g = 0; g < G; ++g) {
-          Vec acc(0.f);  // D / VS vector steps in order, then one fixed lane tree
-          for (int64_t d = 0; d < D; d += VS) {
-            const Vec qv = Vec::loadu(qf.data() + g * D + d);
-            acc = acc + at::vec::maximum(qv * Vec::loadu(lo.data() + d), qv * Vec::loadu(hi.data() + d));
-          }
-          const float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, acc);
-          best = std::max(best, std::isnan(s) ? -std::numeric_limits<float>::infinity() : s);
-        }
-        score[j] = best;
-      }
+      const float* score = scores.get() + item * most;
       idx.resize(n);
       std::iota(idx.begin(), idx.end(), 0);
       // A strict total order (score, then the lower block), so the kept set is one set whatever the sort does.
@@ -125,11 +208,12 @@ std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::T
 
 // The sparse step's tripwire, on the counts the attention kernel kept in its own loops (kakeya::sparse_attention's
 // `seen` (B, Hk, R, 2): hot, cold): every query row saw exactly its sinks and hot range, and min(topk, scored)
-// whole cold blocks. Raises otherwise. Returns the step's counters, int64 (6,): query tokens x KV heads, blocks
-// scored, blocks selected, keys attended and keys causally visible (first query head of each group, summed), and
-// the keys the newest token attended summed over batch and KV heads.
-at::Tensor sparse_check(const at::Tensor& seen, const at::Tensor& scored, const at::Tensor& q_pos, int64_t window,
-                        int64_t sink, int64_t block, const at::Tensor& head_topk) {
+// whole cold blocks. Raises otherwise. Then adds the step to `counters`, int64 (8,): [0] steps, [1] query tokens
+// x KV heads, [2] blocks scored, [3] blocks selected, [4] keys attended, [5] keys causally visible (first query
+// head of each group, summed); [6], [7] are set (not summed) to the keys the newest token attended and the keys
+// it could see, summed over batch and KV heads (the layer's attended share: [6] / [7]).
+void sparse_check(const at::Tensor& seen, const at::Tensor& scored, const at::Tensor& q_pos, int64_t window,
+                  int64_t sink, int64_t block, const at::Tensor& head_topk, const at::Tensor& counters) {
   TORCH_CHECK(seen.dim() == 4 && seen.size(3) == 2 && seen.scalar_type() == at::kLong && seen.is_contiguous(),
               "sparse_check: seen (B, Hk, R, 2) contiguous int64");
   TORCH_CHECK(q_pos.dim() == 1 && q_pos.scalar_type() == at::kLong && q_pos.is_contiguous() && q_pos.size(0) >= 1 &&
@@ -142,6 +226,9 @@ at::Tensor sparse_check(const at::Tensor& seen, const at::Tensor& scored, const 
   TORCH_CHECK(head_topk.dim() == 1 && head_topk.scalar_type() == at::kLong && head_topk.size(0) == seen.size(1) &&
                   head_topk.is_contiguous(),
               "sparse_check: head_topk must be contiguous int64 (Hk,)");
+  TORCH_CHECK(counters.dim() == 1 && counters.size(0) == 8 && counters.scalar_type() == at::kLong &&
+                  counters.is_contiguous() && counters.device().is_cpu(),
+              "sparse_check: counters must be contiguous int64 (8,)");
   const int64_t* tks = head_topk.const_data_ptr<int64_t>();
   const int64_t B = seen.size(0), H = seen.size(1), R = seen.size(2), T = q_pos.size(0), G = R / T;
   const int64_t* sn = seen.const_data_ptr<int64_t>();
@@ -167,10 +254,60 @@ at::Tensor sparse_check(const at::Tensor& seen, const at::Tensor& scored, const 
       visible += p + 1;
       if (t == T - 1) newest += want_hot + want_cold;
     }
-  auto out = at::empty({6}, seen.options());
-  int64_t* o = out.data_ptr<int64_t>();
-  o[0] = B * H * T, o[1] = scored_sum, o[2] = selected, o[3] = attended, o[4] = visible, o[5] = newest;
-  return out;
+  int64_t* o = counters.data_ptr<int64_t>();
+  o[0] += 1, o[1] += B * H * T, o[2] += scored_sum, o[3] += selected, o[4] += attended, o[5] += visible;
+  o[6] = newest, o[7] = B * H * (qp[T - 1] + 1);
+}
+
+// One sparse step for a cold tier the attention reads as stored (bf16 or int8 codes): the indexer over the first
+// n_blocks summaries, the attention over the hot set and the selected blocks, and the tripwire with its counters,
+// in one call (no Python between them). Returns the output and the selection bitsets.
+std::tuple<at::Tensor, at::Tensor> sparse_step(
+    const at::Tensor& q, const at::Tensor& hot_k, const at::Tensor& hot_v, const at::Tensor& hot_pos,
+    const at::Tensor& cold_k, const at::Tensor& cold_v, const std::optional<at::Tensor>& cold_k_scale,
+    const std::optional<at::Tensor>& cold_v_scale, const at::Tensor& cold_slot, const at::Tensor& cold_head,
+    const at::Tensor& kmin, const at::Tensor& kmax, int64_t n_blocks, const at::Tensor& head_topk,
+    const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block, double scale, const at::Tensor& counters) {
+  TORCH_CHECK(kmin.dim() == 4 && n_blocks >= 0 && n_blocks <= kmin.size(2), "sparse_step: ", n_blocks,
+              " blocks, summaries (B, Hc, N, D) for ", kmin.dim() == 4 ? kmin.size(2) : -1);
+  auto [select, scored] = block_select(q, kmin.narrow(2, 0, n_blocks), kmax.narrow(2, 0, n_blocks), q_pos, window,
+                                       sink, block, head_topk);
+  auto [out, seen] = kakeya_ops::sparse_attention(q, hot_k, hot_v, hot_pos, cold_k, cold_v, cold_k_scale,
+                                                  cold_v_scale, cold_slot, cold_head, select, q_pos, window, sink,
+                                                  block, scale);
+  sparse_check(seen, scored, q_pos, window, sink, block, head_topk, counters);
+  return {out, select};
+}
+
+// A decode step's new K/V (B, Hk, 1, D) into one slot of the sparse layer's hot ring (k_hot, v_hot (B, Hk, S, D),
+// hot_pos (S,)): one call instead of three indexing copies.
+void ring_write(const at::Tensor& k_hot, const at::Tensor& v_hot, const at::Tensor& hot_pos, const at::Tensor& k,
+                const at::Tensor& v, const at::Tensor& positions, int64_t slot) {
+  TORCH_CHECK(k_hot.dim() == 4 && k_hot.sizes() == v_hot.sizes() && k.dim() == 4 && k.sizes() == v.sizes() &&
+                  k.size(0) == k_hot.size(0) && k.size(1) == k_hot.size(1) && k.size(2) == 1 &&
+                  k.size(3) == k_hot.size(3) && k.scalar_type() == k_hot.scalar_type() &&
+                  v.scalar_type() == k_hot.scalar_type() && v_hot.scalar_type() == k_hot.scalar_type() &&
+                  k.stride(3) == 1 && v.stride(3) == 1 && k_hot.stride(3) == 1 && v_hot.stride(3) == 1,
+              "ring_write: k, v (B, Hk, 1, D) and the ring (B, Hk, S, D), one dtype, unit last stride");
+  TORCH_CHECK(hot_pos.dim() == 1 && hot_pos.size(0) == k_hot.size(2) && hot_pos.scalar_type() == at::kLong &&
+                  positions.numel() == 1 && positions.scalar_type() == at::kLong && 0 <= slot &&
+                  slot < k_hot.size(2),
+              "ring_write: hot_pos (S,) int64, one position, a slot in range");
+  const int64_t B = k.size(0), H = k.size(1), D = k.size(3);
+  const size_t bytes = D * k.element_size();
+  auto* kd = static_cast<char*>(k_hot.data_ptr());
+  auto* vd = static_cast<char*>(v_hot.data_ptr());
+  const auto* ks = static_cast<const char*>(k.const_data_ptr());
+  const auto* vs = static_cast<const char*>(v.const_data_ptr());
+  const int64_t es = k.element_size();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(kd + (b * k_hot.stride(0) + h * k_hot.stride(1) + slot * k_hot.stride(2)) * es,
+                  ks + (b * k.stride(0) + h * k.stride(1)) * es, bytes);
+      std::memcpy(vd + (b * v_hot.stride(0) + h * v_hot.stride(1) + slot * v_hot.stride(2)) * es,
+                  vs + (b * v.stride(0) + h * v.stride(1)) * es, bytes);
+    }
+  hot_pos.data_ptr<int64_t>()[slot * hot_pos.stride(0)] = positions.const_data_ptr<int64_t>()[0];
 }
 
 }  // namespace
@@ -178,11 +315,19 @@ at::Tensor sparse_check(const at::Tensor& seen, const at::Tensor& scored, const 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.def("block_select(Tensor q, Tensor kmin, Tensor kmax, Tensor q_pos, int window, int sink, int block, "
         "Tensor head_topk) -> (Tensor, Tensor)");
-  m.def("sparse_check(Tensor seen, Tensor scored, Tensor q_pos, int window, int sink, int block, Tensor head_topk) "
-        "-> Tensor");
+  m.def("sparse_check(Tensor seen, Tensor scored, Tensor q_pos, int window, int sink, int block, Tensor head_topk, "
+        "Tensor(a!) counters) -> ()");
+  m.def("sparse_step(Tensor q, Tensor hot_k, Tensor hot_v, Tensor hot_pos, Tensor cold_k, Tensor cold_v, "
+        "Tensor? cold_k_scale, Tensor? cold_v_scale, Tensor cold_slot, Tensor cold_head, Tensor kmin, Tensor kmax, "
+        "int n_blocks, Tensor head_topk, Tensor q_pos, int window, int sink, int block, float scale, "
+        "Tensor(a!) counters) -> (Tensor, Tensor)");
+  m.def("ring_write(Tensor(a!) k_hot, Tensor(b!) v_hot, Tensor(c!) hot_pos, Tensor k, Tensor v, Tensor positions, "
+        "int slot) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
   m.impl("block_select", &block_select);
   m.impl("sparse_check", &sparse_check);
+  m.impl("sparse_step", &sparse_step);
+  m.impl("ring_write", &ring_write);
 }

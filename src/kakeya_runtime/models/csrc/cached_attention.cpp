@@ -535,7 +535,7 @@ struct Source {
 // selection bitsets (B, Hk, T, words). Only blocks wholly below a token's hot range count (n(t) of them).
 //
 // A token's selected blocks, in position order, are packed into lanes of their own: superchunks of SPLIT lanes
-// (the work items), cut into blocks of the path's width. So its cold keys are grouped and reduced by one fixed
+// (the work items), cut into blocks of BK lanes. So its cold keys are grouped and reduced by one fixed
 // sequence that depends on its own selection only, never on what other tokens of the call selected, and no
 // lane is spent on a block it did not select.
 struct Cold {
@@ -578,14 +578,28 @@ void dequantize_rows(const at::Tensor& code, const at::Tensor& scale, int64_t b,
   alignas(64) float row[D];
   for (size_t i = 0; i < rows.size(); ++i) {
     const int8_t* src = c + rows[i] * code.stride(2);
+#if defined(__F16C__)
+    const float sc = _cvtsh_ss(s[rows[i] * scale.stride(2)].x);  // exact, as the scalar conversion
+#else
     const float sc = static_cast<float>(s[rows[i] * scale.stride(2)]);
+#endif
 #if defined(__AVX512F__)
     if constexpr (D % 16 == 0) {
       const __m512 scv = _mm512_set1_ps(sc);
-      for (int d = 0; d < D; d += 16)
-        _mm512_store_ps(row + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)))),
-                                               scv));
+      for (int d = 0; d < D; d += 16) {
+        const __m512 x = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)))),
+            scv);
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          // nearest even, as at::vec::convert; a code times an fp16 scale is never an fp32 denormal
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * D + d), (__m256i)_mm512_cvtneps_pbh(x));
+          continue;
+        }
+#endif
+        _mm512_store_ps(row + d, x);
+      }
+      if constexpr (kBf16Dot && std::is_same_v<T, c10::BFloat16>) continue;
     } else
 #endif
       for (int d = 0; d < D; ++d) row[d] = static_cast<float>(src[d]) * sc;
@@ -616,12 +630,9 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), NT = q_pos.size(0);
   const int64_t G = R / NT, NS = static_cast<int64_t>(sources.size()), NC = NS + (cold != nullptr);
   // AMX on CPUs that have it (bf16), for every call alike: the choice depends on the machine, never the shape.
+  // Cold work items always hold one token's G rows: AMX tiles (16 rows) would idle there, so they take the
+  // dot-product path on every machine and in every call (still one fixed sequence per token).
   const bool use_amx = amx_enabled<T>() && D % 32 == 0;
-#if defined(KAKEYA_AMX)
-  const int64_t PB = use_amx ? BKA : BK;  // lanes per block of the path this machine runs
-#else
-  const int64_t PB = BK;
-#endif
   std::vector<std::pair<int64_t, int64_t>> supers;  // (source, superblock) in merge order
   for (int64_t s = 0; s < NS; ++s)
     for (int64_t sp = 0; sp < sources[s].supers(); ++sp) supers.emplace_back(s, sp);
@@ -694,6 +705,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         const int64_t *order, *pos;
         const Block* blocks;
         Rule rule{qpos + t0, tn, window, sink, Kind::Plain, cold != nullptr ? cold->block : 0};
+        bool amx_item = use_amx;  // cold items (one token's G rows, any call) always take the dot-product path
         float* base;
         if (item < hot_items) {
           const int64_t b = item / (H * NSP), h = (item / NSP) % H;
@@ -724,8 +736,9 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           cold->lanes(cold->sel + (bh * NT + t0 + t) * cold->words,
                       cold->blocks_below(qpos[t0 + t], window, sink), first, count, rows);
           cblocks.clear();
-          for (int64_t i = 0; i < count; i += PB)
-            cblocks.push_back(Block{i, std::min<int64_t>(PB, count - i), i, std::min<int64_t>(PB, count - i) + i - 1});
+          for (int64_t i = 0; i < count; i += BK)
+            cblocks.push_back(Block{i, std::min<int64_t>(BK, count - i), i, std::min<int64_t>(BK, count - i) + i - 1});
+          amx_item = false;
           rule = Rule{&kAll, 1, 0, 0, Kind::Plain, 0};
           qrows = qtok.data() + (bh * tn + t) * G * D;
           R_item = G;
@@ -750,7 +763,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         const Partial st{base, base + R_item * D, base + R_item * D + R_item, base + R_item * D + 2 * R_item};
 #if defined(KAKEYA_AMX)
         if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
-          if (use_amx) {  // head sizes that are not a multiple of 32 take the dot-product path everywhere
+          if (amx_item) {  // head sizes that are not a multiple of 32 take the dot-product path everywhere
             attend_superblock_amx<D>(qrows, kb, vb, k_row, v_row, R_item, rule, order, pos, blocks, nblocks, scale,
                                      st);
             continue;
@@ -959,6 +972,20 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
 }
 
 }  // namespace
+
+namespace kakeya_ops {
+std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& hot_k,
+                                                    const at::Tensor& hot_v, const at::Tensor& hot_pos,
+                                                    const at::Tensor& cold_k, const at::Tensor& cold_v,
+                                                    const std::optional<at::Tensor>& cold_k_scale,
+                                                    const std::optional<at::Tensor>& cold_v_scale,
+                                                    const at::Tensor& cold_slot, const at::Tensor& cold_head,
+                                                    const at::Tensor& select, const at::Tensor& q_pos, int64_t window,
+                                                    int64_t sink, int64_t block, double scale) {
+  return ::sparse_attention(q, hot_k, hot_v, hot_pos, cold_k, cold_v, cold_k_scale, cold_v_scale, cold_slot,
+                            cold_head, select, q_pos, window, sink, block, scale);
+}
+}  // namespace kakeya_ops
 
 TORCH_LIBRARY(kakeya, m) {
   m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_pos, int window, int sink, "

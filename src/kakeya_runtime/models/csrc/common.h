@@ -23,6 +23,8 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
@@ -30,6 +32,18 @@
 #endif
 
 #include "amx.h"
+
+// kakeya::sparse_attention for the other kernels of the library (block_index.cpp's fused sparse step).
+namespace kakeya_ops {
+std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& hot_k,
+                                                    const at::Tensor& hot_v, const at::Tensor& hot_pos,
+                                                    const at::Tensor& cold_k, const at::Tensor& cold_v,
+                                                    const std::optional<at::Tensor>& cold_k_scale,
+                                                    const std::optional<at::Tensor>& cold_v_scale,
+                                                    const at::Tensor& cold_slot, const at::Tensor& cold_head,
+                                                    const at::Tensor& select, const at::Tensor& q_pos, int64_t window,
+                                                    int64_t sink, int64_t block, double scale);
+}  // namespace kakeya_ops
 
 #if defined(__AVX512F__)
 namespace {
