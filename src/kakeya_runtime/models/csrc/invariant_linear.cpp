@@ -6,7 +6,10 @@
 // prefill chunk, a batch of sessions). Here y[m][n] depends only on row m of x and row n of W:
 // - AMX (bf16, CPUs with AMX-BF16): tdpbf16ps over K in steps of 32, in order, from a zeroed tile. Rows of
 //   x are the columns of the B tile (padded to 16 with zeros), rows of W the rows of the A tile, loaded in
-//   place (no repacking of the weights, so a tied embedding serves as the head as it is).
+//   place (no repacking of the weights, so a tied embedding serves as the head as it is). Calls of 32 rows or
+//   more (prefill) take the same products the other way round, x W^T with x rows as A tiles in place and each
+//   32-row panel of W packed per call as B tiles: no transposes, and bit-identical to the first (see
+//   linear_amx_rows), so a row's bits still do not depend on M.
 // - AVX-512 (fp32, and bf16 through vdpbf16ps): 16 fp32 partial sums per element over K in order, then one
 //   fixed lane-reduction tree (reduce16: every input vector goes through the same adds).
 // - elsewhere: at::vec partial sums over K in order, then at::vec's fixed reduction.
@@ -120,6 +123,102 @@ void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
             __m512 v = _mm512_loadu_ps(ct + in * 256 + mm * 16);
             if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + in * 16));
             T* dst = yp + m * y.stride(0) + n0 + in * 16;
+            if constexpr (std::is_same_v<T, float>) {
+              _mm512_storeu_ps(dst, v);
+            } else {
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+// The many-row path (M >= kRowsMin): the same products in the other orientation, C = x W^T, so no transposes.
+// x rows are the A tiles in place; each 32-row panel of W is packed once per call into B tiles (pair-rows of K,
+// 16 W rows wide), then every 32-row block of x runs against it. C[m][n] takes the same tdpbf16ps sequence over
+// K as on the path above (A and B swap roles, and a bf16 x bf16 product is exact in fp32), so the bits are the
+// same on both paths, whatever M is.
+constexpr int64_t kRowsMin = 32;
+
+// NM x NN C tiles: A tile s of x block im at a + im * a_block + 32s (rows a_stride bytes apart); B tile s of W
+// block in at b + (in * steps + s) * 512. c: row-major [NM * 16][NN * 16].
+template <int NM, int NN>
+inline void amx_rows(const c10::BFloat16* a, int64_t a_block, int64_t a_stride, const c10::BFloat16* b,
+                     int64_t steps, float* c) {
+  _tile_zero(0);
+  if constexpr (NN > 1) _tile_zero(1);
+  if constexpr (NM > 1) _tile_zero(2);
+  if constexpr (NM > 1 && NN > 1) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, b + s * 512, 64);
+    if constexpr (NN > 1) _tile_loadd(5, b + (steps + s) * 512, 64);
+    _tile_loadd(6, a + s * 32, a_stride);
+    if constexpr (NM > 1) _tile_loadd(7, a + a_block + s * 32, a_stride);
+    _tile_dpbf16ps(0, 6, 4);
+    if constexpr (NN > 1) _tile_dpbf16ps(1, 6, 5);
+    if constexpr (NM > 1) _tile_dpbf16ps(2, 7, 4);
+    if constexpr (NM > 1 && NN > 1) _tile_dpbf16ps(3, 7, 5);
+  }
+  constexpr int64_t row = NN * 16;
+  _tile_stored(0, c, row * 4);
+  if constexpr (NN > 1) _tile_stored(1, c + 16, row * 4);
+  if constexpr (NM > 1) _tile_stored(2, c + 16 * row, row * 4);
+  if constexpr (NM > 1 && NN > 1) _tile_stored(3, c + 16 * row + 16, row * 4);
+}
+
+// B tiles of W rows n0..n0+16*nn: tile (in, s) row p = the 16 rows' K pairs 16s + p, i.e. 16 x 16 transposes of
+// (rows, pairs) blocks of uint32.
+inline void pack_w(const uint32_t* wp, int64_t pairs, int64_t n0, int nn, uint32_t* out) {
+  const int64_t steps = pairs / 16;
+  alignas(64) uint32_t in[256];
+  for (int in_blk = 0; in_blk < nn; ++in_blk) {
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int r = 0; r < 16; ++r) std::memcpy(in + r * 16, wp + (n0 + in_blk * 16 + r) * pairs + s * 16, 64);
+      transpose16(reinterpret_cast<const float*>(in), reinterpret_cast<float*>(out + (in_blk * steps + s) * 256));
+    }
+  }
+}
+
+template <typename T>
+void linear_amx_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), steps = K / 32, x_row = x.stride(0);
+  const auto* xp = x.const_data_ptr<c10::BFloat16>();
+  const auto* wp = reinterpret_cast<const uint32_t*>(w.const_data_ptr<c10::BFloat16>());
+  auto* yp = y.data_ptr<T>();
+  const int64_t full = M / 32 * 32;  // rows in whole 32-row blocks; the rest goes through a zero-padded copy
+  const int64_t n_items = (N + 31) / 32;
+  at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
+    kakeya_amx::configure();
+    kakeya_amx::AlignedBuffer<uint32_t> packed(2 * steps * 256);
+    kakeya_amx::AlignedBuffer<c10::BFloat16> tail(M > full ? 32 * K : 1);
+    if (M > full) {
+      std::memset(tail.data, 0, 32 * K * sizeof(c10::BFloat16));
+      for (int64_t m = full; m < M; ++m) std::memcpy(tail.data + (m - full) * K, xp + m * x_row, K * 2);
+    }
+    alignas(64) float c[32 * 32];
+    const auto* b = reinterpret_cast<const c10::BFloat16*>(packed.data);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n0 = item * 32;
+      const int nn = N - n0 >= 32 ? 2 : 1;
+      pack_w(wp, K / 2, n0, nn, packed.data);
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const bool in_place = m0 < full;
+        const c10::BFloat16* a = in_place ? xp + m0 * x_row : tail.data;
+        const int64_t a_row = in_place ? x_row : K;
+        const int64_t rows = std::min<int64_t>(32, M - m0);
+        const int nm = rows > 16 ? 2 : 1;
+        if (nn == 2 && nm == 2) amx_rows<2, 2>(a, 16 * a_row, a_row * 2, b, steps, c);
+        else if (nn == 2) amx_rows<1, 2>(a, 16 * a_row, a_row * 2, b, steps, c);
+        else if (nm == 2) amx_rows<2, 1>(a, 16 * a_row, a_row * 2, b, steps, c);
+        else amx_rows<1, 1>(a, 16 * a_row, a_row * 2, b, steps, c);
+        for (int64_t mm = 0; mm < rows; ++mm) {
+          for (int in = 0; in < nn; ++in) {  // + bias in fp32, then one rounding to bf16 (nearest even) or none
+            __m512 v = _mm512_loadu_ps(c + mm * nn * 16 + in * 16);
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + in * 16));
+            T* dst = yp + (m0 + mm) * y.stride(0) + n0 + in * 16;
             if constexpr (std::is_same_v<T, float>) {
               _mm512_storeu_ps(dst, v);
             } else {
@@ -264,7 +363,7 @@ template <typename O>
 void dispatch(Path path, const at::Tensor& x, const at::Tensor& w, const float* bp, at::Tensor& y) {
   if (x.scalar_type() == at::kBFloat16) {
 #if defined(KAKEYA_AMX)
-    if (path == Path::Amx) return linear_amx<O>(x, w, bp, y);
+    if (path == Path::Amx) return x.size(0) >= kRowsMin ? linear_amx_rows<O>(x, w, bp, y) : linear_amx<O>(x, w, bp, y);
 #endif
 #if defined(__AVX512BF16__)
     if (path == Path::Dot) return linear_dot<c10::BFloat16, O>(x, w, bp, y);
