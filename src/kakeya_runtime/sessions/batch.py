@@ -10,7 +10,10 @@ step after step:
 * a row still prefilling its new tokens gets the step's remaining token budget (`step_tokens` minus the decode
   rows, at least a quarter of it), oldest first, so a long prompt is cut into chunks between decode steps instead of stalling the others.
   With nobody decoding, a prefill takes `Engine.prefill_chunk` tokens a step. A position's K/V and the last
-  position's logits do not depend on how the prompt was chunked (INV-3), so neither does the stream;
+  position's logits do not depend on how the prompt was chunked (INV-3), so neither does the stream. The oldest
+  prefill's chunk rides the decode rows' forward (`Engine.step_rows`: its tokens are extra rows of the
+  projections and MLP, its attention the plain chunk path over its own cache), so a step costs one forward, not
+  two; its K/V and logits are the bits its own forward gives;
 * a speculative row runs one verifier step of its own stream (its prefill is its first step, whole): its forward
   is over [last token, drafts] of its own cache, so it is not batched with the others;
 * every row's step ends with the `Turn` committing and streaming its tokens, then checking stops and cancellation
