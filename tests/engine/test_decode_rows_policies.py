@@ -56,3 +56,50 @@ def test_decode_rows_equal_decode_step_alone_across_policies(family, make_tiny_m
     for j, i in enumerate(order):
         ref = engine.decode_step(alone[i], torch.tensor([[tokens[i]]])).logits[0, -1]
         assert torch.equal(logits[j], ref), POLICIES[i]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("chunked", range(len(POLICIES)))
+def test_prefill_chunk_fused_into_decode_rows_is_bit_identical(family, chunked, make_tiny_model):
+    """A prompt prefilled chunk by chunk inside the decode forward of other rows (Engine.step_rows) leaves its
+    cache as the same chunks prefilled alone do (the last logits and every decode step after are equal), and the decode rows
+    still get their decode_step-alone logits."""
+    engine = Engine(make_tiny_model(family), prefill_chunk=32)
+    registry = PolicyRegistry()
+    gen = torch.Generator().manual_seed(5 + chunked)
+    vocab = engine.config.vocab_size
+    histories = [torch.randint(3, vocab, (1, n), generator=gen) for n in LENGTHS]
+    prompt = torch.randint(3, vocab, (1, 45), generator=gen)
+
+    def build(i):
+        spec = registry.resolve(*POLICIES[i], engine.config, 256)
+        return registry.build(engine, spec, 256)
+
+    def decoders():
+        out = [build(i) for i in range(len(POLICIES)) if i != chunked]
+        for c, h in zip(out, [h for i, h in enumerate(histories) if i != chunked], strict=True):
+            engine.prefill(c, h)
+        return out
+
+    alone, batched = decoders(), decoders()
+    solo, fused = build(chunked), build(chunked)
+    engine.prefill(solo, histories[chunked])
+    engine.prefill(fused, histories[chunked])
+    for c0 in range(0, prompt.shape[1], 13):  # the same chunks alone (a lossy resident codec sees the cut)
+        ref_last = engine.prefill(solo, prompt[:, c0 : c0 + 13]).logits[0, -1]
+    tokens = [int(h[0, -1]) for i, h in enumerate(histories) if i != chunked]
+    got_last = None
+    for c0 in range(0, prompt.shape[1], 13):  # 13, 13, 13, 6 tokens: the last chunk carries the logits
+        logits, got_last = engine.step_rows(batched, tokens, fused, prompt[:, c0 : c0 + 13])
+        for i, c in enumerate(alone):
+            ref = engine.decode_step(c, torch.tensor([[tokens[i]]])).logits[0, -1]
+            assert torch.equal(logits[i], ref), (POLICIES[i], c0)
+        tokens = [int(x) for x in logits.argmax(dim=-1)]
+    assert got_last is not None and torch.equal(got_last[0], ref_last)
+    assert fused.layer_lengths() == solo.layer_lengths()
+    token = int(ref_last.argmax())
+    for _ in range(3):  # the K/V the fused chunks wrote: the decode steps after read them
+        a = engine.decode_step(solo, torch.tensor([[token]])).logits[0, -1]
+        b = engine.decode_step(fused, torch.tensor([[token]])).logits[0, -1]
+        assert torch.equal(a, b)
+        token = int(a.argmax())

@@ -92,6 +92,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_decode_steps():
         rest = list(it)
         assert first + rest == ref_busy  # the busy session never noticed
         assert during >= 400 // 15  # at most step_tokens - 1 prompt tokens per step while the other decodes
+        assert sched.stats.fused_chunks >= 400 // 15 - 1  # riding the busy row's decode forwards
         with client.create_session(initial_tokens=_history(400, 2)) as fresh:
             assert fresh.generate(max_tokens=4, ignore_eos=True).collect() == long_tokens
 

@@ -39,6 +39,10 @@ FILLER = ("The order service computes totals from line items, applies discounts,
           "database, retrying with exponential backoff when the database is unavailable. ")
 
 
+CLIENTS = ("real Python SDK clients over gRPC, one thread each, in the bench process (not the server's): they "
+           "only stamp each streamed token's arrival time")
+
+
 @dataclass(slots=True)
 class ConcurrentConfig:
     model: str = "smollm2"
@@ -262,6 +266,8 @@ def run_concurrent(config: ConcurrentConfig, start_server: ServerFactory | None 
         with start_server(max_batch) as address:
             with Client(address) as c:
                 info = c.model_info()
+                served = {"weight_format": info.weight_format, "weight_format_source": info.weight_format_source,
+                          "compiled_decode": info.compiled_decode, "invariant_numerics": info.invariant_numerics}
                 prompts = _Prompts(c, info.context_length)
                 with c.create_session(initial_tokens=prompts.opening(0)) as s:  # warm up
                     s.generate(max_tokens=4, ignore_eos=True).collect()
@@ -273,8 +279,9 @@ def run_concurrent(config: ConcurrentConfig, start_server: ServerFactory | None 
             if config.long_prompt:
                 long = _long_phase(address, prompts, config)
                 log(json.dumps({"scheduler": name, "long_prompt": long}))
-            runs[name] = {"max_batch": max_batch, "phases": phases, "long_prompt": long}
+            runs[name] = {"max_batch": max_batch, "served": served, "phases": phases, "long_prompt": long}
     result = {"schema": SCHEMA, "bench": "concurrent", "command": command_line, "config": _jsonable(asdict(config)),
+              "clients": CLIENTS,
               "machine": began, "machine_end": machine_info(), "runs": runs, "targets": _targets(runs, config)}
     config.out.mkdir(parents=True, exist_ok=True)
     path = config.out / "concurrent.json"

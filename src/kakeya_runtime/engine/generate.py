@@ -157,14 +157,23 @@ class Engine:
             cache.end_step()
         return out
 
-    @torch.inference_mode()
     def decode_rows(self, caches: Sequence[ModelKV], token_ids: Sequence[int]) -> Tensor:
         """One decode step for several independent sequences at once (one token each, each cache its own
         length and policy): projections and MLP batched, attention per row. Returns fp32 logits (N, V), row i
         bit-identical to `decode_step(caches[i], ...)` alone."""
+        return self.step_rows(caches, token_ids)[0]
+
+    @torch.inference_mode()
+    def step_rows(self, caches: Sequence[ModelKV], token_ids: Sequence[int], chunk_cache: ModelKV | None = None,
+                  chunk_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """`decode_rows`, and optionally a prefill chunk of one more sequence in the same forward: `chunk_ids`
+        (1, T) appended to `chunk_cache` (T at most `prefill_chunk`, so one forward of its own too). Returns the
+        decode rows' logits (N, V) and the chunk's last-token logits (1, V) (None without a chunk), each
+        bit-identical to `decode_step` / `prefill` on that cache alone."""
         if len(caches) != len(token_ids) or not caches:
             raise GenerationError(f"need one token per cache, got {len(token_ids)} tokens for {len(caches)} caches")
-        if len({id(c) for c in caches}) != len(caches):
+        every = [*caches, chunk_cache] if chunk_cache is not None else list(caches)
+        if len({id(c) for c in every}) != len(every):
             raise GenerationError("a cache appears twice in one batched step")
         for c in caches:
             if c.batch != 1:
@@ -175,15 +184,32 @@ class Engine:
             raise GenerationError(f"token ids must be in [0, {self.config.vocab_size})")
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device).T  # (N, 1)
         positions = torch.tensor([c.length for c in caches], device=self.device)
+        chunk = 0
+        if chunk_cache is not None:
+            assert chunk_ids is not None
+            self._check_ids(chunk_cache, chunk_ids)
+            chunk = chunk_ids.shape[1]
+            start = chunk_cache.length
+            if chunk_cache.batch != 1 or not 0 < chunk <= self.prefill_chunk:
+                raise GenerationError(f"a fused prefill chunk takes 1 to {self.prefill_chunk} tokens of one sequence")
+            if start + chunk > chunk_cache.capacity:
+                raise GenerationError(f"{start} + {chunk} positions exceed the cache capacity {chunk_cache.capacity}")
+            ids = torch.cat((ids, chunk_ids.reshape(chunk, 1)))
+            positions = torch.cat((positions, torch.arange(start, start + chunk, device=self.device)))
         begun: list[ModelKV] = []
         try:
             for i, c in enumerate(caches):
                 c.begin_step(ids[i : i + 1], c.length)
                 begun.append(c)
-            return self.model.forward_rows(ids, positions, caches).logits[:, -1]
+            if chunk_cache is not None:
+                chunk_cache.begin_step(chunk_ids, chunk_cache.length)
+                begun.append(chunk_cache)
+            logits = self.model.forward_rows(ids, positions, every, chunk).logits[:, -1]
         finally:
             for c in begun:
                 c.end_step()
+        n = len(caches)
+        return logits[:n], (logits[n:] if chunk_cache is not None else None)
 
     def stream(self, cache: ModelKV, new_ids: Tensor, request: GenerateRequest,
                should_stop: Callable[[], bool] | None = None) -> TokenStream:
@@ -265,23 +291,38 @@ class TokenStream:
         """Prefill up to `max_tokens` more prompt tokens (all that are left when None); after the last of them,
         sample the first step and return its ids (None while prompt tokens are left)."""
         t = self.new_ids.shape[1]
+        ids = self.next_chunk(max_tokens)
+        last = self._prefilled + ids.shape[1] == t
+        out = self.engine.prefill(self.cache, ids, trace_layer=self.request.trace_layer if last else None)
+        return self.chunk_done(ids.shape[1], out.logits[:, -1] if last else None, out.attn_row)
+
+    def next_chunk(self, max_tokens: int | None = None) -> Tensor:
+        """The next prompt tokens to prefill (1, n), n up to `max_tokens` (all that are left when None), for a
+        driver that runs the forward itself (sessions.batch: a chunk fused into a decode step); then
+        `chunk_done`. `prefill` is exactly these two around `Engine.prefill`."""
+        t = self.new_ids.shape[1]
         a = self._prefilled
         if a >= t:
             raise GenerationError("the prompt is already prefilled")
         b = t if max_tokens is None else min(t, a + max(1, max_tokens))
-        if a == 0:
+        if a == 0 and self.result is None:
             self._t0 = time.perf_counter()
             # Room for the whole generation now: the decode steps then write into storage that is already there.
             self.cache.reserve(self.cache.length + t + self.request.max_new_tokens)
             self.result = GenerationResult([[] for _ in range(self.cache.batch)], FinishReason.LENGTH,
                                            prefill_tokens=t)
-        last = b == t
-        out = self.engine.prefill(self.cache, self.new_ids[:, a:b],
-                                  trace_layer=self.request.trace_layer if last else None)
-        self._prefilled = b
+        return self.new_ids[:, a:b]
+
+    def chunk_done(self, n: int, logits: Tensor | None, attn_row: Tensor | None = None) -> list[int] | None:
+        """`n` tokens from `next_chunk` are in the cache; with the last of the prompt, `logits` (B, V) are its
+        last position's and the first step is sampled and returned (None while prompt tokens are left)."""
+        self._prefilled += n
         assert self.result is not None
         self.result.prefill_s = time.perf_counter() - self._t0  # wall time, other rows' steps included
-        return self.take(out.logits[:, -1], out.attn_row) if last else None
+        if self._prefilled < self.new_ids.shape[1]:
+            return None
+        assert logits is not None
+        return self.take(logits, attn_row)
 
     def decode(self) -> list[int]:
         """One solo decode step over `next_input`, sampled."""

@@ -95,14 +95,20 @@ class DecoderModel(nn.Module):
             out = self.project(h[:, -1:])
         return ForwardOutput(out, row, h if return_hidden else None)
 
-    def forward_rows(self, input_ids: Tensor, positions: Tensor, caches: Sequence[Sequence[LayerKV]]) -> ForwardOutput:
+    def forward_rows(self, input_ids: Tensor, positions: Tensor, caches: Sequence[Sequence[LayerKV]],
+                     chunk: int = 0) -> ForwardOutput:
         """One new token for each of B independent sequences (a batched decode step across sessions):
         input_ids (B, 1), positions (B,), caches[b] row b's per-layer caches. Returns logits (B, 1, V); each row's
-        are bit-identical to running that row alone."""
+        are bit-identical to running that row alone.
+
+        With `chunk` > 0 the last `chunk` rows of input_ids / positions are consecutive tokens of ONE more sequence
+        (the last cache): a prefill chunk riding the step (len(caches) == B - chunk + 1). Its K/V are the ones a
+        forward of its own writes, and the logits gain one last row: its last token's (bit-identical too)."""
+        n = input_ids.shape[0]
         if input_ids.dim() != 2 or input_ids.shape[1] != 1:
             raise ValueError(f"input_ids must be (B, 1), got shape {tuple(input_ids.shape)}")
-        if positions.shape != (input_ids.shape[0],) or len(caches) != input_ids.shape[0]:
-            raise ValueError(f"need one position and one cache per row: {input_ids.shape[0]} rows, "
+        if not 0 <= chunk <= n or positions.shape != (n,) or len(caches) != n - chunk + (1 if chunk else 0):
+            raise ValueError(f"need one position per row and one cache per sequence: {n} rows (chunk {chunk}), "
                              f"positions {tuple(positions.shape)}, {len(caches)} caches")
         num_layers = len(self.layers)
         if any(len(c) != num_layers for c in caches):
@@ -110,5 +116,7 @@ class DecoderModel(nn.Module):
         h = self.embed(input_ids)  # (B, 1, C)
         rope = self.rope_tables(positions, h.dtype)  # tables (B, D): one position per row
         for i in range(num_layers):
-            h, _ = self.layer_forward(i, h, positions, rope, RowCaches([c[i] for c in caches]), False)
+            h, _ = self.layer_forward(i, h, positions, rope, RowCaches([c[i] for c in caches], chunk), False)
+        if chunk:
+            h = torch.cat((h[: n - chunk], h[n - 1 :]))  # the decode rows and the chunk's last token
         return ForwardOutput(self.project(self.norm(h)), None)

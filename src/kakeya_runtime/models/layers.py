@@ -27,12 +27,17 @@ class LayerKV(Protocol):
 class RowCaches:
     """One layer's caches for rows that are independent sequences, one new token each (a decode step of several
     sessions in one forward): projections and MLP run over all rows at once, attention per row over its own
-    cache. Every op is row-wise or row-invariant, so a row's result is the one it gets alone."""
+    cache. Every op is row-wise or row-invariant, so a row's result is the one it gets alone.
 
-    __slots__ = ("caches",)
+    With `chunk` > 0 the last `chunk` rows are not decode rows but consecutive tokens of one more sequence (the
+    last cache): a prefill chunk riding the decode step. Its attention is the plain chunk path over its own
+    cache, on the same inputs, so its K/V and outputs are the ones it gets in a forward of its own."""
 
-    def __init__(self, caches: Sequence[LayerKV]) -> None:
+    __slots__ = ("caches", "chunk")
+
+    def __init__(self, caches: Sequence[LayerKV], chunk: int = 0) -> None:
         self.caches = list(caches)
+        self.chunk = chunk
 
 
 class RMSNorm(nn.Module):
@@ -317,25 +322,52 @@ class Attention(nn.Module):
         cache: LayerKV | None,
         trace: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        qkv = self.qkv_proj(x)
+        if isinstance(cache, RowCaches):
+            return self.o_proj(self._rows(qkv, positions, cos, sin, cache)), None
+        out, row = self._sequence(qkv, positions, cos, sin, cache, trace)
+        return self.o_proj(out), row
+
+    def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, t, _ = qkv.shape
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, T, D)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if isinstance(cache, RowCaches):  # positions (B,): row b's token sits at positions[b]
-            cos, sin = cos[:, None, None, :], sin[:, None, None, :]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            out = torch.cat([self._attend_row(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1], c)
-                             for i, c in enumerate(cache.caches)])
-            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.q_size)), None
+        return q, k, v
+
+    def _rows(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: RowCaches) -> Tensor:
+        """Decode rows (one token each, positions[b] row b's position) and an optional trailing prefill chunk;
+        attention outputs (N, 1, H*D) before o_proj."""
+        n, c = qkv.shape[0], cache.chunk
+        r = n - c
+        outs = []
+        if r:
+            q, k, v = self._split(qkv[:r])
+            cr, sr = cos[:r, None, None, :], sin[:r, None, None, :]
+            q, k = apply_rope(q, cr, sr), apply_rope(k, cr, sr)
+            out = torch.cat([self._attend_row(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1], kv)
+                             for i, kv in enumerate(cache.caches[:r])])
+            outs.append(out.transpose(1, 2).reshape(r, 1, self.q_size))
+        if c:
+            out, _ = self._sequence(qkv[r:].view(1, c, qkv.shape[-1]), positions[r:], cos[r:], sin[r:],
+                                    cache.caches[r], False)
+            outs.append(out.view(c, 1, self.q_size))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _sequence(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: LayerKV | None,
+                  trace: bool) -> tuple[Tensor, Tensor | None]:
+        """New tokens (B, T) of one sequence each: attention outputs (B, T, H*D) before o_proj."""
+        b, t, _ = qkv.shape
+        q, k, v = self._split(qkv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if getattr(cache, "owns_attention", False):  # kv.sparse: the cache picks the keys from the queries
             if trace:
                 raise ValueError("attention rows cannot be traced through a cache that attends itself")
-            out = cache.attend(q, k, v, positions, scale=self.scale).transpose(1, 2).reshape(b, t, self.q_size)
-            return self.o_proj(out), None
+            out = cache.attend(q, k, v, positions, scale=self.scale)
+            return out.transpose(1, 2).reshape(b, t, self.q_size), None
         if cache is None:
             k_all, v_all, k_pos = k, v, positions
         else:
@@ -344,8 +376,7 @@ class Attention(nn.Module):
         sink, window = getattr(cache, "attention_rule", None) or (0, self.window)
         out, row = attend(q, k_all, v_all, positions, k_pos, scale=self.scale, window=window, trace=trace,
                           sink=sink)
-        out = out.transpose(1, 2).reshape(b, t, self.q_size)  # (B, T, H*D)
-        return self.o_proj(out), row
+        return out.transpose(1, 2).reshape(b, t, self.q_size), row  # (B, T, H*D)
 
     def _attend_row(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache: LayerKV) -> Tensor:
         if getattr(cache, "owns_attention", False):

@@ -10,7 +10,10 @@ step after step:
 * a row still prefilling its new tokens gets the step's remaining token budget (`step_tokens` minus the decode
   rows, at least a quarter of it), oldest first, so a long prompt is cut into chunks between decode steps instead of stalling the others.
   With nobody decoding, a prefill takes `Engine.prefill_chunk` tokens a step. A position's K/V and the last
-  position's logits do not depend on how the prompt was chunked (INV-3), so neither does the stream;
+  position's logits do not depend on how the prompt was chunked (INV-3), so neither does the stream. The oldest
+  prefill's chunk rides the decode rows' forward (`Engine.step_rows`: its tokens are extra rows of the
+  projections and MLP, its attention the plain chunk path over its own cache), so a step costs one forward, not
+  two; its K/V and logits are the bits its own forward gives;
 * a speculative row runs one verifier step of its own stream (its prefill is its first step, whole): its forward
   is over [last token, drafts] of its own cache, so it is not batched with the others;
 * every row's step ends with the `Turn` committing and streaming its tokens, then checking stops and cancellation
@@ -71,6 +74,14 @@ class _Row:
 
 
 @dataclass(slots=True)
+class _Chunk:
+    """A prefill chunk fused into the step's decode forward: its row and the prompt tokens it feeds."""
+
+    row: _Row
+    ids: Any  # (1, n) token ids from TokenStream.next_chunk
+
+
+@dataclass(slots=True)
 class _Call:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
@@ -85,6 +96,7 @@ class StepStats:
     batched_steps: int = 0  # decode forwards over more than one row
     decode_rows: int = 0  # rows decoded, all steps together
     prefill_chunks: int = 0
+    fused_chunks: int = 0  # prefill chunks that rode a decode forward
     isolated_errors: int = 0  # batched forwards that raised and were replayed row by row
 
 
@@ -217,18 +229,37 @@ class BatchScheduler:
         decoding = [r for r in rows if r.stream is not None and r.stream.prefill_left == 0]
         prefilling = [r for r in rows if r.stream is not None and r.stream.prefill_left > 0]
         speculative = [r for r in rows if r.steps is not None]
-        if decoding:
-            self._decode(decoding)
-        for row in speculative:
-            self._speculate(row)
         others = len(decoding) + len(speculative)
         # a prefill always moves: at least a quarter of the budget, however many rows decode
         budget = max(self.step_tokens - len(decoding), -(-self.step_tokens // 4)) if others \
             else self.engine.prefill_chunk
+        chunk = None
+        if decoding and prefilling:  # the oldest prefill's next chunk rides the decode forward
+            lead = prefilling[0]
+            if lead.turn.cancelled():  # between chunks: the turn rolls back the partial prefill
+                self._finish(lead)
+                prefilling = prefilling[1:]
+            elif self._fusable(lead, budget, len(decoding)):
+                chunk = _Chunk(lead, lead.stream.next_chunk(budget))
+                budget -= chunk.ids.shape[1]
+                prefilling = prefilling[1:]
+        if decoding:
+            self._decode(decoding, chunk)
+        for row in speculative:
+            self._speculate(row)
         for row in prefilling:
             if budget <= 0:
                 break
             budget -= self._prefill(row, budget)
+
+    def _fusable(self, row: _Row, budget: int, decoding: int) -> bool:
+        """A chunk can share the decode forward: no attention trace asked for, one forward's worth of tokens, and
+        not beside a lone row that decodes through the compiled decode path (its own forward)."""
+        stream = row.stream
+        assert stream is not None
+        return (stream.request.trace_layer is None and stream.cache.batch == 1
+                and min(budget, stream.prefill_left) <= self.engine.prefill_chunk
+                and (decoding > 1 or self.engine.decode_forward is None))
 
     def _prefill(self, row: _Row, budget: int) -> int:
         stream = row.stream
@@ -247,20 +278,24 @@ class BatchScheduler:
             self._deliver(row, ids)
         return n
 
-    def _decode(self, rows: list[_Row]) -> None:
+    def _decode(self, rows: list[_Row], chunk: _Chunk | None = None) -> None:
         self.stats.decode_rows += len(rows)
         if self.on_step is not None:
             self.on_step(len(rows))
-        if len(rows) == 1:
+        if len(rows) == 1 and chunk is None:
             self._decode_alone(rows[0])
             return
-        self.stats.batched_steps += 1
+        if len(rows) > 1:
+            self.stats.batched_steps += 1
         streams = [r.stream for r in rows]
         caches = [s.cache for s in streams]
         lengths = [c.length for c in caches]
+        chunk_cache = chunk.row.stream.cache if chunk is not None else None
+        chunk_length = chunk_cache.length if chunk_cache is not None else 0
         try:
             tokens = [int(s.next_input[0, 0]) for s in streams]
-            logits = self.engine.decode_rows(caches, tokens)
+            logits, chunk_logits = self.engine.step_rows(caches, tokens, chunk_cache,
+                                                         None if chunk is None else chunk.ids)
         except Exception:  # isolate: replay each row alone from where it was
             self.stats.isolated_errors += 1
             for row, cache, length in zip(rows, caches, lengths, strict=True):
@@ -271,6 +306,14 @@ class BatchScheduler:
                     self._fail(row, e)
                     continue
                 self._decode_alone(row)
+            if chunk is not None:
+                try:
+                    if chunk_cache.length != chunk_length:
+                        chunk_cache.trim(chunk_length)
+                except Exception as e:
+                    self._fail(chunk.row, e)
+                    return
+                self._prefill(chunk.row, chunk.ids.shape[1])
             return
         for i, row in enumerate(rows):
             stream = row.stream
@@ -280,6 +323,16 @@ class BatchScheduler:
                 self._fail(row, e)
                 continue
             self._deliver(row, ids)
+        if chunk is not None:
+            self.stats.prefill_chunks += 1
+            self.stats.fused_chunks += 1
+            try:
+                first = chunk.row.stream.chunk_done(chunk.ids.shape[1], chunk_logits)
+            except Exception as e:
+                self._fail(chunk.row, e)
+                return
+            if first is not None:
+                self._deliver(chunk.row, first)
 
     def _decode_alone(self, row: _Row) -> None:
         stream = row.stream
