@@ -64,3 +64,43 @@ def test_command_runs_each_attention_backend_as_a_peer(tmp_path):
     from kakeya_runtime.models import native
 
     assert native.backend() == "native"  # the process is left on the backend it had
+
+
+def test_command_serves_what_kakeya_serve_serves(tiny_gguf, tmp_path, monkeypatch):
+    """By default the bench loads the model as `kakeya serve` does (--weights auto): the format a `kakeya serve`
+    start picks from the same calibration, recorded in the JSON as the server reports it; --weights/--dtype override
+    it as they do serve's."""
+    from kakeya import Client
+
+    from kakeya_runtime.bench.long_session import command
+    from kakeya_runtime.bench.serve_process import ServeProcess
+    from kakeya_runtime.engine import serving
+
+    monkeypatch.setenv(serving.CALIBRATION_ENV, str(tmp_path / "calibration.json"))
+    path = str(tiny_gguf("llama").path)
+    doc = command(model=path, turns=3, baseline_every=0, out=tmp_path / "auto.json")
+    assert (doc["weights"], doc["dtype"]) == ("auto", None)
+    assert doc["serving"]["weight_format_source"] == "auto"
+    assert doc["serving"]["weight_format"] in serving.FORMATS and doc["serving"]["compiled_decode"] is False
+    assert doc["runs"]["full"]["summary"]["turns"] == 3
+    with ServeProcess(["--model", path], start_timeout_s=300) as proc, Client(proc.address) as client:
+        info = client.model_info()
+    assert (info.weight_format, info.weight_format_source) == (doc["serving"]["weight_format"], "auto")
+    assert json.loads((tmp_path / "auto.json").read_text())["serving"] == doc["serving"]
+    flagged = command(model=path, turns=2, baseline_every=0, weights="fp32", out=tmp_path / "fp32.json")
+    assert (flagged["serving"]["weight_format"], flagged["serving"]["weight_format_source"]) == ("fp32", "flag")
+    as_dtype = command(model=path, turns=2, baseline_every=0, dtype="bf16", out=tmp_path / "bf16.json")
+    assert (as_dtype["serving"]["weight_format"], as_dtype["serving"]["weight_format_source"]) == ("bf16", "flag")
+
+
+def test_session_cmd_refuses_weight_flags_serve_refuses():
+    import typer
+    from typer.testing import CliRunner
+
+    from kakeya_runtime.bench.cli import register
+
+    app = typer.Typer()
+    register(app)
+    result = CliRunner().invoke(app, ["bench", "session", "--dtype", "fp32", "--weights", "int8"])
+    assert result.exit_code == 2
+    assert "--dtype fp32 and --weights int8 disagree" in " ".join(result.output.split())

@@ -57,6 +57,7 @@ def test_small_ladder_end_to_end(smollm2, tmp_path):
     result = run_niah("smollm2", small=True, loaded=smollm2, out_dir=tmp_path, progress=False, threads=1)
     torch.set_num_threads(threads)
     assert result["schema_version"] == 1 and result["machine"]["cpu_model"]
+    assert 0.0 <= result["cpu_busy_before"] <= 1.0 and isinstance(result["command"], str)  # timings can be judged
     cells = {row["config"]: row for row in result["cells"]}
     assert set(cells) == set(standard_configs())
     assert cells["full"]["recall"] == 1.0

@@ -154,16 +154,24 @@ def session_cmd(
     reply_tokens: int = typer.Option(4, help="Tokens generated per turn."),
     baseline_every: int = typer.Option(5, help="Run the stateless re-prefill baseline every N turns (0: never)."),
     policies: str = typer.Option("full", help="';'-separated policies, e.g. 'full;sink_window:sink=4,window=64'."),
-    dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
+    weights: str = typer.Option("auto", help="As `kakeya serve --weights`: auto (its default: the format it serves "
+                                "on this machine), bf16, fp32, int8, int4 or int4-mixed."),
+    dtype: str | None = typer.Option(None, help="As `kakeya serve --dtype` (bf16 / fp32: that format)."),
     out: str = typer.Option("results/session/long_session.json", help="Output JSON (a PNG goes beside it)."),
     seed: int = typer.Option(0),
     attention: str = typer.Option("native", help="Attention backends, ','-separated: native (our kernel), sdpa."),
 ) -> None:
-    """Long agent session through the Python SDK vs the stateless baseline (latency per turn, KV bytes)."""
+    """Long agent session through the Python SDK vs the stateless baseline (latency per turn, KV bytes), on the
+    model as `kakeya serve` serves it."""
     from kakeya_runtime.bench.long_session import command
+    from kakeya_runtime.server.cli import resolve_weights
 
+    try:  # flags serve would refuse: before anything loads
+        resolve_weights(weights, dtype)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     command(model=model, turns=turns, reply_tokens=reply_tokens, baseline_every=baseline_every,
-            policies=policies, dtype=dtype, out=Path(out), seed=seed, attention=attention)
+            policies=policies, weights=weights, dtype=dtype, out=Path(out), seed=seed, attention=attention)
 
 
 @bench_app.command("soak")

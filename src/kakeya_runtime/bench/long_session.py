@@ -246,32 +246,33 @@ def command(
     reply_tokens: int = 4,
     baseline_every: int = 5,
     policies: str = "full",
-    dtype: str = "bfloat16",
+    weights: str = "auto",
+    dtype: str | None = None,
     out: Path = Path("results/session/long_session.json"),
     seed: int = 0,
     attention: str = "native",
 ) -> dict[str, Any]:
-    """Load the model, serve it on loopback, and run the bench once per policy (';'-separated) and attention
-    backend (','-separated: `native,sdpa` runs our kernel and PyTorch's SDPA as peers in the same run)."""
-    import torch
+    """Load the model as `kakeya serve` does (`weights`/`dtype` mean what its --weights/--dtype do: auto by default,
+    the format it would serve on this machine), serve it on loopback, and run the bench once per policy
+    (';'-separated) and attention backend (','-separated: `native,sdpa` runs our kernel and PyTorch's SDPA as peers
+    in the same run). The JSON records the served format as the server reports it (GetModelInfo)."""
     from rich.console import Console
     from rich.progress import Progress
 
+    from kakeya_runtime.bench.engine import wait_for_idle
     from kakeya_runtime.models import native
-    from kakeya_runtime.models.loader import load_model
-    from kakeya_runtime.server.grpc_app import RuntimeServer, ServedModel, ServerConfig, ServerThread
+    from kakeya_runtime.server.grpc_app import RuntimeServer, ServerConfig, ServerThread
 
     console = Console(stderr=True)
     backends = [b.strip() for b in attention.split(",") if b.strip()]
-    loaded = load_model(model, dtype=getattr(torch, dtype))
-    from kakeya_runtime.bench.engine import wait_for_idle
-
+    served = load_served(model, weights, dtype, console)
     # What `kakeya serve` runs (its defaults), on loopback, with /metrics so violations are read where they are kept.
-    server = RuntimeServer(ServedModel.from_loaded(loaded, model), ServerConfig(port=0, metrics_port=0))
+    server = RuntimeServer(served, ServerConfig(port=0, metrics_port=0))
     busy_before = wait_for_idle(90.0)
     results: dict[str, SessionBenchResult] = {}
     previous = native.backend()
     with ServerThread(server) as running, Progress(console=console) as bar, _restore_backend(previous):
+        serving = served_format(running.address)
         for backend in backends:
             native.set_backend(backend)  # process-wide: the server's engine thread reads it per call
             for text in filter(None, (p.strip() for p in policies.split(";"))):
@@ -283,7 +284,8 @@ def command(
                     policy=parse_policy(text), seed=seed, progress=lambda n, task=task: bar.update(task, completed=n),
                     metrics_url=f"http://127.0.0.1:{server.metrics_port}/metrics")
                 results[name].policy = {**results[name].policy, "attention": backend}
-    doc = write_evidence(results, out, {"model": model, "dtype": dtype, "turns": turns,
+    doc = write_evidence(results, out, {"model": model, "weights": weights, "dtype": dtype, "serving": serving,
+                                        "turns": turns,
                                         "reply_tokens": reply_tokens, "baseline_every": baseline_every,
                                         "attention_backends": backends, "cpu_busy_before": busy_before,
                                         "native_bf16_dot": native.bf16_dot() if "native" in backends else None})
@@ -292,5 +294,40 @@ def command(
         console.print(f"[bold]{name}[/]: bucket p50 first {s['bucket_p50_latency_s'][0] * 1e3:.0f} ms, last "
                       f"{s['bucket_p50_latency_s'][-1] * 1e3:.0f} ms (x{s['last_over_first_p50']:.2f}); "
                       f"baseline x{s['baseline_last_over_first_p50'] or 0:.2f}; violations {s['invariant_violations']}")
+    console.print(f"served weights {serving['weight_format']} ({serving['weight_format_source']})")
     console.print(f"wrote {out} and {out.with_suffix('.png')}")
     return doc
+
+
+def load_served(model: str, weights: str, dtype: str | None, console: Any) -> Any:
+    """The ServedModel `kakeya serve --model MODEL --weights WEIGHTS [--dtype DTYPE]` builds (eager decode, its
+    default): the same first load, the same format choice (auto: measured once per machine, then cached) and
+    conversion. ValueError for flags serve would refuse."""
+    import torch
+
+    from kakeya_runtime.engine import serving
+    from kakeya_runtime.models import native
+    from kakeya_runtime.models.loader import load_model
+    from kakeya_runtime.server.cli import choose_serving, resolve_weights
+    from kakeya_runtime.server.grpc_app import ServedModel
+
+    fmt = resolve_weights(weights, dtype)
+    first = "bf16" if fmt == serving.AUTO else fmt
+    loaded = load_model(model, dtype=torch.float16 if first == "fp16" else serving.load_dtype(first))
+    choice, decode_forward = choose_serving(loaded, model, fmt, False, False, console)
+    choice.invariant = choice.invariant and native.enabled()
+    served = ServedModel.from_loaded(loaded, model)
+    served.serving, served.decode_forward = choice, decode_forward
+    return served
+
+
+def served_format(addr: str) -> dict[str, Any]:
+    """What the running server says it serves (GetModelInfo through the SDK)."""
+    from kakeya import Client
+
+    with Client(addr) as client:
+        info = client.model_info()
+    return {"weight_format": info.weight_format, "weight_format_source": info.weight_format_source,
+            "compiled_decode": info.compiled_decode, "invariant_numerics": info.invariant_numerics,
+            "fidelity_kl": info.fidelity_kl, "fidelity_top1": info.fidelity_top1,
+            "measured_decode_tok_s": info.measured_decode_tok_s}

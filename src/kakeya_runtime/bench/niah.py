@@ -28,6 +28,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -326,6 +327,9 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
     if threads:
         torch.set_num_threads(threads)
     malloc_pinned = pin_malloc() if memory else False
+    from kakeya_runtime.bench.sparse import cpu_busy
+
+    busy = cpu_busy()  # other work on the machine skews the timing columns
     if loaded is None:
         from kakeya_runtime.models.loader import load_model
 
@@ -375,7 +379,8 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
                 bar.update(task, advance=len(keys), description=f"NIAH {model} {n} tok, depth {d:.2f}")
     result = {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "created_unix": int(time.time()),
-        "wall_s": round(time.time() - started, 1), "machine": machine_info(),
+        "wall_s": round(time.time() - started, 1), "machine": machine_info(), "cpu_busy_before": busy,
+        "command": " ".join(sys.argv),
         "model": {"name": model, "style": style, "dtype": dtype, "layers": loaded.config.num_hidden_layers,
                   "governed_layers": sum(loaded.config.layer_window(i) is None
                                          for i in range(loaded.config.num_hidden_layers)),
@@ -532,7 +537,9 @@ def summary_markdown(result: dict[str, Any]) -> str:
     lines = [f"# NIAH ladder: {m['name']} ({m['dtype']}, {m['style']} prompt)", "",
              f"sink {lad['sink']} + window {lad['window']}; depths {lad['depths']}; {lad['samples']} sample(s) per "
              f"cell; seed {lad['seed']}; greedy, {lad['max_new_tokens']} new tokens; {lad['threads']} thread(s); "
-             f"machine: {result['machine']['cpu_model']}; wall {result['wall_s']} s.", "",
+             f"machine: {result['machine']['cpu_model']}; wall {result['wall_s']} s"
+             + (f"; CPU busy before the run {result['cpu_busy_before']:.0%}" if "cpu_busy_before" in result else "")
+             + ".", "",
              "| config | tokens | recall | Δ vs full | identical to full | agreement | EAF | TTFT s | decode tok/s "
              "| turn time / full | idle KV | sustained KV | peak KV (step) | peak RSS Δ |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
