@@ -139,3 +139,50 @@ def test_decode_rows_refuses_bad_batches(make_tiny_model):
     with pytest.raises(GenerationError, match="token ids must be in"):
         engine.decode_rows([c], [10_000])
     assert c.length == 3
+
+
+POLICIES = [
+    ("sink_window", {"sink": 4, "window": 16}),
+    ("sink_window", {"sink": 4, "window": 16, "codec": "d4"}),  # a lossy resident codec is applied on write
+    ("sink_window", {"sink": 4, "window": 16, "codec": "e8", "spare": 8}),
+    ("restore", {"sink": 4, "window": 16, "granularity": "per_step"}),
+    ("restore", {"sink": 4, "window": 16, "granularity": "per_turn"}),
+    ("restore", {"sink": 4, "window": 16, "granularity": "per_turn", "codec": "e8"}),  # restored K/V read alike
+    ("restore", {"sink": 4, "window": 16, "granularity": "per_step", "codec": "d4"}),
+    ("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2}),
+    ("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2, "codec": "int8"}),
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("name,params", POLICIES, ids=lambda x: x if isinstance(x, str) else ",".join(
+    f"{k}={v}" for k, v in x.items()))
+def test_every_policy_any_chunking(family, name, params, make_tiny_model):
+    """Every KV policy, lossy codecs included: one prefill, one call the engine reads in chunks of 16, calls of
+    7, turns (each ending the turn, so per_turn restore rebuilds its overlay) and decode steps from the first
+    token end in the same logits."""
+    from kakeya_runtime.sessions.policy import PolicyRegistry
+
+    model = make_tiny_model(family)
+    engine, registry = Engine(model), PolicyRegistry()
+    spec = registry.resolve(name, params, engine.config, 256)
+    ids = torch.randint(3, model.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(3))
+
+    def run(schedule: list[int | str], engine: Engine = engine) -> torch.Tensor:
+        cache, pos = registry.build(engine, spec, 256), 0
+        for step in schedule:
+            if step == "d":
+                logits = engine.decode_step(cache, ids[:, pos : pos + 1]).logits
+                pos += 1
+            else:
+                logits = engine.prefill(cache, ids[:, pos : pos + step]).logits
+                pos += step
+                cache.end_turn()
+        assert pos == ids.shape[1]
+        return logits[0, -1]
+
+    ref = run([120])
+    assert torch.equal(run([120], Engine(model, prefill_chunk=16)), ref), "one call read in chunks of 16"
+    for label, schedule in {"chunks of 7": split(120, 7), "turns": [37, 1, 50, 32],
+                            "prefill then decode steps": [100] + ["d"] * 20, "decode steps": ["d"] * 120}.items():
+        assert torch.equal(run(schedule), ref), label

@@ -157,9 +157,10 @@ def test_engine_refuses_past_the_position_limit(tiny_llama):
 
 
 def test_lattice_resident_holds_codes_of_the_exact_kv(tiny_llama):
-    """Within one engine call the step's K/V are exact (staged view), so after a single prefill the
-    packed store holds exactly the codes of the identity store's K/V; decode steps through the engine
-    (batched decode/encode per step) match direct per-layer use."""
+    """The store encodes each position's exact K/V once, at the end of its step; queries read every position,
+    their own included, through the codec. So layer 0 (whose K/V do not depend on attention) holds exactly the
+    codes of the identity store's K/V, the packed store is the same after one prefill as after one token at a
+    time, and decode steps through the engine (batched decode/encode per step) match direct per-layer use."""
     params = {"sink": 2, "window": 8}
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(2))
     eng = Engine(tiny_llama, prefill_chunk=16)
@@ -167,12 +168,17 @@ def test_lattice_resident_holds_codes_of_the_exact_kv(tiny_llama):
     packed = make_policy_cache(tiny_llama.config, PolicySpec.parse("sink_window", {**params, "codec": "d4"}))
     eng.prefill(ident, ids)
     eng.prefill(packed, ids)
-    for a, b in zip(ident, packed, strict=True):
-        assert torch.equal(a.store.slot_positions, b.store.slot_positions)
-        for name in ("k", "v"):
-            want = b.codec.encode(getattr(a.store, name)["x"])
-            assert all(torch.equal(want[key], getattr(b.store, name)[key]) for key in want)
-        assert b.view is None  # nothing decoded is held between steps
+    a, b = ident[0], packed[0]
+    assert torch.equal(a.store.slot_positions, b.store.slot_positions)
+    for name in ("k", "v"):
+        want = b.codec.encode(getattr(a.store, name)["x"])
+        assert all(torch.equal(want[key], getattr(b.store, name)[key]) for key in want)
+    stepped = make_policy_cache(tiny_llama.config, PolicySpec.parse("sink_window", {**params, "codec": "d4"}))
+    for i in range(ids.shape[1]):
+        eng.decode_step(stepped, ids[:, i : i + 1])
+    for x, y in zip(packed.state(), stepped.state(), strict=True):
+        assert all(torch.equal(x[key], y[key]) for key in x)
+    assert all(layer.view is None for layer in packed)  # nothing decoded is held between steps
     direct = make_policy_cache(tiny_llama.config, PolicySpec.parse("sink_window", {**params, "codec": "d4"}))
     direct.load_state(packed.state())
     for i, tok in enumerate([3, 14, 15, 92, 65]):

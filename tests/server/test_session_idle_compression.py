@@ -6,7 +6,9 @@ sharing the same weights; d4 cuts live bytes to ~0.27x fp32 and the test reports
 from __future__ import annotations
 
 import random
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -15,8 +17,8 @@ from kakeya import Client, KvPolicy
 
 from kakeya_runtime.models.registry import build_model
 from kakeya_runtime.server.grpc_app import RuntimeServer, ServerConfig
-from kakeya_runtime.server.testing import SlowModel, running_server, tiny_config, tiny_model, tiny_served
 from kakeya_runtime.server.testing import metric_value as sample
+from kakeya_runtime.server.testing import running_server, tiny_config, tiny_model, tiny_served
 from kakeya_runtime.server.testing import scrape_metrics as scrape
 
 # tiny llama: 2 layers, 2 K/V heads, head_dim 16, fp32 (every layer is governed by the policy).
@@ -152,25 +154,40 @@ def test_sessions_without_a_codec_or_a_cache_are_not_compressed():
 
 
 def test_a_session_used_while_queued_for_compression_is_left_alone():
-    """Compression queues on the engine behind a running Generate; the owner comes back meanwhile: its
-    Generate waits for the turn, the compression job sees the session is no longer idle and skips it."""
-    slow = SlowModel(tiny_model("llama"), delay_s=0.03)
-    with running_server(tiny_served(model=slow), idle_compress_after_s=0.15, sweep_interval_s=0.03,
+    """Compression queues on the engine behind other work (here a job the test holds); the owner comes back
+    meanwhile: its Generate waits for the turn, the compression job sees the session is no longer idle and
+    skips it."""
+    with running_server(tiny_served(), idle_compress_after_s=0.15, sweep_interval_s=0.03,
                         idle_codec="identity") as thread, Client(thread.address) as client:
         x = client.create_session(initial_tokens=_tokens(20, 1))
-        y = client.create_session(initial_tokens=_tokens(20, 2))
         x.generate(max_tokens=1).collect()
-        busy = iter(y.generate(max_tokens=40, ignore_eos=True))  # ~1.2 s on the single engine slot
-        first = next(busy)
         service = thread.server.service
-        deadline = time.time() + 5
-        while not service._compressions:  # x claimed; its job waits behind y's generation
-            assert time.time() < deadline
-            time.sleep(0.01)
-        gen = x.generate(max_tokens=3, ignore_eos=True)
-        assert len(gen.collect()) == 3 and gen.stats.resume_s == 0
+        engine_free, engine_held = threading.Event(), threading.Event()
+
+        def hold_engine() -> None:
+            engine_held.set()
+            engine_free.wait(10)
+
+        held = service.scheduler.submit(hold_engine)
+        try:
+            assert engine_held.wait(5)
+            deadline = time.time() + 5
+            while not service._compressions:  # x claimed; its job waits behind the held engine
+                assert time.time() < deadline
+                time.sleep(0.005)
+            session = next(s for s in service.store.live_sessions() if s.id == x.id)
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(lambda: x.generate(max_tokens=3, ignore_eos=True))
+                while session.busy_ops < 2:  # the Generate has registered and waits for x's turn
+                    assert time.time() < deadline
+                    time.sleep(0.005)
+                engine_free.set()
+                gen = pending.result(10)
+                assert len(gen.collect()) == 3 and gen.stats.resume_s == 0
+        finally:
+            engine_free.set()
+            held.result(10)
         assert x.info().idle_compressions == 0
-        assert len([first, *busy]) == 40
 
 
 def test_bad_idle_settings_are_refused_at_startup():

@@ -15,7 +15,7 @@ the caller's buffers (no copy); a learned projection (`LinearProjection`) maps t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 from kakeya_runtime.kv.cache import FullLayerKV, SlidingLayerKV
 from kakeya_runtime.models.base import DecoderModel, Logits
+
+Seen = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # new K/V -> what attention reads
 
 
 class ProposerError(ValueError):
@@ -78,21 +80,25 @@ class LinearProjection(nn.Module):
 
 
 class KVProposer(Protocol):
-    def restore(self, token_ids: Tensor, out: Mapping[int, tuple[Tensor, Tensor]]) -> int:
+    def restore(self, token_ids: Tensor, out: Mapping[int, tuple[Tensor, Tensor]], seen: Seen | None = None) -> int:
         """Forward `token_ids` (B, E) (positions 0..E-1) with no cache; write the K/V of every
         position into out[layer] = (k_buf, v_buf), each (B, Hk, >= E, D) in the verifier's dtype.
-        Returns the peak bytes of K/V the proposer itself held on top of `out` during the call."""
+        `seen` maps new K/V to what the verifier's attention reads (its lossy resident codec): the layers
+        of `out` write and attend to that, as the verifier did. Returns the peak bytes of K/V the proposer
+        itself held on top of `out` during the call."""
         ...
 
 
 class _WriteThrough:
     """A proposer layer's transient K/V written straight into the caller's buffers."""
 
-    def __init__(self, k: Tensor, v: Tensor) -> None:
-        self.k, self.v, self.length = k, v, 0
+    def __init__(self, k: Tensor, v: Tensor, seen: Seen | None = None) -> None:
+        self.k, self.v, self.length, self.seen = k, v, 0, seen
         self.key_positions = torch.arange(k.shape[2], device=k.device)
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if self.seen is not None:
+            k, v = self.seen(k, v)
         start, end = self.length, self.length + k.shape[2]
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
@@ -113,7 +119,7 @@ class ModelProposer:
         self.dtype, self.device = param.dtype, param.device
 
     @torch.inference_mode()
-    def restore(self, token_ids: Tensor, out: Mapping[int, tuple[Tensor, Tensor]]) -> int:
+    def restore(self, token_ids: Tensor, out: Mapping[int, tuple[Tensor, Tensor]], seen: Seen | None = None) -> int:
         cfg = self.model.config
         batch, e = token_ids.shape
         if e == 0:
@@ -131,7 +137,7 @@ class ModelProposer:
             window = cfg.layer_window(i)
             if i in sources and proj.is_identity:
                 k_buf, v_buf = out[sources[i]]
-                caches.append(_WriteThrough(k_buf, v_buf))
+                caches.append(_WriteThrough(k_buf, v_buf, seen))
             elif window is not None and window < e:
                 caches.append(SlidingLayerKV(*shape, window, dtype=self.dtype, device=self.device))
             else:
@@ -145,6 +151,8 @@ class ModelProposer:
         if not proj.is_identity:
             for src, layer in sources.items():
                 k, v = proj.project(layer, caches[src].k[:, :, :e], caches[src].v[:, :, :e])
+                if seen is not None:
+                    k, v = seen(k, v)
                 k_buf, v_buf = out[layer]
                 k_buf[:, :, :e] = k
                 v_buf[:, :, :e] = v

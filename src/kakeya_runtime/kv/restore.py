@@ -4,7 +4,9 @@ recomputed by a cache-less proposer forward, consumed by attention as if cached,
 Per step (engine hook `begin_step`), for each governed layer the cache builds a transient *overlay*:
 positions [0, E) from the proposer (E = one past the last evicted position), the resident sink and
 window positions decoded from the resident store on top, then the step's own new K/V appended as the
-forward computes them. Attention sees every position 0..q, so with the same checkpoint and the
+forward computes them. With a lossy resident codec every position is read through it (the restored ones,
+whose proposer forward attends through it too, and the step's own), so a history gives the same K/V however
+its turns and chunks fell. Attention sees every position 0..q, so with the same checkpoint and the
 identity projection the output equals the full-attention oracle (fp32 greedy tokens identical).
 
 Granularity:
@@ -92,8 +94,9 @@ class RestoreLayerKV(SinkWindowLayerKV):
             raise PositionLimitError(f"position {end - 1} is past the model's limit of {self.max_positions}")
         if self.overlay.length != start:
             raise CacheError(f"overlay holds {self.overlay.length} positions, layer {start}")
-        out = self.overlay.append(k, v)
-        self._store(k, v, positions, start)
+        seen = self._seen(k, v)
+        out = self.overlay.append(*seen)  # what queries read; the store encodes the exact K/V
+        self._store((k, v, *seen) if self.view is not None else (k, v), positions, start)
         self.length = end
         return out
 
@@ -169,7 +172,8 @@ class RestoreKV(SinkWindowKV):
             t0 = time.perf_counter()
             ids = self.history[:, :e].to(device=input_ids.device, dtype=torch.long)
             out = {i: (self.layers[i].overlay.k, self.layers[i].overlay.v) for i in self.governed}
-            proposer_bytes = self.proposer.restore(ids, out)
+            lossy = not governed[0].codec.lossless  # restored K/V computed and read as the verifier's were
+            proposer_bytes = self.proposer.restore(ids, out, governed[0]._seen if lossy else None)
             self.proposer_s += time.perf_counter() - t0
             self.proposer_calls += 1
             self.restored_positions += int((~resident[:e]).sum())

@@ -49,9 +49,11 @@ class SinkWindowLayerKV:
                                device=device)
         self.attention_rule = (sink, window)  # read by models.layers.Attention for chunk masks
         self.length = 0
-        # Lossy codecs, during a step: every slot decoded once (stage_views), written exactly, and
-        # re-encoded in one batch at the end of the step (flush_views). None outside steps.
+        # Lossy codecs, during a step: every slot decoded once (stage_views); a write puts what queries read
+        # (the K/V through the codec) in `view` and the exact K/V in `exact`, encoded in one batch at the end
+        # of the step (flush_views). None outside steps.
         self.view: tuple[Tensor, Tensor] | None = None
+        self.exact: tuple[Tensor, Tensor] | None = None
         self.dirty: Tensor | None = None  # (slots,) bool: written during the step
         self._probe = torch.empty(batch, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
 
@@ -99,35 +101,45 @@ class SinkWindowLayerKV:
             return k[:, :, slots], v[:, :, slots]
         return k.index_select(2, slots), v.index_select(2, slots)
 
-    def _write(self, slots: Tensor | slice, k: Tensor, v: Tensor, positions: Tensor) -> None:
+    def _write(self, slots: Tensor | slice, kv: tuple[Tensor, ...], positions: Tensor) -> None:
+        """kv = (k, v) exact, then (k, v) as queries read them (the same tensors for a lossless codec)."""
         if self.view is None:
-            self.store.write(slots, k, v, positions)
+            self.store.write(slots, kv[0], kv[1], positions)
             return
-        vk, vv = self.view
-        if isinstance(slots, slice):
-            vk[:, :, slots], vv[:, :, slots] = k, v
-        else:
-            vk.index_copy_(2, slots, k)
-            vv.index_copy_(2, slots, v)
+        for dst, x in zip((*self.exact, *self.view), kv, strict=True):
+            if isinstance(slots, slice):
+                dst[:, :, slots] = x
+            else:
+                dst.index_copy_(2, slots, x)
         self.store.slot_positions[slots] = positions
         self.dirty[slots] = True
 
-    def _store(self, k: Tensor, v: Tensor, positions: Tensor, start: int) -> None:
-        """Keep the chunk's sink positions and its last `ring` positions."""
-        end = start + k.shape[2]
+    def _store(self, kv: tuple[Tensor, ...], positions: Tensor, start: int) -> None:
+        """Keep the chunk's sink positions and its last `ring` positions (kv as `_write` takes it)."""
+        end = start + kv[0].shape[2]
         if start < self.sink:
             n = min(end, self.sink) - start
-            self._write(slice(start, start + n), k[:, :, :n], v[:, :, :n], positions[:n])
+            self._write(slice(start, start + n), tuple(x[:, :, :n] for x in kv), positions[:n])
         lo = max(self.sink, end - self.ring, start)
         if lo >= end:
             return
         off = lo - start
+        part = tuple(x[:, :, off:] for x in kv)
         first = self.slot(lo)
         if first + (end - lo) <= self.num_slots:  # no wrap: a slice write
-            self._write(slice(first, first + end - lo), k[:, :, off:], v[:, :, off:], positions[off:])
+            self._write(slice(first, first + end - lo), part, positions[off:])
         else:
-            slots = self.sink + (torch.arange(lo, end, device=k.device) - self.sink) % self.ring
-            self._write(slots, k[:, :, off:], v[:, :, off:], positions[off:])
+            slots = self.sink + (torch.arange(lo, end, device=kv[0].device) - self.sink) % self.ring
+            self._write(slots, part, positions[off:])
+
+    def _seen(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """New K/V as every query reads them: through the codec, as later steps read them from the store. A
+        lossy codec is applied on write, never "exact within the step", so a history gives the same K/V and
+        logits whether it arrived in one prefill, in chunks, or token by token."""
+        if self.codec.lossless:
+            return k, v
+        dtype = self.store.dtype
+        return self.codec.decode(self.codec.encode(k), dtype), self.codec.decode(self.codec.encode(v), dtype)
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         _check_new(self._probe, k, v)
@@ -139,20 +151,19 @@ class SinkWindowLayerKV:
                 "sink_window does not reassign positions"
             )
         if t == 1:
-            self._store(k, v, positions, start)
+            self._store((k, v, *self._seen(k, v)) if self.view is not None else (k, v), positions, start)
             self.length = end
             slots = self._visible_slots(start)
-            k_all, v_all = self._read(slots)
-            if self.view is None and not self.codec.lossless:  # the new K/V are in hand: use them exactly
-                k_all, v_all = _put_exact(k_all, v_all, k, v, slots, self.slot(start))
+            k_all, v_all = self._read(slots)  # the store (or the staged view) gives the newest as seen too
             return k_all, v_all, self.store.slot_positions[slots]
         held = self._held_slots()
         k_old, v_old = self._read(held)
         pos_old = self.store.slot_positions[held]
-        k_all = torch.cat((k_old, k), dim=2)  # (B, Hk, held + T, D)
-        v_all = torch.cat((v_old, v), dim=2)
+        k_seen, v_seen = self._seen(k, v)
+        k_all = torch.cat((k_old, k_seen), dim=2)  # (B, Hk, held + T, D)
+        v_all = torch.cat((v_old, v_seen), dim=2)
         pos_all = torch.cat((pos_old, positions))
-        self._store(k, v, positions, start)
+        self._store((k, v, k_seen, v_seen), positions, start)
         self.length = end
         return k_all, v_all, pos_all
 
@@ -179,7 +190,7 @@ class SinkWindowLayerKV:
         return out
 
     def load_state(self, state: dict[str, Tensor]) -> None:
-        self.view = self.dirty = None
+        self.view = self.exact = self.dirty = None
         self.store.load_state(state)
         self.length = int(state["length"])
 
@@ -188,18 +199,9 @@ class SinkWindowLayerKV:
         return sp[sp >= 0]
 
 
-def _put_exact(k_all: Tensor, v_all: Tensor, k: Tensor, v: Tensor, slots: Tensor | slice,
-               slot: int) -> tuple[Tensor, Tensor]:
-    """Replace the decoded copy of the newest vector (at storage slot `slot`) with the exact one."""
-    i = slot - (slots.start or 0) if isinstance(slots, slice) else int((slots == slot).nonzero()[0, 0])
-    k_all[:, :, i : i + 1] = k
-    v_all[:, :, i : i + 1] = v
-    return k_all, v_all
-
-
 def stage_views(layers: list[SinkWindowLayerKV]) -> int:
     """Decode the stores of lossy-codec layers in one batched call, as each layer's view for a step.
-    Returns the bytes of the views (transient: decoded K/V live only during the step)."""
+    Returns the bytes held for the step (the decoded views and the buffers of exact writes: transient)."""
     layers = [layer for layer in layers if not layer.codec.lossless and layer.view is None]
     if not layers:
         return 0
@@ -209,10 +211,12 @@ def stage_views(layers: list[SinkWindowLayerKV]) -> int:
         stored = {key: torch.stack([getattr(layer.store, name)[key] for layer in layers])
                   for key in getattr(layers[0].store, name)}
         views.append(codec.decode(stored, dtype))  # (L, B, Hk, slots, D)
+    exact = [torch.empty_like(x) for x in views]  # written slots only; the flush encodes these
     for i, layer in enumerate(layers):
         layer.view = (views[0][i], views[1][i])
+        layer.exact = (exact[0][i], exact[1][i])
         layer.dirty = torch.zeros(layer.num_slots, dtype=torch.bool, device=views[0].device)
-    return views[0].nbytes + views[1].nbytes
+    return 2 * (views[0].nbytes + views[1].nbytes)
 
 
 def flush_views(layers: list[SinkWindowLayerKV]) -> None:
@@ -222,8 +226,8 @@ def flush_views(layers: list[SinkWindowLayerKV]) -> None:
     for layer in staged:
         slots = layer.dirty.nonzero().squeeze(1)
         if slots.numel():
-            parts.append((layer, slots, layer.view[0].index_select(2, slots), layer.view[1].index_select(2, slots)))
-        layer.view = layer.dirty = None
+            parts.append((layer, slots, layer.exact[0].index_select(2, slots), layer.exact[1].index_select(2, slots)))
+        layer.view = layer.exact = layer.dirty = None
     if not parts:
         return
     codec = parts[0][0].codec
@@ -243,8 +247,9 @@ class SinkWindowKV(PolicyKV):
     their own ring. Sustained bytes are fixed at construction (no growth, whatever the length).
 
     With a lossy resident codec, each engine step decodes every governed layer's store once (one batched
-    call), attends over the decoded K/V plus the step's own exact K/V, and re-encodes what it wrote in
-    one batched call at the end of the step: between steps only the packed codes are held."""
+    call), attends over the decoded K/V plus the step's own K/V passed through the codec (what later steps
+    will read), and encodes what it wrote, exact, in one batched call at the end of the step: between steps
+    only the packed codes are held."""
 
     def _governed(self) -> list:
         return [self.layers[i] for i in self.governed if isinstance(self.layers[i], SinkWindowLayerKV)]

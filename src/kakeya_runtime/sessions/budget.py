@@ -9,7 +9,7 @@ exceeded, so a change in kv/'s layout that outgrows it fails there. Per policy, 
 | policy | resident | transient (during a step) |
 |---|---|---|
 | full | context positions (buffers double up to it) | - |
-| sink_window | sink + window + spare slots, in the codec's bytes | with a lossy codec, those slots decoded |
+| sink_window | sink + window + spare slots, in the codec's bytes | with a lossy codec, those slots decoded and a buffer as large for the exact K/V written |
 | restore | sink + window slots + the token history (int32, doubles up to the context) | as sink_window, plus every governed layer's overlay (the whole context) and the proposer's rings on native sliding layers |
 | sparse | sink + window + block + spare hot slots, cold blocks (doubling from 16) with their key min/max | one layer's cold blocks, decoded |
 
@@ -59,7 +59,7 @@ def kv_worst_case_bytes(config: ModelConfig, spec: PolicySpec, context: int, dty
             slots = spec.sink + spec.window + spec.spare
             resident += coded * slots
             if lossy:
-                transient += per_position * slots  # a step decodes the resident slots once
+                transient += 2 * per_position * slots  # a step decodes the resident slots once, + exact writes
             if spec.name == "restore":
                 transient += per_position * context  # the overlay: every position 0..T-1
         elif spec.name == "sparse":
