@@ -322,7 +322,7 @@ class SparseLayerKV:
         hk, blk = len(self.cold_heads), self.block
         c = self._slot_block.shape[0]
         if c < min(self.decoded_blocks, self.n_blocks):  # no more slots than blocks to hold
-            c = min(self.decoded_blocks, max(self.n_blocks, 2 * c))
+            c = min(self.decoded_blocks, self.n_blocks)
             shape = (b, hk, c * blk, d)
             dec = tuple(torch.zeros(shape, dtype=self.dtype, device=self.k_hot.device) for _ in range(2))
             if self._dec is not None:
