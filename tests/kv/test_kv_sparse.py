@@ -137,7 +137,9 @@ def test_hot_bytes_flat_cold_bytes_packed(tiny_llama):
             stats = cache.memory_stats()
             hot.append(stats["hot_bytes"])
             cold[(codec, n)] = stats["cold_bytes"]
-            assert stats["resident_bytes"] == stats["hot_bytes"] + stats["cold_bytes"] + stats["index_bytes"]
+            assert stats["resident_bytes"] == (stats["hot_bytes"] + stats["cold_bytes"] + stats["index_bytes"]
+                                               + stats["decoded_bytes"])
+            assert (stats["decoded_bytes"] > 0) == (codec == "d4")  # lattice blocks kept decoded between steps
     tiny_llama.float()
     del eng
     assert len(set(hot)) == 1

@@ -99,6 +99,7 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
             c = make_policy_cache(cfg, spec, capacity=n + decode_tokens + 2, dtype=engine.dtype)
             engine.prefill(c, ids[:, :-1])
             c.reset_stats()
+            before = c.decoded_counts() if isinstance(c, SparseKV) else (0, 0)
             s = engine.stream(c, ids[:, -1:], GenerateRequest(decode_tokens, stop_ids=()))
             for _ in s:
                 pass
@@ -108,6 +109,8 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
             if isinstance(c, SparseKV):
                 timing[name].update(c.memory_stats())
                 timing[name]["attended_fraction"] = c.effective_attention_fraction
+                hits, misses = (a - b for a, b in zip(c.decoded_counts(), before, strict=True))
+                timing[name]["decoded_hits"], timing[name]["decoded_misses"] = hits, misses
             del c
         row["decode"] = timing
         ms = {k: v["ms_per_token"] for k, v in timing.items()}
@@ -120,7 +123,11 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
                          "cold_and_index_over_full_bf16":
                              (timing["sparse"]["cold_bytes"] + timing["sparse"]["index_bytes"]) / full_bf16,
                          "hot_bytes": timing["sparse"]["hot_bytes"],
-                         "peak_decoded_bytes": timing["sparse"]["peak_transient_bytes"]}
+                         "peak_decoded_bytes": timing["sparse"]["peak_transient_bytes"],
+                         "decoded_cache_bytes": timing["sparse"]["decoded_bytes"],
+                         "decoded_cache_hit_rate": (timing["sparse"]["decoded_hits"]
+                                                    / max(1, timing["sparse"]["decoded_hits"]
+                                                          + timing["sparse"]["decoded_misses"]))}
         rows.append(row)
     result = {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "created_unix": int(time.time()),
@@ -164,8 +171,9 @@ def summary_markdown(result: dict[str, Any]) -> str:
              f"Machine: {result['machine'].get('cpu_model')}, {result['threads']} threads, CPU busy before the run "
              f"{result['cpu_busy_before']:.0%}.", "",
              "| length | oracle mass (mean) | worst layer | greedy agreement | attended | full ms/tok | sink_window "
-             "ms/tok | sparse ms/tok | vs full | vs sink_window | cold / full bf16 | + index |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ms/tok | sparse ms/tok | vs full | vs sink_window | cold / full bf16 | + index | decoded cache / full bf16 "
+             "| decode hits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         d, m, o = r["decode"], r["memory"], r["oracle_mass"]
         lines.append(f"| {r['length']} | {o['mean']:.4f} | {o['worst_layer_mean']:.4f} (layer {o['worst_layer']}) | "
@@ -173,7 +181,9 @@ def summary_markdown(result: dict[str, Any]) -> str:
                      f"{d['full']['ms_per_token']:.1f} | {d['sink_window']['ms_per_token']:.1f} | "
                      f"{d['sparse']['ms_per_token']:.1f} | {r['speedup_vs_full']:.2f}x faster | "
                      f"{r['vs_sink_window']:.2f}x | {m['cold_over_full_bf16']:.3f} | "
-                     f"{m['cold_and_index_over_full_bf16']:.3f} |")
+                     f"{m['cold_and_index_over_full_bf16']:.3f} | "
+                     f"{m.get('decoded_cache_bytes', 0) / m['full_bf16_kv_bytes_governed']:.3f} | "
+                     f"{m.get('decoded_cache_hit_rate', 0):.1%} |")
     return "\n".join(lines) + "\n"
 
 

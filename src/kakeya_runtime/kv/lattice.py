@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from kakeya_runtime.kv.packed import pack_bits, packed_nbytes, unpack_bits
+from kakeya_runtime.models import native
 from kakeya_runtime.models.layers import linear
 
 LATTICES = ("d4", "e8")
@@ -191,6 +192,12 @@ class LatticeCodec:
 
     def decode(self, code: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         lead = code.shape[:-1]
+        if self.kind == "d4" and code.is_cpu:  # the points in one native call: the same bits
+            s = scales.reshape(-1, 2)
+            y_hat = native.d4_points(code.reshape(-1, self.code_bytes).contiguous(), s.contiguous(), q=self.q,
+                                     bits=self.bits, codes=self.num_blocks)
+            out = _rotate(y_hat, self.h) * s[:, 0].float().unsqueeze(1)
+            return out.reshape(*lead, self.head_dim).to(dtype)
         idx = unpack_bits(code.reshape(-1, self.code_bytes), self.num_blocks, self.bits)
         s = scales.reshape(-1, 2)
         return self.dequantize(self.point(idx), s[:, 0], s[:, 1]).reshape(*lead, self.head_dim).to(dtype)

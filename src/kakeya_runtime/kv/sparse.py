@@ -78,11 +78,12 @@ class SparseLayerKV:
     # A cold tier the kernel reads as stored takes one fused call per step (kakeya::sparse_step); lattice codes
     # are decoded between the indexer and the attention. False: every codec takes the three calls (tests).
     fused = True
+    decoded_per_topk = 4  # the decoded-block cache holds this many times topk blocks by default
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, sink: int, window: int, block: int,
                  topk: int, max_positions: int, codec: KVCodec, spare: int = 0, dtype: torch.dtype,
                  device: torch.device | str = "cpu", initial_blocks: int = 16,
-                 head_topk: tuple[int, ...] | None = None) -> None:
+                 head_topk: tuple[int, ...] | None = None, decoded_blocks: int | None = None) -> None:
         if sink < 0 or window < 1 or block < 1 or topk < 1 or spare < 0:
             raise CacheError(f"need sink >= 0, window, block, topk >= 1, spare >= 0; got {sink}, {window}, {block}, "
                              f"{topk}, {spare}")
@@ -91,7 +92,7 @@ class SparseLayerKV:
             raise CacheError(f"head_topk needs {num_kv_heads} counts >= 0, got {head_topk}")
         self._init = dict(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, sink=sink, window=window,
                           block=block, topk=topk, max_positions=max_positions, codec=codec, spare=spare, dtype=dtype,
-                          device=device, head_topk=head_topk)
+                          device=device, head_topk=head_topk, decoded_blocks=decoded_blocks)
         # Per KV head: blocks kept (0: streaming, no cold tier), and its index among the heads with a cold tier.
         self.head_topk = head_topk
         self._topk_t = torch.tensor(head_topk, dtype=torch.long)
@@ -114,6 +115,18 @@ class SparseLayerKV:
         # SparseCounters' fields, then the newest query's attended and visible keys (kept by the kernels' tripwire)
         self._counts = torch.zeros(8, dtype=torch.long)
         self.peak_decoded_bytes = 0  # decoded cold K/V held during a step, at its largest
+        # Lattice codes: decoded blocks kept across steps (a step's selection changes little), `decoded_blocks`
+        # of them shared by the KV heads; 0 decodes every step's blocks afresh. Allocated on first use.
+        self.decoded_blocks = self.decoded_per_topk * topk if decoded_blocks is None else decoded_blocks
+        if self.decoded_blocks < 0:
+            raise CacheError(f"decoded_blocks must be >= 0, got {decoded_blocks}")
+        # K, V (B, Hc, slots * block, D); slots grow with the cold tier up to decoded_blocks
+        self._dec: tuple[Tensor, Tensor] | None = None
+        self._block_slot = torch.full((0,), -1, dtype=torch.long)  # cold block -> its slot there (-1: not held)
+        self._slot_block = torch.full((0,), -1, dtype=torch.long)  # slot -> block (-1: free)
+        self._slot_used = torch.full((0,), -1, dtype=torch.long)  # the step a slot was last read
+        self._dec_step = 0
+        self.decoded_hits = self.decoded_misses = 0  # blocks found decoded / decoded, summed over steps
         self.probe: OracleProbe | None = None
         self._ring_full = False  # every hot slot holds a position (known without a tensor read once true)
         self._hot_all = (self.k_hot, self.v_hot, self.hot_pos)
@@ -160,8 +173,13 @@ class SparseLayerKV:
         return 2 * self.kmin[:, :, : self.n_blocks].nbytes
 
     @property
+    def decoded_nbytes(self) -> int:
+        """The decoded-block cache (kept between steps, so resident), 0 until a step uses it."""
+        return 0 if self._dec is None else self._dec[0].nbytes + self._dec[1].nbytes
+
+    @property
     def nbytes(self) -> int:
-        return self.hot_nbytes + self.cold_nbytes + self.index_nbytes
+        return self.hot_nbytes + self.cold_nbytes + self.index_nbytes + self.decoded_nbytes
 
     # -- positions -----------------------------------------------------------------------------------------
 
@@ -233,6 +251,7 @@ class SparseLayerKV:
         b, hk, _, d = kb.shape
         n = target - self.n_blocks
         self._reserve_blocks(target)
+        self._forget_decoded(self.n_blocks)  # blocks written from here on are new: a decoded copy would be stale
         if hk == 0:
             self.n_blocks = target
             return
@@ -286,12 +305,60 @@ class SparseLayerKV:
         ids = bits.nonzero().squeeze(1)
         slot = torch.full((self.n_blocks,), -1, dtype=torch.long)
         slot[ids] = torch.arange(ids.numel())
+        if 0 < ids.numel() <= self.decoded_blocks:
+            return self._decode_cached(ids)
         k = self.codec.decode(take(self.cold_k, 2, ids), self.dtype)  # (B, Hk, U, block, D)
         v = self.codec.decode(take(self.cold_v, 2, ids), self.dtype)
         b, hk, u, _, d = k.shape
         k, v = k.reshape(b, hk, u * self.block, d), v.reshape(b, hk, u * self.block, d)
         self.peak_decoded_bytes = max(self.peak_decoded_bytes, k.nbytes + v.nbytes)
         return k, v, slot
+
+    def _decode_cached(self, ids: Tensor) -> tuple[Tensor, ...]:
+        """The blocks `ids` from the decoded-block cache: decode only those it lacks (one call), into the slots
+        read least recently. A vector decodes to the same bits whatever else is in the call, so the kernel reads
+        what a fresh decode would give."""
+        b, _, _, d = self.k_hot.shape
+        hk, blk = len(self.cold_heads), self.block
+        c = self._slot_block.shape[0]
+        if c < min(self.decoded_blocks, self.n_blocks):  # no more slots than blocks to hold
+            c = min(self.decoded_blocks, self.n_blocks)
+            shape = (b, hk, c * blk, d)
+            dec = tuple(torch.zeros(shape, dtype=self.dtype, device=self.k_hot.device) for _ in range(2))
+            if self._dec is not None:
+                for new, old in zip(dec, self._dec, strict=True):
+                    new[:, :, : old.shape[2]] = old
+            self._dec = dec
+            self._slot_block, self._slot_used = _grown(self._slot_block, c), _grown(self._slot_used, c)
+        if self._block_slot.shape[0] < self.n_blocks:
+            self._block_slot = _grown(self._block_slot, max(self.n_blocks, 2 * self._block_slot.shape[0]))
+        self._dec_step += 1
+        slots = self._block_slot[ids]
+        held = slots >= 0
+        self._slot_used[slots[held]] = self._dec_step
+        miss = ids[~held]
+        m = miss.numel()
+        self.decoded_hits += ids.numel() - m
+        self.decoded_misses += m
+        if m:
+            free = torch.topk(self._slot_used, m, largest=False).indices  # never a slot read this step
+            old = self._slot_block[free]
+            self._block_slot[old[old >= 0]] = -1
+            self._slot_block[free], self._block_slot[miss], self._slot_used[free] = miss, free, self._dec_step
+            for cache, store in zip(self._dec, (self.cold_k, self.cold_v), strict=True):
+                x = self.codec.decode(take(store, 2, miss), self.dtype)  # (B, Hk, m, block, D)
+                cache.view(b, hk, c, blk, d).index_copy_(2, free, x)
+            self.peak_decoded_bytes = max(self.peak_decoded_bytes, 2 * x.nbytes)
+        return (*self._dec, self._block_slot[: self.n_blocks])
+
+    def _forget_decoded(self, first: int) -> None:
+        """Drop the decoded copies of cold blocks `first` and up (rewritten, trimmed or restored)."""
+        # out of place: the maps may have been made under inference mode, a trim or a restore runs outside it
+        bs = self._block_slot
+        self._block_slot = torch.where(torch.arange(bs.shape[0]) >= first, -1, bs)
+        gone = self._slot_block >= first
+        self._slot_block = self._slot_block.masked_fill(gone, -1)
+        self._slot_used = self._slot_used.masked_fill(gone, -1)
 
     # -- the step ------------------------------------------------------------------------------------------
 
@@ -389,6 +456,7 @@ class SparseLayerKV:
         self.hot_pos[self.hot_pos >= length] = -1
         self._ring_full = False
         self.n_blocks = min(self.n_blocks, max(0, length - self.sink) // self.block)
+        self._forget_decoded(self.n_blocks)
         self.length = length
 
     def state(self) -> dict[str, Tensor]:
@@ -403,6 +471,7 @@ class SparseLayerKV:
     def load_state(self, state: dict[str, Tensor]) -> None:
         n = state["kmin"].shape[2]
         self.n_blocks = 0
+        self._forget_decoded(0)
         self._reserve_blocks(n)
         self.k_hot.copy_(state["k"])
         self.v_hot.copy_(state["v"])
@@ -417,6 +486,13 @@ class SparseLayerKV:
                 t[:, :, :n] = src
         self.n_blocks = n
         self.length = int(state["length"])
+
+
+def _grown(t: Tensor, n: int) -> Tensor:
+    """An int64 map extended to n entries with -1 (as is when it has them)."""
+    if t.shape[0] >= n:
+        return t
+    return torch.cat((t, torch.full((n - t.shape[0],), -1, dtype=t.dtype)))
 
 
 class SparseKV(PolicyKV):
@@ -439,6 +515,11 @@ class SparseKV(PolicyKV):
             total.add(layer.counters)
         return total
 
+    def decoded_counts(self) -> tuple[int, int]:
+        """Cold blocks the steps found in their layer's decoded-block cache, and those they decoded (summed)."""
+        layers = self._sparse()
+        return sum(x.decoded_hits for x in layers), sum(x.decoded_misses for x in layers)
+
     def layer_counters(self) -> list[dict[str, int]]:
         return [layer.counters.as_dict() for layer in self._sparse()]
 
@@ -456,5 +537,6 @@ class SparseKV(PolicyKV):
         layers = self._sparse()
         out = super().memory_stats()
         out.update(hot_bytes=sum(x.hot_nbytes for x in layers), cold_bytes=sum(x.cold_nbytes for x in layers),
-                   index_bytes=sum(x.index_nbytes for x in layers))
+                   index_bytes=sum(x.index_nbytes for x in layers),
+                   decoded_bytes=sum(x.decoded_nbytes for x in layers))
         return out

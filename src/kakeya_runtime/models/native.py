@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp"))
+                for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp",
+                             "lattice_points.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head sizes
@@ -199,6 +200,14 @@ def ring_write(k_hot: torch.Tensor, v_hot: torch.Tensor, hot_pos: torch.Tensor, 
     if _loaded is None:
         load()
     torch.ops.kakeya.ring_write(k_hot, v_hot, hot_pos, k, v, positions, slot)
+
+
+def d4_points(code: torch.Tensor, scales: torch.Tensor, *, q: int, bits: int, codes: int) -> torch.Tensor:
+    """The D4 lattice decode before its rotation: packed codes (N, nbytes) uint8 and scales (N, 2) fp16 (norm,
+    qmax) -> the scaled lattice points (N, 4 * codes) fp32, the bits of kv/lattice.py's arithmetic."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.d4_points(code, scales, q, bits, codes)
 
 
 def _per_head(topk: int | torch.Tensor, heads: int) -> torch.Tensor:
