@@ -178,6 +178,7 @@ class Run:
     eaf: float
     idle_kv_bytes: int  # between the turns
     sustained_kv_bytes: int  # after the question turn
+    decoded_kv_bytes: int  # of which decoded copies kept to speed up reads (sparse with a lattice cold tier)
     history_bytes: int
     peak_kv_bytes: int  # resident + the largest transient K/V during the question turn
     peak_rss_delta_bytes: int | None
@@ -273,6 +274,7 @@ class NiahRunner:
             turn_s=turn_s, restore_s=resume_s + getattr(cache, "proposer_s", 0.0) - proposer_s0,
             eaf=cache.effective_attention_fraction, idle_kv_bytes=idle_bytes,
             sustained_kv_bytes=cache.resident_nbytes, history_bytes=cache.history_nbytes,
+            decoded_kv_bytes=getattr(cache, "memory_stats", dict)().get("decoded_bytes", 0),
             peak_kv_bytes=cache.resident_nbytes + cache.peak_transient_bytes, peak_rss_delta_bytes=peak_rss,
             top2_gaps=[float(g[0] - g[1]) for g in (lg[0].topk(2).values for lg in stream.step_logits)],
             step_logits=stream.step_logits,
@@ -425,6 +427,7 @@ def summarize(records: list[dict[str, Any]], keys: Sequence[str]) -> list[dict[s
                "turn_s": _mean(rs, "turn_s"), "restore_s": _mean(rs, "restore_s"), "eaf": _mean(rs, "eaf"),
                "idle_kv_bytes": max(r["idle_kv_bytes"] for r in rs),
                "sustained_kv_bytes": max(r["sustained_kv_bytes"] for r in rs),
+               "decoded_kv_bytes": max(r.get("decoded_kv_bytes", 0) for r in rs),
                "history_bytes": max(r["history_bytes"] for r in rs),
                "peak_kv_bytes": max(r["peak_kv_bytes"] for r in rs),
                "peak_rss_delta_bytes": max((r["peak_rss_delta_bytes"] or 0) for r in rs)}
