@@ -11,9 +11,11 @@ from kakeya_runtime.engine.generate import Engine, GenerationError
 from kakeya_runtime.kv.cache import ModelKV
 
 
-def run(engine: Engine, ids: torch.Tensor, schedule: list[int | str]) -> tuple[ModelKV, torch.Tensor]:
-    """Feed ids (1, T) as prefills of the given sizes and single decode steps ("d"); the last step's logits."""
-    cache = engine.new_cache()
+def run(engine: Engine, ids: torch.Tensor, schedule: list[int | str], cache: ModelKV | None = None,
+        end_turns: bool = False) -> tuple[ModelKV, torch.Tensor]:
+    """Feed ids (1, T) as prefills of the given sizes and single decode steps ("d"); the last step's logits.
+    `end_turns`: each prefill ends a turn (what a session's Generate does)."""
+    cache = engine.new_cache() if cache is None else cache
     pos, logits = 0, None
     for step in schedule:
         if step == "d":
@@ -22,6 +24,8 @@ def run(engine: Engine, ids: torch.Tensor, schedule: list[int | str]) -> tuple[M
         else:
             logits = engine.prefill(cache, ids[:, pos : pos + step]).logits
             pos += step
+            if end_turns:
+                cache.end_turn()
     assert pos == ids.shape[1]
     return cache, logits
 
@@ -168,21 +172,11 @@ def test_every_policy_any_chunking(family, name, params, make_tiny_model):
     spec = registry.resolve(name, params, engine.config, 256)
     ids = torch.randint(3, model.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(3))
 
-    def run(schedule: list[int | str], engine: Engine = engine) -> torch.Tensor:
-        cache, pos = registry.build(engine, spec, 256), 0
-        for step in schedule:
-            if step == "d":
-                logits = engine.decode_step(cache, ids[:, pos : pos + 1]).logits
-                pos += 1
-            else:
-                logits = engine.prefill(cache, ids[:, pos : pos + step]).logits
-                pos += step
-                cache.end_turn()
-        assert pos == ids.shape[1]
-        return logits[0, -1]
+    def run_policy(schedule: list[int | str], engine: Engine = engine) -> torch.Tensor:
+        return run(engine, ids, schedule, registry.build(engine, spec, 256), end_turns=True)[1][0, -1]
 
-    ref = run([120])
-    assert torch.equal(run([120], Engine(model, prefill_chunk=16)), ref), "one call read in chunks of 16"
+    ref = run_policy([120])
+    assert torch.equal(run_policy([120], Engine(model, prefill_chunk=16)), ref), "one call read in chunks of 16"
     for label, schedule in {"chunks of 7": split(120, 7), "turns": [37, 1, 50, 32],
                             "prefill then decode steps": [100] + ["d"] * 20, "decode steps": ["d"] * 120}.items():
-        assert torch.equal(run(schedule), ref), label
+        assert torch.equal(run_policy(schedule), ref), label
