@@ -303,19 +303,13 @@ def load_served(model: str, weights: str, dtype: str | None, console: Any) -> An
     """The ServedModel `kakeya serve --model MODEL --weights WEIGHTS [--dtype DTYPE]` builds (eager decode, its
     default): the same first load, the same format choice (auto: measured once per machine, then cached) and
     conversion. ValueError for flags serve would refuse."""
-    import torch
-
-    from kakeya_runtime.engine import serving
-    from kakeya_runtime.models import native
     from kakeya_runtime.models.loader import load_model
-    from kakeya_runtime.server.cli import choose_serving, resolve_weights
+    from kakeya_runtime.server.cli import choose_serving, first_load_dtype, resolve_weights
     from kakeya_runtime.server.grpc_app import ServedModel
 
     fmt = resolve_weights(weights, dtype)
-    first = "bf16" if fmt == serving.AUTO else fmt
-    loaded = load_model(model, dtype=torch.float16 if first == "fp16" else serving.load_dtype(first))
+    loaded = load_model(model, dtype=first_load_dtype(fmt))
     choice, decode_forward = choose_serving(loaded, model, fmt, False, False, console)
-    choice.invariant = choice.invariant and native.enabled()
     served = ServedModel.from_loaded(loaded, model)
     served.serving, served.decode_forward = choice, decode_forward
     return served

@@ -303,10 +303,10 @@ class SparseLayerKV:
         shifts = torch.arange(64, device=select.device)
         bits = ((select.reshape(-1, words, 1) >> shifts) & 1).any(0).reshape(-1)[: self.n_blocks]
         ids = bits.nonzero().squeeze(1)
-        slot = torch.full((self.n_blocks,), -1, dtype=torch.long)
-        slot[ids] = torch.arange(ids.numel())
         if 0 < ids.numel() <= self.decoded_blocks:
             return self._decode_cached(ids)
+        slot = torch.full((self.n_blocks,), -1, dtype=torch.long)  # decoded afresh: block ids[i] at slot i
+        slot[ids] = torch.arange(ids.numel())
         k = self.codec.decode(take(self.cold_k, 2, ids), self.dtype)  # (B, Hk, U, block, D)
         v = self.codec.decode(take(self.cold_v, 2, ids), self.dtype)
         b, hk, u, _, d = k.shape

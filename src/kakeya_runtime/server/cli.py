@@ -150,17 +150,14 @@ def serve(
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
 
-    import torch
 
     try:
         from kakeya_runtime.models.loader import ModelLoadError, load_model
     except ImportError as e:
         console.print(f"[red]error:[/] model loading is unavailable: {e}")
         raise typer.Exit(1) from None
-    from kakeya_runtime.engine import serving
 
-    first = "bf16" if weights == serving.AUTO else weights
-    first_dtype = torch.float16 if first == "fp16" else serving.load_dtype(first)
+    first_dtype = first_load_dtype(weights)
     t0 = time.perf_counter()
     try:
         with console.status(f"Loading [bold]{model}[/] ({first_dtype})…", spinner="dots"):
@@ -186,7 +183,6 @@ def serve(
     except ValueError as e:  # ServingError: a format that cannot be served here
         console.print(f"[red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
-    choice.invariant = choice.invariant and native.enabled()
     console.print(f"Serving: {choice.describe()}", soft_wrap=True)
     head = None
     if draft_head is not None:
@@ -233,6 +229,17 @@ def resolve_weights(weights: str, dtype: str | None) -> str:
     if fmt != as_format:
         raise ValueError(f"--dtype {dtype} and --weights {weights} disagree: give one of them")
     return fmt
+
+
+def first_load_dtype(weights: str) -> Any:
+    """The dtype `kakeya serve` loads a model in for a resolved --weights: bf16 for auto (what calibration measures
+    the other formats against), fp16 as given, else what the format is converted from."""
+    import torch
+
+    from kakeya_runtime.engine import serving
+
+    first = "bf16" if weights == serving.AUTO else weights
+    return torch.float16 if first == "fp16" else serving.load_dtype(first)
 
 
 def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, recalibrate: bool,
@@ -293,8 +300,10 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, r
     elif fmt != first:  # auto chose another format than the bf16 it measured against
         with console.status(f"Loading {fmt}…", spinner="dots"):
             loaded.model = load(fmt)
-    choice = serving.ServingChoice(weights=fmt, compiled=compile_decode, source=source,
-                                   invariant=True, fidelity=fidelity, speed=speed, candidates=candidates)
+    from kakeya_runtime.models import native
+
+    choice = serving.ServingChoice(weights=fmt, compiled=compile_decode, source=source, invariant=native.enabled(),
+                                   fidelity=fidelity, speed=speed, candidates=candidates)
     engine = Engine(loaded.model)
     compiled = None
     ids = serving.bench_text_ids(lambda t: loaded.tokenizer.encode(t).ids, 256)
