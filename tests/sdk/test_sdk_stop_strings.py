@@ -64,6 +64,17 @@ def test_generation_ends_on_the_token_completing_the_stop_string(client, tok, re
         assert s.last_result.stop_string is None and s.last_result.finish_reason is FinishReason.LENGTH
 
 
+def test_streamed_text_stops_where_the_result_says(client, tok, reference):
+    prompt, ref_ids, ref_text = reference
+    stop, at = _ascii_stop(ref_text, 2)
+    with client.create_session(initial_tokens=prompt) as s:
+        gen = s.generate(max_tokens=N, ignore_eos=True, stop=stop)
+        dec = tok.stream_decoder(stop=stop)
+        shown = "".join(dec.push(t) for t in gen) + dec.flush()
+        assert shown == gen.result.text_before_stop(tok.decode(gen.token_ids)) == ref_text[:at]
+        assert dec.stop_string == gen.result.stop_string == stop
+
+
 def test_a_single_string_and_an_unmatched_stop(client, tok, reference):
     prompt, ref_ids, ref_text = reference
     stop, at = _ascii_stop(ref_text, 1)

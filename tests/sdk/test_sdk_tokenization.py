@@ -90,6 +90,23 @@ def test_stream_decoder_never_splits_characters(tok):
     assert any(p == "" for p in pieces)  # held back mid-character
 
 
+def test_stream_decoder_holds_back_stop_strings(tok):
+    text = "say <<END>> and more"
+    ids = tok.encode(text)
+    dec = tok.stream_decoder(stop=["<<E", "nope", "END>>"])  # "<<E" completes first
+    shown = [dec.push(i) for i in ids]
+    assert "".join(shown) + dec.flush() == "say " and dec.stop_string == "<<E"
+    assert all("<" not in p for p in shown)  # never a partial stop string on screen
+    late = tok.stream_decoder(stop=[">>", "END>>"])  # same last character: the longer one wins
+    assert "".join(late.push(i) for i in ids) == "say <<" and late.stop_string == "END>>"
+    almost = tok.stream_decoder(stop="<<ENDING")  # held while it may complete, shown once it cannot
+    assert "".join(almost.push(i) for i in ids) == text and almost.flush() == "" and almost.stop_string is None
+    tail = tok.stream_decoder(stop="<<ENDING")  # a prefix still open when the stream ends comes out on flush
+    assert "".join(tail.push(i) for i in tok.encode("say <<EN")) == "say " and tail.flush() == "<<EN"
+    with pytest.raises(ValueError):
+        tok.stream_decoder(stop=[""])
+
+
 def test_chat_messages_from_openai():
     msgs = chat_messages_from_openai([
         {"role": "developer", "content": "be brief"},

@@ -18,7 +18,9 @@ export {
   ChatTemplateError, ChatTemplateMismatch, chatMessagesFromOpenAI, fromOpenAIMessages, StreamDecoder, Tokenizer,
   tokensForChat,
 } from "./tokenization.js";
-export type { ChatMessage, ChatOptions, ChatTemplateTokenizer, OpenAIMessage, ToolCall } from "./tokenization.js";
+export type {
+  ChatMessage, ChatOptions, ChatTemplateTokenizer, OpenAIMessage, StreamDecoderOptions, ToolCall,
+} from "./tokenization.js";
 export { textBeforeStop } from "./types.js";
 export type {
   FinishReason, GenerateResult, GenerateStats, KvPolicy, ModelInfo, SessionInfo, SparseCounters, SparseStats,

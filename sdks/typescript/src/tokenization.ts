@@ -102,13 +102,17 @@ export class Tokenizer {
     return this.eosTokenIds.length ? this.tokenText(this.eosTokenIds[0]) : "";
   }
 
-  streamDecoder(options: { skipSpecialTokens?: boolean } = {}): StreamDecoder {
+  /** Streamed text for a Generate; pass its `stop` strings to hold them back (see StreamDecoder). */
+  streamDecoder(options: StreamDecoderOptions = {}): StreamDecoder {
     return new StreamDecoder(this, options);
   }
 
-  /** Text pieces as token ids arrive, e.g. `for await (const text of tok.decodeStream(session.generate()))`. */
+  /**
+   * Text pieces as token ids arrive, e.g. `for await (const text of tok.decodeStream(session.generate()))`.
+   * With `stop`, no part of a stop string is yielded and the text ends before the first one to complete.
+   */
   async *decodeStream(ids: AsyncIterable<number> | Iterable<number>,
-    options: { skipSpecialTokens?: boolean } = {}): AsyncGenerator<string, void, undefined> {
+    options: StreamDecoderOptions = {}): AsyncGenerator<string, void, undefined> {
     const decoder = this.streamDecoder(options);
     for await (const id of ids) {
       const text = decoder.push(id);
@@ -174,22 +178,41 @@ export class Tokenizer {
   }
 }
 
+/** Options of a StreamDecoder: `stop` takes the stop strings given to `generate`. */
+export interface StreamDecoderOptions {
+  skipSpecialTokens?: boolean;
+  stop?: string | readonly string[];
+}
+
 /**
  * Incremental detokenization: push token ids, get text as soon as it is complete.
  *
  * Decodes a short window before the new tokens and emits only the difference, so multi-byte characters split
  * across tokens and leading-space rules of SentencePiece-style decoders come out right.
+ *
+ * With `stop`, text that may still become a stop string is held back, and the stream ends just before the
+ * first stop string to complete (of two completing on the same character, the longer): the displayed text never
+ * shows any part of it. `stopString` then says which one matched, as the server's result does.
  */
 export class StreamDecoder {
   readonly tokenizer: Tokenizer;
   readonly skipSpecialTokens: boolean;
+  readonly stops: readonly string[];
   readonly ids: number[] = [];
+  /** The stop string the text reached, once it did. */
+  stopString: string | null = null;
+  private held = ""; // text that may still become a stop string
   private prefix = 0;
   private read = 0;
 
-  constructor(tokenizer: Tokenizer, options: { skipSpecialTokens?: boolean } = {}) {
+  constructor(tokenizer: Tokenizer, options: StreamDecoderOptions = {}) {
     this.tokenizer = tokenizer;
     this.skipSpecialTokens = options.skipSpecialTokens ?? true;
+    const stop = options.stop ?? [];
+    this.stops = [...new Set(typeof stop === "string" ? [stop] : stop)];
+    if (!this.stops.every((s) => typeof s === "string" && s.length > 0)) {
+      throw new TypeError("stop strings must be non-empty strings");
+    }
   }
 
   private decodeRange(ids: number[]): string {
@@ -203,17 +226,54 @@ export class StreamDecoder {
     if (text.length > before.length && !text.endsWith("\ufffd")) {
       this.prefix = this.read;
       this.read = this.ids.length;
-      return text.slice(before.length);
+      return this.holdBack(text.slice(before.length));
     }
     return "";
   }
 
-  /** Whatever is still held back (an incomplete character at the end of the stream). */
+  /** Whatever is still held back (an incomplete character, or text that did not become a stop string). */
   flush(): string {
     const before = this.decodeRange(this.ids.slice(this.prefix, this.read));
     const text = this.decodeRange(this.ids.slice(this.prefix));
     this.prefix = this.read = this.ids.length;
-    return text.slice(before.length);
+    let out = this.holdBack(text.slice(before.length));
+    if (this.stopString === null) {
+      out += this.held;
+      this.held = "";
+    }
+    return out;
+  }
+
+  private holdBack(piece: string): string {
+    if (this.stops.length === 0) return piece;
+    if (this.stopString !== null) return "";
+    const text = this.held + piece;
+    // Text already emitted was no stop string's prefix, so a match can only start inside `text`.
+    let best: { end: number; start: number; stop: string } | null = null;
+    for (const stop of this.stops) {
+      const start = text.indexOf(stop);
+      if (start < 0) continue;
+      const end = start + stop.length;
+      if (best === null || end < best.end || (end === best.end && stop.length > best.stop.length)) {
+        best = { end, start, stop };
+      }
+    }
+    if (best !== null) {
+      this.stopString = best.stop;
+      this.held = "";
+      return text.slice(0, best.start);
+    }
+    let keep = 0;
+    for (const stop of this.stops) {
+      for (let k = Math.min(stop.length - 1, text.length); k > keep; k--) {
+        if (text.endsWith(stop.slice(0, k))) {
+          keep = k;
+          break;
+        }
+      }
+    }
+    this.held = text.slice(text.length - keep);
+    return text.slice(0, text.length - keep);
   }
 }
 

@@ -68,6 +68,17 @@ describe("stop strings", () => {
     await s.close();
   });
 
+  it("streamed text stops where the result says", async () => {
+    const [stop, at] = asciiStop(refText, 2);
+    const s = await client.createSession({ initialTokens: prompt });
+    const gen = s.generate({ maxTokens: N, ignoreEos: true, stop });
+    const pieces: string[] = [];
+    for await (const piece of tok.decodeStream(gen, { stop })) pieces.push(piece);
+    assert.equal(pieces.join(""), refText.slice(0, at));
+    assert.equal(pieces.join(""), textBeforeStop(tok.decode(gen.tokenIds), gen.result));
+    await s.close();
+  });
+
   it("a single string is one stop string; an unmatched one changes nothing", async () => {
     const [stop] = asciiStop(refText, 1);
     const s = await client.createSession({ initialTokens: prompt });

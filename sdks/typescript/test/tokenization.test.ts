@@ -105,6 +105,26 @@ describe("tokenization", () => {
     assert.equal(streamed.join(""), text);
   });
 
+  it("the stream decoder holds back stop strings", async () => {
+    const text = "say <<END>> and more";
+    const ids = tok.encode(text);
+    const dec = tok.streamDecoder({ stop: ["<<E", "nope", "END>>"] }); // "<<E" completes first
+    const shown = ids.map((i) => dec.push(i));
+    assert.equal(shown.join("") + dec.flush(), "say ");
+    assert.equal(dec.stopString, "<<E");
+    assert.ok(!shown.some((p) => p.includes("<"))); // never a partial stop string on screen
+    const late = tok.streamDecoder({ stop: [">>", "END>>"] }); // same last character: the longer one wins
+    assert.equal(ids.map((i) => late.push(i)).join(""), "say <<");
+    assert.equal(late.stopString, "END>>");
+    const almost = tok.streamDecoder({ stop: "<<ENDING" }); // held while it may complete, shown once it cannot
+    assert.equal(ids.map((i) => almost.push(i)).join("") + almost.flush(), text);
+    assert.equal(almost.stopString, null);
+    const streamed: string[] = [];
+    for await (const piece of tok.decodeStream(tok.encode("say <<EN"), { stop: "<<ENDING" })) streamed.push(piece);
+    assert.deepEqual(streamed, ["s", "a", "y", " ", "<<EN"]); // the open prefix comes out when the stream ends
+    assert.throws(() => tok.streamDecoder({ stop: [""] }), TypeError);
+  });
+
   it("chatMessagesFromOpenAI", () => {
     const msgs = chatMessagesFromOpenAI([
       { role: "developer", content: "be brief" },

@@ -76,8 +76,9 @@ class Tokenizer:
     def eos_token(self) -> str:
         return self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else ""
 
-    def stream_decoder(self, *, skip_special_tokens: bool = True) -> StreamDecoder:
-        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+    def stream_decoder(self, *, skip_special_tokens: bool = True, stop: str | Iterable[str] = ()) -> StreamDecoder:
+        """Streamed text for a Generate; pass its `stop` strings to hold them back (see StreamDecoder)."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens, stop=stop)
 
     # ---- chat ---------------------------------------------------------------------------------
 
@@ -130,12 +131,23 @@ class StreamDecoder:
     Decodes a short window before the new tokens and emits only the difference, so multi-byte
     characters split across tokens and leading-space rules of SentencePiece-style decoders come
     out right (the prefix/read offset scheme of TGI and vLLM).
+
+    With `stop` (the stop strings given to `generate`), text that may still become a stop string is
+    held back, and the stream ends just before the first stop string to complete (of two completing
+    on the same character, the longer): the displayed text never shows any part of it.
+    `stop_string` then says which one matched, as the server's result does.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
+                 stop: str | Iterable[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.stops: tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(dict.fromkeys(stop))
+        if not all(isinstance(s, str) and s for s in self.stops):
+            raise ValueError("stop strings must be non-empty strings")
         self.ids: list[int] = []
+        self.stop_string: str | None = None  # the stop string the text reached, once it did
+        self._held = ""  # text that may still become a stop string
         self._prefix = 0
         self._read = 0
 
@@ -148,15 +160,35 @@ class StreamDecoder:
         text = self._decode(self.ids[self._prefix:])
         if len(text) > len(before) and not text.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self.ids)
-            return text[len(before):]
+            return self._hold_back(text[len(before):])
         return ""
 
     def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the end of the stream)."""
+        """Whatever is still held back (an incomplete character, or text that did not become a stop string)."""
         before = self._decode(self.ids[self._prefix:self._read])
         text = self._decode(self.ids[self._prefix:])
         self._prefix = self._read = len(self.ids)
-        return text[len(before):]
+        out = self._hold_back(text[len(before):])
+        if self.stop_string is None:
+            out, self._held = out + self._held, ""
+        return out
+
+    def _hold_back(self, piece: str) -> str:
+        if not self.stops:
+            return piece
+        if self.stop_string is not None:
+            return ""
+        text = self._held + piece
+        # Text already emitted was no stop string's prefix, so a match can only start inside `text`.
+        found = [(i + len(s), -len(s), i, s) for s in self.stops if (i := text.find(s)) >= 0]
+        if found:
+            _, _, start, self.stop_string = min(found)
+            self._held = ""
+            return text[:start]
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep]
 
 
 def tokens_for_chat(messages: Sequence[Mapping[str, Any]], tokenizer: Any, *, add_generation_prompt: bool = True,
