@@ -63,6 +63,23 @@ def test_cached_equals_fresh_turn_by_turn_and_one_shot(tiny_model, monkeypatch, 
     assert all(x.decoded_hits == 0 for x in _layers(fresh))
 
 
+def test_decoded_slots_are_per_head(tiny_model):
+    """Each cold KV head caches only blocks it selected, in slots of its own: the cache holds decoded_blocks
+    blocks per head (not per block with every head), and the bytes are what memory_stats reports."""
+    cache = _cache(tiny_model)
+    Engine(tiny_model, prefill_chunk=1).prefill(cache, _ids(120))
+    for layer in _layers(cache):
+        hc, c = layer._slot_block.shape
+        assert hc == len(layer.cold_heads) and c == min(layer.decoded_blocks, layer.n_blocks)
+        b, _, _, d = layer.k_hot.shape
+        assert layer.decoded_nbytes == 2 * b * hc * c * layer.block * d * layer.k_hot.element_size()
+        for h in range(hc):  # the two maps agree, head by head
+            held = layer._slot_block[h] >= 0
+            blocks = layer._slot_block[h][held]
+            assert torch.equal(layer._block_slot[h][blocks], held.nonzero().squeeze(1))
+            assert int((layer._block_slot[h] >= 0).sum()) == int(held.sum())
+
+
 def test_trim_forgets_rewritten_blocks(tiny_llama, monkeypatch):
     """A rolled-back draft long enough for its own blocks to be selected (and decoded) leaves no stale copy:
     the continuation gets the bits of a session that never drafted."""

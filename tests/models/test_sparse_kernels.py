@@ -100,6 +100,44 @@ def test_sparse_attention_matches_reference(dtype, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_per_head_slots(dtype):
+    """cold_slot (Hc, N): each head holds its own blocks at its own slots; the output is the bits of one shared map
+    over the same blocks, and a block a head selected but does not hold raises (even when another head holds it)."""
+    torch.manual_seed(4)
+    sink, window, block, hkv, g, d = 4, 40, 16, 2, 3, 64
+    n = 400
+    q_pos = torch.tensor([385, 399])
+    q = torch.randn(1, hkv, g * 2, d).to(dtype)
+    kv = torch.randn(2, 1, hkv, n, d).to(dtype)
+    hot_p = torch.cat((torch.arange(sink), torch.arange(n - window - block - 5, n)))
+    hot = (kv[0][:, :, hot_p].contiguous(), kv[1][:, :, hot_p].contiguous(), hot_p)
+    n_blocks = (n - sink) // block
+    chosen = [[[[0, 3, 7], [1, 3, 20]], [[2, 5], [5, 8, 13, 21]]]]
+    sel = bitsets(chosen, 1)
+    shared = sorted({j for heads in chosen[0] for toks in heads for j in toks})
+    cold_p = torch.cat([torch.arange(sink + j * block, sink + (j + 1) * block) for j in shared])
+    ref, ref_seen = native.sparse_attention(q, hot, (kv[0][:, :, cold_p].contiguous(), kv[1][:, :, cold_p].contiguous(),
+                                                     slots(shared, n_blocks)), sel, q_pos, 0.125, window=window,
+                                            sink=sink, block=block)
+    # per head: only the blocks it selected, in its own order, at most 6 slots
+    units = 6
+    ck, cv = torch.zeros(2, 1, hkv, units * block, d, dtype=dtype)
+    slot = torch.full((hkv, n_blocks), -1, dtype=torch.long)
+    for h in range(hkv):
+        mine = sorted({j for toks in chosen[0][h] for j in toks}, reverse=True)
+        for i, j in enumerate(mine):
+            ck[:, h, i * block : (i + 1) * block] = kv[0][:, h, sink + j * block : sink + (j + 1) * block]
+            cv[:, h, i * block : (i + 1) * block] = kv[1][:, h, sink + j * block : sink + (j + 1) * block]
+            slot[h, j] = i
+    out, seen = native.sparse_attention(q, hot, (ck, cv, slot), sel, q_pos, 0.125, window=window, sink=sink,
+                                        block=block)
+    assert torch.equal(seen, ref_seen) and torch.equal(out, ref)
+    slot[1, 5] = -1  # head 1 selected block 5; head 0 does not hold it either way
+    with pytest.raises(RuntimeError, match="cold block 5 selected"):
+        native.sparse_attention(q, hot, (ck, cv, slot), sel, q_pos, 0.125, window=window, sink=sink, block=block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_attention_row_invariant(dtype):
     """A token's output is the same bits alone or among other tokens (a decode step vs a chunk)."""
     torch.manual_seed(1)

@@ -227,12 +227,15 @@ def sparse_cmd(
     decode_tokens: int = typer.Option(32, help="Tokens decoded per policy for the speed columns."),
     threads: int = typer.Option(0, help="Threads (0: torch's default)."),
     out: str = typer.Option("results/sparse/latest", help="Output directory."),
+    decoded_per_topk: float = typer.Option(0.0, help="Lattice codes: decoded blocks kept per KV head, in multiples "
+                                                     "of topk (0: the policy's default)."),
 ) -> None:
     """The sparse KV policy against full attention: oracle attention mass, agreement, decode speed, memory."""
     from kakeya_runtime.bench.sparse import command
 
     params = {"sink": sink, "window": window, "block": block, "topk": topk, "codec": codec, "q": q, "heads": heads}
-    command(model, _ints(lengths), dtype, params, oracle_steps, decode_tokens, threads or None, Path(out))
+    command(model, _ints(lengths), dtype, params, oracle_steps, decode_tokens, threads or None, Path(out),
+            decoded_per_topk or None)
 
 
 @bench_app.command("spec")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,8 @@ def cpu_busy(seconds: float = 1.0) -> float:
 def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048, 4096, 7680), dtype: str = "bf16",
                      params: dict[str, Any] | None = None, sink_window: dict[str, Any] | None = None,
                      oracle_steps: int = 8, decode_tokens: int = 32, prefill_chunk: int = 512,
-                     threads: int | None = None, loaded=None, out_dir: Path | str | None = None) -> dict[str, Any]:
+                     threads: int | None = None, loaded=None, out_dir: Path | str | None = None,
+                     decoded_per_topk: float | None = None) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
     busy = cpu_busy()
@@ -97,6 +99,10 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
         timing: dict[str, Any] = {}
         for name, spec in (("full", PolicySpec.parse("full")), ("sink_window", floor), ("sparse", sparse)):
             c = make_policy_cache(cfg, spec, capacity=n + decode_tokens + 2, dtype=engine.dtype)
+            if decoded_per_topk is not None:  # the decoded-block cache's size per cold head, in multiples of topk
+                for layer in c:
+                    if isinstance(layer, SparseLayerKV):
+                        layer.decoded_blocks = int(decoded_per_topk * layer.topk)
             engine.prefill(c, ids[:, :-1])
             c.reset_stats()
             before = c.decoded_counts() if isinstance(c, SparseKV) else (0, 0)
@@ -125,17 +131,26 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
                          "hot_bytes": timing["sparse"]["hot_bytes"],
                          "peak_decoded_bytes": timing["sparse"]["peak_transient_bytes"],
                          "decoded_cache_bytes": timing["sparse"]["decoded_bytes"],
+                         # what a step holds of the history at most: cold codes, summaries, the decoded-block
+                         # cache and the step's freshly decoded blocks
+                         "step_peak_over_full_bf16":
+                             (timing["sparse"]["cold_bytes"] + timing["sparse"]["index_bytes"]
+                              + timing["sparse"]["decoded_bytes"] + timing["sparse"]["peak_transient_bytes"])
+                             / full_bf16,
                          "decoded_cache_hit_rate": (timing["sparse"]["decoded_hits"]
                                                     / max(1, timing["sparse"]["decoded_hits"]
                                                           + timing["sparse"]["decoded_misses"]))}
         rows.append(row)
     result = {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "created_unix": int(time.time()),
+        "command": " ".join(sys.argv),
         "wall_s": round(time.time() - started, 1), "machine": machine_info(), "cpu_busy_before": busy,
         "threads": torch.get_num_threads(), "loadavg_1m_after": os.getloadavg()[0],
         "model": {"name": model, "dtype": dtype, "layers": cfg.num_hidden_layers, "governed_layers": governed},
         "policy": {"sparse": sparse.params, "sparse_label": sparse.label, "sink_window": floor.params},
         "settings": {"oracle_steps": oracle_steps, "decode_tokens": decode_tokens, "prefill_chunk": prefill_chunk,
+                     "decoded_per_topk": (SparseLayerKV.decoded_per_topk if decoded_per_topk is None
+                                          else decoded_per_topk),
                      "text": "pydoc_data.topics (CPython language reference), topics in sorted order"},
         "rows": rows,
         "method": __doc__,
@@ -188,8 +203,9 @@ def summary_markdown(result: dict[str, Any]) -> str:
 
 
 def command(model: str, lengths: tuple[int, ...], dtype: str, params: dict[str, Any], oracle_steps: int,
-            decode_tokens: int, threads: int | None, out: Path) -> None:
+            decode_tokens: int, threads: int | None, out: Path, decoded_per_topk: float | None = None) -> None:
     result = run_sparse_bench(model, lengths=lengths, dtype=dtype, params=params, oracle_steps=oracle_steps,
-                              decode_tokens=decode_tokens, threads=threads, out_dir=out)
+                              decode_tokens=decode_tokens, threads=threads, out_dir=out,
+                              decoded_per_topk=decoded_per_topk)
     print(summary_markdown(result))
     print(f"wrote {out / 'sparse.json'}")

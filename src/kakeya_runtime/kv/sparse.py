@@ -78,7 +78,7 @@ class SparseLayerKV:
     # A cold tier the kernel reads as stored takes one fused call per step (kakeya::sparse_step); lattice codes
     # are decoded between the indexer and the attention. False: every codec takes the three calls (tests).
     fused = True
-    decoded_per_topk = 4  # the decoded-block cache holds this many times topk blocks by default
+    decoded_per_topk = 2  # the decoded-block cache holds this many times topk blocks per cold KV head by default
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, sink: int, window: int, block: int,
                  topk: int, max_positions: int, codec: KVCodec, spare: int = 0, dtype: torch.dtype,
@@ -116,15 +116,17 @@ class SparseLayerKV:
         self._counts = torch.zeros(8, dtype=torch.long)
         self.peak_decoded_bytes = 0  # decoded cold K/V held during a step, at its largest
         # Lattice codes: decoded blocks kept across steps (a step's selection changes little), `decoded_blocks`
-        # of them shared by the KV heads; 0 decodes every step's blocks afresh. Allocated on first use.
-        self.decoded_blocks = self.decoded_per_topk * topk if decoded_blocks is None else decoded_blocks
+        # slots per cold KV head, each holding a block that head selected; 0 decodes every step's blocks afresh.
+        # Allocated on first use.
+        self.decoded_blocks = (int(self.decoded_per_topk * topk) if decoded_blocks is None else decoded_blocks)
         if self.decoded_blocks < 0:
             raise CacheError(f"decoded_blocks must be >= 0, got {decoded_blocks}")
         # K, V (B, Hc, slots * block, D); slots grow with the cold tier up to decoded_blocks
         self._dec: tuple[Tensor, Tensor] | None = None
-        self._block_slot = torch.full((0,), -1, dtype=torch.long)  # cold block -> its slot there (-1: not held)
-        self._slot_block = torch.full((0,), -1, dtype=torch.long)  # slot -> block (-1: free)
-        self._slot_used = torch.full((0,), -1, dtype=torch.long)  # the step a slot was last read
+        hc = len(self.cold_heads)
+        self._block_slot = torch.full((hc, 0), -1, dtype=torch.long)  # (Hc, N) block -> its slot (-1: not held)
+        self._slot_block = torch.full((hc, 0), -1, dtype=torch.long)  # (Hc, slots) slot -> block (-1: free)
+        self._slot_used = torch.full((hc, 0), -1, dtype=torch.long)  # (Hc, slots) the step a slot was last read
         self._dec_step = 0
         self.decoded_hits = self.decoded_misses = 0  # blocks found decoded / decoded, summed over steps
         self.probe: OracleProbe | None = None
@@ -299,12 +301,16 @@ class SparseLayerKV:
             return empty, empty, torch.full((self.n_blocks,), -1, dtype=torch.long)
         if self.codec.direct:
             return self._direct_cold()
-        words = select.shape[-1]
+        b, h, t, words = select.shape
         shifts = torch.arange(64, device=select.device)
-        bits = ((select.reshape(-1, words, 1) >> shifts) & 1).any(0).reshape(-1)[: self.n_blocks]
-        ids = bits.nonzero().squeeze(1)
-        if 0 < ids.numel() <= self.decoded_blocks:
-            return self._decode_cached(ids)
+        sel = select.transpose(0, 1).reshape(h, b * t, words, 1)
+        bits = ((sel >> shifts) & 1).any(1).reshape(h, -1)[:, : self.n_blocks]  # (Hk, N): blocks a head selected
+        if self._cold_pick is not None:
+            bits = bits.index_select(0, self._cold_pick)  # (Hc, N)
+        per_head = bits.sum(1)
+        if bits.shape[0] and 0 < int(per_head.max()) <= self.decoded_blocks:
+            return self._decode_cached(bits)
+        ids = bits.any(0).nonzero().squeeze(1)
         slot = torch.full((self.n_blocks,), -1, dtype=torch.long)  # decoded afresh: block ids[i] at slot i
         slot[ids] = torch.arange(ids.numel())
         k = self.codec.decode(take(self.cold_k, 2, ids), self.dtype)  # (B, Hk, U, block, D)
@@ -314,13 +320,14 @@ class SparseLayerKV:
         self.peak_decoded_bytes = max(self.peak_decoded_bytes, k.nbytes + v.nbytes)
         return k, v, slot
 
-    def _decode_cached(self, ids: Tensor) -> tuple[Tensor, ...]:
-        """The blocks `ids` from the decoded-block cache: decode only those it lacks (one call), into the slots
-        read least recently. A vector decodes to the same bits whatever else is in the call, so the kernel reads
-        what a fresh decode would give."""
+    def _decode_cached(self, bits: Tensor) -> tuple[Tensor, ...]:
+        """The blocks each cold head selected (bits (Hc, N)) from the decoded-block cache, where every head keeps
+        its own slots (so a head holds only blocks it selected): decode only the (head, block) pairs it lacks (one
+        call), into that head's slots read least recently. A vector decodes to the same bits whatever else is in
+        the call, so the kernel reads what a fresh decode would give."""
         b, _, _, d = self.k_hot.shape
         hk, blk = len(self.cold_heads), self.block
-        c = self._slot_block.shape[0]
+        c = self._slot_block.shape[1]
         if c < min(self.decoded_blocks, self.n_blocks):  # no more slots than blocks to hold
             c = min(self.decoded_blocks, self.n_blocks)
             shape = (b, hk, c * blk, d)
@@ -330,32 +337,37 @@ class SparseLayerKV:
                     new[:, :, : old.shape[2]] = old
             self._dec = dec
             self._slot_block, self._slot_used = _grown(self._slot_block, c), _grown(self._slot_used, c)
-        if self._block_slot.shape[0] < self.n_blocks:
-            self._block_slot = _grown(self._block_slot, max(self.n_blocks, 2 * self._block_slot.shape[0]))
+        if self._block_slot.shape[1] < self.n_blocks:
+            self._block_slot = _grown(self._block_slot, max(self.n_blocks, 2 * self._block_slot.shape[1]))
         self._dec_step += 1
-        slots = self._block_slot[ids]
+        heads, ids = bits.nonzero(as_tuple=True)  # (head, block) pairs, head-major
+        slots = self._block_slot[heads, ids]
         held = slots >= 0
-        self._slot_used[slots[held]] = self._dec_step
-        miss = ids[~held]
-        m = miss.numel()
+        self._slot_used[heads[held], slots[held]] = self._dec_step
+        mh, mj = heads[~held], ids[~held]
+        m = mj.numel()
         self.decoded_hits += ids.numel() - m
         self.decoded_misses += m
         if m:
-            free = torch.topk(self._slot_used, m, largest=False).indices  # never a slot read this step
-            old = self._slot_block[free]
-            self._block_slot[old[old >= 0]] = -1
-            self._slot_block[free], self._block_slot[miss], self._slot_used[free] = miss, free, self._dec_step
+            counts = torch.bincount(mh, minlength=hk).tolist()
+            free = torch.cat([torch.topk(self._slot_used[h], n, largest=False).indices  # never a slot read this step
+                              for h, n in enumerate(counts) if n])  # head-major, as the misses
+            old = self._slot_block[mh, free]
+            was = old >= 0
+            self._block_slot[mh[was], old[was]] = -1
+            self._slot_block[mh, free], self._block_slot[mh, mj], self._slot_used[mh, free] = mj, free, self._dec_step
+            flat = mh * c + free  # (head, slot) in the cache seen as (B, Hc * slots, block, D)
             for cache, store in zip(self._dec, (self.cold_k, self.cold_v), strict=True):
-                x = self.codec.decode(take(store, 2, miss), self.dtype)  # (B, Hk, m, block, D)
-                cache.view(b, hk, c, blk, d).index_copy_(2, free, x)
+                x = self.codec.decode({name: t[:, mh, mj] for name, t in store.items()}, self.dtype)  # (B, m, blk, D)
+                cache.view(b, hk * c, blk, d).index_copy_(1, flat, x)
             self.peak_decoded_bytes = max(self.peak_decoded_bytes, 2 * x.nbytes)
-        return (*self._dec, self._block_slot[: self.n_blocks])
+        return (*self._dec, self._block_slot[:, : self.n_blocks].contiguous())
 
     def _forget_decoded(self, first: int) -> None:
         """Drop the decoded copies of cold blocks `first` and up (rewritten, trimmed or restored)."""
         # out of place: the maps may have been made under inference mode, a trim or a restore runs outside it
         bs = self._block_slot
-        self._block_slot = torch.where(torch.arange(bs.shape[0]) >= first, -1, bs)
+        self._block_slot = torch.where(torch.arange(bs.shape[1]) >= first, -1, bs)
         gone = self._slot_block >= first
         self._slot_block = self._slot_block.masked_fill(gone, -1)
         self._slot_used = self._slot_used.masked_fill(gone, -1)
@@ -489,10 +501,10 @@ class SparseLayerKV:
 
 
 def _grown(t: Tensor, n: int) -> Tensor:
-    """An int64 map extended to n entries with -1 (as is when it has them)."""
-    if t.shape[0] >= n:
+    """Int64 maps (rows, entries) extended to n entries with -1 (as is when they have them)."""
+    if t.shape[1] >= n:
         return t
-    return torch.cat((t, torch.full((n - t.shape[0],), -1, dtype=t.dtype)))
+    return torch.cat((t, torch.full((t.shape[0], n - t.shape[1]), -1, dtype=t.dtype)), dim=1)
 
 
 class SparseKV(PolicyKV):

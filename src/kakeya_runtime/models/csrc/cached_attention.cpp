@@ -543,17 +543,21 @@ struct Cold {
   const at::Tensor* v = nullptr;
   const at::Tensor* k_scale = nullptr;
   const at::Tensor* v_scale = nullptr;
-  const int64_t* slot = nullptr;
+  const int64_t* slot = nullptr;  // (N,) one map for every head, or (Hc, N) one per cold head
   const int64_t* head = nullptr;  // (Hk,): each KV head's index in K/V's head dim, -1: no cold tier
   int64_t nslot = 0, block = 0;
   const uint64_t* sel = nullptr;
   int64_t words = 0;
+  int64_t slot_stride = 0;  // between cold heads' maps: 0 (shared) or N
 
   int64_t blocks_below(int64_t qp, int64_t window, int64_t sink) const {
     return std::max<int64_t>(0, qp + 1 - window - sink) / block;
   }
-  // The K/V rows of token t's cold lanes [first, first + count), in lane order, into `rows`.
-  void lanes(const uint64_t* row, int64_t n, int64_t first, int64_t count, std::vector<int64_t>& rows) const {
+  // Where cold head h holds block j (-1: not provided).
+  int64_t slot_of(int64_t h, int64_t j) const { return slot[h * slot_stride + j]; }
+  // The K/V rows of token t's cold lanes [first, first + count) for cold head h, in lane order, into `rows`.
+  void lanes(const uint64_t* row, int64_t n, int64_t h, int64_t first, int64_t count,
+             std::vector<int64_t>& rows) const {
     rows.clear();
     int64_t lane = 0;
     for (int64_t w = 0; w * 64 < n && static_cast<int64_t>(rows.size()) < count; ++w) {
@@ -561,7 +565,7 @@ struct Cold {
         const int64_t j = w * 64 + __builtin_ctzll(bits);
         if (j >= n) break;
         const int64_t lo = std::max<int64_t>(first - lane, 0), hi = std::min<int64_t>(first + count - lane, block);
-        for (int64_t i = lo; i < hi; ++i) rows.push_back(slot[j] * block + i);
+        for (int64_t i = lo; i < hi; ++i) rows.push_back(slot_of(h, j) * block + i);
         lane += block;
         if (lane >= first + count) break;
       }
@@ -672,7 +676,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
             for (int64_t w = 0; w * 64 < n; ++w)
               for (uint64_t bits = row[w]; bits != 0u; bits &= bits - 1) {
                 const int64_t j = w * 64 + __builtin_ctzll(bits);
-                TORCH_CHECK(j >= n || (j < cold->nslot && cold->slot[j] >= 0 && cold->head[h] >= 0),
+                TORCH_CHECK(j >= n || (j < cold->nslot && cold->head[h] >= 0 && cold->slot_of(cold->head[h], j) >= 0),
                             "sparse_attention: cold block ", j, " selected by the query at position ", qpos[t0 + t],
                             " (KV head ", h, ") was not provided");
               }
@@ -734,7 +738,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
             continue;
           }
           cold->lanes(cold->sel + (bh * NT + t0 + t) * cold->words,
-                      cold->blocks_below(qpos[t0 + t], window, sink), first, count, rows);
+                      cold->blocks_below(qpos[t0 + t], window, sink), h, first, count, rows);
           cblocks.clear();
           for (int64_t i = 0; i < count; i += BK)
             cblocks.push_back(Block{i, std::min<int64_t>(BK, count - i), i, std::min<int64_t>(BK, count - i) + i - 1});
@@ -908,7 +912,8 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // (B, Hk, T, words) bitsets over blocks j = (p - sink) / block; only blocks wholly below the query's hot range
 // count), one softmax over both. cold_k, cold_v (B, Hc, U * block, D) hold decoded blocks of the KV heads that
 // have a cold tier (cold_head[h]: head h's index in them, -1: none), block j at
-// cold_slot[j] (-1: not provided; a selected block not provided is an error). Returns the output and the keys
+// cold_slot[j] for every head, or cold_slot[c, j] for cold head c (each head its own blocks) (-1: not provided;
+// a selected block not provided is an error). Returns the output and the keys
 // each row saw from each side, (B, Hk, R, 2) int64: [..., 0] hot, [..., 1] cold.
 std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& hot_k,
                                                     const at::Tensor& hot_v, const at::Tensor& hot_pos,
@@ -943,8 +948,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
       TORCH_CHECK(sc->dim() == 3 && sc->scalar_type() == at::kHalf && sc->size(0) == cold_k.size(0) &&
                       sc->size(1) == cold_k.size(1) && sc->size(2) == cold_k.size(2),
                   "sparse_attention: cold scales must be fp16 (B, Hk, U * block)");
-  TORCH_CHECK(cold_slot.dim() == 1 && cold_slot.scalar_type() == at::kLong && cold_slot.is_contiguous(),
-              "sparse_attention: cold_slot (N,) must be contiguous int64");
+  TORCH_CHECK((cold_slot.dim() == 1 || (cold_slot.dim() == 2 && cold_slot.size(0) == cold_k.size(1))) &&
+                  cold_slot.scalar_type() == at::kLong && cold_slot.is_contiguous(),
+              "sparse_attention: cold_slot must be contiguous int64, (N,) or (Hc, N)");
   TORCH_CHECK(select.dim() == 4 && select.scalar_type() == at::kLong && select.is_contiguous() &&
                   select.size(0) == q.size(0) && select.size(1) == q.size(1) && select.size(2) == q_pos.size(0),
               "sparse_attention: select must be contiguous int64 (B, Hk, T, words)");
@@ -956,8 +962,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
               " block bits, a query may select among ", most);
   const int64_t units = cold_k.size(2) / block;
   const int64_t* sl = cold_slot.const_data_ptr<int64_t>();
-  for (int64_t j = 0; j < cold_slot.size(0); ++j)
-    TORCH_CHECK(sl[j] < units, "sparse_attention: cold block ", j, " at slot ", sl[j], " of ", units);
+  const int64_t nslot = cold_slot.size(-1);
+  for (int64_t j = 0; j < cold_slot.numel(); ++j)
+    TORCH_CHECK(sl[j] < units, "sparse_attention: cold block ", j % nslot, " at slot ", sl[j], " of ", units);
   auto out = at::empty(q.sizes(), q.options());
   auto seen = at::empty({q.size(0), q.size(1), q.size(2), 2}, q.options().dtype(at::kLong));
   seen.zero_();
@@ -965,8 +972,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
   std::vector<Source> sources;
   sources.emplace_back(hot_k, hot_v, hot_pos, Kind::Hot, path_block(q));
   const Cold cold{&cold_k, &cold_v, int8 ? &*cold_k_scale : nullptr, int8 ? &*cold_v_scale : nullptr, sl, ch,
-                  cold_slot.size(0), block,
-                  reinterpret_cast<const uint64_t*>(select.const_data_ptr<int64_t>()), select.size(3)};
+                  nslot, block,
+                  reinterpret_cast<const uint64_t*>(select.const_data_ptr<int64_t>()), select.size(3),
+                  cold_slot.dim() == 2 ? nslot : 0};
   dispatch(q, sources, q_pos, window, sink, &cold, scale, out, seen.data_ptr<int64_t>());
   return {out, seen};
 }
