@@ -358,7 +358,7 @@ inline float group_softmax_bf16(const float* s, const uint32_t* vis, float scale
     mx = _mm512_mask_max_ps(mx, mk[i], mx, x[i]);
   }
   const float m_new = std::max(m, _mm512_reduce_max_ps(mx) * scale);  // max is exact in any order
-  const float alpha = std::exp(m - m_new);
+  const float alpha = m_new == m ? 1.f : std::exp(m - m_new);  // exp(0) is 1: no libm call when the max holds
   const __m512 c = _mm512_set1_ps(scale * kLog2e), b = _mm512_set1_ps(-m_new * kLog2e);
   __m512 p[NV];
   for (int i = 0; i < NV; ++i) p[i] = exp2_masked(mk[i], _mm512_fmadd_ps(x[i], c, b));
