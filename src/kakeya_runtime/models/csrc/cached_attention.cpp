@@ -20,6 +20,8 @@
 
 #include "common.h"
 
+#include <atomic>
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -323,6 +325,52 @@ inline float group_softmax(float* s, const uint32_t* vis, float scale, float& m,
   return alpha;
 }
 
+// 2^t for finite t: 2^n * P(f), n = t rounded to the nearest integer, f = t - n in [-1/2, 1/2], P the degree-6
+// Taylor polynomial of 2^f (relative error below 2e-7), scaled by vscalefps (exact, underflowing to 0 as IEEE
+// does); lanes outside `mk` are 0. Eleven vector operations, about half of at::vec's exp_u20 with its clamps.
+inline __m512 exp2_masked(__mmask16 mk, __m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(mk, p, n);
+}
+
+// group_softmax for scale > 0, writing p straight to `pout` in bf16 (nearest even): the row's block max is taken
+// over the raw scores (scaling by a positive float is monotonic, so it is the max of the scaled scores) and each
+// p = 2^(s * scale log2 e - m log2 e) by one FMA and exp2_masked. The same vector ops and fixed trees for every
+// row, whichever lanes it sees: a row's bits depend on its own scores and visibility only.
+inline float group_softmax_bf16(const float* s, const uint32_t* vis, float scale, float& m, float& l,
+                                c10::BFloat16* pout) {
+  constexpr int NV = BKA / 16;
+  constexpr float kLog2e = 1.4426950408889634f;
+  __mmask16 mk[NV];
+  __m512 x[NV];
+  __m512 mx = _mm512_set1_ps(NEG_INF);
+  for (int i = 0; i < NV; ++i) {
+    mk[i] = static_cast<__mmask16>((vis[i / 2] >> (16 * (i % 2))) & 0xFFFFu);
+    x[i] = _mm512_loadu_ps(s + 16 * i);
+    mx = _mm512_mask_max_ps(mx, mk[i], mx, x[i]);
+  }
+  const float m_new = std::max(m, _mm512_reduce_max_ps(mx) * scale);  // max is exact in any order
+  const float alpha = m_new == m ? 1.f : std::exp(m - m_new);  // exp(0) is 1: no libm call when the max holds
+  const __m512 c = _mm512_set1_ps(scale * kLog2e), b = _mm512_set1_ps(-m_new * kLog2e);
+  __m512 p[NV];
+  for (int i = 0; i < NV; ++i) p[i] = exp2_masked(mk[i], _mm512_fmadd_ps(x[i], c, b));
+  for (int j = 0; j < NV; j += 2)
+    _mm512_storeu_si512(pout + 16 * j, (__m512i)_mm512_cvtne2ps_pbh(p[j + 1], p[j]));
+  for (int w = NV / 2; w >= 1; w /= 2)  // pairwise: ((p0 + p4) + (p2 + p6)) + ... , one fixed tree
+    for (int i = 0; i < w; ++i) p[i] = _mm512_add_ps(p[i], p[i + w]);
+  l = l * alpha + _mm512_reduce_add_ps(p[0]);
+  m = m_new;
+  return alpha;
+}
+
 // The same work item on AMX tiles (bf16), blocks of BKA positions: scores S = Q . K^T of a 16-row tile, one
 // tdpbf16ps per 32 dims from a zeroed tile (Q rows in place as A, the block's keys staged once as K^T in pairs as
 // B); p . V of a block as P . V, four tdpbf16ps (32 keys each, in order) from a zeroed tile, then
@@ -441,10 +489,14 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
         }
         if (row_any != 0u) {
           st.n[r0 + i] += static_cast<float>(seen);
-          alpha[i] = group_softmax(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i]);
-          for (int j = 0; j < BKA; j += 32)  // p rounded to bf16, nearest even
-            _mm512_storeu_si512(pb.data + i * BKA + j,
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j)));
+          if (scale > 0.f) {
+            alpha[i] = group_softmax_bf16(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i], pb.data + i * BKA);
+          } else {
+            alpha[i] = group_softmax(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i]);
+            for (int j = 0; j < BKA; j += 32)  // p rounded to bf16, nearest even
+              _mm512_storeu_si512(pb.data + i * BKA + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16),
+                                                                                      _mm512_loadu_ps(s + j)));
+          }
         } else {
           std::memset(pb.data + i * BKA, 0, BKA * sizeof(BF));  // 0 for rows with nothing here
         }
@@ -624,6 +676,28 @@ inline int64_t popcount_below(const uint64_t* row, int64_t n) {
   return c;
 }
 
+// The order in which a call's work items are handed out: hot items by their estimated cost (visible (row, key)
+// pairs), largest first, then the cold items in order. Threads take the next item when they finish one, so the
+// short items (a chunk's diagonal superblock) fill in at the end instead of a fixed split leaving one thread idle.
+// Only the schedule changes: each item computes its own partial state, merged per row in a fixed order after.
+inline std::vector<int64_t> item_schedule(const std::vector<Source>& sources,
+                                          const std::vector<std::pair<int64_t, int64_t>>& supers, int64_t BH,
+                                          const int64_t* qpos, int64_t tn, int64_t items) {
+  const int64_t NSP = static_cast<int64_t>(supers.size()), hot_items = BH * NSP;
+  std::vector<int64_t> cost(NSP, 0);
+  for (int64_t i = 0; i < NSP; ++i) {
+    const Source& src = sources[supers[i].first];
+    const int64_t first = src.super_first[supers[i].second], last = src.super_first[supers[i].second + 1] - 1;
+    const int64_t lo = src.blocks[first].min_pos, hi = src.blocks[last].max_pos;
+    for (int64_t t = 0; t < tn; ++t) cost[i] += std::clamp<int64_t>(qpos[t] - lo + 1, 0, hi - lo + 1);
+  }
+  std::vector<int64_t> order(items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.begin() + hot_items,
+                   [&](int64_t a, int64_t b) { return cost[a % NSP] > cost[b % NSP]; });
+  return order;
+}
+
 // Attention of q over every source (and the cold blocks, if any), one softmax: each (batch, head, source
 // superblock) and each (batch, head, token, cold superchunk) is a work item; a row's partial states are merged
 // in (source, position) order, then its cold superchunks in order, against its global max. `seen` (B, Hk, R,
@@ -653,7 +727,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
   const T* qp = q.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   constexpr int64_t W = D + 3;  // per row: acc (D), m, l, n
-  std::vector<float> state, cstate;
+  std::vector<float> cstate;
   std::vector<T> qtile, qtok;
   std::vector<int64_t> nsel;  // (B, H, tn): cold lanes of each token
   for (int64_t t0 = 0; t0 < NT; t0 += ROW_TILE) {
@@ -693,16 +767,21 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
                         D * sizeof(T));
     }
     const int64_t hot_items = B * H * NSP, items = hot_items + B * H * tn * C;
-    state.resize(hot_items * Rt * W);
+    // Every item writes its whole state before the merge reads it: no zero-fill (megabytes per call at 4k keys).
+    at::Tensor state_buf = at::empty({hot_items * Rt * W}, at::kFloat);
+    float* const state_data = state_buf.data_ptr<float>();
     cstate.resize((items - hot_items) * G * W);
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    const std::vector<int64_t> schedule = item_schedule(sources, supers, B * H, qpos + t0, tn, items);
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
 #if defined(KAKEYA_AMX)
       if (use_amx) kakeya_amx::configure();
 #endif
       std::vector<int64_t> rows;
       std::vector<Block> cblocks;
       std::vector<T> kscr, vscr;  // int8 cold rows, dequantized
-      for (int64_t item = begin; item < end; ++item) {
+      for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+        const int64_t item = schedule[i];
         const T* qrows;
         const T *kb, *vb;
         int64_t k_row, v_row, R_item, nblocks;
@@ -726,7 +805,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           pos = src.pos.data();
           blocks = src.blocks.data() + src.super_first[sp];
           nblocks = src.super_first[sp + 1] - src.super_first[sp];
-          base = state.data() + item * Rt * W;
+          base = state_data + item * Rt * W;
         } else {
           const int64_t ci = item - hot_items, c = ci % C, bht = ci / C, t = bht % tn, bh = bht / tn;
           const int64_t b = bh / H, h = cold->head[bh % H];  // h: the head in cold K/V (>= 0 when it has lanes)
@@ -788,7 +867,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         // (acc, m, l, n) of each partial state of this row: hot superblocks, then cold superchunks
         auto part = [&](int64_t i, const float*& acc, float& m, float& l, float& n) {
           if (i < NSP) {
-            const float* base = state.data() + (bh * NSP + i) * Rt * W;
+            const float* base = state_data + (bh * NSP + i) * Rt * W;
             acc = base + r * D, m = base[Rt * D + r], l = base[Rt * D + Rt + r], n = base[Rt * D + 2 * Rt + r];
           } else {
             const float* base = cstate.data() + ((bh * tn + tt) * C + (i - NSP)) * G * W;
