@@ -25,7 +25,7 @@ def test_standard_configs_cover_every_policy_kind():
     assert list(table) == ["full", "full+idle-d4q38", "full+idle-d4q10", "sink_window", "sink_window-d4q38",
                            "sink_window-d4q10", "restore-per_step", "restore-per_turn", "restore-per_turn-d4q38",
                            "restore-per_turn-d4q10", "sparse-d4q38", "sparse-d4q10", "sparse-identity"]
-    assert table["sparse-d4q38"].policy.label == "sparse(4+512, top 32 x 32, d4/q38)"
+    assert table["sparse-d4q38"].policy.label == "sparse(4+512, top 32 x 32 or 0.125 of them, d4/q38)"
     assert table["restore-per_turn-d4q38"].policy.label == "restore(4+64, per_turn, d4/q38)"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -268,3 +270,31 @@ def test_head_profile_all_dense_is_full_attention(tiny_llama, tmp_path, monkeypa
     full, _ = _prefill(tiny_llama, {}, ids, 16, policy="full")
     dense, _ = _prefill(tiny_llama, {**SMALL, "codec": "identity", "heads": "profile"}, ids, 16)
     torch.testing.assert_close(dense, full, atol=1e-5, rtol=1e-5)
+
+
+def test_budget_grows_the_selection_and_the_tripwire_counts_it(tiny_llama, monkeypatch):
+    """With a budget a query keeps max(topk, ceil(budget * n)) of its n blocks; the tripwire expects exactly that,
+    so an indexer that keeps only topk under a budget fails loudly."""
+    params = {**SMALL, "topk": 1, "budget": 0.5, "codec": "identity"}
+    _, cache = _prefill(tiny_llama, params, _ids(90), 16)
+    c = cache.counters()
+    ns = [max(0, p + 1 - 11) // 4 for p in range(90)]
+    assert c.blocks_selected == sum(min(n, max(1, math.ceil(0.5 * n))) for n in ns) * 2 * 3
+    assert c.blocks_selected > sum(min(1, n) for n in ns) * 2 * 3
+    real = native.block_select
+
+    def topk_only(*args, **kwargs):  # an indexer that ignores the budget: topk blocks, the tripwire wants more
+        return real(*args, **{**kwargs, "budget": 0.0})
+
+    monkeypatch.setattr(SparseLayerKV, "fused", False)  # the indexer, the attention and the tripwire as three calls
+    monkeypatch.setattr(native, "block_select", topk_only)
+    with pytest.raises(SparseIndexError, match="indexer's blocks were not attended"):
+        _prefill(tiny_llama, params, _ids(60), 16)
+
+
+def test_budget_validation():
+    for bad in (-0.1, 1.5, "x", True, float("nan")):
+        with pytest.raises(PolicyError, match="budget"):
+            PolicySpec.parse("sparse", {"budget": bad})
+    assert PolicySpec.parse("sparse", {"budget": "0.25"}).budget == 0.25
+    assert PolicySpec.parse("sparse").params["budget"] == 0.125

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import typer
 
+from kakeya_runtime.kv.spec import SPARSE_BUDGET
+
 bench_app = typer.Typer(help="Benchmarks that write evidence JSON under results/.", no_args_is_help=True)
 
 
@@ -219,7 +221,9 @@ def sparse_cmd(
     dtype: str = typer.Option("bf16", help="bf16 or fp32."),
     sink: int = typer.Option(4), window: int = typer.Option(512, help="Hot window."),
     block: int = typer.Option(32, help="Positions per cold block."),
-    topk: int = typer.Option(32, help="Cold blocks each query attends to."),
+    topk: int = typer.Option(32, help="Cold blocks each query attends to (at least)."),
+    budget: float = typer.Option(SPARSE_BUDGET, help="Share of its selectable cold blocks a query attends to, when "
+                                 "more than topk (0: topk only)."),
     codec: str = typer.Option("d4", help="Cold-tier codec: identity, d4, e8 or int8."),
     q: int = typer.Option(38, help="Lattice range of the codec."),
     heads: str = typer.Option("all", help="all (every head sparse) or profile (the model's head profile)."),
@@ -228,12 +232,13 @@ def sparse_cmd(
     threads: int = typer.Option(0, help="Threads (0: torch's default)."),
     out: str = typer.Option("results/sparse/latest", help="Output directory."),
     decoded_per_topk: float = typer.Option(0.0, help="Lattice codes: decoded blocks kept per KV head, in multiples "
-                                                     "of topk (0: the policy's default)."),
+                                                     "of the blocks a query keeps (0: the policy's default)."),
 ) -> None:
     """The sparse KV policy against full attention: oracle attention mass, agreement, decode speed, memory."""
     from kakeya_runtime.bench.sparse import command
 
-    params = {"sink": sink, "window": window, "block": block, "topk": topk, "codec": codec, "q": q, "heads": heads}
+    params = {"sink": sink, "window": window, "block": block, "topk": topk, "budget": budget, "codec": codec, "q": q,
+              "heads": heads}
     command(model, _ints(lengths), dtype, params, oracle_steps, decode_tokens, threads or None, Path(out),
             decoded_per_topk or None)
 

@@ -41,6 +41,7 @@ from kakeya_runtime.bench.machine import current_rss_bytes, machine_info, peak_r
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
 from kakeya_runtime.engine.proposers import same_checkpoint_proposer
 from kakeya_runtime.kv.policy import CodecSpec, PolicySpec, compress_idle, decompress, make_policy_cache
+from kakeya_runtime.kv.spec import SPARSE_BUDGET
 
 SCHEMA = "kakeya.bench.niah"
 SCHEMA_VERSION = 1
@@ -63,7 +64,7 @@ class NiahConfig:
 
 
 def standard_configs(sink: int = 4, window: int = 64, qs: Sequence[int] = (38, 10),
-                     sparse: dict[str, int] | None = None) -> dict[str, NiahConfig]:
+                     sparse: dict[str, float] | None = None) -> dict[str, NiahConfig]:
     """full; full + idle lattice at each Q; sink_window and restore (both granularities) at sink+window;
     sink_window and restore per_turn with a lattice-coded resident cache at each Q; sparse with its own hot
     window, block and top-k (`sparse`), cold tier d4 at each Q and bf16 (identity)."""
@@ -88,7 +89,7 @@ def standard_configs(sink: int = 4, window: int = 64, qs: Sequence[int] = (38, 1
     return out
 
 
-SPARSE = {"window": 512, "block": 32, "topk": 32}  # the sparse columns' defaults (the policy's own)
+SPARSE = {"window": 512, "block": 32, "topk": 32, "budget": SPARSE_BUDGET}  # the sparse columns' defaults (the policy's own)
 
 
 # -- prompts ------------------------------------------------------------------------------------------
@@ -321,7 +322,7 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
              seed: int = 42, max_new_tokens: int = 10, dtype: str = "fp32", threads: int | None = None,
              per_step_max_length: int | None = None, small: bool = False, out_dir: Path | str | None = None,
              loaded=None, progress: bool = True, memory: bool = False,
-             sparse: dict[str, int] | None = None) -> dict[str, Any]:
+             sparse: dict[str, float] | None = None) -> dict[str, Any]:
     """Run the ladder; return (and, with `out_dir`, write) the evidence dict. `memory` pins glibc's mmap
     threshold so the RSS column is exact; it slows allocation-heavy steps, so time with it off."""
     if small:
@@ -638,7 +639,8 @@ def register_niah(bench_app) -> None:
         sink: int = typer.Option(4), window: int = typer.Option(64),
         sparse_window: int = typer.Option(SPARSE["window"], help="the sparse columns' hot window"),
         block: int = typer.Option(SPARSE["block"], help="the sparse columns' cold block size"),
-        topk: int = typer.Option(SPARSE["topk"], help="the sparse columns' selected blocks per query"),
+        topk: int = typer.Option(SPARSE["topk"], help="the sparse columns' selected blocks per query (at least)"),
+        budget: float = typer.Option(SPARSE["budget"], help="the sparse columns' share of the selectable blocks"),
         qs: str = typer.Option("38,10", help="lattice ranges Q for the packed-lattice configurations"),
         seed: int = typer.Option(42), max_new_tokens: int = typer.Option(10),
         dtype: str = typer.Option("fp32", help="fp32 (restore == full bit-exact) or bf16"),
@@ -655,6 +657,6 @@ def register_niah(bench_app) -> None:
             samples=samples, configs=[c for c in configs.split(",") if c] or None, sink=sink, window=window,
             qs=[int(x) for x in qs.split(",") if x], seed=seed, max_new_tokens=max_new_tokens, dtype=dtype,
             threads=threads or None, per_step_max_length=per_step_max_length or None, small=small, out_dir=out_dir,
-            memory=memory, sparse={"window": sparse_window, "block": block, "topk": topk})
+            memory=memory, sparse={"window": sparse_window, "block": block, "topk": topk, "budget": budget})
         typer.echo((out_dir / "summary.md").read_text())
         typer.echo(f"wrote {out_dir / 'niah.json'} ({len(result['records'])} runs)")

@@ -99,10 +99,10 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
         timing: dict[str, Any] = {}
         for name, spec in (("full", PolicySpec.parse("full")), ("sink_window", floor), ("sparse", sparse)):
             c = make_policy_cache(cfg, spec, capacity=n + decode_tokens + 2, dtype=engine.dtype)
-            if decoded_per_topk is not None:  # the decoded-block cache's size per cold head, in multiples of topk
+            if decoded_per_topk is not None:  # the decoded-block cache's size per cold head, in multiples of kept
                 for layer in c:
                     if isinstance(layer, SparseLayerKV):
-                        layer.decoded_blocks = int(decoded_per_topk * layer.topk)
+                        layer.decoded_blocks = int(decoded_per_topk * layer.kept(-(-n // layer.block)))
             engine.prefill(c, ids[:, :-1])
             c.reset_stats()
             before = c.decoded_counts() if isinstance(c, SparseKV) else (0, 0)

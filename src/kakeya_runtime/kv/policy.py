@@ -5,7 +5,7 @@
 | full | every position (grows with T) | everything | idle_codec, idle_q |
 | sink_window | sink + window (+ spare) slots, fixed | sinks + last window | sink, window, spare, codec, q |
 | restore | sink + window slots, fixed (+ O(T) int32 token ids) | everything (evicted K/V recomputed) | sink, window, granularity, chunk, codec, q |
-| sparse | sink + window + block hot slots, fixed; every older block packed (codec, d4 by default) + its key min/max | sinks + hot range + the top-k cold blocks by the indexer | sink, window, block, topk, spare, codec, q |
+| sparse | sink + window + block hot slots, fixed; every older block packed (codec, d4 by default) + its key min/max | sinks + hot range + the top max(topk, budget x blocks) cold blocks by the indexer | sink, window, block, topk, budget, spare, codec, q |
 
 `codec` (identity | d4 | e8, range `q`) is the resident store's codec; `idle_codec` names what
 `compress_idle` should use for the session. Gemma 3's native sliding layers keep their native ring under
@@ -90,7 +90,8 @@ def make_policy_cache(config: ModelConfig, spec: PolicySpec, *, batch: int = 1, 
 
         def sparse_layer(i: int) -> SparseLayerKV:
             return SparseLayerKV(*shape, sink=spec.sink, window=spec.window, block=spec.block, topk=spec.topk,
-                                 spare=spec.spare, max_positions=cap, codec=codec, dtype=dtype, device=device,
+                                 budget=spec.budget, spare=spec.spare, max_positions=cap, codec=codec, dtype=dtype,
+                                 device=device,
                                  head_topk=None if profile is None else profile.head_topk(i, spec.topk, every))
 
         try:

@@ -20,6 +20,7 @@ min(topk, blocks below it) whole cold blocks, and block_select raises when a sel
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -78,21 +79,24 @@ class SparseLayerKV:
     # A cold tier the kernel reads as stored takes one fused call per step (kakeya::sparse_step); lattice codes
     # are decoded between the indexer and the attention. False: every codec takes the three calls (tests).
     fused = True
-    decoded_per_topk = 2  # the decoded-block cache holds this many times topk blocks per cold KV head by default
+    # the decoded-block cache holds this many times the blocks a query keeps (topk, or its budget's share), per
+    # cold KV head, by default
+    decoded_per_topk = 2
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, sink: int, window: int, block: int,
                  topk: int, max_positions: int, codec: KVCodec, spare: int = 0, dtype: torch.dtype,
                  device: torch.device | str = "cpu", initial_blocks: int = 16,
-                 head_topk: tuple[int, ...] | None = None, decoded_blocks: int | None = None) -> None:
-        if sink < 0 or window < 1 or block < 1 or topk < 1 or spare < 0:
-            raise CacheError(f"need sink >= 0, window, block, topk >= 1, spare >= 0; got {sink}, {window}, {block}, "
-                             f"{topk}, {spare}")
+                 head_topk: tuple[int, ...] | None = None, decoded_blocks: int | None = None,
+                 budget: float = 0.0) -> None:
+        if sink < 0 or window < 1 or block < 1 or topk < 1 or spare < 0 or not 0.0 <= budget <= 1.0:
+            raise CacheError(f"need sink >= 0, window, block, topk >= 1, spare >= 0, 0 <= budget <= 1; got {sink}, "
+                             f"{window}, {block}, {topk}, {spare}, {budget}")
         head_topk = (topk,) * num_kv_heads if head_topk is None else tuple(head_topk)
         if len(head_topk) != num_kv_heads or min(head_topk) < 0:
             raise CacheError(f"head_topk needs {num_kv_heads} counts >= 0, got {head_topk}")
         self._init = dict(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, sink=sink, window=window,
                           block=block, topk=topk, max_positions=max_positions, codec=codec, spare=spare, dtype=dtype,
-                          device=device, head_topk=head_topk, decoded_blocks=decoded_blocks)
+                          device=device, head_topk=head_topk, decoded_blocks=decoded_blocks, budget=budget)
         # Per KV head: blocks kept (0: streaming, no cold tier), and its index among the heads with a cold tier.
         self.head_topk = head_topk
         self._topk_t = torch.tensor(head_topk, dtype=torch.long)
@@ -102,6 +106,7 @@ class SparseLayerKV:
         self._cold_pick = (None if len(self.cold_heads) == num_kv_heads
                            else torch.tensor(self.cold_heads, dtype=torch.long, device=device))
         self.sink, self.window, self.block, self.topk, self.spare = sink, window, block, topk, spare
+        self.budget = budget  # a sparse head keeps max(topk, ceil(budget * n)) of the n blocks it may select
         self.ring = window + block + spare
         self.max_positions = max_positions
         self.codec, self.dtype = codec, dtype
@@ -116,10 +121,11 @@ class SparseLayerKV:
         self._counts = torch.zeros(8, dtype=torch.long)
         self.peak_decoded_bytes = 0  # decoded cold K/V held during a step, at its largest
         # Lattice codes: decoded blocks kept across steps (a step's selection changes little), `decoded_blocks`
-        # slots per cold KV head, each holding a block that head selected; 0 decodes every step's blocks afresh.
+        # slots per cold KV head, each holding a block that head selected (by default decoded_per_topk times the
+        # blocks a query keeps, which grows with the history under a budget); 0 decodes every step's blocks afresh.
         # Allocated on first use.
-        self.decoded_blocks = (int(self.decoded_per_topk * topk) if decoded_blocks is None else decoded_blocks)
-        if self.decoded_blocks < 0:
+        self._decoded_fixed = decoded_blocks
+        if decoded_blocks is not None and decoded_blocks < 0:
             raise CacheError(f"decoded_blocks must be >= 0, got {decoded_blocks}")
         # K, V (B, Hc, slots * block, D); slots grow with the cold tier up to decoded_blocks
         self._dec: tuple[Tensor, Tensor] | None = None
@@ -157,6 +163,24 @@ class SparseLayerKV:
 
     def clone_empty(self) -> SparseLayerKV:
         return type(self)(**self._init)
+
+    def kept(self, n: int) -> int:
+        """Blocks a sparse head's query keeps of the n it may select (kakeya::block_select's kept())."""
+        share = math.ceil(self.budget * n) if self.budget > 0 else 0
+        return min(n, max(self.topk, share))
+
+    @property
+    def decoded_blocks(self) -> int:
+        """Slots of the decoded-block cache at the current history."""
+        if self._decoded_fixed is not None:
+            return self._decoded_fixed
+        return int(self.decoded_per_topk * self.kept(self.n_blocks))
+
+    @decoded_blocks.setter
+    def decoded_blocks(self, n: int) -> None:
+        if n < 0:
+            raise CacheError(f"decoded_blocks must be >= 0, got {n}")
+        self._decoded_fixed = n
 
     # -- bytes ---------------------------------------------------------------------------------------------
 
@@ -410,16 +434,17 @@ class SparseLayerKV:
                 out, select = native.sparse_step(qg, hot, cold, self.kmin, self.kmax, self.n_blocks, positions, scale,
                                                  window=self.window, sink=self.sink, block=self.block,
                                                  topk=self._topk_t, cold_head=self._cold_head_t,
-                                                 counters=self._counts)
+                                                 counters=self._counts, budget=self.budget)
             else:
                 select, scored = native.block_select(qg, self.kmin[:, :, : self.n_blocks],
                                                      self.kmax[:, :, : self.n_blocks], positions, window=self.window,
-                                                     sink=self.sink, block=self.block, topk=self._topk_t)
+                                                     sink=self.sink, block=self.block, topk=self._topk_t, scale=scale,
+                                                     budget=self.budget)
                 cold = self._decode_blocks(select)
                 out, seen = native.sparse_attention(qg, hot, cold, select, positions, scale, window=self.window,
                                                     sink=self.sink, block=self.block, cold_head=self._cold_head_t)
                 native.sparse_check(seen, scored, positions, window=self.window, sink=self.sink, block=self.block,
-                                    topk=self._topk_t, counters=self._counts)
+                                    topk=self._topk_t, counters=self._counts, budget=self.budget)
         except RuntimeError as e:  # the kernels' checks: a selectable block without a summary, a selected block
             # that was not provided, a query that did not see its hot range or its blocks
             raise SparseIndexError(str(e).split("\n")[0]) from None

@@ -38,6 +38,7 @@ class CodecSpec:
         return self.kind if self.kind in ("identity", "int8") else f"{self.kind}/q{self.q}"
 
 
+SPARSE_BUDGET = 0.125  # sparse: at >= 8k a query then reads <= 25% of the history (defaults)
 _KEYS: dict[str, dict[str, Any]] = {
     "full": {"idle_codec": "none", "idle_q": DEFAULT_Q},
     "sink_window": {"sink": 4, "window": 1024, "spare": 0, "codec": "identity", "q": DEFAULT_Q,
@@ -45,7 +46,7 @@ _KEYS: dict[str, dict[str, Any]] = {
     "restore": {"sink": 4, "window": 1024, "granularity": "per_step", "chunk": 512, "codec": "identity",
                 "q": DEFAULT_Q, "idle_codec": "none", "idle_q": DEFAULT_Q},
     "sparse": {"sink": 4, "window": 512, "block": 32, "topk": 32, "spare": 0, "codec": "d4", "q": DEFAULT_Q,
-               "heads": "all", "idle_codec": "none", "idle_q": DEFAULT_Q},
+               "heads": "all", "idle_codec": "none", "idle_q": DEFAULT_Q, "budget": SPARSE_BUDGET},
 }
 
 
@@ -58,7 +59,8 @@ class PolicySpec:
     window: int = 0
     spare: int = 0  # sink_window, sparse: extra ring slots, so a trim may roll back that many positions
     block: int = 0  # sparse: positions per cold block
-    topk: int = 0  # sparse: cold blocks each query attends to
+    topk: int = 0  # sparse: cold blocks each query attends to (at least)
+    budget: float = 0.0  # sparse: share of its selectable cold blocks a query attends to when that exceeds topk
     heads: str = "all"  # sparse: "all" heads use the cold tier, or per head as the model's profile says (kv.heads)
     granularity: str = "per_step"  # restore: recompute every decode step, or once per generation
     chunk: int = 512  # restore: proposer forward chunk (bounds its activations)
@@ -88,7 +90,7 @@ class PolicySpec:
             return cls(name, spare=_int(p, "spare", 0), **common)
         if name == "sparse":
             return cls(name, spare=_int(p, "spare", 0), block=_int(p, "block", 1), topk=_int(p, "topk", 1),
-                       heads=_choice(p, "heads", HEADS), **common)
+                       heads=_choice(p, "heads", HEADS), budget=_fraction(p, "budget"), **common)
         return cls(name, granularity=_choice(p, "granularity", GRANULARITIES), chunk=_int(p, "chunk", 1), **common)
 
     @property
@@ -101,7 +103,7 @@ class PolicySpec:
         if self.name in ("sink_window", "sparse"):
             out["spare"] = self.spare
         if self.name == "sparse":
-            out.update(block=self.block, topk=self.topk, heads=self.heads)
+            out.update(block=self.block, topk=self.topk, heads=self.heads, budget=self.budget)
         if self.name == "restore":
             out.update(granularity=self.granularity, chunk=self.chunk)
         if self.idle_codec is not None:
@@ -120,7 +122,8 @@ class PolicySpec:
             if self.name == "restore":
                 parts.append(self.granularity)
             if self.name == "sparse":
-                parts.append(f"top {self.topk} x {self.block}" + (", per-head profile" if self.heads == "profile" else ""))
+                parts.append(f"top {self.topk} x {self.block}" + (f" or {self.budget:g} of them" if self.budget else "")
+                             + (", per-head profile" if self.heads == "profile" else ""))
             if self.codec.kind != "identity":
                 parts.append(self.codec.label)
             inner = ", ".join(parts)
@@ -144,6 +147,22 @@ def _int(p: Mapping[str, Any], key: str, minimum: int) -> int:
         raise PolicyError(f"KV policy parameter {key!r} must be >= {minimum}, got {value}")
     if value > 1 << 24:
         raise PolicyError(f"KV policy parameter {key!r} is too large: {value}")
+    return value
+
+
+def _fraction(p: Mapping[str, Any], key: str) -> float:
+    """A share in [0, 1]: a JSON/Struct number or a numeric string; bools, NaN and out-of-range are refused."""
+    raw = p[key]
+    value: float | None = None
+    if isinstance(raw, int | float) and not isinstance(raw, bool):
+        value = float(raw)
+    elif isinstance(raw, str):
+        try:
+            value = float(raw)
+        except ValueError:
+            value = None
+    if value is None or not 0.0 <= value <= 1.0:  # NaN fails both comparisons
+        raise PolicyError(f"KV policy parameter {key!r} must be a number in [0, 1], got {raw!r}")
     return value
 
 

@@ -11,7 +11,7 @@ exceeded, so a change in kv/'s layout that outgrows it fails there. Per policy, 
 | full | context positions (buffers double up to it) | - |
 | sink_window | sink + window + spare slots, in the codec's bytes | with a lossy codec, those slots decoded and a buffer as large for the exact K/V written |
 | restore | sink + window slots + the token history (int32, doubles up to the context) | as sink_window, plus every governed layer's overlay (the whole context) and the proposer's rings on native sliding layers |
-| sparse | sink + window + block + spare hot slots, cold blocks (doubling from 16) with their key min/max; with lattice codes, up to 2 × topk blocks per KV head kept decoded | one layer's cold blocks, decoded |
+| sparse | sink + window + block + spare hot slots, cold blocks (doubling from 16) with their key min/max; with lattice codes, up to 2 × max(topk, budget × blocks) blocks per KV head kept decoded | one layer's cold blocks, decoded |
 
 Gemma 3's native sliding layers keep a ring of their window under every policy. Bookkeeping tensors (slot
 positions, key positions) are not K/V and are not counted, as `nbytes` does not count them; nor is the moment a
@@ -24,6 +24,7 @@ memory (physical RAM on CPU), so activations, the process and the OS keep the ot
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -69,7 +70,8 @@ def kv_worst_case_bytes(config: ModelConfig, spec: PolicySpec, context: int, dty
             resident += _allocated_blocks(needed) * (coded * spec.block + 2 * hk * d * elt)  # K/V + key min, max
             if lossy and spec.codec.kind != "int8":  # lattice codes: decoded blocks kept across steps (kv.sparse)
                 # per KV head: its own slots (per_position counts every head)
-                resident += per_position * spec.block * min(needed, int(SparseLayerKV.decoded_per_topk * spec.topk))
+                keep = max(spec.topk, math.ceil(spec.budget * needed))  # blocks a query keeps at the context
+                resident += per_position * spec.block * min(needed, int(SparseLayerKV.decoded_per_topk * keep))
             transient = max(transient, per_position * needed * spec.block)  # one layer's cold blocks, decoded
         else:
             raise ValueError(f"no byte estimate for KV policy {spec.name!r}")

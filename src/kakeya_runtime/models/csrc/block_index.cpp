@@ -6,13 +6,17 @@
 // head_topk (Hk,): blocks each KV head keeps (0: a streaming head, no cold tier; at least N: every block).
 // kmin, kmax (B, Hc, N, D): per block and cold head (the heads with head_topk > 0, in order), the per-channel min
 // and max of its keys (Quest's summary).
-// The bound of a query q on a block is sum_d max(q_d * kmin_d, q_d * kmax_d) >= q . k for every key k of the
-// block; a token's score for a block is the largest bound over the G query heads that share the K/V head.
+// A query row q's estimate of its largest logit in a block is sum_d max(q_d lo_d, q_d hi_d) over the block's box
+// shrunk about its centre by BOX (lo, hi = mid -/+ BOX * (kmax - kmin) / 2; BOX = 1 is Quest's bound, which
+// over-rates spread blocks at head_dim 256). A token's score for a block is its estimated share of the
+// attention, summed over the G query heads sharing the K/V head: sum_g softmax_j(scale * e_gj), each head's
+// softmax over the blocks the token may select (so no one head's logit range decides for the others).
 // Token t (position p) may select among the blocks wholly outside its window, n(p) = max(0, p + 1 - window -
-// sink) / block of them (blocks j cover positions sink + j * block ...); it keeps min(topk, n(p)) of them, the
-// highest scores first, ties to the lower block. Missing summaries (N < n(p)) are an error, never a smaller
-// choice. Returns select (B, Hk, T, words) int64 bitsets and scored (B, Hk, T) int64 = n(p) (0 for a streaming
-// head: it scores nothing).
+// sink) / block of them (blocks j cover positions sink + j * block ...); it keeps kept(topk, n(p), budget) =
+// min(n(p), max(topk, ceil(budget * n(p)))) of them (0 for a streaming head), the highest scores first, ties
+// to the lower block: the budget grows the selection with the history. Missing summaries (N < n(p)) are an
+// error, never a smaller choice. Returns select (B, Hk, T, words) int64 bitsets and scored (B, Hk, T) int64 =
+// n(p) (0 for a streaming head: it scores nothing).
 
 #include "common.h"
 
@@ -24,6 +28,24 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int VS = Vec::size();
 
 constexpr int64_t CHUNK = 64;  // blocks per scoring work item
+constexpr float BOX = 0.5f;  // the summary box's shrink about its centre (1: Quest's upper bound)
+constexpr float BOX_LO = 0.5f * (1.f + BOX), BOX_HI = 0.5f * (1.f - BOX);  // lo = BOX_LO kmin + BOX_HI kmax
+
+// Blocks a query keeps of the n it may select: a head's topk (0: streaming), grown to ceil(budget * n).
+inline int64_t kept(int64_t topk, int64_t n, double budget) {
+  if (topk == 0) return 0;
+  const int64_t share = budget > 0 ? static_cast<int64_t>(std::ceil(budget * static_cast<double>(n))) : 0;
+  return std::min(n, std::max(topk, share));
+}
+
+// The block's box from its min and max (widened to fp32), shrunk by BOX: the same bits for every caller.
+inline void shrink_box(float* lo, float* hi, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) {
+    const float a = lo[d], b = hi[d];
+    lo[d] = BOX_LO * a + BOX_HI * b;
+    hi[d] = BOX_HI * a + BOX_LO * b;
+  }
+}
 
 // Widen D values of T to fp32 (exact).
 template <typename T>
@@ -31,13 +53,13 @@ inline void widen(const T* src, float* dst, int64_t D) {
   at::vec::convert(src, dst, D);
 }
 
-// Scores of blocks [j0, j1) of one token against its G query rows (qf (G, D) fp32) into score[j]: per block and
-// row, sum_d max(q_d lo_d, q_d hi_d) as D / VS vector steps in order, then one fixed lane tree; the token's score
-// is the largest over its rows (NaN: -inf). The tree is the same for every block whatever the range, so a
-// block's score never depends on how the blocks were cut into work items.
+// Estimates of blocks [j0, j1) of one token against its G query rows (qf (G, D) fp32) into score[g * most + j]:
+// per block and row, sum_d max(q_d lo_d, q_d hi_d) over the shrunk box, as D / VS vector steps in order, then
+// one fixed lane tree (NaN: -inf). The tree is the same for every block whatever the range, so a block's
+// estimate never depends on how the blocks were cut into work items.
 template <typename T>
 void score_blocks(const float* qf, int64_t G, int64_t D, const T* mn, const T* mx, int64_t row_stride, int64_t j0,
-                  int64_t j1, float* score) {
+                  int64_t j1, float* score, int64_t most) {
   constexpr float NINF = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
   if (D % 16 == 0 && D <= 256) {
@@ -46,8 +68,6 @@ void score_blocks(const float* qf, int64_t G, int64_t D, const T* mn, const T* m
     __m512 acc[8][16];  // rows (at most 8 per pass) x 16 blocks
     for (int64_t jb = j0; jb < j1; jb += 16) {
       const int64_t nb = std::min<int64_t>(16, j1 - jb);
-      alignas(64) float best[16];
-      std::fill(best, best + 16, NINF);
       for (int64_t g0 = 0; g0 < G; g0 += 8) {
         const int64_t gn = std::min<int64_t>(8, G - g0);
         for (int64_t jj = 0; jj < 16; ++jj) {
@@ -55,6 +75,7 @@ void score_blocks(const float* qf, int64_t G, int64_t D, const T* mn, const T* m
           if (jj >= nb) continue;
           widen(mn + (jb + jj) * row_stride, lo, D);
           widen(mx + (jb + jj) * row_stride, hi, D);
+          shrink_box(lo, hi, D);
           for (int64_t g = 0; g < gn; ++g) {
             const float* qg = qf + (g0 + g) * D;
             __m512 a = _mm512_setzero_ps();
@@ -71,10 +92,9 @@ void score_blocks(const float* qf, int64_t G, int64_t D, const T* mn, const T* m
           sv = _mm512_mask_mov_ps(sv, _mm512_cmp_ps_mask(sv, sv, _CMP_UNORD_Q), _mm512_set1_ps(NINF));
           alignas(64) float sg[16];
           _mm512_store_ps(sg, sv);
-          for (int64_t jj = 0; jj < nb; ++jj) best[jj] = std::max(best[jj], sg[jj]);
+          std::copy(sg, sg + nb, score + (g0 + g) * most + jb);
         }
       }
-      std::copy(best, best + nb, score + jb);
     }
     return;
   }
@@ -83,7 +103,7 @@ void score_blocks(const float* qf, int64_t G, int64_t D, const T* mn, const T* m
   for (int64_t j = j0; j < j1; ++j) {
     widen(mn + j * row_stride, lo.data(), D);
     widen(mx + j * row_stride, hi.data(), D);
-    float best = NINF;
+    shrink_box(lo.data(), hi.data(), D);
     for (int64_t g = 0; g < G; ++g) {
       Vec acc(0.f);  // D / VS vector steps in order, then one fixed lane tree
       for (int64_t d = 0; d < D; d += VS) {
@@ -91,16 +111,15 @@ void score_blocks(const float* qf, int64_t G, int64_t D, const T* mn, const T* m
         acc = acc + at::vec::maximum(qv * Vec::loadu(lo.data() + d), qv * Vec::loadu(hi.data() + d));
       }
       const float sc = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, acc);
-      best = std::max(best, std::isnan(sc) ? NINF : sc);
+      score[g * most + j] = std::isnan(sc) ? NINF : sc;
     }
-    score[j] = best;
   }
 }
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& q_pos,
          int64_t window, int64_t sink, int64_t block, const std::vector<int64_t>& head_topk,
-         const std::vector<int64_t>& cold_head, at::Tensor& select, at::Tensor& scored) {
+         const std::vector<int64_t>& cold_head, double scale, double budget, at::Tensor& select, at::Tensor& scored) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), NT = q_pos.size(0);
   const int64_t G = R / NT, words = select.size(3);
   const int64_t* qp = q_pos.const_data_ptr<int64_t>();
@@ -109,25 +128,26 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
   const T* mx = kmax.const_data_ptr<T>();
   auto* sel = reinterpret_cast<uint64_t*>(select.data_ptr<int64_t>());
   int64_t* nsc = scored.data_ptr<int64_t>();
-  // Per (batch, head, token): blocks it may select (n), and whether it must score them (n > topk).
+  // Per (batch, head, token): blocks it may select (n), and whether it must score them (n > kept).
   const int64_t items = B * H * NT;
   int64_t most = 0;
   for (int64_t item = 0; item < items; ++item) {
     const int64_t h = (item / NT) % H, t = item % NT, topk = head_topk[h];
     const int64_t n = topk == 0 ? 0 : std::max<int64_t>(0, qp[t] + 1 - window - sink) / block;
     nsc[item] = n;
-    if (n > topk) most = std::max(most, n);
+    if (n > kept(topk, n, budget)) most = std::max(most, n);
   }
   // Scoring: work items of CHUNK blocks of one token (a decode step's few tokens still spread over the threads).
   const int64_t chunks = (most + CHUNK - 1) / CHUNK;
-  std::unique_ptr<float[]> scores(new float[std::max<int64_t>(1, items * most)]);  // every read entry is written
+  // (items, G, most): every read entry is written
+  std::unique_ptr<float[]> scores(new float[std::max<int64_t>(1, items * G * most)]);
   at::parallel_for(0, items * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D);
     int64_t loaded = -1;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t item = w / chunks, c = w % chunks, n = nsc[item];
       const int64_t bh = item / NT, t = item % NT, b = bh / H, h = bh % H;
-      if (n <= head_topk[h] || c * CHUNK >= n) continue;
+      if (n <= kept(head_topk[h], n, budget) || c * CHUNK >= n) continue;
       if (loaded != item) {
         for (int64_t g = 0; g < G; ++g)
           widen(qd + b * q.stride(0) + h * q.stride(1) + (g * NT + t) * q.stride(2), qf.data() + g * D, D);
@@ -135,13 +155,14 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
       }
       const int64_t off = b * kmin.stride(0) + cold_head[h] * kmin.stride(1);
       score_blocks<T>(qf.data(), G, D, mn + off, mx + off, kmin.stride(2), c * CHUNK,
-                      std::min<int64_t>(n, (c + 1) * CHUNK), scores.get() + item * most);
+                      std::min<int64_t>(n, (c + 1) * CHUNK), scores.get() + item * G * most, most);
     }
   });
   at::parallel_for(0, items, 16, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> idx;
+    std::vector<float> share, w;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = nsc[item], topk = head_topk[(item / NT) % H];
+      const int64_t n = nsc[item], topk = kept(head_topk[(item / NT) % H], n, budget);
       uint64_t* row = sel + item * words;
       std::fill(row, row + words, 0ull);
       if (n == 0) continue;
@@ -149,7 +170,21 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
         for (int64_t j = 0; j < n; ++j) row[j >> 6] |= 1ull << (j & 63);
         continue;
       }
-      const float* score = scores.get() + item * most;
+      // The token's score per block: its estimated attention share summed over the G rows, one fixed order.
+      const float* est = scores.get() + item * G * most;
+      share.assign(n, 0.f);
+      w.resize(n);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* e = est + g * most;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) top = std::max(top, e[j]);
+        if (!std::isfinite(top)) continue;  // every estimate NaN (-inf) or inf: the row adds nothing
+        float z = 0.f;
+        for (int64_t j = 0; j < n; ++j) z += (w[j] = std::exp(static_cast<float>(scale) * (e[j] - top)));
+        const float inv = 1.f / z;
+        for (int64_t j = 0; j < n; ++j) share[j] += w[j] * inv;
+      }
+      const float* score = share.data();
       idx.resize(n);
       std::iota(idx.begin(), idx.end(), 0);
       // A strict total order (score, then the lower block), so the kept set is one set whatever the sort does.
@@ -163,7 +198,7 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
 
 std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax,
                                                 const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block,
-                                                const at::Tensor& head_topk) {
+                                                const at::Tensor& head_topk, double scale, double budget) {
   TORCH_CHECK(q.device().is_cpu() && kmin.device().is_cpu() && kmax.device().is_cpu(), "block_select: CPU only");
   TORCH_CHECK(q.dim() == 4 && kmin.dim() == 4 && kmin.sizes() == kmax.sizes(),
               "block_select: q (B, Hk, R, D), kmin and kmax (B, Hk, N, D)");
@@ -190,6 +225,8 @@ std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::T
                   q.size(2) % q_pos.size(0) == 0,
               "block_select: q_pos (T,) contiguous int64, the query rows a multiple of T");
   TORCH_CHECK(window >= 1 && sink >= 0 && block >= 1, "block_select: need window, block >= 1");
+  TORCH_CHECK(budget >= 0 && budget <= 1, "block_select: budget must be in [0, 1], got ", budget);
+  if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));  // 0: the usual 1 / sqrt(head_dim)
   const int64_t* qp = q_pos.const_data_ptr<int64_t>();
   int64_t most = 0;
   for (int64_t t = 0; t < q_pos.size(0); ++t) most = std::max(most, (qp[t] + 1 - window - sink) / block);
@@ -199,21 +236,22 @@ std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::T
   auto select = at::empty({q.size(0), q.size(1), q_pos.size(0), words}, q.options().dtype(at::kLong));
   auto scored = at::empty({q.size(0), q.size(1), q_pos.size(0)}, q.options().dtype(at::kLong));
   if (q.scalar_type() == at::kFloat) {
-    run<float>(q, kmin, kmax, q_pos, window, sink, block, topks, cold_head, select, scored);
+    run<float>(q, kmin, kmax, q_pos, window, sink, block, topks, cold_head, scale, budget, select, scored);
   } else {
-    run<c10::BFloat16>(q, kmin, kmax, q_pos, window, sink, block, topks, cold_head, select, scored);
+    run<c10::BFloat16>(q, kmin, kmax, q_pos, window, sink, block, topks, cold_head, scale, budget, select, scored);
   }
   return {select, scored};
 }
 
 // The sparse step's tripwire, on the counts the attention kernel kept in its own loops (kakeya::sparse_attention's
-// `seen` (B, Hk, R, 2): hot, cold): every query row saw exactly its sinks and hot range, and min(topk, scored)
-// whole cold blocks. Raises otherwise. Then adds the step to `counters`, int64 (8,): [0] steps, [1] query tokens
+// `seen` (B, Hk, R, 2): hot, cold): every query row saw exactly its sinks and hot range, and kept(topk, scored,
+// budget) whole cold blocks (what block_select keeps). Raises otherwise. Then adds the step to `counters`, int64 (8,): [0] steps, [1] query tokens
 // x KV heads, [2] blocks scored, [3] blocks selected, [4] keys attended, [5] keys causally visible (first query
 // head of each group, summed); [6], [7] are set (not summed) to the keys the newest token attended and the keys
 // it could see, summed over batch and KV heads (the layer's attended share: [6] / [7]).
 void sparse_check(const at::Tensor& seen, const at::Tensor& scored, const at::Tensor& q_pos, int64_t window,
-                  int64_t sink, int64_t block, const at::Tensor& head_topk, const at::Tensor& counters) {
+                  int64_t sink, int64_t block, const at::Tensor& head_topk, const at::Tensor& counters,
+                  double budget) {
   TORCH_CHECK(seen.dim() == 4 && seen.size(3) == 2 && seen.scalar_type() == at::kLong && seen.is_contiguous(),
               "sparse_check: seen (B, Hk, R, 2) contiguous int64");
   TORCH_CHECK(q_pos.dim() == 1 && q_pos.scalar_type() == at::kLong && q_pos.is_contiguous() && q_pos.size(0) >= 1 &&
@@ -240,13 +278,14 @@ void sparse_check(const at::Tensor& seen, const at::Tensor& scored, const at::Te
       const int64_t p = qp[t], out = p + 1 - window - sink;
       const int64_t lo = out <= 0 ? sink : sink + out / block * block;  // the hot range's first position
       const int64_t want_hot = std::min(p + 1, sink) + std::max<int64_t>(0, p + 1 - lo);
-      const int64_t topk = tks[bh % H], n = sc[bh * T + t], want_cold = std::min(n, topk) * block;
+      const int64_t topk = tks[bh % H], n = sc[bh * T + t], want_cold = kept(topk, n, budget) * block;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t* row = sn + ((bh * R) + g * T + t) * 2;
         TORCH_CHECK(row[0] == want_hot, "the query at position ", p, " saw ", row[0],
                     " keys of its sinks and hot range, not ", want_hot);
         TORCH_CHECK(row[1] == want_cold, "the indexer's blocks were not attended: the query at position ", p, " saw ",
-                    row[1], " cold keys, not ", want_cold, " (top-", topk, " of ", n, " blocks of ", block, ")");
+                    row[1], " cold keys, not ", want_cold, " (", want_cold / block, " of ", n, " blocks of ", block,
+                    ": top-", topk, ", budget ", budget, ")");
       }
       scored_sum += n;
       selected += want_cold / block;
@@ -267,15 +306,16 @@ std::tuple<at::Tensor, at::Tensor> sparse_step(
     const at::Tensor& cold_k, const at::Tensor& cold_v, const std::optional<at::Tensor>& cold_k_scale,
     const std::optional<at::Tensor>& cold_v_scale, const at::Tensor& cold_slot, const at::Tensor& cold_head,
     const at::Tensor& kmin, const at::Tensor& kmax, int64_t n_blocks, const at::Tensor& head_topk,
-    const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block, double scale, const at::Tensor& counters) {
+    const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block, double scale, const at::Tensor& counters,
+    double budget) {
   TORCH_CHECK(kmin.dim() == 4 && n_blocks >= 0 && n_blocks <= kmin.size(2), "sparse_step: ", n_blocks,
               " blocks, summaries (B, Hc, N, D) for ", kmin.dim() == 4 ? kmin.size(2) : -1);
   auto [select, scored] = block_select(q, kmin.narrow(2, 0, n_blocks), kmax.narrow(2, 0, n_blocks), q_pos, window,
-                                       sink, block, head_topk);
+                                       sink, block, head_topk, scale, budget);
   auto [out, seen] = kakeya_ops::sparse_attention(q, hot_k, hot_v, hot_pos, cold_k, cold_v, cold_k_scale,
                                                   cold_v_scale, cold_slot, cold_head, select, q_pos, window, sink,
                                                   block, scale);
-  sparse_check(seen, scored, q_pos, window, sink, block, head_topk, counters);
+  sparse_check(seen, scored, q_pos, window, sink, block, head_topk, counters, budget);
   return {out, select};
 }
 
@@ -314,13 +354,13 @@ void ring_write(const at::Tensor& k_hot, const at::Tensor& v_hot, const at::Tens
 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.def("block_select(Tensor q, Tensor kmin, Tensor kmax, Tensor q_pos, int window, int sink, int block, "
-        "Tensor head_topk) -> (Tensor, Tensor)");
+        "Tensor head_topk, float scale=0., float budget=0.) -> (Tensor, Tensor)");
   m.def("sparse_check(Tensor seen, Tensor scored, Tensor q_pos, int window, int sink, int block, Tensor head_topk, "
-        "Tensor(a!) counters) -> ()");
+        "Tensor(a!) counters, float budget=0.) -> ()");
   m.def("sparse_step(Tensor q, Tensor hot_k, Tensor hot_v, Tensor hot_pos, Tensor cold_k, Tensor cold_v, "
         "Tensor? cold_k_scale, Tensor? cold_v_scale, Tensor cold_slot, Tensor cold_head, Tensor kmin, Tensor kmax, "
         "int n_blocks, Tensor head_topk, Tensor q_pos, int window, int sink, int block, float scale, "
-        "Tensor(a!) counters) -> (Tensor, Tensor)");
+        "Tensor(a!) counters, float budget=0.) -> (Tensor, Tensor)");
   m.def("ring_write(Tensor(a!) k_hot, Tensor(b!) v_hot, Tensor(c!) hot_pos, Tensor k, Tensor v, Tensor positions, "
         "int slot) -> ()");
 }
