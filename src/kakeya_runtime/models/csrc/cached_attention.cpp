@@ -439,6 +439,16 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   uint32_t vis[16][WORDS];
   auto stage = [&](int64_t bi) {
     const int64_t buf = bi % 2;
+    if (in_order) {  // ask for the next BKA stored rows (next block, or the next superblock's first): timing only
+      constexpr int64_t LINES = D * 2 / 64, PF_AHEAD = BKA;
+      const char* kr = reinterpret_cast<const char*>(k + (blocks[bi].first + PF_AHEAD) * k_row);
+      const char* vr = reinterpret_cast<const char*>(v + (blocks[bi].first + PF_AHEAD) * v_row);
+      for (int64_t i = 0; i < BKA; ++i)  // prefetches never fault, past the end of the cache too
+        for (int64_t c = 0; c < LINES; ++c) {
+          _mm_prefetch(kr + i * k_row * 2 + 64 * c, _MM_HINT_T1);
+          _mm_prefetch(vr + i * v_row * 2 + 64 * c, _MM_HINT_T1);
+        }
+    }
     block_rows<BF>(k, v, k_row, v_row, order, pos, blocks[bi], blocks[bi].min_pos / BKA * BKA, in_order,
                    krows[buf], vrows[buf], presents[buf]);
     stage_keys<D>(krows[buf], kt2s.data + buf * (D / 2 * BKA));
