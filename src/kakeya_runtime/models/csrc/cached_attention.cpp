@@ -371,6 +371,76 @@ inline float group_softmax_bf16(const float* s, const uint32_t* vis, float scale
   return alpha;
 }
 
+// One block's key and value rows by lane (nullptr where empty) and its present lanes, one word per 32 lanes.
+// `in_order`: the keys are stored in position order (order[i] == i), so a block of consecutive positions
+// takes its rows by address arithmetic instead of one lookup per key (the same rows either way).
+template <typename BFT>
+inline void block_rows(const BFT* k, const BFT* v, int64_t k_row, int64_t v_row, const int64_t* order,
+                       const int64_t* pos, const Block& blk, int64_t base, bool in_order, const BFT** krow,
+                       const BFT** vrow, uint32_t* present) {
+  constexpr int WORDS = BKA / 32;
+  std::fill(krow, krow + BKA, nullptr);
+  std::fill(vrow, vrow + BKA, nullptr);
+  std::fill(present, present + WORDS, 0u);
+  if (in_order && blk.max_pos - blk.min_pos == blk.count - 1) {
+    const int64_t lane0 = blk.min_pos - base;
+    const BFT* kr = k + blk.first * k_row;
+    const BFT* vr = v + blk.first * v_row;
+    for (int64_t i = 0; i < blk.count; ++i) {
+      krow[lane0 + i] = kr + i * k_row;
+      vrow[lane0 + i] = vr + i * v_row;
+    }
+    for (int64_t lane = lane0; lane < lane0 + blk.count; ++lane) present[lane / 32] |= 1u << (lane % 32);
+    return;
+  }
+  for (int64_t i = 0; i < blk.count; ++i) {
+    const int64_t j = order[blk.first + i], lane = pos[blk.first + i] - base;
+    present[lane / 32] |= 1u << (lane % 32);
+    krow[lane] = k + j * k_row;
+    vrow[lane] = v + j * v_row;
+  }
+}
+
+// Keys of a block as K^T in pairs, kt2 (D/2, BKA) of (k[lane][2p], k[lane][2p+1]) at [p][lane], zero lanes where
+// empty: 16 x 16 transposes of 32-bit pairs read straight from the key rows (transpose16's shuffles).
+template <int D>
+inline void stage_keys(const c10::BFloat16* const* krow, uint32_t* kt2) {
+  for (int g = 0; g < BKA / 16; ++g) {
+    for (int p0 = 0; p0 < D / 2; p0 += 16) {
+      __m512 r[16], t[16];
+      for (int l = 0; l < 16; ++l) {
+        const c10::BFloat16* kr = krow[g * 16 + l];
+        r[l] = kr != nullptr ? _mm512_castsi512_ps(_mm512_loadu_si512(kr + 2 * p0)) : _mm512_setzero_ps();
+      }
+      for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+      }
+      for (int j = 0; j < 4; ++j) {
+        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+      }
+      float* out = reinterpret_cast<float*>(kt2) + p0 * BKA + g * 16;  // row p of the tile: out + p * BKA
+      for (int j = 0; j < 4; ++j) {
+        _mm512_storeu_ps(out + BKA * j, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
+        _mm512_storeu_ps(out + BKA * (j + 8), _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));
+        _mm512_storeu_ps(out + BKA * (j + 4), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88));
+        _mm512_storeu_ps(out + BKA * (j + 12), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd));
+      }
+    }
+  }
+}
+
 // The same work item on AMX tiles (bf16), blocks of BKA positions: scores S = Q . K^T of a 16-row tile, one
 // tdpbf16ps per 32 dims from a zeroed tile (Q rows in place as A, the block's keys staged once as K^T in pairs as
 // B); p . V of a block as P . V, four tdpbf16ps (32 keys each, in order) from a zeroed tile, then
@@ -379,7 +449,7 @@ inline float group_softmax_bf16(const float* s, const uint32_t* vis, float scale
 template <int D>
 void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_row,
                            int64_t v_row, int64_t R, const Rule& rule, const int64_t* order, const int64_t* pos,
-                           const Block* blocks, int64_t nblocks, float scale, Partial st) {
+                           const Block* blocks, int64_t nblocks, float scale, Partial st, bool in_order = false) {
   using BF = c10::BFloat16;
   static_assert(D % 32 == 0, "AMX path needs head_dim a multiple of 32");
   constexpr int KT = BKA / 16;  // key tiles per block
@@ -403,29 +473,43 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     tile_min[rb] = mn;
   }
   const bool plain = rule.kind == Kind::Plain && rule.window <= 0;
-  kakeya_amx::AlignedBuffer<uint32_t> kt2(D / 2 * BKA);  // K^T in pairs: [pair][lane], zero lanes where empty
-  kakeya_amx::AlignedBuffer<uint32_t> vt2(BKA / 2 * D);  // values interleaved by lane pairs
+  // Blocks are staged one ahead (two buffers): a block's K^T and V are written while the previous block's tiles
+  // run, so the tile loads do not wait on the stores that staged them. Data movement only.
+  kakeya_amx::AlignedBuffer<uint32_t> kt2s(2 * D / 2 * BKA);  // K^T in pairs: [pair][lane], zero lanes where empty
+  kakeya_amx::AlignedBuffer<uint32_t> vt2s(2 * BKA / 2 * D);  // values interleaved by lane pairs
   kakeya_amx::AlignedBuffer<float> sb(16 * BKA);         // S of a row tile: [row][lane]
   kakeya_amx::AlignedBuffer<BF> pb(16 * BKA);            // P of a row tile, bf16, (16 rows, BKA lanes)
   kakeya_amx::AlignedBuffer<float> ob(16 * D);           // P . V of a row tile, (16 rows, D)
-  alignas(64) float tin[256], tout[256];
-  const BF* krow[BKA];
-  const BF* vrow[BKA];
+  const BF* krows[2][BKA];
+  const BF* vrows[2][BKA];
+  uint32_t presents[2][WORDS];
   float alpha[16];
   uint32_t vis[16][WORDS];
+  auto stage = [&](int64_t bi) {
+    const int64_t buf = bi % 2;
+    if (in_order) {  // ask for the next BKA stored rows (next block, or the next superblock's first): timing only
+      constexpr int64_t LINES = D * 2 / 64, PF_AHEAD = BKA;
+      const char* kr = reinterpret_cast<const char*>(k + (blocks[bi].first + PF_AHEAD) * k_row);
+      const char* vr = reinterpret_cast<const char*>(v + (blocks[bi].first + PF_AHEAD) * v_row);
+      for (int64_t i = 0; i < BKA; ++i)  // prefetches never fault, past the end of the cache too
+        for (int64_t c = 0; c < LINES; ++c) {
+          _mm_prefetch(kr + i * k_row * 2 + 64 * c, _MM_HINT_T1);
+          _mm_prefetch(vr + i * v_row * 2 + 64 * c, _MM_HINT_T1);
+        }
+    }
+    block_rows<BF>(k, v, k_row, v_row, order, pos, blocks[bi], blocks[bi].min_pos / BKA * BKA, in_order,
+                   krows[buf], vrows[buf], presents[buf]);
+    stage_keys<D>(krows[buf], kt2s.data + buf * (D / 2 * BKA));
+    interleave_values<D, BKA>(vrows[buf], vt2s.data + buf * (BKA / 2 * D));
+  };
+  if (nblocks > 0) stage(0);
   for (int64_t bi = 0; bi < nblocks; ++bi) {
+    if (bi + 1 < nblocks) stage(bi + 1);
     const Block& blk = blocks[bi];
     const int64_t base = blk.min_pos / BKA * BKA;
-    uint32_t present[WORDS] = {};
-    std::fill(krow, krow + BKA, nullptr);
-    std::fill(vrow, vrow + BKA, nullptr);
-    for (int64_t i = 0; i < blk.count; ++i) {
-      const int64_t j = order[blk.first + i], lane = pos[blk.first + i] - base;
-      present[lane / 32] |= 1u << (lane % 32);
-      krow[lane] = k + j * k_row;
-      vrow[lane] = v + j * v_row;
-    }
-    bool staged = false;
+    const uint32_t* present = presents[bi % 2];
+    const uint32_t* kt2 = kt2s.data + (bi % 2) * (D / 2 * BKA);
+    const uint32_t* vt2 = vt2s.data + (bi % 2) * (BKA / 2 * D);
     for (int64_t rb = 0; rb < RB; ++rb) {
       const int64_t r0 = rb * 16, rn = std::min<int64_t>(16, R - r0);
       uint32_t any = 0u;
@@ -438,28 +522,13 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
             any |= vis[i][w] = i < rn ? rule.lanes((r0 + i) % rule.T, base + 32 * w, present[w]) : 0u;
       }
       if (any == 0u) continue;
-      if (!staged) {  // once per block: keys as K^T in pairs (16 x 16 transposes), values interleaved by lane pairs
-        for (int g = 0; g < KT; ++g) {
-          for (int p0 = 0; p0 < D / 2; p0 += 16) {
-            for (int l = 0; l < 16; ++l) {
-              const BF* kr = krow[g * 16 + l];
-              if (kr != nullptr) std::memcpy(tin + l * 16, kr + 2 * p0, 64);
-              else std::memset(tin + l * 16, 0, 64);
-            }
-            transpose16(tin, tout);
-            for (int p = 0; p < 16; ++p) std::memcpy(kt2.data + (p0 + p) * BKA + g * 16, tout + p * 16, 64);
-          }
-        }
-        interleave_values<D, BKA>(vrow, vt2.data);
-        staged = true;
-      }
       const BF* qa = rn == 16 ? q + r0 * D : qtail.data;
       for (int pass = 0; pass < KT / 4; ++pass) {  // four key tiles at a time in C tiles 0-3
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        const uint32_t* kp = kt2.data + pass * 64;
+        const uint32_t* kp = kt2 + pass * 64;
         for (int sd = 0; sd < D / 32; ++sd) {
           _tile_loadd(4, qa + sd * 32, D * 2);
           const uint32_t* kb2 = kp + sd * 16 * BKA;
@@ -509,7 +578,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
         _tile_zero(3);
         for (int c = 0; c < BKA / 32; ++c) {  // 32 keys (16 pairs) per step, in order
           _tile_loadd(4, pb.data + c * 32, BKA * 2);
-          const uint32_t* vb = vt2.data + c * 16 * D + d0;
+          const uint32_t* vb = vt2 + c * 16 * D + d0;
           _tile_loadd(6, vb, D * 4);
           _tile_dpbf16ps(0, 4, 6);
           if (nt > 1) {
@@ -550,6 +619,7 @@ struct Source {
   std::vector<int64_t> pos;          // their positions, in that order
   std::vector<Block> blocks;
   std::vector<int64_t> super_first;  // index of each superblock's first block, plus an end marker
+  bool in_order = false;             // keys stored in position order (order is the identity)
 
   Source(const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& k_pos, Kind kind_, int64_t bk)
       : k(&k_), v(&v_), kind(kind_) {
@@ -564,6 +634,7 @@ struct Source {
     const auto by_pos = [kp](int64_t a, int64_t b) { return kp[a] < kp[b]; };
     if (descents == 1) std::inplace_merge(order.begin(), order.begin() + cut, order.end(), by_pos);
     if (descents > 1) std::sort(order.begin(), order.end(), by_pos);
+    in_order = descents == 0;
     pos.resize(S);
     for (int64_t i = 0; i < S; ++i) {
       const int64_t p = pos[i] = kp[order[i]];
@@ -789,12 +860,14 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         const Block* blocks;
         Rule rule{qpos + t0, tn, window, sink, Kind::Plain, cold != nullptr ? cold->block : 0};
         bool amx_item = use_amx;  // cold items (one token's G rows, any call) always take the dot-product path
+        bool in_order = false;    // keys stored in position order (a source that says so)
         float* base;
         if (item < hot_items) {
           const int64_t b = item / (H * NSP), h = (item / NSP) % H;
           const auto [si, sp] = supers[item % NSP];
           const Source& src = sources[si];
           rule.kind = src.kind;
+          in_order = src.in_order;
           qrows = qtile.data() + (b * H + h) * Rt * D;
           R_item = Rt;
           kb = src.k->template const_data_ptr<T>() + b * src.k->stride(0) + h * src.k->stride(1);
@@ -848,7 +921,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
           if (amx_item) {  // head sizes that are not a multiple of 32 take the dot-product path everywhere
             attend_superblock_amx<D>(qrows, kb, vb, k_row, v_row, R_item, rule, order, pos, blocks, nblocks, scale,
-                                     st);
+                                     st, in_order);
             continue;
           }
         }
