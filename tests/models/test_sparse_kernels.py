@@ -181,18 +181,23 @@ def test_sparse_attention_refuses_a_selected_block_it_was_not_given():
     assert int(seen[0, 0, 0, 1]) == block
 
 
-def quest_reference(q, kmin, kmax, q_pos, window, sink, block, topk):
+def quest_reference(q, kmin, kmax, q_pos, window, sink, block, topk, box=0.5):
+    """The indexer's choice in float64: each row's bound over the min/max box shrunk about its centre by `box`,
+    each query head's softmax over the blocks the token may select, the shares summed over the heads."""
     b, h, r, d = q.shape
     t_n = q_pos.shape[0]
     g = r // t_n
+    lo_w, hi_w = 0.5 * (1 + box), 0.5 * (1 - box)
     chosen = []
     for bi in range(b):
         for hi in range(h):
             for t in range(t_n):
                 n = max(0, int(q_pos[t]) + 1 - window - sink) // block
                 qs = q[bi, hi].view(g, t_n, d)[:, t].double()  # (G, D)
-                bound = torch.maximum(qs[:, None] * kmin[bi, hi, :n].double(), qs[:, None] * kmax[bi, hi, :n].double())
-                score = bound.sum(-1).max(0).values  # (n,)
+                a, c = kmin[bi, hi, :n].double(), kmax[bi, hi, :n].double()
+                lo, up = lo_w * a + hi_w * c, hi_w * a + lo_w * c
+                bound = torch.maximum(qs[:, None] * lo, qs[:, None] * up).sum(-1)  # (G, n)
+                score = torch.softmax(bound / d**0.5, dim=-1).sum(0) if n else bound.sum(0)  # (n,)
                 order = sorted(range(n), key=lambda j: (-float(score[j]), j))
                 chosen.append(sorted(order[:topk]))
     return chosen
