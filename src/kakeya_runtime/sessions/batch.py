@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kakeya_runtime.engine.generate import Engine, TokenStream
+from kakeya_runtime.models import native
 
 _log = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ class BatchScheduler:
         self._active: list[_Row] = []
         self._in_call = False
         self._closing = False
+        if native.enabled():  # this thread loaded the model: its OpenMP pool would throttle the engine thread's
+            native.release_thread_pool()
         self._thread = threading.Thread(target=self._loop, name="kakeya-engine", daemon=True)
         self._thread.start()
 
