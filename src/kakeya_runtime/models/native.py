@@ -133,6 +133,17 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return torch.ops.kakeya.cached_attention(q, k, v, q_pos, k_pos, window or 0, sink, scale)
 
 
+def cached_attention_rows(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], k_pos: list[torch.Tensor],
+                          q_pos: torch.Tensor, scale: float, *, window: list[int], sink: list[int]) -> torch.Tensor:
+    """The decode rows of a batched step, each one token of its own sequence over its own cache, in one call:
+    q (N, Hk, G, D) contiguous, row i's G query rows per K/V head; k[i], v[i] (1, Hk, S_i, D) at positions
+    k_pos[i] (S_i,); q_pos (N,); window[i] (0: none) and sink[i] as in `cached_attention`. Returns (N, Hk, G, D),
+    row i the bits `cached_attention(q[i:i+1], k[i], v[i], q_pos[i:i+1], k_pos[i], ...)` gives it alone."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.cached_attention_rows(q, k, v, k_pos, q_pos, window, sink, scale)
+
+
 def sparse_attention(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      cold: tuple[torch.Tensor, ...], select: torch.Tensor, q_pos: torch.Tensor,
                      scale: float, *, window: int, sink: int, block: int,
@@ -423,6 +434,7 @@ def _register_fake() -> None:
         return
     torch.library.register_fake("kakeya::cached_attention")(
         lambda q, k, v, q_pos, k_pos, window, sink, scale: q.new_empty(q.shape))
+    torch.library.register_fake("kakeya::cached_attention_rows")(lambda q, *args: q.new_empty(q.shape))
     torch.library.register_fake("kakeya::sparse_attention")(
         lambda q, *args: (q.new_empty(q.shape), q.new_empty(*q.shape[:3], 2, dtype=torch.long)))
     torch.library.register_fake("kakeya::sparse_step")(
