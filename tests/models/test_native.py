@@ -338,3 +338,56 @@ def test_real_model_turn_matches_sdpa(smollm2_bf16, english_text):
     assert tokens == want_tokens
     kl = max(float((w.exp() * (w - g)).sum()) for w, g in zip(want, got, strict=True))
     assert kl < 5e-3, kl
+
+
+@pytest.mark.parametrize("attention_amx", [False, True])
+@pytest.mark.parametrize(("dtype", "d", "g"), [(torch.bfloat16, 64, 3), (torch.float32, 64, 3),
+                                               (torch.bfloat16, 256, 4), (torch.float32, 32, 2)])
+def test_rows_in_one_call_equal_each_row_alone(attention_amx, dtype, d, g):
+    """kakeya::cached_attention_rows (the decode rows of a batched step, one call) gives every row the bits of its
+    own cached_attention call: its own cache length (1 key to several superblocks), window, sinks, a ring's
+    wrapped key order, a strided cache view, and whoever shares the call."""
+    kept = native.routes()
+    try:
+        native.set_routes(attention_amx, kept.linear_amx)
+        gen = torch.Generator().manual_seed(17 + d)
+        hk = 2
+        rows = [  # (keys, window, sink, ring: the keys as a wrapped ring hands them)
+            (1, 0, 0, False), (300, 0, 0, False), (1537, 0, 0, False), (90, 16, 4, False), (700, 64, 0, True),
+            (33, 0, 0, True), (2049, 128, 4, True), (5, 3, 1, False),
+        ]
+        q = torch.randn(len(rows), hk, g, d, generator=gen).to(dtype)
+        ks, vs, kps, q_pos, windows, sinks = [], [], [], [], [], []
+        for s, window, sink, ring in rows:
+            k, v = cache_views(1, hk, s, d, dtype, gen)
+            pos = torch.arange(s) + (3 * s if ring else 0)  # a ring: later positions, stored from a slot on
+            if ring and s > 1:
+                cut = s // 3
+                pos = torch.cat((pos[cut:], pos[:cut]))
+            ks.append(k), vs.append(v), kps.append(pos), windows.append(window), sinks.append(sink)
+            q_pos.append(int(pos.max()))
+        q_pos = torch.tensor(q_pos)
+        got = native.cached_attention_rows(q, ks, vs, kps, q_pos, 0.125, window=windows, sink=sinks)
+        for i in range(len(rows)):
+            alone = native.cached_attention(q[i : i + 1], ks[i], vs[i], q_pos[i : i + 1], kps[i], 0.125,
+                                            window=windows[i] or None, sink=sinks[i])
+            assert torch.equal(got[i : i + 1], alone), rows[i]
+            ref = reference(q[i : i + 1], ks[i], vs[i], q_pos[i : i + 1], kps[i], 0.125, windows[i] or None, sinks[i])
+            torch.testing.assert_close(alone.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+        order = [5, 2, 0]  # a subset in another order: still each row's own bits
+        sub = native.cached_attention_rows(q[order].contiguous(), [ks[i] for i in order], [vs[i] for i in order],
+                                           [kps[i] for i in order], q_pos[order], 0.125,
+                                           window=[windows[i] for i in order], sink=[sinks[i] for i in order])
+        assert torch.equal(sub, got[order])
+    finally:
+        native.set_routes(kept.attention_amx, kept.linear_amx)
+
+
+def test_rows_call_refuses_mismatched_rows():
+    q = torch.randn(2, 1, 1, 32)
+    k = torch.randn(1, 1, 4, 32)
+    with pytest.raises(RuntimeError, match="one k, v, k_pos, window and sink per row"):
+        native.cached_attention_rows(q, [k], [k], [torch.arange(4)], torch.tensor([3, 3]), 0.1, window=[0], sink=[0])
+    with pytest.raises(RuntimeError, match="disagree"):
+        native.cached_attention_rows(q, [k, torch.randn(1, 2, 4, 32)], [k, torch.randn(1, 2, 4, 32)],
+                                     [torch.arange(4)] * 2, torch.tensor([3, 3]), 0.1, window=[0, 0], sink=[0, 0])

@@ -348,8 +348,7 @@ class Attention(nn.Module):
             q, k, v = self._split(qkv[:r])
             cr, sr = cos[:r, None, None, :], sin[:r, None, None, :]
             q, k = apply_rope(q, cr, sr), apply_rope(k, cr, sr)
-            out = torch.cat([self._attend_row(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1], kv)
-                             for i, kv in enumerate(cache.caches[:r])])
+            out = self._attend_rows(q, k, v, positions[:r], cache.caches[:r])  # (r, H, 1, D)
             outs.append(out.transpose(1, 2).reshape(r, 1, self.q_size))
         if c:
             out, _ = self._sequence(qkv[r:].view(1, c, qkv.shape[-1]), positions[r:], cos[r:], sin[r:],
@@ -377,6 +376,49 @@ class Attention(nn.Module):
         out, row = attend(q, k_all, v_all, positions, k_pos, scale=self.scale, window=window, trace=trace,
                           sink=sink)
         return out.transpose(1, 2).reshape(b, t, self.q_size), row  # (B, T, H*D)
+
+    def _attend_rows(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, caches: Sequence[LayerKV]) -> Tensor:
+        """Decode rows q, k, v (N, H or Hk, 1, D), row i one token at positions[i] of the sequence caches[i] holds:
+        each row's attention over its own cache, (N, H, 1, D). With the native kernel the rows whose cache hands out
+        its keys (update_and_fetch) share ONE call (native.cached_attention_rows: each row the bits of its own call);
+        a cache that attends itself (kv.sparse) and the other backends go row by row."""
+        if not (native.enabled() and native.supports(self.head_dim, q.dtype)):
+            return torch.cat([self._attend_row(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1], kv)
+                              for i, kv in enumerate(caches)])
+        out = q.new_empty(q.shape) if any(getattr(kv, "owns_attention", False) for kv in caches) else None
+        rows: list[int] = []
+        ks: list[Tensor] = []
+        vs: list[Tensor] = []
+        k_pos: list[Tensor] = []
+        windows: list[int] = []
+        sinks: list[int] = []
+        for i, kv in enumerate(caches):
+            if getattr(kv, "owns_attention", False):
+                out[i : i + 1] = kv.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1],
+                                           scale=self.scale)
+                continue
+            k_all, v_all, kp = kv.update_and_fetch(k[i : i + 1], v[i : i + 1], positions[i : i + 1])
+            if k_all.stride(-1) != 1 or v_all.stride(-1) != 1:
+                k_all, v_all = k_all.contiguous(), v_all.contiguous()
+            sink, window = getattr(kv, "attention_rule", None) or (0, self.window)
+            rows.append(i)
+            ks.append(k_all)
+            vs.append(v_all)
+            k_pos.append(kp.contiguous())
+            windows.append(window or 0)
+            sinks.append(sink)
+        if not rows:
+            return out
+        if out is not None:  # some rows attended themselves: the others only
+            q, positions = q[rows], positions[rows]
+        m, groups = len(rows), self.num_heads // self.num_kv_heads
+        got = native.cached_attention_rows(q.reshape(m, self.num_kv_heads, groups, self.head_dim).contiguous(), ks,
+                                           vs, k_pos, positions.contiguous(), self.scale, window=windows, sink=sinks)
+        got = got.view(m, self.num_heads, 1, self.head_dim)  # query head h * groups + g: row g of K/V head h
+        if out is None:
+            return got
+        out[rows] = got
+        return out
 
     def _attend_row(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache: LayerKV) -> Tensor:
         if getattr(cache, "owns_attention", False):

@@ -42,7 +42,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp",
-                             "lattice_points.cpp"))
+                             "lattice_points.cpp", "threads.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head sizes
@@ -131,6 +131,17 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     if _loaded is None:
         load()
     return torch.ops.kakeya.cached_attention(q, k, v, q_pos, k_pos, window or 0, sink, scale)
+
+
+def cached_attention_rows(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], k_pos: list[torch.Tensor],
+                          q_pos: torch.Tensor, scale: float, *, window: list[int], sink: list[int]) -> torch.Tensor:
+    """The decode rows of a batched step, each one token of its own sequence over its own cache, in one call:
+    q (N, Hk, G, D) contiguous, row i's G query rows per K/V head; k[i], v[i] (1, Hk, S_i, D) at positions
+    k_pos[i] (S_i,); q_pos (N,); window[i] (0: none) and sink[i] as in `cached_attention`. Returns (N, Hk, G, D),
+    row i the bits `cached_attention(q[i:i+1], k[i], v[i], q_pos[i:i+1], k_pos[i], ...)` gives it alone."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.cached_attention_rows(q, k, v, k_pos, q_pos, window, sink, scale)
 
 
 def sparse_attention(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -238,6 +249,17 @@ def gated_act(x: torch.Tensor, act: str) -> torch.Tensor:
     if _loaded is None:
         load()
     return torch.ops.kakeya.gated_act(x, GATED_ACTS[act])
+
+
+def release_thread_pool() -> bool:
+    """Free the calling thread's OpenMP worker pool (csrc/threads.cpp). Call it on the thread that loaded the model
+    before another thread takes over the steps (the engine thread): with two pools on a two-core machine every
+    parallel region's workers wake from sleep instead of spinning (+60% on a decode step). The pool comes back if
+    this thread opens a parallel region again; results never depend on which thread ran them. False when the
+    runtime refused (inside a parallel region)."""
+    if _loaded is None:
+        load()
+    return bool(torch.ops.kakeya.release_thread_pool())
 
 
 def linear_path(dtype: torch.dtype, in_features: int, out_features: int) -> str:
@@ -418,6 +440,7 @@ def _register_fake() -> None:
         return
     torch.library.register_fake("kakeya::cached_attention")(
         lambda q, k, v, q_pos, k_pos, window, sink, scale: q.new_empty(q.shape))
+    torch.library.register_fake("kakeya::cached_attention_rows")(lambda q, *args: q.new_empty(q.shape))
     torch.library.register_fake("kakeya::sparse_attention")(
         lambda q, *args: (q.new_empty(q.shape), q.new_empty(*q.shape[:3], 2, dtype=torch.long)))
     torch.library.register_fake("kakeya::sparse_step")(

@@ -8,7 +8,7 @@ step after step:
   logits are bit-identical to its decode step alone, so a session's stream does not depend on who it ran beside);
   a lone row takes `Engine.decode_step` (the same logits, and the compiled decode path when one is set);
 * a row still prefilling its new tokens gets the step's remaining token budget (`step_tokens` minus the decode
-  rows, at least a quarter of it), oldest first, so a long prompt is cut into chunks between decode steps instead of stalling the others.
+  rows, at least a quarter of it; `Engine.prefill_chunk` while more rows prefill than decode), oldest first, so a long prompt is cut into chunks between decode steps instead of stalling the others.
   With nobody decoding, a prefill takes `Engine.prefill_chunk` tokens a step. A position's K/V and the last
   position's logits do not depend on how the prompt was chunked (INV-3), so neither does the stream. The oldest
   prefill's chunk rides the decode rows' forward (`Engine.step_rows`: its tokens are extra rows of the
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kakeya_runtime.engine.generate import Engine, TokenStream
+from kakeya_runtime.models import native
 
 _log = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ class BatchScheduler:
         self._active: list[_Row] = []
         self._in_call = False
         self._closing = False
+        if native.enabled():  # this thread loaded the model: its OpenMP pool would throttle the engine thread's
+            native.release_thread_pool()
         self._thread = threading.Thread(target=self._loop, name="kakeya-engine", daemon=True)
         self._thread.start()
 
@@ -230,9 +233,11 @@ class BatchScheduler:
         prefilling = [r for r in rows if r.stream is not None and r.stream.prefill_left > 0]
         speculative = [r for r in rows if r.steps is not None]
         others = len(decoding) + len(speculative)
-        # a prefill always moves: at least a quarter of the budget, however many rows decode
-        budget = max(self.step_tokens - len(decoding), -(-self.step_tokens // 4)) if others \
-            else self.engine.prefill_chunk
+        # a prefill always moves: at least a quarter of the budget, however many rows decode. When more rows wait in
+        # their prefill than decode (a burst of new turns), they catch up at the unbatched rate: each step at the
+        # small budget would leave most of the batch idle for many steps (8 new turns: 3 s of mostly one-row steps)
+        budget = max(self.step_tokens - len(decoding), -(-self.step_tokens // 4)) \
+            if others and len(prefilling) <= others else self.engine.prefill_chunk
         chunk = None
         if decoding and prefilling:  # the oldest prefill's next chunk rides the decode forward
             lead = prefilling[0]

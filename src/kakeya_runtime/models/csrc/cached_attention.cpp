@@ -1131,6 +1131,139 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
   return {out, seen};
 }
 
+
+// kakeya::cached_attention_rows: the decode rows of a batched step, each ONE token of its own sequence attending
+// its own cache (its own keys, length, positions, window and sinks), in one call. q (N, Hk, G, D): row i's G query
+// rows per K/V head, ordered like cached_attention's (group; one token); k[i], v[i] (1, Hk, S_i, D) at positions
+// k_pos[i] (S_i,); q_pos (N,) each row's position; window[i] (0: none), sink[i]. Returns (N, Hk, G, D).
+//
+// Row i's result is the bits cached_attention gives it alone, (q[i:i+1], k[i], v[i], q_pos[i:i+1], k_pos[i],
+// window[i], sink[i]): its work items are the same (K/V head, superblock) items over the same blocks, run by the
+// same code (AMX tiles or dot products, per the process's route), and its partial states are merged in the same
+// order by the same arithmetic. Only the scheduling differs: every row's items share one parallel region, and the
+// merges another, instead of two regions per row (a decode step of N rows paid 2 N regions per layer).
+template <typename T, int D>
+void run_rows(const at::Tensor& q, std::vector<Source>& sources, const int64_t* qpos, const int64_t* window,
+              const int64_t* sink, float scale, at::Tensor& out) {
+  const int64_t N = q.size(0), H = q.size(1), G = q.size(2);
+  const bool use_amx = amx_enabled<T>() && D % 32 == 0;
+  // Work items in (row, head, superblock) order: the first item of each row, its superblocks.
+  std::vector<int64_t> first(N + 1, 0), item_row;
+  for (int64_t i = 0; i < N; ++i) {
+    first[i + 1] = first[i] + H * sources[i].supers();
+    item_row.insert(item_row.end(), H * sources[i].supers(), i);
+  }
+  const int64_t items = first[N];
+  constexpr int64_t W = D + 3;  // per query row: acc (D), m, l, n
+  std::vector<float> state(items * G * W);
+  const T* qp = q.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+#if defined(KAKEYA_AMX)
+    if (use_amx) kakeya_amx::configure();
+#endif
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item_row[item], NSP = sources[i].supers(), h = (item - first[i]) / NSP;
+      const int64_t sp = (item - first[i]) % NSP;
+      const Source& src = sources[i];
+      const Rule rule{qpos + i, 1, window[i], sink[i], src.kind, 0};
+      const T* qrows = qp + (i * H + h) * G * D;
+      const T* kb = src.k->template const_data_ptr<T>() + h * src.k->stride(1);
+      const T* vb = src.v->template const_data_ptr<T>() + h * src.v->stride(1);
+      const Block* blocks = src.blocks.data() + src.super_first[sp];
+      const int64_t nblocks = src.super_first[sp + 1] - src.super_first[sp];
+      float* base = state.data() + item * G * W;
+      const Partial st{base, base + G * D, base + G * D + G, base + G * D + 2 * G};
+#if defined(KAKEYA_AMX)
+      if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
+        if (use_amx) {
+          attend_superblock_amx<D>(qrows, kb, vb, src.k->stride(2), src.v->stride(2), G, rule, src.order.data(),
+                                   src.pos.data(), blocks, nblocks, scale, st);
+          continue;
+        }
+      }
+#endif
+      attend_superblock<T, D>(qrows, kb, vb, src.k->stride(2), src.v->stride(2), G, rule, src.order.data(),
+                              src.pos.data(), blocks, nblocks, scale, st);
+    }
+#if defined(KAKEYA_AMX)
+    if (use_amx) _tile_release();
+#endif
+  });
+  // Merge each query row's partial states, in position order, against its global max; normalise; write (as run).
+  at::parallel_for(0, N * H * G, 16, [&](int64_t begin, int64_t end) {
+    float row[D];
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t i = idx / (H * G), h = (idx / G) % H, g = idx % G, parts = sources[i].supers();
+      const float* states = state.data() + (first[i] + h * parts) * G * W;
+      float m = NEG_INF;
+      for (int64_t p = 0; p < parts; ++p) m = std::max(m, states[p * G * W + G * D + g]);
+      float l = 0.f;
+      std::fill(row, row + D, 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* base = states + p * G * W;
+        const float* acc = base + g * D;
+        const float ms = base[G * D + g], ls = base[G * D + G + g];
+        if (ms == NEG_INF) continue;  // this part holds nothing the row sees
+        const float w = std::exp(ms - m);
+        l += w * ls;
+        for (int d = 0; d < D; ++d) row[d] += w * acc[d];
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key at all gets zeros
+      for (int d = 0; d < D; ++d) row[d] *= inv;
+      T* dst = op + i * out.stride(0) + h * out.stride(1) + g * out.stride(2);
+      if constexpr (std::is_same_v<T, float>) {
+        std::copy(row, row + D, dst);
+      } else {
+        at::vec::convert(row, dst, D);  // round to nearest even, as the scalar conversion does
+      }
+    }
+  });
+}
+
+at::Tensor cached_attention_rows(const at::Tensor& q, at::TensorList k, at::TensorList v, at::TensorList k_pos,
+                                 const at::Tensor& q_pos, at::IntArrayRef window, at::IntArrayRef sink,
+                                 double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4 && q.is_contiguous(),
+              "cached_attention_rows: q must be a contiguous CPU (N, Hk, G, D) tensor");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "cached_attention_rows: dtype ",
+              q.scalar_type(), " not supported (float32, bfloat16)");
+  const int64_t N = q.size(0);
+  TORCH_CHECK(static_cast<int64_t>(k.size()) == N && static_cast<int64_t>(v.size()) == N &&
+                  static_cast<int64_t>(k_pos.size()) == N && static_cast<int64_t>(window.size()) == N &&
+                  static_cast<int64_t>(sink.size()) == N,
+              "cached_attention_rows: need one k, v, k_pos, window and sink per row");
+  TORCH_CHECK(q_pos.dim() == 1 && q_pos.size(0) == N && q_pos.scalar_type() == at::kLong && q_pos.is_contiguous(),
+              "cached_attention_rows: q_pos must be contiguous int64 (N,)");
+  std::vector<Source> sources;
+  sources.reserve(N);
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(k[i].dim() == 4 && k[i].size(0) == 1, "cached_attention_rows: k[", i, "] must be (1, Hk, S, D)");
+    check_source(q.narrow(0, i, 1), k[i], v[i], k_pos[i]);
+    TORCH_CHECK(window[i] >= 0 && sink[i] >= 0, "cached_attention_rows: window and sink must be >= 0");
+    sources.emplace_back(k[i], v[i], k_pos[i], Kind::Plain, path_block(q));
+  }
+  auto out = at::empty(q.sizes(), q.options());
+  if (q.numel() == 0) return out;
+  const int64_t* qp = q_pos.const_data_ptr<int64_t>();
+  const float s = static_cast<float>(scale);
+#define KAKEYA_ROWS(T, DIM) \
+  case DIM: return run_rows<T, DIM>(q, sources, qp, window.data(), sink.data(), s, out), out;
+  if (q.scalar_type() == at::kFloat) {
+    switch (q.size(3)) {
+      KAKEYA_ROWS(float, 16) KAKEYA_ROWS(float, 32) KAKEYA_ROWS(float, 64) KAKEYA_ROWS(float, 96)
+      KAKEYA_ROWS(float, 128) KAKEYA_ROWS(float, 256)
+    }
+  } else {
+    switch (q.size(3)) {
+      KAKEYA_ROWS(c10::BFloat16, 16) KAKEYA_ROWS(c10::BFloat16, 32) KAKEYA_ROWS(c10::BFloat16, 64)
+      KAKEYA_ROWS(c10::BFloat16, 96) KAKEYA_ROWS(c10::BFloat16, 128) KAKEYA_ROWS(c10::BFloat16, 256)
+    }
+  }
+#undef KAKEYA_ROWS
+  TORCH_CHECK(false, "cached_attention_rows: head_dim ", q.size(3), " not in {16, 32, 64, 96, 128, 256}");
+}
+
 }  // namespace
 
 namespace kakeya_ops {
@@ -1177,3 +1310,11 @@ TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
   m.impl("cached_attention", &cached_attention);
   m.impl("sparse_attention", &sparse_attention);
 }
+
+// The decode rows of a batched step in one call (cached_attention_rows above).
+TORCH_LIBRARY_FRAGMENT(kakeya, m) {
+  m.def("cached_attention_rows(Tensor q, Tensor[] k, Tensor[] v, Tensor[] k_pos, Tensor q_pos, int[] window, "
+        "int[] sink, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("cached_attention_rows", &cached_attention_rows); }
