@@ -1,7 +1,12 @@
 """Oracle attention mass of the sparse policy on the bench's real text (kakeya bench sparse's probe, no timing)."""
-import json, statistics, sys, time, torch
+import json
+import statistics
+import sys
+
+import torch
+
 from kakeya_runtime.bench.engine import bench_text
-from kakeya_runtime.bench.sparse import cpu_busy, _mass_stats
+from kakeya_runtime.bench.sparse import _mass_stats, cpu_busy
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
 from kakeya_runtime.kv.policy import PolicySpec, make_policy_cache
 from kakeya_runtime.kv.sparse import OracleProbe, SparseLayerKV
@@ -20,21 +25,22 @@ for n in lengths:
     for b in budgets:
         spec = PolicySpec.parse("sparse", {"codec": "identity", "budget": b})
         cache = make_policy_cache(cfg, spec, capacity=n + 12, dtype=engine.dtype)
-        layers = [l for l in cache if isinstance(l, SparseLayerKV)]
-        for l in layers:
-            l.probe = OracleProbe.new()
+        layers = [layer for layer in cache if isinstance(layer, SparseLayerKV)]
+        for layer in layers:
+            layer.probe = OracleProbe.new()
         engine.prefill(cache, ids[:, :-1])
-        for l in layers:
-            l.probe.active = True
+        for layer in layers:
+            layer.probe.active = True
         for _ in engine.stream(cache, ids[:, -1:], GenerateRequest(8, stop_ids=())):
             pass
-        per = [_mass_stats(l.probe.masses) for l in layers]
+        per = [_mass_stats(layer.probe.masses) for layer in layers]
         row = {"length": n, "budget": b, "label": spec.label, "mean": statistics.fmean(x["mean"] for x in per),
                "worst_layer_mean": min(x["mean"] for x in per), "per_layer_mean": [x["mean"] for x in per],
                "attended_fraction": cache.effective_attention_fraction}
         print(json.dumps({k: v for k, v in row.items() if k != "per_layer_mean"}), flush=True)
         rows.append(row)
-json.dump({"command": " ".join(sys.argv), "model": model, "cpu_busy_before": busy, "oracle_steps": 8,
-           "text": "pydoc_data.topics (the bench sparse text)", "codec": "identity", "rows": rows,
-           "indexer": "box shrunk by 0.5 about its centre, per-head softmax shares summed over the group"},
-          open(out, "w"), indent=1)
+with open(out, "w") as f:
+    json.dump({"command": " ".join(sys.argv), "model": model, "cpu_busy_before": busy, "oracle_steps": 8,
+               "text": "pydoc_data.topics (the bench sparse text)", "codec": "identity", "rows": rows,
+               "indexer": "box shrunk by 0.5 about its centre, per-head softmax shares summed over the group"},
+              f, indent=1)
