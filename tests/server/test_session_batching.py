@@ -155,7 +155,7 @@ class _FaultyRegistry(PolicyRegistry):
 def test_an_engine_error_in_a_batched_step_rolls_back_only_its_session():
     slow = SlowModel(tiny_model("llama"), DELAY)
     healthy = [(_history(20 + 9 * i, i), 30) for i in range(3)]
-    with running_server(tiny_served(model=slow), policies=_FaultyRegistry()) as thread, \
+    with running_server(tiny_served(model=slow), policies=_FaultyRegistry(), step_tokens=32) as thread, \
             Client(thread.address) as client:
         sched = thread.server.service.scheduler
         refs = []

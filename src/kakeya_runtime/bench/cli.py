@@ -275,9 +275,9 @@ def concurrent_cmd(
     reply_tokens: int = typer.Option(48, help="Tokens generated per turn (greedy, EOS ignored)."),
     long_prompt: int = typer.Option(4096, help="Tokens of the prompt arriving while others decode (0: skip)."),
     long_decoders: int = typer.Option(4, help="Sessions decoding while the long prompt arrives."),
-    long_reply_tokens: int = typer.Option(256, help="Tokens each of those decodes."),
+    long_reply_tokens: int = typer.Option(400, help="Tokens each of those decodes (enough to cover the prompt's read)."),
     max_batch: int = typer.Option(8, help="--max-batch of the batching server."),
-    step_tokens: int = typer.Option(32, help="--step-tokens of both servers."),
+    step_tokens: int = typer.Option(16, help="--step-tokens of both servers."),
     schedulers: str = typer.Option("batch,serial", help="batch (--max-batch N) and/or serial (--max-batch 1)."),
     out: str = typer.Option("results/concurrent", help="Output directory (concurrent.json)."),
 ) -> None:

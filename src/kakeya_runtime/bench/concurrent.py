@@ -51,9 +51,9 @@ class ConcurrentConfig:
     reply_tokens: int = 48
     long_prompt: int = 4096  # 0: skip the long-prompt phase
     long_decoders: int = 4
-    long_reply_tokens: int = 256
+    long_reply_tokens: int = 400
     max_batch: int = 8
-    step_tokens: int = 32
+    step_tokens: int = 16
     schedulers: tuple[str, ...] = ("batch", "serial")
     serve_args: tuple[str, ...] = ()  # extra `kakeya serve` arguments
     out: Path = field(default_factory=lambda: Path("results/concurrent"))

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from kakeya_runtime.engine.dtypes import DTYPE_HELP, dtype_name
 from kakeya_runtime.server.ports import Listen, port_problem
+from kakeya_runtime.sessions.batch import DEFAULT_STEP_TOKENS
 
 
 def register(app: typer.Typer) -> None:
@@ -68,7 +69,7 @@ def serve(
         8, "--max-batch", "--max-concurrent", help="Generates running at once, decoded together in one batched "
         "forward per step (continuous batching); more wait in FIFO order. 1: one at a time (serial)."),
     step_tokens: int = typer.Option(
-        32, "--step-tokens", help="Tokens per engine step (one per decoding session, the rest for a new prompt's "
+        DEFAULT_STEP_TOKENS, "--step-tokens", help="Tokens per engine step (one per decoding session, the rest for a new prompt's "
         "prefill chunk): smaller keeps the others' inter-token latency lower while a long prompt is read."),
     context: int | None = typer.Option(None, "--context", help="Per-session context limit (default: the model's)."),
     dtype: str | None = typer.Option(None, "--dtype", help=f"Weights/activations dtype: {DTYPE_HELP} (the same as "

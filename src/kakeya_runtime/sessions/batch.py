@@ -43,7 +43,7 @@ from kakeya_runtime.models import native
 _log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 8
-DEFAULT_STEP_TOKENS = 32
+DEFAULT_STEP_TOKENS = 16  # a 4k prompt read beside decoding sessions raises their p99 ITL 1.36x at 16, 2.10x at 32
 
 
 class Turn(Protocol):
