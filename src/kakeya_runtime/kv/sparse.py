@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kakeya_runtime.kv.cache import CacheError, _check_new
-from kakeya_runtime.kv.compress import KVCodec, stored_nbytes, take
+from kakeya_runtime.kv.compress import KVCodec, stored_nbytes
 from kakeya_runtime.kv.sink_window import PositionLimitError
 from kakeya_runtime.kv.spec import PolicyKV
 from kakeya_runtime.models import native
@@ -334,15 +334,29 @@ class SparseLayerKV:
         per_head = bits.sum(1)
         if bits.shape[0] and 0 < int(per_head.max()) <= self.decoded_blocks:
             return self._decode_cached(bits)
-        ids = bits.any(0).nonzero().squeeze(1)
-        slot = torch.full((self.n_blocks,), -1, dtype=torch.long)  # decoded afresh: block ids[i] at slot i
-        slot[ids] = torch.arange(ids.numel())
-        k = self.codec.decode(take(self.cold_k, 2, ids), self.dtype)  # (B, Hk, U, block, D)
-        v = self.codec.decode(take(self.cold_v, 2, ids), self.dtype)
-        b, hk, u, _, d = k.shape
-        k, v = k.reshape(b, hk, u * self.block, d), v.reshape(b, hk, u * self.block, d)
-        self.peak_decoded_bytes = max(self.peak_decoded_bytes, k.nbytes + v.nbytes)
-        return k, v, slot
+        return self._decode_fresh(bits)
+
+    def _decode_fresh(self, bits: Tensor) -> tuple[Tensor, ...]:
+        """The blocks each cold head selected (bits (Hc, N)) decoded afresh, per head (a head decodes only the
+        blocks it selected, not the union over heads): K/V (B, Hc, U * block, D), U the most any head selected,
+        and the per-head slot map (Hc, N) (-1: not selected). Slots past a head's count are never read."""
+        b, _, _, d = self.k_hot.shape
+        hc, blk = bits.shape[0], self.block
+        heads, ids = bits.nonzero(as_tuple=True)  # (head, block) pairs, head-major
+        counts = bits.sum(1)
+        u = int(counts.max())
+        rank = torch.arange(ids.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        slot = torch.full((hc, self.n_blocks), -1, dtype=torch.long)
+        slot[heads, ids] = rank
+        flat = heads * u + rank
+        out = []
+        for store in (self.cold_k, self.cold_v):
+            x = self.codec.decode({name: t[:, heads, ids] for name, t in store.items()}, self.dtype)  # (B, m, blk, D)
+            buf = torch.empty(b, hc * u, blk, d, dtype=self.dtype, device=self.k_hot.device)
+            buf.index_copy_(1, flat, x)
+            out.append(buf.view(b, hc, u * blk, d))
+        self.peak_decoded_bytes = max(self.peak_decoded_bytes, out[0].nbytes + out[1].nbytes)
+        return out[0], out[1], slot
 
     def _decode_cached(self, bits: Tensor) -> tuple[Tensor, ...]:
         """The blocks each cold head selected (bits (Hc, N)) from the decoded-block cache, where every head keeps
