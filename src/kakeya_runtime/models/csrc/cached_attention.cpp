@@ -407,36 +407,14 @@ template <int D>
 inline void stage_keys(const c10::BFloat16* const* krow, uint32_t* kt2) {
   for (int g = 0; g < BKA / 16; ++g) {
     for (int p0 = 0; p0 < D / 2; p0 += 16) {
-      __m512 r[16], t[16];
+      __m512 r[16];  // 16 keys' 32-bit pairs p0..p0+15 as rows, transposed to pairs as rows
       for (int l = 0; l < 16; ++l) {
         const c10::BFloat16* kr = krow[g * 16 + l];
         r[l] = kr != nullptr ? _mm512_castsi512_ps(_mm512_loadu_si512(kr + 2 * p0)) : _mm512_setzero_ps();
       }
-      for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-      }
-      for (int i = 0; i < 4; ++i) {
-        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-      }
-      for (int j = 0; j < 4; ++j) {
-        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
-        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
-        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
-        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
-      }
+      transpose16_regs(r);
       float* out = reinterpret_cast<float*>(kt2) + p0 * BKA + g * 16;  // row p of the tile: out + p * BKA
-      for (int j = 0; j < 4; ++j) {
-        _mm512_storeu_ps(out + BKA * j, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
-        _mm512_storeu_ps(out + BKA * (j + 8), _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));
-        _mm512_storeu_ps(out + BKA * (j + 4), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88));
-        _mm512_storeu_ps(out + BKA * (j + 12), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd));
-      }
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(out + BKA * c, r[c]);
     }
   }
 }

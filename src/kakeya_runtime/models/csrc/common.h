@@ -48,10 +48,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
 #if defined(__AVX512F__)
 namespace {
 
-// out = in^T for 16 x 16 floats (rows 16 floats apart).
-inline void transpose16(const float* in, float* out) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + 16 * i);
+// r[c] = column c of the 16 x 16 floats whose row i is r[i], in registers (the unpack/shuffle network).
+inline void transpose16_regs(__m512* r) {
+  __m512 t[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -72,11 +71,19 @@ inline void transpose16(const float* in, float* out) {
     t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
   }
   for (int j = 0; j < 4; ++j) {
-    _mm512_storeu_ps(out + 16 * j, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));          // column j
-    _mm512_storeu_ps(out + 16 * (j + 8), _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));    // column j + 8
-    _mm512_storeu_ps(out + 16 * (j + 4), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88));  // column j + 4
-    _mm512_storeu_ps(out + 16 * (j + 12), _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd)); // column j + 12
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);            // column j
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);        // column j + 8
+    r[j + 4] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);   // column j + 4
+    r[j + 12] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd);  // column j + 12
   }
+}
+
+// out = in^T for 16 x 16 floats (rows 16 floats apart).
+inline void transpose16(const float* in, float* out) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + 16 * i);
+  transpose16_regs(r);
+  for (int c = 0; c < 16; ++c) _mm512_storeu_ps(out + 16 * c, r[c]);
 }
 
 // Sixteen vectors to one: lane j is the sum of a[j]'s lanes, every a[j] through the same tree of adds.
