@@ -15,7 +15,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from prometheus_client import (
@@ -426,8 +426,9 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     def _unary(self, behavior: Callable[..., Awaitable[Any]], rpc: str) -> Callable[..., Awaitable[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             code = grpc.StatusCode.UNKNOWN  # an exception that escapes every layer answers UNKNOWN
+            counting = _CountingContext(context, lambda c: self.metrics.rpc_finished(rpc, c))
             try:
-                response = await behavior(request, context)
+                response = await behavior(request, counting)
                 code = grpc.StatusCode.OK
                 return response
             except grpc.aio.AbortError:
@@ -437,15 +438,17 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 code = grpc.StatusCode.CANCELLED
                 raise
             finally:
-                self.metrics.rpc_finished(rpc, code)
+                if not counting.counted:
+                    self.metrics.rpc_finished(rpc, code)
 
         return handle
 
     def _stream(self, behavior: Callable[..., Any], rpc: str) -> Callable[..., AsyncIterator[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             code = grpc.StatusCode.UNKNOWN
+            counting = _CountingContext(context, lambda c: self.metrics.rpc_finished(rpc, c))
             try:
-                produced = behavior(request, context)
+                produced = behavior(request, counting)
                 if hasattr(produced, "__aiter__"):
                     async with contextlib.aclosing(produced):  # a client that leaves closes the inner stream
                         async for message in produced:
@@ -460,9 +463,30 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 code = grpc.StatusCode.CANCELLED
                 raise
             finally:
-                self.metrics.rpc_finished(rpc, code)
+                if not counting.counted:
+                    self.metrics.rpc_finished(rpc, code)
 
         return handle
+
+
+class _CountingContext:
+    """The servicer's context with `abort` counted before the status goes out: grpc sends an abort's status to
+    the client inside `abort`, so a count taken after it could be read from /metrics before it lands."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, count: Callable[[grpc.StatusCode], None]) -> None:
+        self._context = context
+        self._count = count
+        self.counted = False
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> NoReturn:
+        if not self.counted:
+            self.counted = True
+            self._count(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN)
+        await self._context.abort(code, details, trailing_metadata)
+        raise AssertionError("unreachable: abort raises")  # grpc's abort always raises AbortError
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 def _code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
