@@ -224,7 +224,8 @@ def sparse_cmd(
     topk: int = typer.Option(32, help="Cold blocks each query attends to (at least)."),
     budget: float = typer.Option(SPARSE_BUDGET, help="Share of its selectable cold blocks a query attends to, when "
                                  "more than topk (0: topk only)."),
-    codec: str = typer.Option("d4", help="Cold-tier codec: identity, d4, e8 or int8."),
+    codec: str = typer.Option("d4", help="Cold-tier codec: identity, d4, e8 or int8; several, comma-separated, are "
+                                         "timed in the same run (one row per length and codec)."),
     q: int = typer.Option(38, help="Lattice range of the codec."),
     heads: str = typer.Option("all", help="all (every head sparse) or profile (the model's head profile)."),
     oracle_steps: int = typer.Option(8, help="Decode steps whose full attention is measured (oracle mass)."),
@@ -233,6 +234,8 @@ def sparse_cmd(
     out: str = typer.Option("results/sparse/latest", help="Output directory."),
     decoded_per_topk: float = typer.Option(0.0, help="Lattice codes: decoded blocks kept per KV head, in multiples "
                                                      "of the blocks a query keeps (0: the policy's default)."),
+    repeats: int = typer.Option(1, help="Rounds in which every policy decodes --decode-tokens in turn (the median "
+                                        "round is reported)."),
 ) -> None:
     """The sparse KV policy against full attention: oracle attention mass, agreement, decode speed, memory."""
     from kakeya_runtime.bench.sparse import command
@@ -240,7 +243,7 @@ def sparse_cmd(
     params = {"sink": sink, "window": window, "block": block, "topk": topk, "budget": budget, "codec": codec, "q": q,
               "heads": heads}
     command(model, _ints(lengths), dtype, params, oracle_steps, decode_tokens, threads or None, Path(out),
-            decoded_per_topk or None)
+            decoded_per_topk or None, repeats)
 
 
 @bench_app.command("spec")

@@ -53,7 +53,10 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
                      params: dict[str, Any] | None = None, sink_window: dict[str, Any] | None = None,
                      oracle_steps: int = 8, decode_tokens: int = 32, prefill_chunk: int = 512,
                      threads: int | None = None, loaded=None, out_dir: Path | str | None = None,
-                     decoded_per_topk: float | None = None) -> dict[str, Any]:
+                     decoded_per_topk: float | None = None, repeats: int = 1) -> dict[str, Any]:
+    """`params["codec"]` may name several codecs ("identity,d4"): each is a sparse policy of its own, timed in the
+    same run beside full and sink_window, one row per (length, codec). `repeats`: every policy decodes
+    `decode_tokens` that many times, the policies taking turns, and ms/token is the median of its repeats."""
     if threads:
         torch.set_num_threads(threads)
     busy = cpu_busy()
@@ -62,93 +65,56 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
 
         loaded = load_model(model, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     cfg = loaded.config
-    sparse = PolicySpec.parse("sparse", params or {})
-    floor = PolicySpec.parse("sink_window", sink_window or {"sink": sparse.sink, "window": sparse.window})
+    params = dict(params or {})
+    codecs = [c for c in str(params.pop("codec", "")).split(",") if c] or [None]
+    specs = {c: PolicySpec.parse("sparse", {**params, **({"codec": c} if c else {})}) for c in codecs}
+    first = next(iter(specs.values()))
+    floor = PolicySpec.parse("sink_window", sink_window or {"sink": first.sink, "window": first.window})
     engine = Engine(loaded.model, prefill_chunk=prefill_chunk)
     text = loaded.tokenizer.encode(bench_text()).ids
     started = time.time()
     rows = []
+    governed = 0
     for n in lengths:
-        n = min(n, cfg.max_position_embeddings - decode_tokens - oracle_steps - 2)
+        n = min(n, cfg.max_position_embeddings - repeats * decode_tokens - oracle_steps - 2)
         ids = torch.tensor([text[:n]], dtype=torch.long)
-        row: dict[str, Any] = {"length": n}
         # oracle mass and agreement: full and sparse decode greedily from the same prompt
         full_tokens = _generate(engine, cfg, PolicySpec.parse("full"), ids, oracle_steps)
-        cache = make_policy_cache(cfg, sparse, capacity=n + decode_tokens + oracle_steps + 2, dtype=engine.dtype)
-        layers = [layer for layer in cache if isinstance(layer, SparseLayerKV)]
-        for layer in layers:
-            layer.probe = OracleProbe.new()
-        engine.prefill(cache, ids[:, :-1])
-        for layer in layers:
-            layer.probe.active = True
-        stream = engine.stream(cache, ids[:, -1:], GenerateRequest(oracle_steps, stop_ids=()))
-        sparse_tokens = [step[0] for step in stream]
-        per_layer = [_mass_stats(layer.probe.masses) for layer in layers]
-        for layer in layers:
-            layer.probe = None
-        row["oracle_mass"] = {
-            "mean": statistics.fmean(x["mean"] for x in per_layer),
-            "worst_layer_mean": min(x["mean"] for x in per_layer),
-            "worst_layer": min(range(len(per_layer)), key=lambda i: per_layer[i]["mean"]),
-            "worst_head_step": min(x["min"] for x in per_layer),
-            "per_layer": per_layer,
-            "steps": oracle_steps,
-        }
-        row["greedy_agreement"] = _agreement(sparse_tokens, full_tokens)
-        # decode speed and memory: each policy prefilled and decoding the same greedy continuation length
-        timing: dict[str, Any] = {}
-        for name, spec in (("full", PolicySpec.parse("full")), ("sink_window", floor), ("sparse", sparse)):
-            c = make_policy_cache(cfg, spec, capacity=n + decode_tokens + 2, dtype=engine.dtype)
-            if decoded_per_topk is not None:  # the decoded-block cache's size per cold head, in multiples of kept
-                for layer in c:
-                    if isinstance(layer, SparseLayerKV):
-                        layer.decoded_blocks = int(decoded_per_topk * layer.kept(-(-n // layer.block)))
-            engine.prefill(c, ids[:, :-1])
-            c.reset_stats()
-            before = c.decoded_counts() if isinstance(c, SparseKV) else (0, 0)
-            s = engine.stream(c, ids[:, -1:], GenerateRequest(decode_tokens, stop_ids=()))
-            for _ in s:
-                pass
-            res = s.result
-            timing[name] = {"ms_per_token": 1000 * res.decode_s / max(1, res.decode_tokens - 1),
-                            "kv_bytes": c.resident_nbytes, "peak_transient_bytes": c.peak_transient_bytes}
-            if isinstance(c, SparseKV):
-                timing[name].update(c.memory_stats())
-                timing[name]["attended_fraction"] = c.effective_attention_fraction
-                hits, misses = (a - b for a, b in zip(c.decoded_counts(), before, strict=True))
-                timing[name]["decoded_hits"], timing[name]["decoded_misses"] = hits, misses
-            del c
-        row["decode"] = timing
-        ms = {k: v["ms_per_token"] for k, v in timing.items()}
-        row["speedup_vs_full"] = ms["full"] / ms["sparse"]
-        row["vs_sink_window"] = ms["sparse"] / ms["sink_window"]
-        governed = len(layers)
-        full_bf16 = governed * 2 * n * cfg.num_key_value_heads * cfg.head_dim * 2
-        row["memory"] = {"full_bf16_kv_bytes_governed": full_bf16,
-                         "cold_over_full_bf16": timing["sparse"]["cold_bytes"] / full_bf16,
-                         "cold_and_index_over_full_bf16":
-                             (timing["sparse"]["cold_bytes"] + timing["sparse"]["index_bytes"]) / full_bf16,
-                         "hot_bytes": timing["sparse"]["hot_bytes"],
-                         "peak_decoded_bytes": timing["sparse"]["peak_transient_bytes"],
-                         "decoded_cache_bytes": timing["sparse"]["decoded_bytes"],
-                         # what a step holds of the history at most: cold codes, summaries, the decoded-block
-                         # cache and the step's freshly decoded blocks
-                         "step_peak_over_full_bf16":
-                             (timing["sparse"]["cold_bytes"] + timing["sparse"]["index_bytes"]
-                              + timing["sparse"]["decoded_bytes"] + timing["sparse"]["peak_transient_bytes"])
-                             / full_bf16,
-                         "decoded_cache_hit_rate": (timing["sparse"]["decoded_hits"]
-                                                    / max(1, timing["sparse"]["decoded_hits"]
-                                                          + timing["sparse"]["decoded_misses"]))}
-        rows.append(row)
+        probed = {}
+        for codec, spec in specs.items():
+            probed[codec] = _oracle(engine, cfg, spec, ids, n, oracle_steps, decode_tokens, full_tokens)
+            governed = probed[codec].pop("governed")
+        # decode speed and memory: each policy prefilled, then decoding the same greedy continuation length
+        policies = {"full": PolicySpec.parse("full"), "sink_window": floor,
+                    **{f"sparse:{codec}": spec for codec, spec in specs.items()}}
+        timing = _timings(engine, cfg, ids, n, policies, decode_tokens, repeats, decoded_per_topk)
+        for codec, spec in specs.items():
+            row: dict[str, Any] = {"length": n, **({"codec": spec.params.get("codec", codec)} if codec else {}),
+                                   **probed[codec]}
+            row["decode"] = {"full": timing["full"], "sink_window": timing["sink_window"],
+                             "sparse": timing[f"sparse:{codec}"]}
+            ms = {k: v["ms_per_token"] for k, v in row["decode"].items()}
+            row["speedup_vs_full"] = ms["full"] / ms["sparse"]
+            row["vs_sink_window"] = ms["sparse"] / ms["sink_window"]
+            if repeats > 1:  # the same ratios repeat by repeat (each pair decoded back to back)
+                reps = {k: v["ms_per_token_repeats"] for k, v in row["decode"].items()}
+                row["vs_sink_window_repeats"] = [a / b for a, b in zip(reps["sparse"], reps["sink_window"],
+                                                                        strict=True)]
+                row["speedup_vs_full_repeats"] = [b / a for a, b in zip(reps["sparse"], reps["full"], strict=True)]
+            row["memory"] = _memory(row["decode"]["sparse"], governed * 2 * n * cfg.num_key_value_heads
+                                    * cfg.head_dim * 2)
+            rows.append(row)
     result = {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "created_unix": int(time.time()),
         "command": " ".join(sys.argv),
         "wall_s": round(time.time() - started, 1), "machine": machine_info(), "cpu_busy_before": busy,
         "threads": torch.get_num_threads(), "loadavg_1m_after": os.getloadavg()[0],
         "model": {"name": model, "dtype": dtype, "layers": cfg.num_hidden_layers, "governed_layers": governed},
-        "policy": {"sparse": sparse.params, "sparse_label": sparse.label, "sink_window": floor.params},
+        "policy": {"sparse": first.params, "sparse_label": first.label, "sink_window": floor.params,
+                   **({"sparse_by_codec": {c: {"params": s.params, "label": s.label} for c, s in specs.items()}}
+                      if len(specs) > 1 else {})},
         "settings": {"oracle_steps": oracle_steps, "decode_tokens": decode_tokens, "prefill_chunk": prefill_chunk,
+                     "repeats": repeats,
                      "decoded_per_topk": (SparseLayerKV.decoded_per_topk if decoded_per_topk is None
                                           else decoded_per_topk),
                      "text": "pydoc_data.topics (CPython language reference), topics in sorted order"},
@@ -161,6 +127,85 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
         (out / "sparse.json").write_text(json.dumps(result, indent=1))
         (out / "summary.md").write_text(summary_markdown(result))
     return result
+
+
+def _oracle(engine: Engine, cfg, spec: PolicySpec, ids: torch.Tensor, n: int, oracle_steps: int, decode_tokens: int,
+            full_tokens: list[int]) -> dict[str, Any]:
+    """The sparse policy's oracle attention mass over `oracle_steps` greedy steps and its agreement with full."""
+    cache = make_policy_cache(cfg, spec, capacity=n + decode_tokens + oracle_steps + 2, dtype=engine.dtype)
+    layers = [layer for layer in cache if isinstance(layer, SparseLayerKV)]
+    for layer in layers:
+        layer.probe = OracleProbe.new()
+    engine.prefill(cache, ids[:, :-1])
+    for layer in layers:
+        layer.probe.active = True
+    stream = engine.stream(cache, ids[:, -1:], GenerateRequest(oracle_steps, stop_ids=()))
+    sparse_tokens = [step[0] for step in stream]
+    per_layer = [_mass_stats(layer.probe.masses) for layer in layers]
+    for layer in layers:
+        layer.probe = None
+    return {"oracle_mass": {"mean": statistics.fmean(x["mean"] for x in per_layer),
+                            "worst_layer_mean": min(x["mean"] for x in per_layer),
+                            "worst_layer": min(range(len(per_layer)), key=lambda i: per_layer[i]["mean"]),
+                            "worst_head_step": min(x["min"] for x in per_layer),
+                            "per_layer": per_layer,
+                            "steps": oracle_steps},
+            "greedy_agreement": _agreement(sparse_tokens, full_tokens), "governed": len(layers)}
+
+
+def _timings(engine: Engine, cfg, ids: torch.Tensor, n: int, policies: dict[str, PolicySpec], decode_tokens: int,
+             repeats: int, decoded_per_topk: float | None) -> dict[str, dict[str, Any]]:
+    """Every policy prefilled, then `repeats` rounds in which each decodes `decode_tokens` greedily (continuing
+    its own sequence), one after the other: ms/token per round and their median, bytes after the last round."""
+    caches, nxt, before = {}, {}, {}
+    for name, spec in policies.items():
+        c = make_policy_cache(cfg, spec, capacity=n + repeats * decode_tokens + 2, dtype=engine.dtype)
+        if decoded_per_topk is not None:  # the decoded-block cache's size per cold head, in multiples of kept
+            for layer in c:
+                if isinstance(layer, SparseLayerKV):
+                    layer.decoded_blocks = int(decoded_per_topk * layer.kept(-(-n // layer.block)))
+        engine.prefill(c, ids[:, :-1])
+        c.reset_stats()
+        caches[name], nxt[name] = c, ids[:, -1:]
+        before[name] = c.decoded_counts() if isinstance(c, SparseKV) else (0, 0)
+    samples: dict[str, list[float]] = {name: [] for name in policies}
+    for _ in range(repeats):
+        for name, c in caches.items():
+            s = engine.stream(c, nxt[name], GenerateRequest(decode_tokens, stop_ids=()))
+            last = None
+            for step in s:
+                last = step[0]
+            res = s.result
+            samples[name].append(1000 * res.decode_s / max(1, res.decode_tokens - 1))
+            nxt[name] = torch.tensor([[last]], dtype=torch.long)
+    timing: dict[str, dict[str, Any]] = {}
+    for name, c in caches.items():
+        t: dict[str, Any] = {"ms_per_token": statistics.median(samples[name]), "kv_bytes": c.resident_nbytes,
+                             "peak_transient_bytes": c.peak_transient_bytes}
+        if repeats > 1:
+            t["ms_per_token_repeats"] = samples[name]
+        if isinstance(c, SparseKV):
+            t.update(c.memory_stats())
+            t["attended_fraction"] = c.effective_attention_fraction
+            hits, misses = (a - b for a, b in zip(c.decoded_counts(), before[name], strict=True))
+            t["decoded_hits"], t["decoded_misses"] = hits, misses
+        timing[name] = t
+    caches.clear()
+    return timing
+
+
+def _memory(sparse: dict[str, Any], full_bf16: int) -> dict[str, Any]:
+    return {"full_bf16_kv_bytes_governed": full_bf16,
+            "cold_over_full_bf16": sparse["cold_bytes"] / full_bf16,
+            "cold_and_index_over_full_bf16": (sparse["cold_bytes"] + sparse["index_bytes"]) / full_bf16,
+            "hot_bytes": sparse["hot_bytes"],
+            "peak_decoded_bytes": sparse["peak_transient_bytes"],
+            "decoded_cache_bytes": sparse["decoded_bytes"],
+            # what a step holds of the history at most: cold codes, summaries, the decoded-block cache and the
+            # step's freshly decoded blocks
+            "step_peak_over_full_bf16": (sparse["cold_bytes"] + sparse["index_bytes"] + sparse["decoded_bytes"]
+                                         + sparse["peak_transient_bytes"]) / full_bf16,
+            "decoded_cache_hit_rate": sparse["decoded_hits"] / max(1, sparse["decoded_hits"] + sparse["decoded_misses"])}
 
 
 def _generate(engine: Engine, cfg, spec: PolicySpec, ids: torch.Tensor, n: int) -> list[int]:
@@ -185,13 +230,13 @@ def summary_markdown(result: dict[str, Any]) -> str:
              f"({result['model']['dtype']})", "",
              f"Machine: {result['machine'].get('cpu_model')}, {result['threads']} threads, CPU busy before the run "
              f"{result['cpu_busy_before']:.0%}.", "",
-             "| length | oracle mass (mean) | worst layer | greedy agreement | attended | full ms/tok | sink_window "
+             "| length | codec | oracle mass (mean) | worst layer | greedy agreement | attended | full ms/tok | sink_window "
              "ms/tok | sparse ms/tok | vs full | vs sink_window | cold / full bf16 | + index | decoded cache / full bf16 "
              "| decode hits |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         d, m, o = r["decode"], r["memory"], r["oracle_mass"]
-        lines.append(f"| {r['length']} | {o['mean']:.4f} | {o['worst_layer_mean']:.4f} (layer {o['worst_layer']}) | "
+        lines.append(f"| {r['length']} | {r.get('codec', result['policy']['sparse'].get('codec', ''))} | {o['mean']:.4f} | {o['worst_layer_mean']:.4f} (layer {o['worst_layer']}) | "
                      f"{r['greedy_agreement']:.2f} | {d['sparse']['attended_fraction']:.1%} | "
                      f"{d['full']['ms_per_token']:.1f} | {d['sink_window']['ms_per_token']:.1f} | "
                      f"{d['sparse']['ms_per_token']:.1f} | {r['speedup_vs_full']:.2f}x faster | "
@@ -203,9 +248,10 @@ def summary_markdown(result: dict[str, Any]) -> str:
 
 
 def command(model: str, lengths: tuple[int, ...], dtype: str, params: dict[str, Any], oracle_steps: int,
-            decode_tokens: int, threads: int | None, out: Path, decoded_per_topk: float | None = None) -> None:
+            decode_tokens: int, threads: int | None, out: Path, decoded_per_topk: float | None = None,
+            repeats: int = 1) -> None:
     result = run_sparse_bench(model, lengths=lengths, dtype=dtype, params=params, oracle_steps=oracle_steps,
                               decode_tokens=decode_tokens, threads=threads, out_dir=out,
-                              decoded_per_topk=decoded_per_topk)
+                              decoded_per_topk=decoded_per_topk, repeats=repeats)
     print(summary_markdown(result))
     print(f"wrote {out / 'sparse.json'}")

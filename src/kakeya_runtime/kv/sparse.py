@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kakeya_runtime.kv.cache import CacheError, _check_new
-from kakeya_runtime.kv.compress import KVCodec, stored_nbytes
+from kakeya_runtime.kv.compress import KVCodec, PackedLatticeCodec, stored_nbytes
 from kakeya_runtime.kv.sink_window import PositionLimitError
 from kakeya_runtime.kv.spec import PolicyKV
 from kakeya_runtime.models import native
@@ -136,6 +136,9 @@ class SparseLayerKV:
         self._dec_step = 0
         self.decoded_hits = self.decoded_misses = 0  # blocks found decoded / decoded, summed over steps
         self.probe: OracleProbe | None = None
+        # D4 codes on the CPU: the step, the decoded-block cache and its decode in one native call
+        self._fused_decoded = (isinstance(codec, PackedLatticeCodec) and codec.lattice.kind == "d4"
+                               and dtype in (torch.float32, torch.bfloat16) and self.k_hot.is_cpu)
         self._ring_full = False  # every hot slot holds a position (known without a tensor read once true)
         self._hot_all = (self.k_hot, self.v_hot, self.hot_pos)
 
@@ -365,18 +368,7 @@ class SparseLayerKV:
         the call, so the kernel reads what a fresh decode would give."""
         b, _, _, d = self.k_hot.shape
         hk, blk = len(self.cold_heads), self.block
-        c = self._slot_block.shape[1]
-        if c < min(self.decoded_blocks, self.n_blocks):  # no more slots than blocks to hold
-            c = min(self.decoded_blocks, self.n_blocks)
-            shape = (b, hk, c * blk, d)
-            dec = tuple(torch.zeros(shape, dtype=self.dtype, device=self.k_hot.device) for _ in range(2))
-            if self._dec is not None:
-                for new, old in zip(dec, self._dec, strict=True):
-                    new[:, :, : old.shape[2]] = old
-            self._dec = dec
-            self._slot_block, self._slot_used = _grown(self._slot_block, c), _grown(self._slot_used, c)
-        if self._block_slot.shape[1] < self.n_blocks:
-            self._block_slot = _grown(self._block_slot, max(self.n_blocks, 2 * self._block_slot.shape[1]))
+        c = self._grow_decoded()
         self._dec_step += 1
         heads, ids = bits.nonzero(as_tuple=True)  # (head, block) pairs, head-major
         slots = self._block_slot[heads, ids]
@@ -400,6 +392,49 @@ class SparseLayerKV:
                 cache.view(b, hk * c, blk, d).index_copy_(1, flat, x)
             self.peak_decoded_bytes = max(self.peak_decoded_bytes, 2 * x.nbytes)
         return (*self._dec, self._block_slot[:, : self.n_blocks].contiguous())
+
+    def _grow_decoded(self) -> int:
+        """Grow the decoded-block cache to its slots at the current history (no more than the blocks to hold) and
+        the block -> slot map to every block; returns the slots per cold head."""
+        c = self._slot_block.shape[1]
+        if c < min(self.decoded_blocks, self.n_blocks):
+            b, _, _, d = self.k_hot.shape
+            c = min(self.decoded_blocks, self.n_blocks)
+            shape = (b, len(self.cold_heads), c * self.block, d)
+            dec = tuple(torch.zeros(shape, dtype=self.dtype, device=self.k_hot.device) for _ in range(2))
+            if self._dec is not None:
+                for new, old in zip(dec, self._dec, strict=True):
+                    new[:, :, : old.shape[2]] = old
+            self._dec = dec
+            self._slot_block, self._slot_used = _grown(self._slot_block, c), _grown(self._slot_used, c)
+        if self._block_slot.shape[1] < self.n_blocks:
+            self._block_slot = _grown(self._block_slot, max(self.n_blocks, 2 * self._block_slot.shape[1]))
+        return c
+
+    def _step_decoded(self, qg: Tensor, hot: tuple[Tensor, Tensor, Tensor], positions: Tensor,
+                      scale: float) -> tuple[Tensor, Tensor] | None:
+        """A D4 cold tier's step in one native call (kakeya::sparse_step_decoded): the indexer, the decoded-block
+        cache's bookkeeping and the decode of the blocks it lacks, the attention and the tripwire. None when the
+        cache has no slots yet or some head selected more blocks than it has slots (the caller decodes afresh)."""
+        if self._grow_decoded() == 0 or self._dec is None:
+            return None
+        self._dec_step += 1
+        lat = self.codec.lattice
+        out, select, hits, misses = native.sparse_step_decoded(
+            qg, hot, self._cold_head_t, self.kmin, self.kmax, self.n_blocks, positions, scale, window=self.window,
+            sink=self.sink, block=self.block, topk=self._topk_t, counters=self._counts, budget=self.budget,
+            maps=(self._block_slot, self._slot_block, self._slot_used), step=self._dec_step,
+            codes=(self.cold_k["code"], self.cold_k["scale"], self.cold_v["code"], self.cold_v["scale"]),
+            rot=lat.h, decoded=self._dec, lattice_q=lat.q, bits=lat.bits, lattice_codes=lat.num_blocks)
+        if misses < 0:
+            return None
+        self.decoded_hits += hits
+        self.decoded_misses += misses
+        if misses:
+            b, _, _, d = self.k_hot.shape
+            self.peak_decoded_bytes = max(self.peak_decoded_bytes,
+                                          2 * b * misses * self.block * d * self._dec[0].element_size())
+        return out, select
 
     def _forget_decoded(self, first: int) -> None:
         """Drop the decoded copies of cold blocks `first` and up (rewritten, trimmed or restored)."""
@@ -449,6 +484,8 @@ class SparseLayerKV:
                                                  window=self.window, sink=self.sink, block=self.block,
                                                  topk=self._topk_t, cold_head=self._cold_head_t,
                                                  counters=self._counts, budget=self.budget)
+            elif self.fused and self._fused_decoded and (got := self._step_decoded(qg, hot, positions, scale)) is not None:
+                out, select = got
             else:
                 select, scored = native.block_select(qg, self.kmin[:, :, : self.n_blocks],
                                                      self.kmax[:, :, : self.n_blocks], positions, window=self.window,

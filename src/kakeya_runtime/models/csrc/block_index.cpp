@@ -319,6 +319,177 @@ std::tuple<at::Tensor, at::Tensor> sparse_step(
   return {out, select};
 }
 
+// The decoded-block cache of a lattice (D4) cold tier: per cold head, `slots` decoded blocks (dec_k, dec_v (B, Hc,
+// slots * block, D)), block_slot (Hc, >= N) block -> slot (-1: not held), slot_block (Hc, slots) slot -> block (-1:
+// free), slot_used (Hc, slots) the step a slot was last read. Marks the blocks the step selected (select's union over
+// batch rows and tokens, per cold head) as read at `step` and decodes the (head, block) pairs not held into that
+// head's least recently read slots (ties: the lower slot; never one read this step), updating the maps. The decode is
+// kakeya::d4_points, kakeya::linear with the Hadamard `rot` (D, D) fp32, times the norm, rounded once to the cache's
+// dtype: kv/lattice.py's arithmetic, so a block reads the bits a fresh decode gives. Returns (hits, misses); misses
+// -1 when some head selected more blocks than it has slots (then nothing was changed).
+template <typename O>
+void store_decoded(const at::Tensor& y, const at::Half* sc, const at::Tensor& dec, const std::vector<int64_t>& dst_off,
+                   int64_t block, int64_t D) {
+  const float* yp = y.const_data_ptr<float>();
+  O* out = dec.data_ptr<O>();
+  const int64_t rows = y.size(0);
+  at::parallel_for(0, rows, 256, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float norm = static_cast<float>(sc[2 * r]);
+      O* o = out + dst_off[r / block] + (r % block) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<O>(yp[r * D + d] * norm);
+    }
+  });
+}
+
+std::pair<int64_t, int64_t> decoded_fill(const at::Tensor& select, const at::Tensor& cold_head, int64_t n_blocks,
+                                         const at::Tensor& block_slot, const at::Tensor& slot_block,
+                                         const at::Tensor& slot_used, int64_t step, const at::Tensor& k_code,
+                                         const at::Tensor& k_scale, const at::Tensor& v_code,
+                                         const at::Tensor& v_scale, const at::Tensor& rot, const at::Tensor& dec_k,
+                                         const at::Tensor& dec_v, int64_t q, int64_t bits, int64_t codes) {
+  const int64_t B = select.size(0), H = select.size(1), T = select.size(2), W = select.size(3);
+  const int64_t Hc = slot_block.size(0), C = slot_block.size(1);
+  TORCH_CHECK(block_slot.dim() == 2 && block_slot.size(0) == Hc && block_slot.size(1) >= n_blocks &&
+                  block_slot.is_contiguous() && slot_block.is_contiguous() && slot_used.is_contiguous() &&
+                  slot_used.sizes() == slot_block.sizes() && block_slot.scalar_type() == at::kLong &&
+                  slot_block.scalar_type() == at::kLong && slot_used.scalar_type() == at::kLong,
+              "decoded cache: block_slot (Hc, >= N), slot_block and slot_used (Hc, slots), contiguous int64");
+  TORCH_CHECK(cold_head.dim() == 1 && cold_head.size(0) == H && cold_head.scalar_type() == at::kLong &&
+                  cold_head.is_contiguous(),
+              "decoded cache: cold_head (Hk,) contiguous int64");
+  TORCH_CHECK(k_code.dim() == 5 && k_code.sizes() == v_code.sizes() && k_code.is_contiguous() &&
+                  v_code.is_contiguous() && k_code.scalar_type() == at::kByte && v_code.scalar_type() == at::kByte &&
+                  k_code.size(0) == B && k_code.size(1) == Hc && k_code.size(2) >= n_blocks,
+              "decoded cache: codes (B, Hc, >= N, block, nbytes) contiguous uint8");
+  const int64_t blk = k_code.size(3), nbytes = k_code.size(4);
+  TORCH_CHECK(k_scale.dim() == 5 && k_scale.sizes() == v_scale.sizes() && k_scale.is_contiguous() &&
+                  v_scale.is_contiguous() && k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf &&
+                  k_scale.size(0) == B && k_scale.size(1) == Hc && k_scale.size(2) == k_code.size(2) &&
+                  k_scale.size(3) == blk && k_scale.size(4) == 2,
+              "decoded cache: scales (B, Hc, N, block, 2) contiguous fp16");
+  TORCH_CHECK(dec_k.dim() == 4 && dec_k.sizes() == dec_v.sizes() && dec_k.is_contiguous() && dec_v.is_contiguous() &&
+                  dec_k.scalar_type() == dec_v.scalar_type() && dec_k.size(0) == B && dec_k.size(1) == Hc &&
+                  dec_k.size(2) == C * blk &&
+                  (dec_k.scalar_type() == at::kFloat || dec_k.scalar_type() == at::kBFloat16),
+              "decoded cache: dec_k, dec_v (B, Hc, slots * block, D) contiguous fp32 or bf16");
+  const int64_t D = dec_k.size(3);
+  TORCH_CHECK(rot.dim() == 2 && rot.size(0) == D && rot.size(1) == D && rot.scalar_type() == at::kFloat &&
+                  rot.is_contiguous() && codes * 4 == D,
+              "decoded cache: rot (D, D) contiguous fp32, 4 * codes == D");
+  const auto* sel = reinterpret_cast<const uint64_t*>(select.const_data_ptr<int64_t>());
+  const int64_t* ch = cold_head.const_data_ptr<int64_t>();
+  int64_t* bs = block_slot.data_ptr<int64_t>();
+  int64_t* sb = slot_block.data_ptr<int64_t>();
+  int64_t* su = slot_used.data_ptr<int64_t>();
+  const int64_t bsr = block_slot.size(1), nw = std::min(W, (n_blocks + 63) / 64);
+  std::vector<std::vector<int64_t>> chosen(Hc);
+  std::vector<uint64_t> words(nw);
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t c = ch[h];
+    if (c < 0) continue;
+    TORCH_CHECK(c < Hc, "decoded cache: cold head ", c, " of ", Hc);
+    std::fill(words.begin(), words.end(), 0ull);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t w = 0; w < nw; ++w) words[w] |= sel[((b * H + h) * T + t) * W + w];
+    for (int64_t w = 0; w < nw; ++w)
+      for (uint64_t x = words[w]; x; x &= x - 1) {
+        const int64_t j = w * 64 + __builtin_ctzll(x);
+        if (j < n_blocks) chosen[c].push_back(j);
+      }
+    if (static_cast<int64_t>(chosen[c].size()) > C) return {0, -1};
+  }
+  int64_t hits = 0;
+  std::vector<int64_t> mh, mj, ms;  // the misses: cold head, block, slot
+  std::vector<int64_t> order(C);
+  for (int64_t c = 0; c < Hc; ++c) {
+    const size_t first = mj.size();
+    for (const int64_t j : chosen[c]) {
+      const int64_t s = bs[c * bsr + j];
+      if (s >= 0) {
+        su[c * C + s] = step, ++hits;
+      } else {
+        mh.push_back(c), mj.push_back(j);
+      }
+    }
+    const int64_t n = static_cast<int64_t>(mj.size() - first);
+    if (n == 0) continue;
+    std::iota(order.begin(), order.end(), 0);
+    const int64_t* used = su + c * C;
+    std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int64_t a, int64_t b) {
+      return used[a] < used[b] || (used[a] == used[b] && a < b);
+    });
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t s = order[i], j = mj[first + i], old = sb[c * C + s];
+      TORCH_CHECK(used[s] != step, "decoded cache: no free slot for a miss (a slot read this step)");
+      if (old >= 0) bs[c * bsr + old] = -1;
+      sb[c * C + s] = j, bs[c * bsr + j] = s, su[c * C + s] = step;
+      ms.push_back(s);
+    }
+  }
+  const int64_t m = static_cast<int64_t>(mj.size());
+  if (m == 0) return {hits, 0};
+  // The misses' codes gathered (B, m, block) -> rows, decoded, and written into their slots.
+  const int64_t rows = B * m * blk;
+  std::vector<int64_t> dst(B * m);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < m; ++i) dst[b * m + i] = ((b * Hc + mh[i]) * C + ms[i]) * blk * D;
+  auto code = at::empty({rows, nbytes}, k_code.options());
+  auto scale = at::empty({rows, 2}, k_scale.options());
+  for (int side = 0; side < 2; ++side) {
+    const at::Tensor& cs = side ? v_code : k_code;
+    const at::Tensor& ss = side ? v_scale : k_scale;
+    const uint8_t* cp = cs.const_data_ptr<uint8_t>();
+    const at::Half* sp = ss.const_data_ptr<at::Half>();
+    uint8_t* co = code.data_ptr<uint8_t>();
+    at::Half* so = scale.data_ptr<at::Half>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t src = (b * Hc + mh[i]) * cs.size(2) + mj[i], r = (b * m + i) * blk;
+        std::memcpy(co + r * nbytes, cp + src * blk * nbytes, blk * nbytes);
+        std::memcpy(so + r * 2, sp + src * blk * 2, blk * 2 * sizeof(at::Half));
+      }
+    const auto y = kakeya_ops::linear(kakeya_ops::d4_points(code, scale, q, bits, codes), rot, std::nullopt, false);
+    const at::Tensor& dec = side ? dec_v : dec_k;
+    if (dec.scalar_type() == at::kFloat) {
+      store_decoded<float>(y, so, dec, dst, blk, D);
+    } else {
+      store_decoded<c10::BFloat16>(y, so, dec, dst, blk, D);
+    }
+  }
+  return {hits, m};
+}
+
+// One sparse step for a D4 cold tier with its decoded-block cache: the indexer, the cache fill (decoded_fill), the
+// attention over the hot set and the cached blocks (block_slot's first n_blocks entries as the per-head slot map)
+// and the tripwire, in one call. Returns the output, the selection bitsets and (hits, misses) (B, Hc) summed; when
+// some head selected more blocks than it has slots, misses is -1, the output is empty and nothing was changed
+// (the caller decodes afresh).
+std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> sparse_step_decoded(
+    const at::Tensor& q, const at::Tensor& hot_k, const at::Tensor& hot_v, const at::Tensor& hot_pos,
+    const at::Tensor& cold_head, const at::Tensor& kmin, const at::Tensor& kmax, int64_t n_blocks,
+    const at::Tensor& head_topk, const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block, double scale,
+    const at::Tensor& counters, double budget, const at::Tensor& block_slot, const at::Tensor& slot_block,
+    const at::Tensor& slot_used, int64_t step, const at::Tensor& k_code, const at::Tensor& k_scale,
+    const at::Tensor& v_code, const at::Tensor& v_scale, const at::Tensor& rot, const at::Tensor& dec_k,
+    const at::Tensor& dec_v, int64_t lattice_q, int64_t bits, int64_t codes) {
+  TORCH_CHECK(kmin.dim() == 4 && n_blocks >= 0 && n_blocks <= kmin.size(2), "sparse_step_decoded: ", n_blocks,
+              " blocks, summaries (B, Hc, N, D) for ", kmin.dim() == 4 ? kmin.size(2) : -1);
+  TORCH_CHECK(k_code.dim() == 5 && k_code.size(3) == block, "sparse_step_decoded: codes of ", block, "-position blocks");
+  auto [select, scored] = block_select(q, kmin.narrow(2, 0, n_blocks), kmax.narrow(2, 0, n_blocks), q_pos, window,
+                                       sink, block, head_topk, scale, budget);
+  const auto [hits, misses] = decoded_fill(select, cold_head, n_blocks, block_slot, slot_block, slot_used, step,
+                                           k_code, k_scale, v_code, v_scale, rot, dec_k, dec_v, lattice_q, bits,
+                                           codes);
+  if (misses < 0) return {at::empty({0}, q.options()), select, hits, misses};
+  const auto slot = block_slot.narrow(1, 0, n_blocks).contiguous();
+  auto [out, seen] = kakeya_ops::sparse_attention(q, hot_k, hot_v, hot_pos, dec_k, dec_v, std::nullopt, std::nullopt,
+                                                  slot, cold_head, select, q_pos, window, sink, block, scale);
+  sparse_check(seen, scored, q_pos, window, sink, block, head_topk, counters, budget);
+  return {out, select, hits, misses};
+}
+
 // A decode step's new K/V (B, Hk, 1, D) into one slot of the sparse layer's hot ring (k_hot, v_hot (B, Hk, S, D),
 // hot_pos (S,)): one call instead of three indexing copies.
 void ring_write(const at::Tensor& k_hot, const at::Tensor& v_hot, const at::Tensor& hot_pos, const at::Tensor& k,
@@ -361,6 +532,11 @@ TORCH_LIBRARY_FRAGMENT(kakeya, m) {
         "Tensor? cold_k_scale, Tensor? cold_v_scale, Tensor cold_slot, Tensor cold_head, Tensor kmin, Tensor kmax, "
         "int n_blocks, Tensor head_topk, Tensor q_pos, int window, int sink, int block, float scale, "
         "Tensor(a!) counters, float budget=0.) -> (Tensor, Tensor)");
+  m.def("sparse_step_decoded(Tensor q, Tensor hot_k, Tensor hot_v, Tensor hot_pos, Tensor cold_head, Tensor kmin, "
+        "Tensor kmax, int n_blocks, Tensor head_topk, Tensor q_pos, int window, int sink, int block, float scale, "
+        "Tensor(a!) counters, float budget, Tensor(b!) block_slot, Tensor(c!) slot_block, Tensor(d!) slot_used, "
+        "int step, Tensor k_code, Tensor k_scale, Tensor v_code, Tensor v_scale, Tensor rot, Tensor(e!) dec_k, "
+        "Tensor(f!) dec_v, int lattice_q, int bits, int codes) -> (Tensor, Tensor, int, int)");
   m.def("ring_write(Tensor(a!) k_hot, Tensor(b!) v_hot, Tensor(c!) hot_pos, Tensor k, Tensor v, Tensor positions, "
         "int slot) -> ()");
 }
@@ -370,4 +546,5 @@ TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
   m.impl("sparse_check", &sparse_check);
   m.impl("sparse_step", &sparse_step);
   m.impl("ring_write", &ring_write);
+  m.impl("sparse_step_decoded", &sparse_step_decoded);
 }

@@ -43,6 +43,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
                                                     const at::Tensor& cold_slot, const at::Tensor& cold_head,
                                                     const at::Tensor& select, const at::Tensor& q_pos, int64_t window,
                                                     int64_t sink, int64_t block, double scale);
+// kakeya::d4_points and kakeya::linear for the sparse step's decoded-block cache (block_index.cpp): the same
+// functions the ops run, so a block decoded there is the bits kv/lattice.py's decode gives.
+at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q, int64_t bits, int64_t codes);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32);
 }  // namespace kakeya_ops
 
 #if defined(__AVX512F__)

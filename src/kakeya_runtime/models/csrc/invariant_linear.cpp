@@ -472,6 +472,12 @@ at::Tensor gated_act(const at::Tensor& x, int64_t act) {
 
 }  // namespace
 
+namespace kakeya_ops {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32) {
+  return ::linear(x, w, bias, out_fp32);
+}
+}  // namespace kakeya_ops
+
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.def("gated_act(Tensor x, int act) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, bool out_fp32=False) -> Tensor");

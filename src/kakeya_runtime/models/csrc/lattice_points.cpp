@@ -49,6 +49,12 @@ at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q
 
 }  // namespace
 
+namespace kakeya_ops {
+at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q, int64_t bits, int64_t codes) {
+  return ::d4_points(code, scales, q, bits, codes);
+}
+}  // namespace kakeya_ops
+
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.def("d4_points(Tensor code, Tensor scales, int q, int bits, int codes) -> Tensor");
 }
