@@ -51,7 +51,7 @@ def instrument() -> None:
     cls = sparse_mod.SparseLayerKV
     for name in ("attend", "_complete_blocks", "_decode_blocks", "_write_hot"):
         setattr(cls, name, timed(f"sparse.{name}", getattr(cls, name)))
-    for name in ("sparse_step", "block_select", "sparse_attention", "sparse_check"):
+    for name in ("sparse_step", "sparse_step_decoded", "block_select", "sparse_attention", "sparse_check"):
         setattr(sparse_mod.native, name, timed(f"native.{name}", getattr(sparse_mod.native, name)))
     cls_sw = sw_mod.SinkWindowLayerKV
     cls_sw.update_and_fetch = timed("sink_window.update_and_fetch", cls_sw.update_and_fetch)

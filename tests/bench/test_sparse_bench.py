@@ -41,3 +41,22 @@ def test_oracle_mass_and_columns(smollm2, tmp_path):
     written = json.loads((tmp_path / "sparse.json").read_text())
     assert written["schema"] == "kakeya.bench.sparse" and "cpu_busy_before" in written
     assert (tmp_path / "summary.md").read_text().startswith("# Sparse policy")
+
+
+def test_several_codecs_and_repeats_in_one_run(smollm2):
+    """--codec identity,d4 --repeats 2: one row per codec, both beside the same full and sink_window timings, each
+    policy's ms/token the median of its rounds."""
+    threads = torch.get_num_threads()
+    got = run_sparse_bench(params={"window": 64, "block": 32, "topk": 2, "codec": "identity,d4"}, lengths=(640,),
+                           oracle_steps=2, decode_tokens=3, threads=1, loaded=smollm2, repeats=2)
+    torch.set_num_threads(threads)
+    rows = got["rows"]
+    assert [r["codec"] for r in rows] == ["identity", "d4"] and {r["length"] for r in rows} == {640}
+    assert rows[0]["decode"]["full"] is rows[1]["decode"]["full"]  # one timing of each baseline per length
+    for r in rows:
+        reps = r["decode"]["sparse"]["ms_per_token_repeats"]
+        assert len(reps) == 2 and r["decode"]["sparse"]["ms_per_token"] == pytest.approx(sum(reps) / 2)
+        assert len(r["vs_sink_window_repeats"]) == 2
+    assert 0.9 < rows[0]["memory"]["cold_over_full_bf16"] <= 1.01  # bf16 blocks
+    assert rows[1]["memory"]["cold_over_full_bf16"] < 0.43
+    assert set(got["policy"]["sparse_by_codec"]) == {"identity", "d4"}

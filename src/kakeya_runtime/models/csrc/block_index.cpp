@@ -158,7 +158,7 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
                       std::min<int64_t>(n, (c + 1) * CHUNK), scores.get() + item * G * most, most);
     }
   });
-  at::parallel_for(0, items, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {  // a decode step's few tokens: each thread its own
     std::vector<int64_t> idx;
     std::vector<float> share, w;
     for (int64_t item = begin; item < end; ++item) {
@@ -430,32 +430,35 @@ std::pair<int64_t, int64_t> decoded_fill(const at::Tensor& select, const at::Ten
   }
   const int64_t m = static_cast<int64_t>(mj.size());
   if (m == 0) return {hits, 0};
-  // The misses' codes gathered (B, m, block) -> rows, decoded, and written into their slots.
+  // The misses' codes, K then V, gathered (2, B, m, block) -> rows, decoded in one d4_points and one linear call
+  // (each row's bits do not depend on the rows beside it), and written into their slots.
   const int64_t rows = B * m * blk;
   std::vector<int64_t> dst(B * m);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < m; ++i) dst[b * m + i] = ((b * Hc + mh[i]) * C + ms[i]) * blk * D;
-  auto code = at::empty({rows, nbytes}, k_code.options());
-  auto scale = at::empty({rows, 2}, k_scale.options());
+  auto code = at::empty({2 * rows, nbytes}, k_code.options());
+  auto scale = at::empty({2 * rows, 2}, k_scale.options());
+  uint8_t* co = code.data_ptr<uint8_t>();
+  at::Half* so = scale.data_ptr<at::Half>();
   for (int side = 0; side < 2; ++side) {
     const at::Tensor& cs = side ? v_code : k_code;
-    const at::Tensor& ss = side ? v_scale : k_scale;
     const uint8_t* cp = cs.const_data_ptr<uint8_t>();
-    const at::Half* sp = ss.const_data_ptr<at::Half>();
-    uint8_t* co = code.data_ptr<uint8_t>();
-    at::Half* so = scale.data_ptr<at::Half>();
+    const at::Half* sp = (side ? v_scale : k_scale).const_data_ptr<at::Half>();
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = 0; i < m; ++i) {
-        const int64_t src = (b * Hc + mh[i]) * cs.size(2) + mj[i], r = (b * m + i) * blk;
+        const int64_t src = (b * Hc + mh[i]) * cs.size(2) + mj[i], r = side * rows + (b * m + i) * blk;
         std::memcpy(co + r * nbytes, cp + src * blk * nbytes, blk * nbytes);
         std::memcpy(so + r * 2, sp + src * blk * 2, blk * 2 * sizeof(at::Half));
       }
-    const auto y = kakeya_ops::linear(kakeya_ops::d4_points(code, scale, q, bits, codes), rot, std::nullopt, false);
+  }
+  const auto y = kakeya_ops::linear(kakeya_ops::d4_points(code, scale, q, bits, codes), rot, std::nullopt, false);
+  for (int side = 0; side < 2; ++side) {
     const at::Tensor& dec = side ? dec_v : dec_k;
+    const auto ys = y.narrow(0, side * rows, rows);
     if (dec.scalar_type() == at::kFloat) {
-      store_decoded<float>(y, so, dec, dst, blk, D);
+      store_decoded<float>(ys, so + side * rows * 2, dec, dst, blk, D);
     } else {
-      store_decoded<c10::BFloat16>(y, so, dec, dst, blk, D);
+      store_decoded<c10::BFloat16>(ys, so + side * rows * 2, dec, dst, blk, D);
     }
   }
   return {hits, m};
