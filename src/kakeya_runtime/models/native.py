@@ -232,12 +232,20 @@ def _per_head(topk: int | torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           out_fp32: bool = False) -> torch.Tensor:
+           out_fp32: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) for x (M, K), W (N, K): each output element by one fixed sequence of operations,
-    whatever M is (csrc/invariant_linear.cpp). `out_fp32`: the fp32 sums, not rounded to x's dtype."""
+    whatever M is (csrc/invariant_linear.cpp). `out_fp32`: the fp32 sums, not rounded to x's dtype. `packed`:
+    `linear_pack(weight)`, W's tiles laid out once for calls of many rows (the same bits, less work per call)."""
     if _loaded is None:
         load()
-    return torch.ops.kakeya.linear(x, weight, bias, out_fp32)
+    return torch.ops.kakeya.linear(x, weight, bias, out_fp32, packed)
+
+
+def linear_pack(weight: torch.Tensor) -> torch.Tensor:
+    """W (N, K) laid out once as the tiles `linear` packs per call of many rows (a second copy of W, int32), or an
+    empty tensor where W does not take that path here (dtype, shape, no AMX)."""
+    load()
+    return torch.ops.kakeya.linear_pack(weight)
 
 
 GATED_ACTS = {"silu": 0, "gelu_tanh": 1}
