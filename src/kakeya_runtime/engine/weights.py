@@ -83,7 +83,7 @@ class DenseLinear(nn.Module):
         # instead of per call (a second copy of W, counted in weight_bytes; the same bits either way).
         self.register_buffer("packed", None, persistent=False)
         self._packed_version = -1
-        if pack and self.weight.dtype == torch.bfloat16 and native.enabled():
+        if pack and self.weight.dtype == torch.bfloat16 and native.enabled() and native.pack_weights():
             self._pack()
 
     def _pack(self) -> None:

@@ -23,6 +23,7 @@ route serves every shape in a process (decode, chunk, fresh prompt), so a positi
 `KAKEYA_ATTENTION=sdpa` switches to PyTorch's SDPA and GEMMs (faster on long fresh prompts, not invariant);
 with the default `native`, kernels that cannot be built raise NativeKernelError instead of quietly running the
 other path. `KAKEYA_AMX=0` keeps the kernels off AMX tiles (the AVX-512 paths CPUs without AMX take).
+`KAKEYA_PACK_WEIGHTS=0` packs the projections' AMX tiles per prefill call instead of once at load (no second copy).
 """
 
 from __future__ import annotations
@@ -239,6 +240,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _loaded is None:
         load()
     return torch.ops.kakeya.linear(x, weight, bias, out_fp32, packed)
+
+
+PACK_ENV = "KAKEYA_PACK_WEIGHTS"
+
+
+def pack_weights() -> bool:
+    """Whether bf16 projections keep their tiles packed once at load (`linear_pack`): $KAKEYA_PACK_WEIGHTS, default
+    on; 0 saves the second copy of the weights and packs per call of many rows instead (the same bits)."""
+    return os.environ.get(PACK_ENV, "1").strip() != "0"
 
 
 def linear_pack(weight: torch.Tensor) -> torch.Tensor:
