@@ -72,11 +72,14 @@ def test_weights_packed_once_give_the_same_bits(n, k):
                 assert torch.equal(got, want), (m, bias is not None, fp32)
 
 
-def test_dense_linear_packs_at_load_and_follows_in_place_updates():
-    """quantize_model(bf16) packs the projections (not the head); a weight changed in place is re-packed before
-    its next many-row call, so the results always match the unpacked call."""
+def test_dense_linear_packs_at_load_and_follows_in_place_updates(monkeypatch):
+    """With KAKEYA_PACK_WEIGHTS=1, quantize_model(bf16) packs the projections (not the head); a weight changed in
+    place is re-packed before its next many-row call, so the results always match the unpacked call."""
     from kakeya_runtime.engine.weights import DenseLinear
 
+    monkeypatch.setenv(native.PACK_ENV, "0")
+    assert DenseLinear(torch.zeros(64, 64, dtype=torch.bfloat16), None, pack=True).packed is None  # off by default
+    monkeypatch.setenv(native.PACK_ENV, "1")
     gen = torch.Generator().manual_seed(5)
     w = (torch.randn(960, 576, generator=gen) * 0.04).to(torch.bfloat16)
     lin = DenseLinear(w.clone(), None, pack=True)

@@ -79,8 +79,8 @@ class DenseLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        # `pack`: with our kernels on AMX, W's tiles for calls of many rows (prefill chunks) laid out once here
-        # instead of per call (a second copy of W, counted in weight_bytes; the same bits either way).
+        # `pack` (and KAKEYA_PACK_WEIGHTS=1): with our kernels on AMX, W's tiles for calls of many rows (prefill
+        # chunks) laid out once here instead of per call (a second copy of W, counted in weight_bytes; same bits).
         self.register_buffer("packed", None, persistent=False)
         self._packed_version = -1
         if pack and self.weight.dtype == torch.bfloat16 and native.enabled() and native.pack_weights():

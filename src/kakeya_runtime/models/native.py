@@ -23,7 +23,7 @@ route serves every shape in a process (decode, chunk, fresh prompt), so a positi
 `KAKEYA_ATTENTION=sdpa` switches to PyTorch's SDPA and GEMMs (faster on long fresh prompts, not invariant);
 with the default `native`, kernels that cannot be built raise NativeKernelError instead of quietly running the
 other path. `KAKEYA_AMX=0` keeps the kernels off AMX tiles (the AVX-512 paths CPUs without AMX take).
-`KAKEYA_PACK_WEIGHTS=0` packs the projections' AMX tiles per prefill call instead of once at load (no second copy).
+`KAKEYA_PACK_WEIGHTS=1` packs the projections' AMX tiles once at load (a second copy) instead of per prefill call.
 """
 
 from __future__ import annotations
@@ -246,9 +246,10 @@ PACK_ENV = "KAKEYA_PACK_WEIGHTS"
 
 
 def pack_weights() -> bool:
-    """Whether bf16 projections keep their tiles packed once at load (`linear_pack`): $KAKEYA_PACK_WEIGHTS, default
-    on; 0 saves the second copy of the weights and packs per call of many rows instead (the same bits)."""
-    return os.environ.get(PACK_ENV, "1").strip() != "0"
+    """Whether bf16 projections keep their tiles packed once at load (`linear_pack`): $KAKEYA_PACK_WEIGHTS=1. Off by
+    default: the second copy of the weights (+212 MB on SmolLM2) bought ~1% of prefill end to end (projections
+    0.62 -> ~0.48 s at 4k, inside the run-to-run spread; docs/evidence.md). The same bits either way."""
+    return os.environ.get(PACK_ENV, "0").strip() == "1"
 
 
 def linear_pack(weight: torch.Tensor) -> torch.Tensor:
