@@ -50,6 +50,49 @@ def test_a_row_gets_the_same_bits_in_any_call(n, k, dtype, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_weights_packed_once_give_the_same_bits(n, k):
+    """`linear_pack(w)` (W's tiles laid out once, at load) changes the layout only: every call, of any number of
+    rows, with or without bias, rounded or fp32, equals the call without it bit for bit. Shapes off the AMX
+    path get an empty pack (and calls with it are the plain calls)."""
+    gen = torch.Generator().manual_seed(3 * n + k)
+    x = torch.randn(545, k, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    packed = native.linear_pack(w)
+    on_amx = native.linear_path(torch.bfloat16, k, n) == "amx"
+    assert packed.dtype == torch.int32 and (packed.numel() > 0) == on_amx
+    if on_amx:
+        assert packed.numel() == (n + 31) // 32 * 2 * (k // 32) * 256
+    for m in (1, 31, 32, 33, 64, 100, 512, 545):
+        for bias in (None, b):
+            for fp32 in (False, True):
+                want = native.linear(x[:m], w, bias, out_fp32=fp32)
+                got = native.linear(x[:m], w, bias, out_fp32=fp32, packed=packed)
+                assert torch.equal(got, want), (m, bias is not None, fp32)
+
+
+def test_dense_linear_packs_at_load_and_follows_in_place_updates(monkeypatch):
+    """With KAKEYA_PACK_WEIGHTS=1, quantize_model(bf16) packs the projections (not the head); a weight changed in
+    place is re-packed before its next many-row call, so the results always match the unpacked call."""
+    from kakeya_runtime.engine.weights import DenseLinear
+
+    monkeypatch.setenv(native.PACK_ENV, "0")
+    assert DenseLinear(torch.zeros(64, 64, dtype=torch.bfloat16), None, pack=True).packed is None  # off by default
+    monkeypatch.setenv(native.PACK_ENV, "1")
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(960, 576, generator=gen) * 0.04).to(torch.bfloat16)
+    lin = DenseLinear(w.clone(), None, pack=True)
+    if native.linear_path(torch.bfloat16, 576, 960) == "amx":
+        assert lin.packed is not None and lin.packed.numel() > 0
+    x = torch.randn(64, 576, generator=gen).to(torch.bfloat16)
+    assert torch.equal(lin(x), native.linear(x, lin.weight))
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    assert torch.equal(lin(x), native.linear(x, lin.weight))
+    assert DenseLinear(w, None).packed is None  # packing is opt-in (quantize_model asks for it)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp32_output_is_the_unrounded_sum(dtype):
     """out_fp32 (the LM head's logits) returns the fp32 sums; the default output is exactly their rounding to

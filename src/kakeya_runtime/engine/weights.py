@@ -40,6 +40,7 @@ _INT4_BLOCK_N = 64  # rows per block in the CPU int4 packed layout (see _unpack_
 # matmul on dequantized weights. Measured on SmolLM2 int4 (2 threads): the kernel costs ~2.7 ms per row
 # for the whole model; dequantizing every layer once ~0.24 s plus ~0.8 ms per row: crossover ~125 rows.
 PREFILL_ROWS = 128
+PACKED_ROWS = 32  # calls of this many rows or more take the kernel's many-row path, which uses packed tiles
 
 
 class WeightFormat(enum.Enum):
@@ -73,11 +74,30 @@ class DenseLinear(nn.Module):
     one row here (13.5 against 8.3 GB/s), so the bench's peer is that path at its best.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, *, pack: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        # `pack` (and KAKEYA_PACK_WEIGHTS=1): with our kernels on AMX, W's tiles for calls of many rows (prefill
+        # chunks) laid out once here instead of per call (a second copy of W, counted in weight_bytes; same bits).
+        self.register_buffer("packed", None, persistent=False)
+        self._packed_version = -1
+        if pack and self.weight.dtype == torch.bfloat16 and native.enabled() and native.pack_weights():
+            self._pack()
+
+    def _pack(self) -> None:
+        packed = native.linear_pack(self.weight.detach())
+        self.packed = packed if packed.numel() else None
+        self._packed_version = self.weight._version
+
+    def _packed_for(self, x: Tensor) -> Tensor | None:
+        """The packed tiles if they are current (re-laid out if W changed in place since), else None."""
+        if self.packed is None or x.numel() < PACKED_ROWS * self.in_features:
+            return None
+        if self._packed_version != self.weight._version:
+            self._pack()
+        return self.packed
 
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() == self.in_features and not native.enabled():
@@ -86,10 +106,10 @@ class DenseLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        return linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        return linear(x.to(self.weight.dtype), self.weight, self.bias, packed=self._packed_for(x)).to(x.dtype)
 
     def forward_fp32(self, x: Tensor) -> Tensor:
-        return linear(x.to(self.weight.dtype), self.weight, self.bias, out_fp32=True)
+        return linear(x.to(self.weight.dtype), self.weight, self.bias, out_fp32=True, packed=self._packed_for(x))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -320,7 +340,11 @@ def quantize_model(model: nn.Module, fmt: WeightFormat | str, *, head: WeightFor
     before = weight_bytes(model)
     if not fmt.quantized:
         model.to(torch.float32 if fmt is WeightFormat.FP32 else torch.bfloat16)
-        count = _replace_linears(model, lambda lin: DenseLinear(lin.weight, lin.bias))
+        # the LM head is not packed: one row per prefill (unless all logits are asked for), and often tied
+        count = _replace_linears(model, lambda lin: DenseLinear(lin.weight, lin.bias, pack=True), skip=("lm_head",))
+        if isinstance(getattr(model, "lm_head", None), nn.Linear):
+            model.lm_head = DenseLinear(model.lm_head.weight, model.lm_head.bias)
+            count += 1
         if getattr(model, "lm_head", 0) is None and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
             model.lm_head = DenseLinear(model.embed_tokens.weight, None)  # tied: the same tensor, no copy
             count += 1

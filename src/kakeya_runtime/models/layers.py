@@ -221,14 +221,16 @@ def _attend_cached_chunk(q: Tensor, k: Tensor, v: Tensor, scale: float, groups: 
     return out.to(q.dtype)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, out_fp32: bool = False) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, out_fp32: bool = False,
+           packed: Tensor | None = None) -> Tensor:
     """x (..., K) -> (..., N). With the native backend, our kernel: each output element is computed by one
     fixed sequence of operations, whatever the number of rows in the call (a decode step, a turn, a batch).
-    `out_fp32`: fp32 results (the LM head's logits), without rounding the sums to x's dtype first."""
+    `out_fp32`: fp32 results (the LM head's logits), without rounding the sums to x's dtype first. `packed`:
+    `native.linear_pack(weight)` (the same results, less work per call of many rows)."""
     if not native.enabled():
         y = F.linear(x, weight, bias)
         return y.float() if out_fp32 else y
-    y = native.linear(x.reshape(-1, x.shape[-1]), weight, bias, out_fp32=out_fp32)
+    y = native.linear(x.reshape(-1, x.shape[-1]), weight, bias, out_fp32=out_fp32, packed=packed)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -23,6 +23,7 @@ route serves every shape in a process (decode, chunk, fresh prompt), so a positi
 `KAKEYA_ATTENTION=sdpa` switches to PyTorch's SDPA and GEMMs (faster on long fresh prompts, not invariant);
 with the default `native`, kernels that cannot be built raise NativeKernelError instead of quietly running the
 other path. `KAKEYA_AMX=0` keeps the kernels off AMX tiles (the AVX-512 paths CPUs without AMX take).
+`KAKEYA_PACK_WEIGHTS=1` packs the projections' AMX tiles once at load (a second copy) instead of per prefill call.
 """
 
 from __future__ import annotations
@@ -252,12 +253,30 @@ def _per_head(topk: int | torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           out_fp32: bool = False) -> torch.Tensor:
+           out_fp32: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) for x (M, K), W (N, K): each output element by one fixed sequence of operations,
-    whatever M is (csrc/invariant_linear.cpp). `out_fp32`: the fp32 sums, not rounded to x's dtype."""
+    whatever M is (csrc/invariant_linear.cpp). `out_fp32`: the fp32 sums, not rounded to x's dtype. `packed`:
+    `linear_pack(weight)`, W's tiles laid out once for calls of many rows (the same bits, less work per call)."""
     if _loaded is None:
         load()
-    return torch.ops.kakeya.linear(x, weight, bias, out_fp32)
+    return torch.ops.kakeya.linear(x, weight, bias, out_fp32, packed)
+
+
+PACK_ENV = "KAKEYA_PACK_WEIGHTS"
+
+
+def pack_weights() -> bool:
+    """Whether bf16 projections keep their tiles packed once at load (`linear_pack`): $KAKEYA_PACK_WEIGHTS=1. Off by
+    default: the second copy of the weights (+212 MB on SmolLM2) bought ~1% of prefill end to end (projections
+    0.62 -> ~0.48 s at 4k, inside the run-to-run spread; docs/evidence.md). The same bits either way."""
+    return os.environ.get(PACK_ENV, "0").strip() == "1"
+
+
+def linear_pack(weight: torch.Tensor) -> torch.Tensor:
+    """W (N, K) laid out once as the tiles `linear` packs per call of many rows (a second copy of W, int32), or an
+    empty tensor where W does not take that path here (dtype, shape, no AMX)."""
+    load()
+    return torch.ops.kakeya.linear_pack(weight)
 
 
 GATED_ACTS = {"silu": 0, "gelu_tanh": 1}

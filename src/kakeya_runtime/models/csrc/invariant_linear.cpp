@@ -182,8 +182,21 @@ inline void pack_w(const uint32_t* wp, int64_t pairs, int64_t n0, int nn, uint32
   }
 }
 
+// Every panel of W packed as pack_w lays it out, panel p (W rows 32p..) at p * 2 * steps * 256 uint32: the B tiles
+// of the many-row path computed once (at load) instead of per call. Same bytes as pack_w's, so the same bits.
+inline int64_t packed_panel(int64_t K) { return 2 * (K / 32) * 256; }
+
+void pack_all(const uint32_t* wp, int64_t K, int64_t N, uint32_t* out) {
+  const int64_t n_items = (N + 31) / 32;
+  at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item)
+      pack_w(wp, K / 2, item * 32, N - item * 32 >= 32 ? 2 : 1, out + item * packed_panel(K));
+  });
+}
+
 template <typename T>
-void linear_amx_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
+void linear_amx_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y,
+                     const uint32_t* prepacked) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), steps = K / 32, x_row = x.stride(0);
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   const auto* wp = reinterpret_cast<const uint32_t*>(w.const_data_ptr<c10::BFloat16>());
@@ -192,18 +205,19 @@ void linear_amx_rows(const at::Tensor& x, const at::Tensor& w, const float* bias
   const int64_t n_items = (N + 31) / 32;
   at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
     kakeya_amx::configure();
-    kakeya_amx::AlignedBuffer<uint32_t> packed(2 * steps * 256);
+    kakeya_amx::AlignedBuffer<uint32_t> packed(prepacked ? 1 : 2 * steps * 256);
     kakeya_amx::AlignedBuffer<c10::BFloat16> tail(M > full ? 32 * K : 1);
     if (M > full) {
       std::memset(tail.data, 0, 32 * K * sizeof(c10::BFloat16));
       for (int64_t m = full; m < M; ++m) std::memcpy(tail.data + (m - full) * K, xp + m * x_row, K * 2);
     }
     alignas(64) float c[32 * 32];
-    const auto* b = reinterpret_cast<const c10::BFloat16*>(packed.data);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n0 = item * 32;
       const int nn = N - n0 >= 32 ? 2 : 1;
-      pack_w(wp, K / 2, n0, nn, packed.data);
+      if (!prepacked) pack_w(wp, K / 2, n0, nn, packed.data);
+      const auto* b = reinterpret_cast<const c10::BFloat16*>(prepacked ? prepacked + item * packed_panel(K)
+                                                                        : packed.data);
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const bool in_place = m0 < full;
         const c10::BFloat16* a = in_place ? xp + m0 * x_row : tail.data;
@@ -360,10 +374,13 @@ Path choose(at::ScalarType dtype, int64_t K, int64_t N) {
 }
 
 template <typename O>
-void dispatch(Path path, const at::Tensor& x, const at::Tensor& w, const float* bp, at::Tensor& y) {
+void dispatch(Path path, const at::Tensor& x, const at::Tensor& w, const float* bp, at::Tensor& y,
+              const uint32_t* prepacked) {
   if (x.scalar_type() == at::kBFloat16) {
 #if defined(KAKEYA_AMX)
-    if (path == Path::Amx) return x.size(0) >= kRowsMin ? linear_amx_rows<O>(x, w, bp, y) : linear_amx<O>(x, w, bp, y);
+    if (path == Path::Amx) {
+      return x.size(0) >= kRowsMin ? linear_amx_rows<O>(x, w, bp, y, prepacked) : linear_amx<O>(x, w, bp, y);
+    }
 #endif
 #if defined(__AVX512BF16__)
     if (path == Path::Dot) return linear_dot<c10::BFloat16, O>(x, w, bp, y);
@@ -377,7 +394,8 @@ void dispatch(Path path, const at::Tensor& x, const at::Tensor& w, const float* 
 }
 
 // out_fp32: return the fp32 sums (+ bias) without the final rounding to x's dtype (the LM head's logits).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32,
+                  const std::optional<at::Tensor>& packed) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear: CPU only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x (M, K) and w (N, K) expected");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and w must share a dtype");
@@ -395,12 +413,33 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   }
   const float* bp = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
   const Path path = choose(x.scalar_type(), x.size(1), N);
+  const uint32_t* pp = nullptr;
+  if (packed.has_value() && path == Path::Amx) {
+    TORCH_CHECK(packed->scalar_type() == at::kInt && packed->is_contiguous() &&
+                    packed->numel() == (N + 31) / 32 * 2 * (x.size(1) / 32) * 256,
+                "linear: packed must be linear_pack(w)");
+    pp = reinterpret_cast<const uint32_t*>(packed->const_data_ptr<int32_t>());
+  }
   if (fp32) {
-    dispatch<float>(path, x, w, bp, y);
+    dispatch<float>(path, x, w, bp, y, pp);
   } else {
-    dispatch<c10::BFloat16>(path, x, w, bp, y);
+    dispatch<c10::BFloat16>(path, x, w, bp, y, pp);
   }
   return y;
+}
+
+// W's B tiles for the many-row AMX path, laid out once (the weights' second copy, int32 words of bf16 pairs), or
+// an empty tensor where W does not take that path (dtype, shape, CPU or route).
+at::Tensor linear_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous(), "linear_pack: contiguous (N, K) CPU weight");
+  const int64_t N = w.size(0), K = w.size(1);
+  if (choose(w.scalar_type(), K, N) != Path::Amx) return at::empty({0}, w.options().dtype(at::kInt));
+  auto out = at::empty({(N + 31) / 32 * 2 * (K / 32) * 256}, w.options().dtype(at::kInt));
+#if defined(KAKEYA_AMX)
+  pack_all(reinterpret_cast<const uint32_t*>(w.const_data_ptr<c10::BFloat16>()), K, N,
+           reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()));
+#endif
+  return out;
 }
 
 std::string linear_path(int64_t dtype_code, int64_t K, int64_t N) {
@@ -480,11 +519,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.def("gated_act(Tensor x, int act) -> Tensor");
-  m.def("linear(Tensor x, Tensor w, Tensor? bias, bool out_fp32=False) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, Tensor? bias, bool out_fp32=False, Tensor? packed=None) -> Tensor");
+  m.def("linear_pack(Tensor w) -> Tensor");
   m.def("linear_path(int dtype, int k, int n) -> str", &linear_path);  // dtype 1: bf16, else fp32
 }
 
 TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("linear_pack", &linear_pack);
   m.impl("gated_act", &gated_act);
 }
