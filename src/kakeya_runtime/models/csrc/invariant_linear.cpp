@@ -513,7 +513,7 @@ at::Tensor gated_act(const at::Tensor& x, int64_t act) {
 
 namespace kakeya_ops {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32) {
-  return ::linear(x, w, bias, out_fp32);
+  return ::linear(x, w, bias, out_fp32, std::nullopt);
 }
 }  // namespace kakeya_ops
 
