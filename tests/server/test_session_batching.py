@@ -75,7 +75,8 @@ def test_streams_are_bit_identical_alone_and_batched(kind):
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_decode_steps():
     slow = SlowModel(tiny_model("llama"), DELAY)
-    with running_server(tiny_served(model=slow), step_tokens=16) as thread, Client(thread.address) as client:
+    with running_server(tiny_served(model=slow), step_tokens=16, short_prompt=64) as thread, \
+            Client(thread.address) as client:
         sched = thread.server.service.scheduler
         busy = client.create_session(initial_tokens=_history(10, 1))
         ref_busy = None
@@ -97,9 +98,59 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_decode_steps():
             assert fresh.generate(max_tokens=4, ignore_eos=True).collect() == long_tokens
 
 
+def test_a_short_prompt_is_read_whole_in_one_step_beside_the_decoders():
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    with running_server(tiny_served(model=slow), step_tokens=16, short_prompt=100) as thread, \
+            Client(thread.address) as client:
+        sched = thread.server.service.scheduler
+        prompt = _history(100, 3)
+        with client.create_session(initial_tokens=prompt) as solo:
+            ref = solo.generate(max_tokens=6, ignore_eos=True).collect()
+        busy = client.create_session(initial_tokens=_history(10, 1))
+        it = iter(busy.generate(max_tokens=200, ignore_eos=True))
+        next(it)
+        chunks, fused = sched.stats.prefill_chunks, sched.stats.fused_chunks
+        with client.create_session(initial_tokens=prompt) as s:
+            got = s.generate(max_tokens=6, ignore_eos=True).collect()
+        assert got == ref  # the same bits as alone
+        assert sched.stats.prefill_chunks - chunks == 1  # 100 tokens in one step, not 15 a step
+        assert sched.stats.fused_chunks - fused == 1  # riding the busy row's decode forward
+        it.close()
+
+
+def test_a_short_prompt_is_read_before_a_long_prompts_remaining_chunks():
+    slow = SlowModel(tiny_model("llama"), 0.01)
+    with running_server(tiny_served(model=slow), step_tokens=16, short_prompt=64) as thread, \
+            Client(thread.address) as client:
+        sched = thread.server.service.scheduler
+        busy = client.create_session(initial_tokens=[4, 5, 6])
+        it = iter(busy.generate(max_tokens=300, ignore_eos=True))
+        next(it)  # decoding: the long prompt below is chunked 15 tokens a step
+        first_long = threading.Event()
+
+        def long_turn() -> None:
+            with Client(thread.address) as c, c.create_session(initial_tokens=_history(400, 5)) as s:
+                for _ in s.generate(max_tokens=2, ignore_eos=True):
+                    first_long.set()
+
+        before = sched.stats.prefill_chunks
+        t = threading.Thread(target=long_turn)
+        t.start()
+        deadline = time.time() + 10
+        while sched.stats.prefill_chunks < before + 3 and time.time() < deadline:
+            time.sleep(0.002)
+        with client.create_session(initial_tokens=_history(30, 6)) as s:
+            short = s.generate(max_tokens=1, ignore_eos=True).collect()
+        assert len(short) == 1 and not first_long.is_set()  # it did not wait for the long prompt's ~27 chunks
+        t.join(60)
+        assert first_long.is_set()
+        it.close()
+
+
 def test_cancel_between_prefill_chunks_leaves_the_session_untouched():
     slow = SlowModel(tiny_model("llama"), 0.01)
-    with running_server(tiny_served(model=slow), step_tokens=16) as thread, Client(thread.address) as client:
+    with running_server(tiny_served(model=slow), step_tokens=16, short_prompt=64) as thread, \
+            Client(thread.address) as client:
         sched = thread.server.service.scheduler
         busy = client.create_session(initial_tokens=[4, 5, 6])
         it = iter(busy.generate(max_tokens=300, ignore_eos=True))
@@ -236,11 +287,11 @@ def test_smollm2_greedy_streams_batched_equal_solo(english_text):
         served = ServedModel.from_loaded(load_model("smollm2", dtype=torch.bfloat16), "smollm2")
     except ModelLoadError as e:
         pytest.skip(f"smollm2 unavailable: {e}")
-    with running_server(served, step_tokens=32) as thread, Client(thread.address) as client:
+    with running_server(served, step_tokens=32, short_prompt=64) as thread, Client(thread.address) as client:
         from kakeya.tokenization import Tokenizer
 
         ids = list(Tokenizer.from_model_info(client.model_info()).encode(english_text))
-        prompts = [ids[:40], ids[10:310], ids[5:12], ids[50:170]]  # the 300-token one is chunked beside the others
+        prompts = [ids[:40], ids[10:310], ids[5:12], ids[50:170]]  # 40 and 7 read whole, 300 and 120 chunked
         alone = []
         for p in prompts:
             with client.create_session(initial_tokens=p) as s:

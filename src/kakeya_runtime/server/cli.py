@@ -15,7 +15,7 @@ from rich.console import Console
 
 from kakeya_runtime.engine.dtypes import DTYPE_HELP, dtype_name
 from kakeya_runtime.server.ports import Listen, port_problem
-from kakeya_runtime.sessions.batch import DEFAULT_STEP_TOKENS
+from kakeya_runtime.sessions.batch import DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOKENS
 
 
 def register(app: typer.Typer) -> None:
@@ -71,6 +71,10 @@ def serve(
     step_tokens: int = typer.Option(
         DEFAULT_STEP_TOKENS, "--step-tokens", help="Tokens per engine step (one per decoding session, the rest for a new prompt's "
         "prefill chunk): smaller keeps the others' inter-token latency lower while a long prompt is read."),
+    short_prompt: int = typer.Option(
+        DEFAULT_SHORT_PROMPT, "--short-prompt", help="A prompt of at most this many tokens (an agent turn's message) "
+        "is read in one step beside the decoding sessions; a longer one in --step-tokens chunks. 0: chunk every "
+        "prompt."),
     context: int | None = typer.Option(None, "--context", help="Per-session context limit (default: the model's)."),
     dtype: str | None = typer.Option(None, "--dtype", help=f"Weights/activations dtype: {DTYPE_HELP} (the same as "
                                      "--weights bf16 / fp32; fp16 is served as loaded)."),
@@ -125,7 +129,8 @@ def serve(
         raise typer.Exit(2) from None
     config = ServerConfig(host=host, port=port, metrics_port=None if no_metrics else metrics_port,
                           api_keys=tuple(api_key), max_sessions=max_sessions, idle_ttl_s=ttl,
-                          max_concurrent=max_concurrent, step_tokens=step_tokens, context_length=context,
+                          max_concurrent=max_concurrent, step_tokens=step_tokens, short_prompt=short_prompt,
+                          context_length=context,
                           idle_compress_after_s=idle_compress_after, idle_codec=idle_codec, idle_q=idle_q,
                           max_request_bytes=max_request_bytes, openai_port=openai_port,
                           openai_max_queue=openai_max_queue, max_sessions_per_key=max_sessions_per_key,
@@ -338,7 +343,8 @@ async def _serve_forever(server: Any, console: Console) -> None:
     await server.start()
     cfg = server.config
     console.print(f"Kakeya serving [bold]{server.served.name}[/] on [bold cyan]{server.address}[/] "
-                  f"(max_sessions={cfg.max_sessions}, ttl={cfg.idle_ttl_s:g}s, max_batch={cfg.max_concurrent}, step_tokens={cfg.step_tokens}, "
+                  f"(max_sessions={cfg.max_sessions}, ttl={cfg.idle_ttl_s:g}s, max_batch={cfg.max_concurrent}, "
+                  f"step_tokens={cfg.step_tokens}, short_prompt={cfg.short_prompt}, "
                   f"auth={'on' if cfg.api_keys else 'off'}, kv policies={','.join(server.service.policies.names())}, "
                   f"idle compression={_idle_text(server)}, max request={server.max_request_bytes / 2**20:.2f} MiB)")
     limits = server.service.store.limits

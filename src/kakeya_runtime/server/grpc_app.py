@@ -27,7 +27,7 @@ from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor
 from kakeya_runtime.server.boundary import StatusBoundary
 from kakeya_runtime.server.health import add_health_and_reflection
 from kakeya_runtime.server.metrics import RpcMetricsInterceptor, RuntimeMetrics
-from kakeya_runtime.sessions.batch import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
+from kakeya_runtime.sessions.batch import DEFAULT_MAX_BATCH, DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOKENS
 from kakeya_runtime.sessions.budget import default_kv_budget
 from kakeya_runtime.sessions.errors import InvalidArgument, ResourceExhausted, quoted
 from kakeya_runtime.sessions.journal import FsyncPolicy, StateDir
@@ -107,6 +107,7 @@ class ServerConfig:
     idle_ttl_s: float = 1800.0
     max_concurrent: int = DEFAULT_MAX_BATCH  # Generates batched at once (the engine loop's max batch; 1: serial)
     step_tokens: int = DEFAULT_STEP_TOKENS  # tokens per engine step: decode rows + prefill chunks (sessions.batch)
+    short_prompt: int = DEFAULT_SHORT_PROMPT  # prompts up to this many tokens are read in one step (sessions.batch)
     context_length: int | None = None  # None: the model's max positions
     sweep_interval_s: float | None = None
     idle_compress_after_s: float | None = None  # compress sessions idle this long; None: never
@@ -153,6 +154,8 @@ class ServerConfig:
         for flag, value in (("--max-batch", self.max_concurrent), ("--step-tokens", self.step_tokens)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.short_prompt < 0:
+            raise ValueError(f"--short-prompt must be >= 0, got {self.short_prompt}")
         if self.idle_compress_after_s is not None and not self.idle_compress_after_s > 0:
             raise ValueError(f"idle_compress_after_s must be > 0, got {self.idle_compress_after_s}")
         if self.idle_codec is not None and self.idle_codec.lower() not in (*CODEC_KINDS, "none"):
@@ -380,6 +383,7 @@ class RuntimeServer:
             eos_ids=eos,
             config=ServiceConfig(max_sessions=c.max_sessions, idle_ttl_s=c.idle_ttl_s,
                                  max_concurrent=c.max_concurrent, step_tokens=c.step_tokens,
+                                 short_prompt=c.short_prompt,
                                  context_length=c.context_length,
                                  sweep_interval_s=c.sweep_interval_s, idle_compress_after_s=c.idle_compress_after_s,
                                  idle_codec=c.idle_codec, idle_q=c.idle_q, limits=limits),

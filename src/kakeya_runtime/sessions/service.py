@@ -44,7 +44,12 @@ from kakeya_runtime.kv.sink_window import PositionLimitError
 from kakeya_runtime.kv.sparse import SparseKV
 from kakeya_runtime.kv.spec import DEFAULT_Q
 from kakeya_runtime.sessions import archive, snapshot
-from kakeya_runtime.sessions.batch import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS, BatchScheduler
+from kakeya_runtime.sessions.batch import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_SHORT_PROMPT,
+    DEFAULT_STEP_TOKENS,
+    BatchScheduler,
+)
 from kakeya_runtime.sessions.budget import kv_worst_case_bytes
 from kakeya_runtime.sessions.errors import (
     FailedPrecondition,
@@ -92,6 +97,7 @@ class ServiceConfig:
     idle_ttl_s: float = 1800.0  # 30 min, seed 000 §2.6
     max_concurrent: int = DEFAULT_MAX_BATCH  # Generates running at once: the engine loop's max batch (1: serial)
     step_tokens: int = DEFAULT_STEP_TOKENS  # tokens per engine step (decode rows + prefill chunks), see batch
+    short_prompt: int = DEFAULT_SHORT_PROMPT  # prompts up to this many tokens are read in one step, see batch
     context_length: int | None = None  # per-session limit; None: the model's max positions
     sweep_interval_s: float | None = None  # sweeper period; None: min(ttl / 2, idle_compress_after_s / 2, 30 s)
     idle_compress_after_s: float | None = None  # compress a session's KV idle this long; None: never
@@ -236,7 +242,8 @@ class SessionService:
                                   limits=limits, journal=state)
         self._worst_case: dict[PolicySpec, int] = {}
         self.scheduler = BatchScheduler(engine, max_batch=self.config.max_concurrent,
-                                        step_tokens=self.config.step_tokens)
+                                        step_tokens=self.config.step_tokens,
+                                        short_prompt=self.config.short_prompt)
         self._sweeper: asyncio.Task | None = None
         self._compressions: set[asyncio.Task] = set()
         self.detokenize = detokenize
