@@ -46,6 +46,8 @@ def instrument() -> None:
     sparse_mod.native.sparse_step = timed("sparse_step", sparse_mod.native.sparse_step)
     sparse_mod.native.block_select = timed("block_select", sparse_mod.native.block_select)
     sparse_mod.native.sparse_attention = timed("sparse_attention", sparse_mod.native.sparse_attention)
+    sparse_mod.native.cached_attention = timed("cached_attention", sparse_mod.native.cached_attention)
+    sparse_mod.native.cached_attention_rows = timed("cached_attention", sparse_mod.native.cached_attention_rows)
 
 
 class Tok:
@@ -153,11 +155,11 @@ def main() -> None:
                   f" prefill={x['prefill_s']*1e3:6.1f} (attend {pp.get('attend', 0)*1e3:5.1f}"
                   f" complete {pp.get('_complete_blocks', 0)*1e3:4.1f} decblk {pp.get('_decode_blocks', 0)*1e3:4.1f}"
                   f" kern {(pp.get('sparse_step', 0) + pp.get('sparse_attention', 0) + pp.get('block_select', 0))*1e3:5.1f}"
-                  f" miss {x['prefill_misses']:.0f})"
+                  f" miss {x['prefill_misses']:.0f} exact {pp.get('cached_attention', 0)*1e3:5.1f})"
                   f" decode3={x['decode3_s']*1e3:6.1f} (attend {dp.get('attend', 0)*1e3:5.1f}"
                   f" decblk {dp.get('_decode_blocks', 0)*1e3:4.1f}"
                   f" kern {(dp.get('sparse_step', 0) + dp.get('sparse_attention', 0) + dp.get('block_select', 0))*1e3:5.1f}"
-                  f" miss {x['decode_misses']:.0f})")
+                  f" miss {x['decode_misses']:.0f} exact {dp.get('cached_attention', 0)*1e3:5.1f})")
         print(f" last/first turn p50 {result['runs'][policy]['last_over_first_turn_p50']:.3f}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -225,12 +225,19 @@ inline void block_pv(const float* p, const T* const* vrow, const uint32_t* vt2, 
 
 #if defined(__AVX512BF16__)
 // V of a block of NL lanes interleaved by lane pairs, vt2 (NL/2, D) of (v[2i][d], v[2i+1][d]); empty lanes are zero.
+// `pf` (optional): NL rows, `pf_row` bytes apart, to ask the cache for, two per lane pair, spread over the work so
+// the requests overlap it instead of stalling it in one burst (timing only).
 template <int D, int NL = BK>
-inline void interleave_values(const c10::BFloat16* const* vrow, uint32_t* vt2) {
+inline void interleave_values(const c10::BFloat16* const* vrow, uint32_t* vt2, const char* pf = nullptr,
+                              int64_t pf_row = 0) {
   static const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                              39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   static const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  constexpr int LINES = D * 2 / 64;
   for (int j = 0; j < NL; j += 2) {
+    if (pf != nullptr)
+      for (int i = 0; i < 2; ++i)
+        for (int c = 0; c < LINES; ++c) _mm_prefetch(pf + (j + i) * pf_row + 64 * c, _MM_HINT_T1);
     for (int c = 0; c < D / 32; ++c) {
       const __m512i va = vrow[j] ? _mm512_loadu_si512(vrow[j] + c * 32) : _mm512_setzero_si512();
       const __m512i vb = vrow[j + 1] ? _mm512_loadu_si512(vrow[j + 1] + c * 32) : _mm512_setzero_si512();
@@ -403,10 +410,18 @@ inline void block_rows(const BFT* k, const BFT* v, int64_t k_row, int64_t v_row,
 
 // Keys of a block as K^T in pairs, kt2 (D/2, BKA) of (k[lane][2p], k[lane][2p+1]) at [p][lane], zero lanes where
 // empty: 16 x 16 transposes of 32-bit pairs read straight from the key rows (transpose16's shuffles).
+// `pf` (optional): BKA rows, `pf_row` bytes apart, to ask the cache for, spread over the transposes (timing only).
 template <int D>
-inline void stage_keys(const c10::BFloat16* const* krow, uint32_t* kt2) {
+inline void stage_keys(const c10::BFloat16* const* krow, uint32_t* kt2, const char* pf = nullptr,
+                       int64_t pf_row = 0) {
+  constexpr int LINES = D * 2 / 64, STEPS = BKA / 16 * (D / 32), PER = BKA / STEPS;  // rows asked for per transpose
   for (int g = 0; g < BKA / 16; ++g) {
     for (int p0 = 0; p0 < D / 2; p0 += 16) {
+      if (pf != nullptr) {
+        const int step = g * (D / 32) + p0 / 16;
+        for (int i = step * PER; i < (step + 1) * PER; ++i)
+          for (int c = 0; c < LINES; ++c) _mm_prefetch(pf + i * pf_row + 64 * c, _MM_HINT_T1);
+      }
       __m512 r[16];  // 16 keys' 32-bit pairs p0..p0+15 as rows, transposed to pairs as rows
       for (int l = 0; l < 16; ++l) {
         const c10::BFloat16* kr = krow[g * 16 + l];
@@ -451,43 +466,96 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     tile_min[rb] = mn;
   }
   const bool plain = rule.kind == Kind::Plain && rule.window <= 0;
-  // Blocks are staged one ahead (two buffers): a block's K^T and V are written while the previous block's tiles
-  // run, so the tile loads do not wait on the stores that staged them. Data movement only.
-  kakeya_amx::AlignedBuffer<uint32_t> kt2s(2 * D / 2 * BKA);  // K^T in pairs: [pair][lane], zero lanes where empty
-  kakeya_amx::AlignedBuffer<uint32_t> vt2s(2 * BKA / 2 * D);  // values interleaved by lane pairs
+  // Blocks are staged one ahead: a block's K^T and V are written while the previous block's tiles run, so the
+  // tile loads do not wait on the stores that staged them. A row tile's P . V runs after the next row tile's
+  // scores and softmax (possibly the next block's), so its P tile loads do not wait on the softmax's stores
+  // either; V is kept for three blocks for that. Data movement and schedule only: each row's m, l and acc are
+  // updated block by block in the same order.
+  constexpr int NBUF = 3;
+  kakeya_amx::AlignedBuffer<uint32_t> kt2s(NBUF * D / 2 * BKA);  // K^T in pairs: [pair][lane], zero lanes where empty
+  kakeya_amx::AlignedBuffer<uint32_t> vt2s(NBUF * BKA / 2 * D);  // values interleaved by lane pairs
   kakeya_amx::AlignedBuffer<float> sb(16 * BKA);         // S of a row tile: [row][lane]
-  kakeya_amx::AlignedBuffer<BF> pb(16 * BKA);            // P of a row tile, bf16, (16 rows, BKA lanes)
+  kakeya_amx::AlignedBuffer<BF> pbs(2 * 16 * BKA);       // P of a row tile, bf16, (16 rows, BKA lanes); two
   kakeya_amx::AlignedBuffer<float> ob(16 * D);           // P . V of a row tile, (16 rows, D)
-  const BF* krows[2][BKA];
-  const BF* vrows[2][BKA];
-  uint32_t presents[2][WORDS];
-  float alpha[16];
+  const BF* krows[NBUF][BKA];
+  const BF* vrows[NBUF][BKA];
+  uint32_t presents[NBUF][WORDS];
+  float alphas[2][16];
   uint32_t vis[16][WORDS];
-  auto stage = [&](int64_t bi) {
-    const int64_t buf = bi % 2;
-    if (in_order) {  // ask for the next BKA stored rows (next block, or the next superblock's first): timing only
-      constexpr int64_t LINES = D * 2 / 64, PF_AHEAD = BKA;
-      const char* kr = reinterpret_cast<const char*>(k + (blocks[bi].first + PF_AHEAD) * k_row);
-      const char* vr = reinterpret_cast<const char*>(v + (blocks[bi].first + PF_AHEAD) * v_row);
-      for (int64_t i = 0; i < BKA; ++i)  // prefetches never fault, past the end of the cache too
-        for (int64_t c = 0; c < LINES; ++c) {
-          _mm_prefetch(kr + i * k_row * 2 + 64 * c, _MM_HINT_T1);
-          _mm_prefetch(vr + i * v_row * 2 + 64 * c, _MM_HINT_T1);
+  // The row tile whose P . V is still to run: its P buffer, V and rows (its alphas in alphas[buf]).
+  struct PendingPV {
+    bool on = false;
+    int buf = 0;
+    const uint32_t* vt2 = nullptr;
+    int64_t r0 = 0, rn = 0;
+    int64_t block = 0;  // its V lives in staging buffer block % NBUF
+  } pending;
+  int buf = 0;  // the P buffer the next row tile's softmax writes
+  auto run_pv = [&](const PendingPV& pv) {
+    const BF* pb = pbs.data + pv.buf * (16 * BKA);
+    const uint32_t* vt2 = pv.vt2;
+    const float* alpha = alphas[pv.buf];
+    const int64_t rn = pv.rn;
+    float* const acc0 = st.acc + pv.r0 * D;
+    for (int d0 = 0; d0 < D; d0 += 64) {  // up to four 16-dim output tiles at a time
+      const int nt = std::min(4, (D - d0) / 16);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int c = 0; c < BKA / 32; ++c) {  // 32 keys (16 pairs) per step, in order
+        _tile_loadd(4, pb + c * 32, BKA * 2);
+        const uint32_t* vb = vt2 + c * 16 * D + d0;
+        _tile_loadd(6, vb, D * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nt > 1) {
+          _tile_loadd(7, vb + 16, D * 4);
+          _tile_dpbf16ps(1, 4, 7);
         }
+        if (nt > 2) {
+          _tile_loadd(6, vb + 32, D * 4);
+          _tile_dpbf16ps(2, 4, 6);
+        }
+        if (nt > 3) {
+          _tile_loadd(7, vb + 48, D * 4);
+          _tile_dpbf16ps(3, 4, 7);
+        }
+      }
+      _tile_stored(0, ob.data + d0, D * 4);
+      if (nt > 1) _tile_stored(1, ob.data + d0 + 16, D * 4);
+      if (nt > 2) _tile_stored(2, ob.data + d0 + 32, D * 4);
+      if (nt > 3) _tile_stored(3, ob.data + d0 + 48, D * 4);
     }
+    for (int64_t i = 0; i < rn; ++i) {
+      if (alpha[i] < 0.f) continue;
+      float* acc = acc0 + i * D;
+      for (int d = 0; d < D; d += VS)
+        (Vec::loadu(acc + d) * Vec(alpha[i]) + Vec::loadu(ob.data + i * D + d)).store(acc + d);
+    }
+  };
+  auto stage = [&](int64_t bi) {
+    const int64_t sb_i = bi % NBUF;
+    // In order: ask for the next BKA stored rows (next block, or the next superblock's first), spread over the
+    // staging work (timing only; prefetches never fault, past the end of the cache too).
+    const char* kpf = in_order ? reinterpret_cast<const char*>(k + (blocks[bi].first + BKA) * k_row) : nullptr;
+    const char* vpf = in_order ? reinterpret_cast<const char*>(v + (blocks[bi].first + BKA) * v_row) : nullptr;
     block_rows<BF>(k, v, k_row, v_row, order, pos, blocks[bi], blocks[bi].min_pos / BKA * BKA, in_order,
-                   krows[buf], vrows[buf], presents[buf]);
-    stage_keys<D>(krows[buf], kt2s.data + buf * (D / 2 * BKA));
-    interleave_values<D, BKA>(vrows[buf], vt2s.data + buf * (BKA / 2 * D));
+                   krows[sb_i], vrows[sb_i], presents[sb_i]);
+    stage_keys<D>(krows[sb_i], kt2s.data + sb_i * (D / 2 * BKA), kpf, k_row * 2);
+    interleave_values<D, BKA>(vrows[sb_i], vt2s.data + sb_i * (BKA / 2 * D), vpf, v_row * 2);
   };
   if (nblocks > 0) stage(0);
   for (int64_t bi = 0; bi < nblocks; ++bi) {
+    if (pending.on && pending.block + 1 < bi) {  // staging block bi + 1 reuses its V buffer: run it first
+      run_pv(pending);
+      pending.on = false;
+    }
     if (bi + 1 < nblocks) stage(bi + 1);
     const Block& blk = blocks[bi];
     const int64_t base = blk.min_pos / BKA * BKA;
-    const uint32_t* present = presents[bi % 2];
-    const uint32_t* kt2 = kt2s.data + (bi % 2) * (D / 2 * BKA);
-    const uint32_t* vt2 = vt2s.data + (bi % 2) * (BKA / 2 * D);
+    const uint32_t* present = presents[bi % NBUF];
+    const uint32_t* kt2 = kt2s.data + (bi % NBUF) * (D / 2 * BKA);
+    const uint32_t* vt2 = vt2s.data + (bi % NBUF) * (BKA / 2 * D);
     for (int64_t rb = 0; rb < RB; ++rb) {
       const int64_t r0 = rb * 16, rn = std::min<int64_t>(16, R - r0);
       uint32_t any = 0u;
@@ -525,6 +593,8 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
         _tile_stored(2, out + 32, BKA * 4);
         _tile_stored(3, out + 48, BKA * 4);
       }
+      float* const alpha = alphas[buf];
+      BF* const pb = pbs.data + buf * (16 * BKA);
       for (int64_t i = 0; i < 16; ++i) {
         alpha[i] = -1.f;
         float* s = sb.data + i * BKA;
@@ -537,54 +607,23 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
         if (row_any != 0u) {
           st.n[r0 + i] += static_cast<float>(seen);
           if (scale > 0.f) {
-            alpha[i] = group_softmax_bf16(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i], pb.data + i * BKA);
+            alpha[i] = group_softmax_bf16(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i], pb + i * BKA);
           } else {
             alpha[i] = group_softmax(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i]);
             for (int j = 0; j < BKA; j += 32)  // p rounded to bf16, nearest even
-              _mm512_storeu_si512(pb.data + i * BKA + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16),
+              _mm512_storeu_si512(pb + i * BKA + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16),
                                                                                       _mm512_loadu_ps(s + j)));
           }
         } else {
-          std::memset(pb.data + i * BKA, 0, BKA * sizeof(BF));  // 0 for rows with nothing here
+          std::memset(pb + i * BKA, 0, BKA * sizeof(BF));  // 0 for rows with nothing here
         }
       }
-      for (int d0 = 0; d0 < D; d0 += 64) {  // up to four 16-dim output tiles at a time
-        const int nt = std::min(4, (D - d0) / 16);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int c = 0; c < BKA / 32; ++c) {  // 32 keys (16 pairs) per step, in order
-          _tile_loadd(4, pb.data + c * 32, BKA * 2);
-          const uint32_t* vb = vt2 + c * 16 * D + d0;
-          _tile_loadd(6, vb, D * 4);
-          _tile_dpbf16ps(0, 4, 6);
-          if (nt > 1) {
-            _tile_loadd(7, vb + 16, D * 4);
-            _tile_dpbf16ps(1, 4, 7);
-          }
-          if (nt > 2) {
-            _tile_loadd(6, vb + 32, D * 4);
-            _tile_dpbf16ps(2, 4, 6);
-          }
-          if (nt > 3) {
-            _tile_loadd(7, vb + 48, D * 4);
-            _tile_dpbf16ps(3, 4, 7);
-          }
-        }
-        _tile_stored(0, ob.data + d0, D * 4);
-        if (nt > 1) _tile_stored(1, ob.data + d0 + 16, D * 4);
-        if (nt > 2) _tile_stored(2, ob.data + d0 + 32, D * 4);
-        if (nt > 3) _tile_stored(3, ob.data + d0 + 48, D * 4);
-      }
-      for (int64_t i = 0; i < rn; ++i) {
-        if (alpha[i] < 0.f) continue;
-        float* acc = st.acc + (r0 + i) * D;
-        for (int d = 0; d < D; d += VS)
-          (Vec::loadu(acc + d) * Vec(alpha[i]) + Vec::loadu(ob.data + i * D + d)).store(acc + d);
-      }
+      if (pending.on) run_pv(pending);
+      pending = PendingPV{true, buf, vt2, r0, rn, bi};
+      buf ^= 1;
     }
   }
+  if (pending.on) run_pv(pending);
 }
 #endif
 
@@ -614,13 +653,19 @@ struct Source {
     if (descents > 1) std::sort(order.begin(), order.end(), by_pos);
     in_order = descents == 0;
     pos.resize(S);
+    // The open block's end position and its superblock's (a new block starts at the first key past block_end).
+    int64_t block_end = -1, super_end = -1;
     for (int64_t i = 0; i < S; ++i) {
       const int64_t p = pos[i] = kp[order[i]];
       TORCH_CHECK(p >= 0, "cached_attention: negative key position");
       TORCH_CHECK(i == 0 || p != pos[i - 1], "cached_attention: key position ", p, " given twice");
-      if (blocks.empty() || p / bk != blocks.back().min_pos / bk) {
-        if (blocks.empty() || p / SPLIT != blocks.back().min_pos / SPLIT) super_first.push_back(blocks.size());
+      if (p >= block_end) {  // positions increase: p / bk differs from the open block's
+        if (p >= super_end) {
+          super_first.push_back(blocks.size());
+          super_end = (p / SPLIT + 1) * SPLIT;
+        }
         blocks.push_back(Block{i, 0, p, p});
+        block_end = (p / bk + 1) * bk;
       }
       blocks.back().count += 1;
       blocks.back().max_pos = p;
