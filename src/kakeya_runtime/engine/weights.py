@@ -172,13 +172,8 @@ class Int4Linear(QuantLinear):
             self._unpack_ok = False
         else:
             self._unpack_ok = True
-        # Our kernel (csrc/int4_linear.cpp) reads the same packed layout in whole 64-row blocks; PyTorch's op serves
-        # the rest (and the sdpa backend).
-        self._native_ok = self._unpack_ok and n % _INT4_BLOCK_N == 0 and group_size % 2 == 0
 
     def kernel_mm(self, x: Tensor) -> Tensor:
-        if self._native_ok and native.enabled() and native.int4_native():
-            return native.int4_linear(x, self.packed, self.scales_zeros, self.group_size)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
 
     def dequantize(self) -> Tensor:

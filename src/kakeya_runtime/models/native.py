@@ -42,7 +42,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp",
-                             "lattice_points.cpp", "threads.cpp", "int4_linear.cpp"))
+                             "lattice_points.cpp", "threads.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head sizes
@@ -73,7 +73,6 @@ _loaded: Path | None = None
 _backend: str | None = None
 _bf16_dot = False
 _routes: Routes | None = None
-_int4: bool | None = None
 
 
 def backend() -> str:
@@ -239,24 +238,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _loaded is None:
         load()
     return torch.ops.kakeya.linear(x, weight, bias, out_fp32)
-
-
-def int4_native() -> bool:
-    """Whether `int4_linear` has code here (built with AVX512-BF16 and VBMI). Cheap after the first call."""
-    global _int4
-    if _int4 is None:
-        load()
-        _int4 = bool(torch.ops.kakeya.int4_native())
-    return _int4
-
-
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
-    """y = x W^T for x (M, K) bf16 and W int4 in PyTorch's CPU packed layout (packed (N, K/2) uint8, scales_zeros
-    (K/G, N, 2) bf16, N a multiple of 64): (M, N) bf16, each output element by one fixed sequence of operations
-    whatever M is (csrc/int4_linear.cpp)."""
-    if _loaded is None:
-        load()
-    return torch.ops.kakeya.int4_linear(x, packed, scales_zeros, group, None)
 
 
 GATED_ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -465,8 +446,6 @@ def _register_fake() -> None:
     torch.library.register_fake("kakeya::sparse_step")(
         lambda q, *args: (q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[1], args[13].shape[0], 1,
                                                             dtype=torch.long)))
-    torch.library.register_fake("kakeya::int4_linear")(
-        lambda x, packed, sz, group, bias: x.new_empty(x.shape[0], sz.shape[1]))
     torch.library.register_fake("kakeya::gated_act")(lambda x, act: x.new_empty(x.shape[0], x.shape[1] // 2))
     torch.library.register_fake("kakeya::linear")(
         lambda x, w, bias, out_fp32=False: x.new_empty(x.shape[0], w.shape[0],
