@@ -157,3 +157,18 @@ def test_compiled_decode_matches_eager_greedy():
     engine.decode_forward = compiled
     compiled.warmup(engine, lengths=(4,))
     assert generate_greedy_cached(engine, prompt, max_new_tokens=16) == eager
+
+
+@pytest.mark.parametrize(("window", "limit"), [(512, 32768), (64, 2048), (4, 512)])
+def test_compiled_warmup_writes_a_ring_slot_0(window, limit):
+    """The warm-up decodes two steps from each length; among them, a step that writes slot 0 of a sliding layer's ring
+    (window + spare slots) both before and after the full layers grow past 256 positions (each a compiled variant)."""
+    from kakeya_runtime.engine.compiled import warmup_lengths
+    from kakeya_runtime.kv.cache import sliding_spare
+
+    slots = window + sliding_spare(window, limit)
+    lengths = warmup_lengths(window, limit)
+    writes_slot_0 = [n for n in lengths if n % slots == 0 or (n + 1) % slots == 0]
+    assert any(n < 256 or n + 1 == slots for n in writes_slot_0)
+    assert any(n >= 300 for n in writes_slot_0)
+    assert {8, 300} <= set(lengths) and warmup_lengths(None, limit) == (8, 300)

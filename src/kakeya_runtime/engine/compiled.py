@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kakeya_runtime.kv.cache import FullLayerKV, ModelKV, SlidingLayerKV
+from kakeya_runtime.kv.cache import FullLayerKV, ModelKV, SlidingLayerKV, sliding_spare
 from kakeya_runtime.models.base import DecoderModel, ForwardOutput, Logits
 
 
@@ -239,11 +239,7 @@ class CompiledDecode:
         t0 = time.perf_counter()
         w = engine.config.sliding_window
         limit = engine.config.max_position_embeddings
-        if not lengths:
-            grown = 300  # FullLayerKV starts at 256 positions and reallocates past them
-            ring = w * (grown // w + 1) if w else 0  # a multiple of the window past `grown`: slot 0 again
-            lengths = tuple(sorted({8, grown} | ({w - 1, ring - 1, ring + 8} if w else set())))
-            lengths = tuple(n for n in lengths if n + 4 <= limit)  # a short-context model never reaches the rest
+        lengths = lengths or warmup_lengths(w, limit)
         for i, n in enumerate(lengths):
             if progress is not None:
                 progress(i, len(lengths))
@@ -256,6 +252,21 @@ class CompiledDecode:
             progress(len(lengths), len(lengths))
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
+
+
+def warmup_lengths(window: int | None, limit: int) -> tuple[int, ...]:
+    """The cache lengths CompiledDecode.warmup decodes two steps from: a fresh cache, a grown one, and for a sliding
+    window the steps that write a ring's slot 0 (a compiled variant of its own: the slot index is 0) before and after
+    the full layers grow. A ring holds window + spare slots (kv.cache.sliding_spare: every warm-up cache has room for
+    the spare ones), not `window`: warming up at multiples of the window missed slot 0, and the first real step that
+    wrote it recompiled (~20 s on Gemma 3, inside a timed decode)."""
+    grown = 300  # FullLayerKV starts at 256 positions and reallocates past them
+    lengths = {8, grown}
+    if window:
+        slots = window + sliding_spare(window, limit)
+        ring = slots * (grown // slots + 1)  # a multiple of the ring past `grown`: slot 0 again
+        lengths |= {slots - 1, ring - 1, ring + 8}
+    return tuple(n for n in sorted(lengths) if n + 4 <= limit)  # a short-context model never reaches the rest
 
 
 @contextmanager
