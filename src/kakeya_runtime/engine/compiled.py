@@ -245,8 +245,8 @@ class CompiledDecode:
         w = engine.config.sliding_window
         limit = engine.config.max_position_embeddings
         runs = [(n, min(limit, max(n + 4, 4 * (w or 0), 512))) for n in lengths or warmup_lengths(w, limit)]
-        if w and w < limit and not lengths:  # a cache no longer than the window (a short generation) has no rings
-            runs.append((8, w))
+        if w and 4 <= w < limit and not lengths:  # a cache no longer than the window (a short generation): no rings
+            runs.append((min(8, w - 2), w))
         for i, (n, capacity) in enumerate(runs):
             if progress is not None:
                 progress(i, len(runs))
