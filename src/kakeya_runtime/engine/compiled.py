@@ -237,7 +237,7 @@ class CompiledDecode:
         """Compile now rather than on the first real token: decode twice from caches of a few lengths.
 
         The graph guards on cache state, and each length from warmup_lengths is one compiled variant (a ring before
-        and after it fills), made as callers make caches: outside inference mode, with room beyond the window. A
+        and after it fills), from caches made as callers make them: outside inference mode, with room beyond the window. A
         model with sliding layers has one more: a cache of at most `window` positions, whose sliding layers are
         plain full ones (kv.cache.make_cache).
         """
@@ -263,8 +263,8 @@ class CompiledDecode:
 
 def warmup_lengths(window: int | None, limit: int) -> tuple[int, ...]:
     """The cache lengths CompiledDecode.warmup decodes two steps from: one per compiled variant a generation meets.
-    A full layer's step is one variant at any length; a ring's has two, before it fills (its keys are the first
-    length + 1 slots) and after (all of them). A ring holds window + spare slots (kv.cache.sliding_spare).
+    A full layer's step is one variant at any length; a ring's may be two, before it fills (its keys are the first
+    length + 1 slots) and after (all of them): Dynamo guards on that when the graph comes from its on-disk cache. A ring holds window + spare slots (kv.cache.sliding_spare).
 
     What no longer makes a variant of its own (each recompiled inside real generations on Gemma 3, ~7-20 s a step):
     the slot a ring writes (a tensor index now, not a view at an int offset whose being 0 Dynamo guarded on) and
