@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from kakeya_runtime.kv.cache import FullLayerKV, ModelKV, SlidingLayerKV, sliding_spare
+from kakeya_runtime.kv.spec import PolicyKV
 from kakeya_runtime.models.base import DecoderModel, ForwardOutput, Logits
 
 
@@ -120,27 +121,30 @@ class _FullStep:
 
 
 class _RingStep:
-    """A SlidingLayerKV's decode step, as SlidingLayerKV.update_and_fetch does it for one token."""
+    """A SlidingLayerKV's decode step, as SlidingLayerKV.update_and_fetch does it for one token. The slot written
+    comes as a tensor (`slot`, (1,): length % slots), not a Python int: a view at an int offset makes Dynamo guard
+    on whether the offset is 0, and the step writing a ring's slot 0 then compiled a variant of its own."""
 
-    __slots__ = ("k", "v", "slot_positions", "length", "slots")
+    __slots__ = ("k", "v", "slot_positions", "length", "slots", "slot")
 
-    def __init__(self, k: Tensor, v: Tensor, slot_positions: Tensor, length, slots: int) -> None:
+    def __init__(self, k: Tensor, v: Tensor, slot_positions: Tensor, length, slots: int, slot: Tensor) -> None:
         self.k, self.v, self.slot_positions, self.length, self.slots = k, v, slot_positions, length, slots
+        self.slot = slot
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        slot = self.length % self.slots
-        self.k[:, :, slot : slot + 1] = k
-        self.v[:, :, slot : slot + 1] = v
-        self.slot_positions[slot : slot + 1] = positions
+        self.k.index_copy_(2, self.slot, k)
+        self.v.index_copy_(2, self.slot, v)
+        self.slot_positions.index_copy_(0, self.slot, positions)
         n = min(self.length + 1, self.slots)
         return self.k[:, :, :n], self.v[:, :, :n], self.slot_positions[:n]
 
 
 def _tensor_layout(cache) -> tuple[tuple[int, ...], list[Tensor], int] | None:
     """For a cache of plain full and sliding layers all at one length: (slots per layer, 0 for a full one; the
-    layers' tensors, flat; the length). None for anything else (other KV policies), which takes the object path."""
+    layers' tensors, flat; the length). None for anything else (other KV policies), which takes the object path.
+    A session's cache under the full policy (kv.spec.PolicyKV itself: its hooks are no-ops) is such a cache."""
     layers = getattr(cache, "layers", None)
-    if type(cache) is not ModelKV or not layers:
+    if type(cache) not in (ModelKV, PolicyKV) or not layers:
         return None
     slots: list[int] = []
     tensors: list[Tensor] = []
@@ -196,12 +200,12 @@ class CompiledDecode:
         return self.model(token_ids, positions, cache, logits=Logits.LAST)
 
     def _tensor_step(self, token_ids: Tensor, positions: Tensor, rope: dict, slots: tuple[int, ...],
-                     tensors: list[Tensor], length: int) -> Tensor:
+                     tensors: list[Tensor], length: int, ring_slots: Tensor) -> Tensor:
         """DecoderModel.forward for one decode token (Logits.LAST, no trace), over per-layer steps built from
-        tensors; returns the logits."""
+        tensors (ring_slots: (layers,), the slot each ring writes); returns the logits."""
         model = self.model
         steps = [_FullStep(tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], length) if n == 0 else
-                 _RingStep(tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], length, n)
+                 _RingStep(tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], length, n, ring_slots[i : i + 1])
                  for i, n in enumerate(slots)]
         h = model.embed(token_ids)
         for i in range(len(steps)):
@@ -221,8 +225,9 @@ class CompiledDecode:
         if self._act_dtype is None:  # the dtype the model's forward builds its RoPE rows in: its embeddings'
             self._act_dtype = self.model.embed(token_ids).dtype
         rope = self.model.rope_tables(positions, self._act_dtype)
+        ring_slots = torch.tensor([length % n if n else 0 for n in slots], device=token_ids.device)
         with _keep_mv():
-            logits = self._tensor_fn(token_ids, positions, rope, slots, tensors, length)
+            logits = self._tensor_fn(token_ids, positions, rope, slots, tensors, length, ring_slots)
         for layer in cache:
             layer.length += 1
         return ForwardOutput(logits, None)
@@ -231,41 +236,43 @@ class CompiledDecode:
                progress: Callable[[int, int], None] | None = None) -> float:  # engine.decode_forward must be self
         """Compile now rather than on the first real token: decode twice from caches of a few lengths.
 
-        The graph guards on cache state, and each state below is one compiled variant: a fresh cache
-        (tensors made outside inference mode) and a grown one (reallocated inside it, past 256
-        positions); for sliding layers also the ring's first slot and positions past the window. Caches
-        are made as callers make them, outside inference mode and with room beyond the window.
+        The graph guards on cache state, and each length from warmup_lengths is one compiled variant (a ring before
+        and after it fills), from caches made as callers make them: outside inference mode, with room beyond the window. A
+        model with sliding layers has one more: a cache of at most `window` positions, whose sliding layers are
+        plain full ones (kv.cache.make_cache).
         """
         t0 = time.perf_counter()
         w = engine.config.sliding_window
         limit = engine.config.max_position_embeddings
-        lengths = lengths or warmup_lengths(w, limit)
-        for i, n in enumerate(lengths):
+        runs = [(n, min(limit, max(n + 4, 4 * (w or 0), 512))) for n in lengths or warmup_lengths(w, limit)]
+        if w and 4 <= w < limit and not lengths:  # a cache no longer than the window (a short generation): no rings
+            runs.append((min(8, w - 2), w))
+        for i, (n, capacity) in enumerate(runs):
             if progress is not None:
-                progress(i, len(lengths))
-            cache = engine.new_cache(capacity=min(limit, max(n + 4, 4 * (w or 0), 512)))
+                progress(i, len(runs))
+            cache = engine.new_cache(capacity=capacity)
             engine.prefill(cache, torch.zeros(1, n, dtype=torch.long, device=engine.device))
             tok = torch.zeros(1, 1, dtype=torch.long, device=engine.device)
             for _ in range(2):
                 engine.decode_step(cache, tok)
         if progress is not None:
-            progress(len(lengths), len(lengths))
+            progress(len(runs), len(runs))
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
 
 
 def warmup_lengths(window: int | None, limit: int) -> tuple[int, ...]:
-    """The cache lengths CompiledDecode.warmup decodes two steps from: a fresh cache, a grown one, and for a sliding
-    window the steps that write a ring's slot 0 (a compiled variant of its own: the slot index is 0) before and after
-    the full layers grow. A ring holds window + spare slots (kv.cache.sliding_spare: every warm-up cache has room for
-    the spare ones), not `window`: warming up at multiples of the window missed slot 0, and the first real step that
-    wrote it recompiled (~20 s on Gemma 3, inside a timed decode)."""
-    grown = 300  # FullLayerKV starts at 256 positions and reallocates past them
-    lengths = {8, grown}
+    """The cache lengths CompiledDecode.warmup decodes two steps from: one per compiled variant a generation meets.
+    A full layer's step is one variant at any length; a ring's may be two, before it fills (its keys are the first
+    length + 1 slots) and after (all of them): Dynamo guards on that when the graph comes from its on-disk cache. A ring holds window + spare slots (kv.cache.sliding_spare).
+
+    What no longer makes a variant of its own (each recompiled inside real generations on Gemma 3, ~7-20 s a step):
+    the slot a ring writes (a tensor index now, not a view at an int offset whose being 0 Dynamo guarded on) and
+    where the cache's tensors were made (kv.cache makes them ordinary tensors even inside inference mode; inference
+    tensors lack a dispatch key, and Dynamo guards on the key set)."""
+    lengths = {8}
     if window:
-        slots = window + sliding_spare(window, limit)
-        ring = slots * (grown // slots + 1)  # a multiple of the ring past `grown`: slot 0 again
-        lengths |= {slots - 1, ring - 1, ring + 8}
+        lengths.add(window + sliding_spare(window, limit) + 8)
     return tuple(n for n in sorted(lengths) if n + 4 <= limit)  # a short-context model never reaches the rest
 
 

@@ -19,6 +19,14 @@ class CacheError(ValueError):
     """A cache used against its contract (shape, dtype, device, capacity)."""
 
 
+def _storage(*shape: int, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """Zeros for a cache's K/V: an ordinary tensor even when made inside inference mode (a prefill growing a layer),
+    so every cache tensor is of one kind wherever it was made. A compiled decode step (engine.compiled) guards on
+    that kind (inference tensors lack a dispatch key ordinary ones have); mixed kinds recompiled it mid-generation."""
+    with torch.inference_mode(False):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+
 class FullLayerKV:
     """(B, Hk, allocated, D) buffers; `length` positions filled, 0..length-1 in order.
 
@@ -32,9 +40,10 @@ class FullLayerKV:
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, capacity: int, *, dtype: torch.dtype,
                  device: torch.device | str = "cpu", initial: int = 256) -> None:
         self.capacity = capacity
-        self.k = torch.zeros(batch, num_kv_heads, min(initial, capacity), head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.key_positions = torch.arange(capacity, device=device)
+        self.k = _storage(batch, num_kv_heads, min(initial, capacity), head_dim, dtype=dtype, device=device)
+        self.v = _storage(*self.k.shape, dtype=dtype, device=device)
+        with torch.inference_mode(False):
+            self.key_positions = torch.arange(capacity, device=device)
         self.length = 0
 
     @property
@@ -55,8 +64,8 @@ class FullLayerKV:
         if needed <= self.k.shape[2]:
             return
         size = min(self.capacity, max(needed, 2 * self.k.shape[2]))
-        k = self.k.new_zeros(*self.k.shape[:2], size, self.k.shape[3])
-        v = torch.zeros_like(k)
+        k = _storage(*self.k.shape[:2], size, self.k.shape[3], dtype=self.k.dtype, device=self.k.device)
+        v = _storage(*k.shape, dtype=k.dtype, device=k.device)
         k[:, :, : self.length] = self.k[:, :, : self.length]
         v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
@@ -105,9 +114,9 @@ class SlidingLayerKV:
             raise CacheError(f"need window >= 1 and spare >= 0, got {window}, {spare}")
         self.window, self.spare = window, spare
         self.slots = window + spare
-        self.k = torch.zeros(batch, num_kv_heads, self.slots, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.slot_positions = torch.zeros(self.slots, dtype=torch.long, device=device)
+        self.k = _storage(batch, num_kv_heads, self.slots, head_dim, dtype=dtype, device=device)
+        self.v = _storage(*self.k.shape, dtype=dtype, device=device)
+        self.slot_positions = _storage(self.slots, dtype=torch.long, device=device)
         self.length = 0
         self._stale_until = 0  # slots may hold trimmed positions (>= length) until length reaches this
 
