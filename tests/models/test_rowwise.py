@@ -5,6 +5,9 @@ number of rows, at any thread count, whatever its neighbours hold."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -84,11 +87,12 @@ def test_qkv_rope_matches_fp64_reference(dtype, d, norms):
     close(k, ref_rope(k_in, cos, sin), dtype)
 
 
-def _with_threads(threads: int, fn):
+@contextmanager
+def num_threads(threads: int) -> Iterator[None]:
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return fn()
+        yield
     finally:
         torch.set_num_threads(old)
 
@@ -102,15 +106,17 @@ def test_norm_rows_same_bits_in_any_call(dtype, c):
     x, r = (torch.randn(n, c, generator=gen) * 4).to(dtype), torch.randn(n, c, generator=gen).to(dtype)
     w = torch.randn(c, generator=gen).to(dtype)
     alone = torch.cat([native.rms_norm(x[i : i + 1], w, 1e-5) for i in range(n)])
-    s_alone, y_alone = zip(*[native.add_rms_norm(x[i : i + 1], r[i : i + 1], w, 1e-5) for i in range(n)])
+    fused = [native.add_rms_norm(x[i : i + 1], r[i : i + 1], w, 1e-5) for i in range(n)]
+    s_alone, y_alone = torch.cat([s for s, _ in fused]), torch.cat([y for _, y in fused])
     for threads in (1, 2):
         for size in (1, 2, 5, 16, n):
             for start in range(0, n - size + 1, max(1, size // 2)):
                 sl = slice(start, start + size)
-                got = _with_threads(threads, lambda: native.rms_norm(x[sl], w, 1e-5))
+                with num_threads(threads):
+                    got = native.rms_norm(x[sl], w, 1e-5)
+                    s, y = native.add_rms_norm(x[sl], r[sl], w, 1e-5)
                 assert torch.equal(got, alone[sl]), (threads, size, start)
-                s, y = _with_threads(threads, lambda: native.add_rms_norm(x[sl], r[sl], w, 1e-5))
-                assert torch.equal(s, torch.cat(s_alone[sl])) and torch.equal(y, torch.cat(y_alone[sl]))
+                assert torch.equal(s, s_alone[sl]) and torch.equal(y, y_alone[sl])
     # a row's neighbours do not matter
     noisy = x.clone()
     noisy[1::2] = (torch.randn(n // 2, c, generator=gen) * 100).to(dtype)
@@ -139,10 +145,12 @@ def test_qkv_rope_rows_same_bits_in_any_call(dtype, d, norms):
         for size in (1, 4, t):
             for start in range(0, t - size + 1, 3):
                 sl = slice(start, start + size)
-                q, k = _with_threads(threads, lambda: call(qkv[:, sl], cos[None, sl], sin[None, sl]))
+                with num_threads(threads):
+                    q, k = call(qkv[:, sl], cos[None, sl], sin[None, sl])
                 assert torch.equal(q, q_all[:, :, sl]) and torch.equal(k, k_all[:, :, sl]), (threads, size, start)
         # decode rows: token i as batch row i with its own cos/sin row
-        q, k = _with_threads(threads, lambda: call(qkv[0][:, None], cos[:, None], sin[:, None]))
+        with num_threads(threads):
+            q, k = call(qkv[0][:, None], cos[:, None], sin[:, None])
         assert torch.equal(q[:, :, 0], q_all[0].transpose(0, 1)) and torch.equal(k[:, :, 0], k_all[0].transpose(0, 1))
 
 
@@ -173,7 +181,7 @@ def test_fake_shapes_and_torch_compile():
     x, res = torch.randn(b, t, 32), torch.randn(b, t, 32)
     qkv = torch.randn(b, t, (h + 2 * hk) * d)
     with torch.no_grad():
-        for got, want in zip(torch.compile(fn, fullgraph=True)(x, res, qkv), fn(x, res, qkv)):
+        for got, want in zip(torch.compile(fn, fullgraph=True)(x, res, qkv), fn(x, res, qkv), strict=True):
             assert torch.equal(got, want)
 
 
