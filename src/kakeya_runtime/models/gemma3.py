@@ -35,8 +35,8 @@ class Gemma3Block(nn.Module):
     def forward(self, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: LayerKV | None,
                 trace: bool) -> tuple[Tensor, Tensor | None]:
         a, row = self.self_attn(self.input_layernorm(h), positions, cos, sin, cache, trace)
-        h = h + self.post_attention_layernorm(a)
-        m = self.mlp(self.pre_feedforward_layernorm(h))
+        h, normed = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(a), h)
+        m = self.mlp(normed)
         return h + self.post_feedforward_layernorm(m), row
 
 

@@ -50,11 +50,29 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if _native_rows(x):
+            return native.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps,
+                                   unit_offset=self.unit_offset).view(x.shape)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(residual + x, this norm of that sum): one pass with the native kernels, else the add then forward."""
+        if _native_rows(x) and residual.dtype == x.dtype:
+            s, y = native.add_rms_norm(x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), self.weight,
+                                       self.eps, unit_offset=self.unit_offset)
+            return s.view(x.shape), y.view(x.shape)
+        s = residual + x
+        return s, self(s)
+
+
+def _native_rows(x: Tensor) -> bool:
+    """Whether the row-wise kernels (native.rms_norm, add_rms_norm, qkv_rope) serve activations like x: the
+    native backend, float32 or bfloat16. Each row in fp32, rounded once, the same bits in any call shape."""
+    return x.dtype in (torch.float32, torch.bfloat16) and native.enabled()
 
 
 class Rotary(nn.Module):
@@ -330,15 +348,28 @@ class Attention(nn.Module):
         out, row = self._sequence(qkv, positions, cos, sin, cache, trace)
         return self.o_proj(out), row
 
-    def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _split_rope(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """qkv (B, T, C) -> q (B, H, T, D), k (B, Hk, T, D) normed (Gemma) and rotated, v (B, Hk, T, D). cos, sin:
+        (T, D) shared by the batch, or (B, 1, D) one row each (decode rows). With the native kernels q and k come
+        from one pass (native.qkv_rope: each head in fp32, rounded once), contiguous."""
         b, t, _ = qkv.shape
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if _native_rows(qkv) and cos.dtype == qkv.dtype and qkv.stride(-1) == 1:
+            cos, sin = cos.expand(b, t, self.head_dim), sin.expand(b, t, self.head_dim)
+            norms = {}
+            if self.q_norm is not None:
+                norms = {"q_norm": self.q_norm.weight, "k_norm": self.k_norm.weight, "eps": self.q_norm.eps,
+                         "unit_offset": self.q_norm.unit_offset}
+            q, k = native.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, **norms)
+            return q, k, v
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hk, T, D)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v
+        if cos.dim() == 3:  # one row per batch entry: (B, 1, D) -> (B, 1, 1, D) over (B, H, 1, D)
+            cos, sin = cos[:, None], sin[:, None]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _rows(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: RowCaches) -> Tensor:
         """Decode rows (one token each, positions[b] row b's position) and an optional trailing prefill chunk;
@@ -347,9 +378,7 @@ class Attention(nn.Module):
         r = n - c
         outs = []
         if r:
-            q, k, v = self._split(qkv[:r])
-            cr, sr = cos[:r, None, None, :], sin[:r, None, None, :]
-            q, k = apply_rope(q, cr, sr), apply_rope(k, cr, sr)
+            q, k, v = self._split_rope(qkv[:r], cos[:r, None, :], sin[:r, None, :])
             out = self._attend_rows(q, k, v, positions[:r], cache.caches[:r])  # (r, H, 1, D)
             outs.append(out.transpose(1, 2).reshape(r, 1, self.q_size))
         if c:
@@ -362,8 +391,7 @@ class Attention(nn.Module):
                   trace: bool) -> tuple[Tensor, Tensor | None]:
         """New tokens (B, T) of one sequence each: attention outputs (B, T, H*D) before o_proj."""
         b, t, _ = qkv.shape
-        q, k, v = self._split(qkv)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._split_rope(qkv, cos, sin)
         if getattr(cache, "owns_attention", False):  # kv.sparse: the cache picks the keys from the queries
             if trace:
                 raise ValueError("attention rows cannot be traced through a cache that attends itself")

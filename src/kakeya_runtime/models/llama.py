@@ -29,8 +29,8 @@ class LlamaBlock(nn.Module):
     def forward(self, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: LayerKV | None,
                 trace: bool) -> tuple[Tensor, Tensor | None]:
         a, row = self.self_attn(self.input_layernorm(h), positions, cos, sin, cache, trace)
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h)), row
+        h, normed = self.post_attention_layernorm.add_forward(a, h)  # h + a, and its norm
+        return h + self.mlp(normed), row
 
 
 class LlamaModel(DecoderModel):

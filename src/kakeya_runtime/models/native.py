@@ -4,6 +4,8 @@
   (fresh prompts, chunks over a cache, decode steps, windows), one fixed order of operations per query.
 - `kakeya::linear(x, w, bias, out_fp32)`: every projection and the LM head, one fixed order per output element.
 - `kakeya::gated_act(x, act)`: the gated MLP's act(gate) * up in one elementwise pass.
+- `kakeya::rms_norm` / `kakeya::add_rms_norm` / `kakeya::qkv_rope`: RMSNorm (after the residual add) and RoPE on
+  q and k (after Gemma's q/k norms), each row in fp32 and rounded once (csrc/rowwise.cpp).
 - `kakeya::sparse_attention` / `kakeya::block_select`: the sparse KV policy's attention over an exact hot set and
   selected cold blocks, and its indexer (kv.sparse), with the same per-query invariance; `kakeya::sparse_step`
   runs both and the step's tripwire in one call.
@@ -43,7 +45,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp",
-                             "lattice_points.cpp", "threads.cpp"))
+                             "lattice_points.cpp", "threads.cpp", "rowwise.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head sizes
@@ -290,6 +292,35 @@ def gated_act(x: torch.Tensor, act: str) -> torch.Tensor:
     return torch.ops.kakeya.gated_act(x, GATED_ACTS[act])
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
+    """x (M, C) / rms(x) * w (or * (1 + w) with `unit_offset`, as Gemma stores it), each row in fp32 and rounded
+    once to x's dtype; (M, C). A row's result depends on that row only (csrc/rowwise.cpp)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.rms_norm(x, weight, eps, unit_offset)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = residual + x (M, C), rounded to x's dtype as a separate add would, and rms_norm(s) in one pass:
+    (s, normed)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.add_rms_norm(x, residual, weight, eps, unit_offset)
+
+
+def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, *,
+             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
+             unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q and k heads of the fused projection's qkv (B, T, >= (H + 2 Hk) D), [q | k | v] heads per row, rotated
+    (rotate-half RoPE) by cos, sin (B, T, D) (rows may broadcast: stride 0), after an RMSNorm per head with q_norm /
+    k_norm (D,) when given; each head in fp32 and rounded once. Returns q (B, H, T, D) and k (B, Hk, T, D),
+    contiguous."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.qkv_rope(qkv, cos, sin, heads, kv_heads, q_norm, k_norm, eps, unit_offset)
+
+
 def release_thread_pool() -> bool:
     """Free the calling thread's OpenMP worker pool (csrc/threads.cpp). Call it on the thread that loaded the model
     before another thread takes over the steps (the engine thread): with two pools on a two-core machine every
@@ -486,6 +517,13 @@ def _register_fake() -> None:
         lambda q, *args: (q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[1], args[13].shape[0], 1,
                                                             dtype=torch.long)))
     torch.library.register_fake("kakeya::gated_act")(lambda x, act: x.new_empty(x.shape[0], x.shape[1] // 2))
+    torch.library.register_fake("kakeya::rms_norm")(lambda x, weight, eps, unit_offset: x.new_empty(x.shape))
+    torch.library.register_fake("kakeya::add_rms_norm")(
+        lambda x, residual, weight, eps, unit_offset: (x.new_empty(x.shape), x.new_empty(x.shape)))
+    torch.library.register_fake("kakeya::qkv_rope")(
+        lambda qkv, cos, sin, heads, kv_heads, q_norm, k_norm, eps, unit_offset: (
+            qkv.new_empty(qkv.shape[0], heads, qkv.shape[1], cos.shape[-1]),
+            qkv.new_empty(qkv.shape[0], kv_heads, qkv.shape[1], cos.shape[-1])))
     torch.library.register_fake("kakeya::linear")(
         lambda x, w, bias, out_fp32=False: x.new_empty(x.shape[0], w.shape[0],
                                                        dtype=torch.float32 if out_fp32 else x.dtype))
