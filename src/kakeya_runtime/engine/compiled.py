@@ -54,56 +54,6 @@ class CompileOptions:
                 "emulate_precision_casts": self.emulate_precision_casts, **self.extra}
 
 
-@torch.library.custom_op("kakeya_compiled::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:
-    """models.layers.RMSNorm.forward, as one op Inductor calls rather than regenerates: its reduction and rsqrt
-    then round exactly as in eager prefill (INV-3 across a compiled decode step and an eager prefill)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if unit_offset:
-        return (h * (1.0 + weight.float())).to(x.dtype)
-    return weight * h.to(x.dtype)
-
-
-@_rms_norm_op.register_fake
-def _(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:
-    return torch.empty(x.shape, dtype=x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype),
-                       device=x.device)
-
-
-_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {}
-
-
-@torch.library.custom_op("kakeya_compiled::activation", mutates_args=())
-def _activation_op(x: Tensor, name: str) -> Tensor:
-    """A gated MLP's activation (silu, gelu, gelu-tanh) as one opaque op, for the same reason."""
-    return _ACTIVATIONS[name](x)
-
-
-@_activation_op.register_fake
-def _(x: Tensor, name: str) -> Tensor:
-    return torch.empty_like(x)
-
-
-def make_eager_exact(model: torch.nn.Module) -> int:
-    """Route the model's RMSNorms and MLP activations through the opaque ops above (the same computation, so eager
-    results do not change); returns how many modules were routed. Idempotent."""
-    from kakeya_runtime.models.layers import GatedMLP, RMSNorm
-
-    count = 0
-    for m in model.modules():
-        if isinstance(m, RMSNorm) and "forward" not in m.__dict__:
-            m.forward = lambda x, m=m: _rms_norm_op(x, m.weight, m.eps, m.unit_offset)
-            count += 1
-        elif isinstance(m, GatedMLP) and not getattr(m, "_opaque_act", False):
-            name = f"act{id(m.act)}"
-            _ACTIVATIONS[name] = m.act
-            m.act = lambda x, name=name: _activation_op(x, name)
-            m._opaque_act = True
-            count += 1
-    return count
-
-
 class _FullStep:
     """A FullLayerKV's decode step (one new position at `length`), rebuilt inside the compiled step from the layer's
     tensors: the same writes and the same views as FullLayerKV.update_and_fetch for one token."""
@@ -180,10 +130,8 @@ class CompiledDecode:
     """
 
     def __init__(self, model: DecoderModel, options: CompileOptions | None = None, *,
-                 tensor_args: bool = True, eager_exact: bool = False) -> None:
+                 tensor_args: bool = True) -> None:
         self.model = model
-        if eager_exact:
-            make_eager_exact(model)
         self.options = options or CompileOptions()
         self.tensor_args = tensor_args
         self._act_dtype: torch.dtype | None = None
