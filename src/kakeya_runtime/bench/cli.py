@@ -43,7 +43,7 @@ def compiled_step_cmd(
                                 "int4-mixed."),
     context: int = typer.Option(1024, help="Tokens prefilled before the timed decode steps."),
     steps: int = typer.Option(64, help="Timed decode steps per variant."),
-    profile_steps: int = typer.Option(16, help="Further steps under the profiler (guard time per step)."),
+    profile_steps: int = typer.Option(16, min=1, help="Further steps under the profiler (guard time per step)."),
     threads: int = typer.Option(0, help="Torch threads (0: torch's default)."),
     out: str = typer.Option("results/engine/compiled_step.json", help="Output JSON."),
 ) -> None:
