@@ -169,7 +169,8 @@ def _compiles() -> int:
 def test_compiled_decode_compiles_nothing_after_warmup(make_tiny_model):
     """After warm-up, real generations compile nothing more: one crossing a ring's slot 0 from a prompt longer than
     the ring, made as the engine bench makes it (the cache reserved before prefill, outside inference mode), one on
-    a session's cache (the full policy) and a short one whose cache has no rings. The window (300) is past the 256
+    a session's cache (the full policy), a short one whose cache has no rings and one from a one-token prompt (its
+    first step at length 1, a value Dynamo could specialise on). The window (300) is past the 256
     positions a full layer starts with, as on Gemma 3 (512): a warm-up prefill then grew the full layers inside
     inference mode, and the real generation's step, on tensors of the other kind, compiled anew; so did the step
     writing slot 0. Tokens stay the eager engine's."""
@@ -190,7 +191,8 @@ def test_compiled_decode_compiles_nothing_after_warmup(make_tiny_model):
     def runs():
         return [run(engine.new_cache(capacity=600 + 41), long_ids, 40),
                 run(make_policy_cache(engine.config, PolicySpec(), capacity=1024), long_ids[:, :400], 8),
-                run(engine.new_cache(capacity=40), long_ids[:, :20], 12)]
+                run(engine.new_cache(capacity=40), long_ids[:, :20], 12),
+                run(engine.new_cache(capacity=40), long_ids[:, :1], 4)]
 
     eager = runs()
     compiled = CompiledDecode(model)

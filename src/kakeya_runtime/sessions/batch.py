@@ -252,15 +252,16 @@ class BatchScheduler:
             # the oldest short prompt first (a turn's message need not wait for a long prompt's read), read whole
             lead = next((r for r in prefilling if r.stream.new_ids.shape[1] <= self.short_prompt), prefilling[0])
             prefilling = [r for r in prefilling if r is not lead]
-            if lead.stream.new_ids.shape[1] <= self.short_prompt:
-                budget = max(budget, lead.stream.prefill_left)
             if lead.turn.cancelled():  # between chunks: the turn rolls back the partial prefill
-                self._finish(lead)
-            elif self._fusable(lead, budget, len(decoding)):
-                chunk = _Chunk(lead, lead.stream.next_chunk(budget))
-                budget -= chunk.ids.shape[1]
+                self._finish(lead)  # (before the raise below: a cancelled prompt must not hand it to a long one)
             else:
-                prefilling.insert(0, lead)
+                if lead.stream.new_ids.shape[1] <= self.short_prompt:
+                    budget = max(budget, lead.stream.prefill_left)
+                if self._fusable(lead, budget, len(decoding)):
+                    chunk = _Chunk(lead, lead.stream.next_chunk(budget))
+                    budget -= chunk.ids.shape[1]
+                else:
+                    prefilling.insert(0, lead)
         if decoding:
             self._decode(decoding, chunk)
         for row in speculative:
