@@ -61,7 +61,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(residual + x, this norm of that sum): one pass with the native kernels, else the add then forward."""
-        if _native_rows(x) and residual.dtype == x.dtype:
+        if _native_rows(x) and residual.dtype == x.dtype and residual.shape == x.shape:  # else torch broadcasts
             s, y = native.add_rms_norm(x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), self.weight,
                                        self.eps, unit_offset=self.unit_offset)
             return s.view(x.shape), y.view(x.shape)
