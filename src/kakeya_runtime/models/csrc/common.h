@@ -49,6 +49,21 @@ at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32);
 }  // namespace kakeya_ops
 
+namespace {
+
+// n elements from src to dst: a copy when both are fp32, else at::vec::convert (bf16 <-> fp32, round to nearest
+// even, as the scalar conversion does).
+template <typename S, typename D>
+inline void convert_row(const S* src, D* dst, int64_t n) {
+  if constexpr (std::is_same_v<S, D>) {
+    std::copy(src, src + n, dst);
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+}  // namespace
+
 #if defined(__AVX512F__)
 namespace {
 

@@ -35,11 +35,7 @@ inline void store_row(float* acc, const float* bias, T* dst, int64_t n) {
     for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(acc + j) + Vec::loadu(bias + j)).store(acc + j);
     for (; j < n; ++j) acc[j] += bias[j];
   }
-  if constexpr (std::is_same_v<T, float>) {
-    std::copy(acc, acc + n, dst);
-  } else {
-    at::vec::convert(acc, dst, n);
-  }
+  convert_row(acc, dst, n);
 }
 
 #if defined(KAKEYA_AMX)
@@ -463,13 +459,8 @@ void gated_rows(const T* xp, int64_t x_row, T* yp, int64_t I, int64_t M, int64_t
     std::vector<float> g(I), u(I);
     for (int64_t m = begin; m < end; ++m) {
       const T* row = xp + m * x_row;
-      if constexpr (std::is_same_v<T, float>) {
-        std::copy(row, row + I, g.data());
-        std::copy(row + I, row + 2 * I, u.data());
-      } else {
-        at::vec::convert(row, g.data(), I);
-        at::vec::convert(row + I, u.data(), I);
-      }
+      convert_row(row, g.data(), I);
+      convert_row(row + I, u.data(), I);
       for (int64_t j = 0; j < I; j += VS) {
         const int n = static_cast<int>(std::min<int64_t>(VS, I - j));
         const Vec a = Vec::loadu(g.data() + j, n), b = Vec::loadu(u.data() + j, n);
@@ -483,11 +474,7 @@ void gated_rows(const T* xp, int64_t x_row, T* yp, int64_t I, int64_t M, int64_t
         (h * b).store(g.data() + j, n);
       }
       T* dst = yp + m * I;
-      if constexpr (std::is_same_v<T, float>) {
-        std::copy(g.data(), g.data() + I, dst);
-      } else {
-        at::vec::convert(g.data(), dst, I);
-      }
+      convert_row(g.data(), dst, I);
     }
   });
 }

@@ -15,24 +15,6 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int VS = Vec::size();
 
-template <typename T>
-void load_row(const T* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::copy(src, src + n, dst);
-  } else {
-    at::vec::convert(src, dst, n);
-  }
-}
-
-template <typename T>
-void store_row(const float* src, T* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::copy(src, src + n, dst);
-  } else {
-    at::vec::convert(src, dst, n);
-  }
-}
-
 // 1 / sqrt(mean(h^2) + eps) over h[0..n).
 float inv_rms(const float* h, int64_t n, float eps) {
   Vec acc(0.f);
@@ -75,18 +57,18 @@ void norm_rows(const T* xp, int64_t x_row, const T* rp, int64_t r_row, T* sp, T*
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> h(C), r(rp ? C : 0);
     for (int64_t m = begin; m < end; ++m) {
-      load_row(xp + m * x_row, h.data(), C);
+      convert_row(xp + m * x_row, h.data(), C);
       if (rp) {
-        load_row(rp + m * r_row, r.data(), C);
+        convert_row(rp + m * r_row, r.data(), C);
         for (int64_t j = 0; j < C; j += VS) {
           const int64_t c = std::min<int64_t>(VS, C - j);
           (Vec::loadu(h.data() + j, c) + Vec::loadu(r.data() + j, c)).store(h.data() + j, c);
         }
-        store_row(h.data(), sp + m * C, C);
-        load_row(sp + m * C, h.data(), C);  // the norm reads the sum as stored
+        convert_row(h.data(), sp + m * C, C);
+        convert_row(sp + m * C, h.data(), C);  // the norm reads the sum as stored
       }
       scale_row(h.data(), C, inv_rms(h.data(), C, eps), w);
-      store_row(h.data(), yp + m * C, C);
+      convert_row(h.data(), yp + m * C, C);
     }
   });
 }
@@ -146,12 +128,12 @@ void rope_rows(const T* xp, int64_t xb, int64_t xt, const T* cp, const T* sp, in
     std::vector<float> c(D), s(D), h(D), o(D);
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / Tn, t = bt % Tn;
-      load_row(cp + b * cb + t * ct, c.data(), D);
-      load_row(sp + b * cb + t * ct, s.data(), D);
+      convert_row(cp + b * cb + t * ct, c.data(), D);
+      convert_row(sp + b * cb + t * ct, s.data(), D);
       const T* row = xp + b * xb + t * xt;
       for (int64_t head = 0; head < H + Hk; ++head) {
         const bool is_q = head < H;
-        load_row(row + head * D, h.data(), D);
+        convert_row(row + head * D, h.data(), D);
         const float* w = is_q ? qw : kw;
         if (w) scale_row(h.data(), D, inv_rms(h.data(), D, eps), w);
         for (int64_t j = 0; j < half; j += VS) {  // [x1 | x2] -> [x1 c1 - x2 s1 | x2 c2 + x1 s2]
@@ -162,7 +144,7 @@ void rope_rows(const T* xp, int64_t xb, int64_t xt, const T* cp, const T* sp, in
               .store(o.data() + half + j, n);
         }
         T* dst = is_q ? qp + ((b * H + head) * Tn + t) * D : kp + ((b * Hk + head - H) * Tn + t) * D;
-        store_row(o.data(), dst, D);
+        convert_row(o.data(), dst, D);
       }
     }
   });
