@@ -410,40 +410,56 @@ class Attention(nn.Module):
     def _attend_rows(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, caches: Sequence[LayerKV]) -> Tensor:
         """Decode rows q, k, v (N, H or Hk, 1, D), row i one token at positions[i] of the sequence caches[i] holds:
         each row's attention over its own cache, (N, H, 1, D). With the native kernel the rows whose cache hands out
-        its keys (update_and_fetch) share ONE call (native.cached_attention_rows: each row the bits of its own call);
-        a cache that attends itself (kv.sparse) and the other backends go row by row."""
+        its keys share ONE call (native.cached_attention_rows_append: each row the bits of its own call); a cache
+        with preallocated storage (`append_slot`: kv.cache's full and ring layers) has its new K/V written in that
+        call too, the others (update_and_fetch) before it. A cache that attends itself (kv.sparse) and the other
+        backends go row by row."""
         if not (native.enabled() and native.supports(self.head_dim, q.dtype)):
             return torch.cat([self._attend_row(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1], kv)
                               for i, kv in enumerate(caches)])
-        out = q.new_empty(q.shape) if any(getattr(kv, "owns_attention", False) for kv in caches) else None
+        out = None
         rows: list[int] = []
         ks: list[Tensor] = []
         vs: list[Tensor] = []
         k_pos: list[Tensor] = []
+        slots: list[int] = []
+        counts: list[int] = []
+        writes: list[bool] = []
         windows: list[int] = []
         sinks: list[int] = []
         for i, kv in enumerate(caches):
             if getattr(kv, "owns_attention", False):
+                if out is None:
+                    out = q.new_empty(q.shape)
                 out[i : i + 1] = kv.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1],
                                            scale=self.scale)
                 continue
-            k_all, v_all, kp = kv.update_and_fetch(k[i : i + 1], v[i : i + 1], positions[i : i + 1])
-            if k_all.stride(-1) != 1 or v_all.stride(-1) != 1:
-                k_all, v_all = k_all.contiguous(), v_all.contiguous()
+            append_slot = getattr(kv, "append_slot", None)
+            if append_slot is not None:  # written by the native call below
+                k_all, v_all, kp, slot, count, write = append_slot()
+            else:
+                k_all, v_all, kp = kv.update_and_fetch(k[i : i + 1], v[i : i + 1], positions[i : i + 1])
+                if k_all.stride(-1) != 1 or v_all.stride(-1) != 1:
+                    k_all, v_all = k_all.contiguous(), v_all.contiguous()
+                kp, slot, count, write = kp.contiguous(), -1, k_all.shape[2], False
             sink, window = getattr(kv, "attention_rule", None) or (0, self.window)
             rows.append(i)
             ks.append(k_all)
             vs.append(v_all)
-            k_pos.append(kp.contiguous())
+            k_pos.append(kp)
+            slots.append(slot)
+            counts.append(count)
+            writes.append(write)
             windows.append(window or 0)
             sinks.append(sink)
         if not rows:
             return out
         if out is not None:  # some rows attended themselves: the others only
-            q, positions = q[rows], positions[rows]
+            q, k, v, positions = q[rows], k[rows], v[rows], positions[rows]
         m, groups = len(rows), self.num_heads // self.num_kv_heads
-        got = native.cached_attention_rows(q.reshape(m, self.num_kv_heads, groups, self.head_dim).contiguous(), ks,
-                                           vs, k_pos, positions.contiguous(), self.scale, window=windows, sink=sinks)
+        got = native.cached_attention_rows_append(
+            q.reshape(m, self.num_kv_heads, groups, self.head_dim).contiguous(), k, v, ks, vs, k_pos, slots, counts,
+            writes, positions.contiguous(), self.scale, window=windows, sink=sinks)
         got = got.view(m, self.num_heads, 1, self.head_dim)  # query head h * groups + g: row g of K/V head h
         if out is None:
             return got

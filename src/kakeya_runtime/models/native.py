@@ -147,6 +147,21 @@ def cached_attention_rows(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.
     return torch.ops.kakeya.cached_attention_rows(q, k, v, k_pos, q_pos, window, sink, scale)
 
 
+def cached_attention_rows_append(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k: list[torch.Tensor],
+                                 v: list[torch.Tensor], k_pos: list[torch.Tensor], slot: list[int], count: list[int],
+                                 write_pos: list[bool], q_pos: torch.Tensor, scale: float, *, window: list[int],
+                                 sink: list[int]) -> torch.Tensor:
+    """`cached_attention_rows` with each row's cache write in the same call (decode rows over preallocated caches):
+    row i with slot[i] >= 0 stores k_new[i], v_new[i] (Hk, 1, D) at slot[i] of its buffers k[i], v[i]
+    (1, Hk, A_i, D) (and, with write_pos[i], its position q_pos[i] at k_pos[i][slot[i]]), then attends their first
+    count[i] slots; a row with slot[i] < 0 attends k[i], v[i], k_pos[i] as given. Returns (N, Hk, G, D), each row
+    the bits of the same write then `cached_attention` alone."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.cached_attention_rows_append(q, k_new, v_new, k, v, k_pos, slot, count, write_pos, q_pos,
+                                                         window, sink, scale)
+
+
 def sparse_attention(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      cold: tuple[torch.Tensor, ...], select: torch.Tensor, q_pos: torch.Tensor,
                      scale: float, *, window: int, sink: int, block: int,
@@ -511,6 +526,7 @@ def _register_fake() -> None:
     torch.library.register_fake("kakeya::cached_attention")(
         lambda q, k, v, q_pos, k_pos, window, sink, scale: q.new_empty(q.shape))
     torch.library.register_fake("kakeya::cached_attention_rows")(lambda q, *args: q.new_empty(q.shape))
+    torch.library.register_fake("kakeya::cached_attention_rows_append")(lambda q, *args: q.new_empty(q.shape))
     torch.library.register_fake("kakeya::sparse_attention")(
         lambda q, *args: (q.new_empty(q.shape), q.new_empty(*q.shape[:3], 2, dtype=torch.long)))
     torch.library.register_fake("kakeya::sparse_step")(

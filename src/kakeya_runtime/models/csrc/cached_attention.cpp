@@ -638,10 +638,12 @@ struct Source {
   std::vector<int64_t> super_first;  // index of each superblock's first block, plus an end marker
   bool in_order = false;             // keys stored in position order (order is the identity)
 
-  Source(const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& k_pos, Kind kind_, int64_t bk)
+  // The first `S` keys of k_ / v_ / k_pos (all of them when S < 0).
+  Source(const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& k_pos, Kind kind_, int64_t bk,
+         int64_t S = -1)
       : k(&k_), v(&v_), kind(kind_) {
     const int64_t* kp = k_pos.const_data_ptr<int64_t>();
-    const int64_t S = k_.size(2);
+    if (S < 0) S = k_.size(2);
     order.resize(S);
     std::iota(order.begin(), order.end(), 0);
     // A cache hands keys sorted, or as two sorted runs (a ring that wrapped): then a linear merge, not a sort.
@@ -1028,7 +1030,9 @@ int64_t block_size() {
   return BK;
 }
 
-void check_source(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pos) {
+// k_pos holds k's positions: exactly S (k's keys), or at least S with `pos_prefix` (a buffer's first S).
+void check_source(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pos,
+                  bool pos_prefix = false) {
   TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "cached_attention: CPU only");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "cached_attention: k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
@@ -1038,7 +1042,8 @@ void check_source(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "cached_attention: q (B, Hk, R, D) and k (B, Hk, S, D) disagree");
   TORCH_CHECK(k_pos.dim() == 1 && k_pos.scalar_type() == at::kLong && k_pos.is_contiguous(),
               "cached_attention: k_pos (S,) must be contiguous int64");
-  TORCH_CHECK(k_pos.size(0) == k.size(2), "cached_attention: k_pos has ", k_pos.size(0), " positions for ",
+  TORCH_CHECK(pos_prefix ? k_pos.size(0) >= k.size(2) : k_pos.size(0) == k.size(2), "cached_attention: k_pos has ",
+              k_pos.size(0), " positions for ",
               k.size(2), " keys");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "cached_attention: k/v last dim must have unit stride");
 }
@@ -1244,28 +1249,22 @@ void run_rows(const at::Tensor& q, std::vector<Source>& sources, const int64_t* 
   });
 }
 
-at::Tensor cached_attention_rows(const at::Tensor& q, at::TensorList k, at::TensorList v, at::TensorList k_pos,
-                                 const at::Tensor& q_pos, at::IntArrayRef window, at::IntArrayRef sink,
-                                 double scale) {
+void check_rows_query(const at::Tensor& q, const at::Tensor& q_pos, int64_t n_k, int64_t n_v, int64_t n_pos,
+                      int64_t n_window, int64_t n_sink) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 4 && q.is_contiguous(),
               "cached_attention_rows: q must be a contiguous CPU (N, Hk, G, D) tensor");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "cached_attention_rows: dtype ",
               q.scalar_type(), " not supported (float32, bfloat16)");
   const int64_t N = q.size(0);
-  TORCH_CHECK(static_cast<int64_t>(k.size()) == N && static_cast<int64_t>(v.size()) == N &&
-                  static_cast<int64_t>(k_pos.size()) == N && static_cast<int64_t>(window.size()) == N &&
-                  static_cast<int64_t>(sink.size()) == N,
+  TORCH_CHECK(n_k == N && n_v == N && n_pos == N && n_window == N && n_sink == N,
               "cached_attention_rows: need one k, v, k_pos, window and sink per row");
   TORCH_CHECK(q_pos.dim() == 1 && q_pos.size(0) == N && q_pos.scalar_type() == at::kLong && q_pos.is_contiguous(),
               "cached_attention_rows: q_pos must be contiguous int64 (N,)");
-  std::vector<Source> sources;
-  sources.reserve(N);
-  for (int64_t i = 0; i < N; ++i) {
-    TORCH_CHECK(k[i].dim() == 4 && k[i].size(0) == 1, "cached_attention_rows: k[", i, "] must be (1, Hk, S, D)");
-    check_source(q.narrow(0, i, 1), k[i], v[i], k_pos[i]);
-    TORCH_CHECK(window[i] >= 0 && sink[i] >= 0, "cached_attention_rows: window and sink must be >= 0");
-    sources.emplace_back(k[i], v[i], k_pos[i], Kind::Plain, path_block(q));
-  }
+}
+
+// The rows' attention over their sources (one per row), as cached_attention_rows documents.
+at::Tensor attend_rows(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_pos,
+                       at::IntArrayRef window, at::IntArrayRef sink, double scale) {
   auto out = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return out;
   const int64_t* qp = q_pos.const_data_ptr<int64_t>();
@@ -1285,6 +1284,78 @@ at::Tensor cached_attention_rows(const at::Tensor& q, at::TensorList k, at::Tens
   }
 #undef KAKEYA_ROWS
   TORCH_CHECK(false, "cached_attention_rows: head_dim ", q.size(3), " not in {16, 32, 64, 96, 128, 256}");
+}
+
+at::Tensor cached_attention_rows(const at::Tensor& q, at::TensorList k, at::TensorList v, at::TensorList k_pos,
+                                 const at::Tensor& q_pos, at::IntArrayRef window, at::IntArrayRef sink,
+                                 double scale) {
+  check_rows_query(q, q_pos, k.size(), v.size(), k_pos.size(), window.size(), sink.size());
+  const int64_t N = q.size(0);
+  std::vector<Source> sources;
+  sources.reserve(N);
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(k[i].dim() == 4 && k[i].size(0) == 1, "cached_attention_rows: k[", i, "] must be (1, Hk, S, D)");
+    check_source(q.narrow(0, i, 1), k[i], v[i], k_pos[i]);
+    TORCH_CHECK(window[i] >= 0 && sink[i] >= 0, "cached_attention_rows: window and sink must be >= 0");
+    sources.emplace_back(k[i], v[i], k_pos[i], Kind::Plain, path_block(q));
+  }
+  return attend_rows(q, sources, q_pos, window, sink, scale);
+}
+
+// kakeya::cached_attention_rows_append: cached_attention_rows for decode rows whose caches are preallocated
+// buffers (kv.cache's full and ring layers), with each row's cache write done here. Row i with slot[i] >= 0 first
+// stores its new key and value, k_new[i] and v_new[i] (Hk, 1, D), at slot[i] of its buffers k[i], v[i]
+// (1, Hk, A_i, D) and, when write_pos[i], its position q_pos[i] at k_pos[i][slot[i]]; then it attends the first
+// count[i] slots (k_pos[i] (>= count[i],) their positions). A row with slot[i] < 0 attends k[i], v[i], k_pos[i] as
+// given (a cache that handed out its keys itself). A write is a copy of the same bits, and the attention is
+// cached_attention_rows' over the same keys: each row's result is the bits of its cache's update_and_fetch then
+// cached_attention alone, without a Python write and views per row and layer.
+at::Tensor cached_attention_rows_append(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                                        at::TensorList k, at::TensorList v, at::TensorList k_pos,
+                                        at::IntArrayRef slot, at::IntArrayRef count, at::IntArrayRef write_pos,
+                                        const at::Tensor& q_pos, at::IntArrayRef window, at::IntArrayRef sink,
+                                        double scale) {
+  check_rows_query(q, q_pos, k.size(), v.size(), k_pos.size(), window.size(), sink.size());
+  const int64_t N = q.size(0), Hk = q.size(1), D = q.size(3);
+  TORCH_CHECK(static_cast<int64_t>(slot.size()) == N && static_cast<int64_t>(count.size()) == N &&
+                  static_cast<int64_t>(write_pos.size()) == N,
+              "cached_attention_rows_append: need one slot, count and write_pos per row");
+  TORCH_CHECK(k_new.dim() == 4 && v_new.dim() == 4 && k_new.size(0) == N && k_new.size(1) == Hk &&
+                  k_new.size(2) == 1 && k_new.size(3) == D && v_new.sizes() == k_new.sizes(),
+              "cached_attention_rows_append: k_new, v_new must be (N, Hk, 1, D) like q's rows");
+  TORCH_CHECK(k_new.scalar_type() == q.scalar_type() && v_new.scalar_type() == q.scalar_type() &&
+                  k_new.device().is_cpu() && v_new.device().is_cpu() && k_new.stride(3) == 1 && v_new.stride(3) == 1,
+              "cached_attention_rows_append: k_new, v_new must be CPU tensors of q's dtype, unit last stride");
+  const int64_t* qp = q_pos.const_data_ptr<int64_t>();
+  const size_t row_bytes = D * q.element_size();
+  const char* kn = static_cast<const char*>(k_new.const_data_ptr());
+  const char* vn = static_cast<const char*>(v_new.const_data_ptr());
+  std::vector<Source> sources;
+  sources.reserve(N);
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(k[i].dim() == 4 && k[i].size(0) == 1, "cached_attention_rows_append: k[", i,
+                "] must be (1, Hk, S, D)");
+    check_source(q.narrow(0, i, 1), k[i], v[i], k_pos[i], /*pos_prefix=*/slot[i] >= 0);
+    TORCH_CHECK(window[i] >= 0 && sink[i] >= 0, "cached_attention_rows_append: window and sink must be >= 0");
+    int64_t n = k[i].size(2);
+    if (slot[i] >= 0) {
+      n = count[i];
+      TORCH_CHECK(slot[i] < n && n <= k[i].size(2), "cached_attention_rows_append: row ", i, " slot ", slot[i],
+                  " and count ", n, " outside its ", k[i].size(2), " slots");
+      char* kb = static_cast<char*>(k[i].data_ptr());
+      char* vb = static_cast<char*>(v[i].data_ptr());
+      const int64_t es = q.element_size();
+      for (int64_t h = 0; h < Hk; ++h) {
+        std::memcpy(kb + (h * k[i].stride(1) + slot[i] * k[i].stride(2)) * es,
+                    kn + (i * k_new.stride(0) + h * k_new.stride(1)) * es, row_bytes);
+        std::memcpy(vb + (h * v[i].stride(1) + slot[i] * v[i].stride(2)) * es,
+                    vn + (i * v_new.stride(0) + h * v_new.stride(1)) * es, row_bytes);
+      }
+      if (write_pos[i]) k_pos[i].data_ptr<int64_t>()[slot[i]] = qp[i];
+    }
+    sources.emplace_back(k[i], v[i], k_pos[i], Kind::Plain, path_block(q), n);
+  }
+  return attend_rows(q, sources, q_pos, window, sink, scale);
 }
 
 }  // namespace
@@ -1341,3 +1412,12 @@ TORCH_LIBRARY_FRAGMENT(kakeya, m) {
 }
 
 TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("cached_attention_rows", &cached_attention_rows); }
+
+// The same with each row's cache write (cached_attention_rows_append above): k, v and k_pos are written in place.
+TORCH_LIBRARY_FRAGMENT(kakeya, m) {
+  m.def("cached_attention_rows_append(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!)[] k, Tensor(b!)[] v, "
+        "Tensor(c!)[] k_pos, int[] slot, int[] count, int[] write_pos, Tensor q_pos, int[] window, int[] sink, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("cached_attention_rows_append", &cached_attention_rows_append); }
