@@ -27,6 +27,13 @@ def _storage(*shape: int, dtype: torch.dtype, device: torch.device | str) -> Ten
         return torch.zeros(*shape, dtype=dtype, device=device)
 
 
+def _keep_writes_overridable(cls: type) -> None:
+    """A subclass that overrides update_and_fetch but not append_slot gets no append_slot: its decode writes go
+    through its own update_and_fetch (a caller takes append_slot only where a layer offers it)."""
+    if "update_and_fetch" in cls.__dict__ and "append_slot" not in cls.__dict__:
+        cls.append_slot = None
+
+
 class FullLayerKV:
     """(B, Hk, allocated, D) buffers; `length` positions filled, 0..length-1 in order.
 
@@ -80,6 +87,10 @@ class FullLayerKV:
         self.v[:, :, start:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end], self.key_positions[:end]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        _keep_writes_overridable(cls)
 
     def append_slot(self) -> tuple[Tensor, Tensor, Tensor, int, int, bool]:
         """One decode token's room, for a caller that writes it itself (native.cached_attention_rows_append):
@@ -165,6 +176,10 @@ class SlidingLayerKV:
         self.slot_positions.index_copy_(0, slots, positions[t - keep :])
         self.length += t
         return k_all, v_all, pos_all
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        _keep_writes_overridable(cls)
 
     def append_slot(self) -> tuple[Tensor, Tensor, Tensor, int, int, bool]:
         """update_and_fetch of one token for a caller that writes it itself (as FullLayerKV.append_slot): the ring

@@ -16,7 +16,9 @@ from kakeya_runtime.models import native
 
 
 class LayerKV(Protocol):
-    """What a decoder layer needs from its caller-owned cache (implemented in kakeya_runtime.kv)."""
+    """What a decoder layer needs from its caller-owned cache (implemented in kakeya_runtime.kv). A cache with
+    preallocated storage may also offer `append_slot()` (kv.cache's full and ring layers): the batched decode rows
+    then write its token in their native attention call instead of calling update_and_fetch."""
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Store the new post-RoPE K/V (B, Hk, T, D) at `positions` (T,); return the keys and values
