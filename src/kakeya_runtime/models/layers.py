@@ -31,15 +31,16 @@ class RowCaches:
     sessions in one forward): projections and MLP run over all rows at once, attention per row over its own
     cache. Every op is row-wise or row-invariant, so a row's result is the one it gets alone.
 
-    With `chunk` > 0 the last `chunk` rows are not decode rows but consecutive tokens of one more sequence (the
-    last cache): a prefill chunk riding the decode step. Its attention is the plain chunk path over its own
-    cache, on the same inputs, so its K/V and outputs are the ones it gets in a forward of its own."""
+    With `chunks` (token counts) the last sum(chunks) rows are not decode rows but prefill chunks of len(chunks)
+    more sequences (the last caches, in order), each its sequence's consecutive tokens: prefill chunks riding the
+    decode step. A chunk's attention is the plain chunk path over its own cache, on the same inputs, so its K/V and
+    outputs are the ones it gets in a forward of its own."""
 
-    __slots__ = ("caches", "chunk")
+    __slots__ = ("caches", "chunks")
 
-    def __init__(self, caches: Sequence[LayerKV], chunk: int = 0) -> None:
+    def __init__(self, caches: Sequence[LayerKV], chunks: Sequence[int] = ()) -> None:
         self.caches = list(caches)
-        self.chunk = chunk
+        self.chunks = tuple(chunks)
 
 
 class RMSNorm(nn.Module):
@@ -374,19 +375,22 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _rows(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: RowCaches) -> Tensor:
-        """Decode rows (one token each, positions[b] row b's position) and an optional trailing prefill chunk;
+        """Decode rows (one token each, positions[b] row b's position) and optional trailing prefill chunks;
         attention outputs (N, 1, H*D) before o_proj."""
-        n, c = qkv.shape[0], cache.chunk
-        r = n - c
+        n = qkv.shape[0]
+        r = n - sum(cache.chunks)
         outs = []
         if r:
             q, k, v = self._split_rope(qkv[:r], cos[:r, None, :], sin[:r, None, :])
             out = self._attend_rows(q, k, v, positions[:r], cache.caches[:r])  # (r, H, 1, D)
             outs.append(out.transpose(1, 2).reshape(r, 1, self.q_size))
-        if c:
-            out, _ = self._sequence(qkv[r:].view(1, c, qkv.shape[-1]), positions[r:], cos[r:], sin[r:],
-                                    cache.caches[r], False)
+        a = r
+        for j, c in enumerate(cache.chunks):
+            b = a + c
+            out, _ = self._sequence(qkv[a:b].view(1, c, qkv.shape[-1]), positions[a:b], cos[a:b], sin[a:b],
+                                    cache.caches[r + j], False)
             outs.append(out.view(c, 1, self.q_size))
+            a = b
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _sequence(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: LayerKV | None,
