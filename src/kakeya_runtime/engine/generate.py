@@ -341,15 +341,18 @@ class TokenStream:
         out = self.engine.decode_step(self.cache, self.next_input, trace_layer=self.request.trace_layer)
         return self.take(out.logits[:, -1], out.attn_row)
 
-    def take(self, logits: Tensor, attn_row: Tensor | None = None) -> list[int]:
-        """Sample one step from its logits (B, V) (the prefill's last position or a decode step's)."""
+    def take(self, logits: Tensor, attn_row: Tensor | None = None, picked: Tensor | None = None) -> list[int]:
+        """Sample one step from its logits (B, V) (the prefill's last position or a decode step's). `picked`: a
+        greedy stream's ids (B,) chosen already (sampling.greedy over a batched step's rows: the same ids)."""
         req, result = self.request, self.result
         assert result is not None
         if attn_row is not None:
             self.attn_rows.append(attn_row)
         if req.keep_logits:
             self.step_logits.append(logits.float())
-        next_ids = sample(logits, req.sampling, self._gen)  # (B,)
+        if picked is not None and not req.sampling.greedy:
+            raise GenerationError("only a greedy stream takes ids picked for it")
+        next_ids = sample(logits, req.sampling, self._gen) if picked is None else picked  # (B,)
         ids = next_ids.tolist()  # the one sync point per step
         if self._t_first is None:
             self._t_first = time.perf_counter()

@@ -42,10 +42,12 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kakeya_runtime.engine.generate import Engine, TokenStream
+from kakeya_runtime.engine.sampling import greedy
 from kakeya_runtime.models import native
 
 _log = logging.getLogger(__name__)
@@ -116,7 +118,8 @@ class BatchScheduler:
 
     def __init__(self, engine: Engine, *, max_batch: int = DEFAULT_MAX_BATCH,
                  step_tokens: int = DEFAULT_STEP_TOKENS, short_prompt: int = DEFAULT_SHORT_PROMPT,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 on_step: Callable[[int], None] | None = None,
+                 deliveries: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if step_tokens < 1:
@@ -128,6 +131,8 @@ class BatchScheduler:
         self.step_tokens = step_tokens
         self.short_prompt = min(short_prompt, engine.prefill_chunk)  # read whole: one forward's worth at most
         self.on_step = on_step  # called with the rows decoded in each step that decoded any
+        # entered around a batched step's deliveries (the turns may hand their events on once for all of them)
+        self.deliveries = deliveries or contextlib.nullcontext
         self.stats = StepStats()
         self._cv = threading.Condition()
         self._waiting: deque[_Row] = deque()
@@ -365,24 +370,33 @@ class BatchScheduler:
                     continue
                 self._prefill(chunk.row, chunk.ids.shape[1])
             return
+        with self.deliveries():
+            self._take(rows, logits)
+            for chunk, last in zip(chunks, chunk_logits, strict=True):
+                self.stats.prefill_chunks += 1
+                self.stats.fused_chunks += 1
+                try:
+                    first = chunk.row.stream.chunk_done(chunk.ids.shape[1], last)
+                except Exception as e:
+                    self._fail(chunk.row, e)
+                    continue
+                if first is not None:
+                    self._deliver(chunk.row, first)
+
+    def _take(self, rows: list[_Row], logits: Any) -> None:
+        """Sample and deliver each decode row's token from the step's logits (N, V); the greedy rows' ids come from
+        one argmax over them all (each row's own, sampling.greedy)."""
+        is_greedy = [r.stream.request.sampling.greedy for r in rows]
+        picked = greedy(logits) if sum(is_greedy) > 1 else None  # (N,)
         for i, row in enumerate(rows):
             stream = row.stream
             try:
-                ids = stream.take(logits[i : i + 1])
+                ids = stream.take(logits[i : i + 1], picked=picked[i : i + 1] if picked is not None and is_greedy[i]
+                                  else None)
             except Exception as e:
                 self._fail(row, e)
                 continue
             self._deliver(row, ids)
-        for chunk, last in zip(chunks, chunk_logits, strict=True):
-            self.stats.prefill_chunks += 1
-            self.stats.fused_chunks += 1
-            try:
-                first = chunk.row.stream.chunk_done(chunk.ids.shape[1], last)
-            except Exception as e:
-                self._fail(chunk.row, e)
-                continue
-            if first is not None:
-                self._deliver(chunk.row, first)
 
     def _decode_alone(self, row: _Row) -> None:
         stream = row.stream
