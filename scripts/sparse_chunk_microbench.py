@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--shared", type=float, default=0.8)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=1, help="cold tiers cycled through (30: out of cache, as a model)")
     a = ap.parse_args()
     torch.manual_seed(a.seed)
     B, H, G, D, sink, window, block, topk, budget = 1, 3, 3, 64, 4, 512, 32, 32, 0.125
@@ -32,8 +33,9 @@ def main() -> None:
     n_hist = a.history
     n_blocks = (n_hist - ring - sink) // block
     dt = torch.bfloat16
-    cold_k = torch.randn(B, H, n_blocks * block, D).to(dt)
-    cold_v = torch.randn(B, H, n_blocks * block, D).to(dt)
+    colds = [(torch.randn(B, H, n_blocks * block, D).to(dt), torch.randn(B, H, n_blocks * block, D).to(dt))
+             for _ in range(a.layers)]
+    cold_k, cold_v = colds[0]
     kb = cold_k.float().view(B, H, n_blocks, block, D)
     kmin, kmax = kb.amin(3).to(dt).contiguous(), kb.amax(3).to(dt).contiguous()
     slot = torch.arange(n_blocks, dtype=torch.long)
@@ -54,7 +56,8 @@ def main() -> None:
             sel, _ = native.block_select(q, kmin, kmax, q_pos, window=window, sink=sink, block=block, topk=topk,
                                          budget=budget)
             t1 = time.perf_counter()
-            native.sparse_attention(q, (hot_k, hot_v, hot_pos), (cold_k, cold_v, slot), sel, q_pos, scale,
+            ck, cv = colds[i % a.layers]
+            native.sparse_attention(q, (hot_k, hot_v, hot_pos), (ck, cv, slot), sel, q_pos, scale,
                                     window=window, sink=sink, block=block, cold_head=cold_head)
             t2 = time.perf_counter()
             if i >= 3:

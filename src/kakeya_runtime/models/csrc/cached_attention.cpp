@@ -472,7 +472,8 @@ inline void stage_keys(const c10::BFloat16* const* krow, uint32_t* kt2, const ch
 template <int D, int NB = BKA>
 void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_row,
                            int64_t v_row, int64_t R, const Rule& rule, const int64_t* order, const int64_t* pos,
-                           const Block* blocks, int64_t nblocks, float scale, Partial st, bool in_order = false) {
+                           const Block* blocks, int64_t nblocks, float scale, Partial st, bool in_order = false,
+                           bool packed = false) {
   using BF = c10::BFloat16;
   static_assert(D % 32 == 0, "AMX path needs head_dim a multiple of 32");
   constexpr int KT = NB / 16;  // key tiles per block
@@ -567,8 +568,16 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     const int64_t sb_i = bi % NBUF;
     // In order: ask for the next NB stored rows (next block, or the next superblock's first), spread over the
     // staging work (timing only; prefetches never fault, past the end of the cache too).
-    const char* kpf = in_order ? reinterpret_cast<const char*>(k + (blocks[bi].first + NB) * k_row) : nullptr;
-    const char* vpf = in_order ? reinterpret_cast<const char*>(v + (blocks[bi].first + NB) * v_row) : nullptr;
+    // Packed blocks (a ColdSource's, NB rows stored together): the next block's rows.
+    const char* kpf = nullptr;
+    const char* vpf = nullptr;
+    if (in_order) {
+      kpf = reinterpret_cast<const char*>(k + (blocks[bi].first + NB) * k_row);
+      vpf = reinterpret_cast<const char*>(v + (blocks[bi].first + NB) * v_row);
+    } else if (packed && bi + 1 < nblocks) {
+      kpf = reinterpret_cast<const char*>(k + order[blocks[bi + 1].first] * k_row);
+      vpf = reinterpret_cast<const char*>(v + order[blocks[bi + 1].first] * v_row);
+    }
     block_rows<BF, NB>(k, v, k_row, v_row, order, pos, blocks[bi], blocks[bi].min_pos / NB * NB, in_order,
                    krows[sb_i], vrows[sb_i], presents[sb_i]);
     stage_keys<D, NB>(krows[sb_i], kt2s.data + sb_i * (D / 2 * NB), kpf, k_row * 2);
@@ -1126,7 +1135,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
           if (amx_item && rule.kind == Kind::Cold) {  // a ColdSource's blocks of COLD_AMX_BLOCK lanes
             attend_superblock_amx<D, COLD_AMX_BLOCK>(qrows, kb, vb, k_row, v_row, R_item, rule, order, pos, blocks,
-                                                     nblocks, scale, st);
+                                                     nblocks, scale, st, false, true);
             continue;
           }
           if (amx_item) {  // head sizes that are not a multiple of 32 take the dot-product path everywhere
