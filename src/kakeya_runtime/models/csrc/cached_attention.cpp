@@ -568,21 +568,27 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     const int64_t sb_i = bi % NBUF;
     // In order: ask for the next NB stored rows (next block, or the next superblock's first), spread over the
     // staging work (timing only; prefetches never fault, past the end of the cache too).
-    // Packed blocks (a ColdSource's, NB rows stored together): the next block's rows.
+    // Packed blocks (a ColdSource's, NB rows stored together): a later block's rows.
     const char* kpf = nullptr;
     const char* vpf = nullptr;
     if (in_order) {
       kpf = reinterpret_cast<const char*>(k + (blocks[bi].first + NB) * k_row);
       vpf = reinterpret_cast<const char*>(v + (blocks[bi].first + NB) * v_row);
-    } else if (packed && bi + 1 < nblocks) {
-      kpf = reinterpret_cast<const char*>(k + order[blocks[bi + 1].first] * k_row);
-      vpf = reinterpret_cast<const char*>(v + order[blocks[bi + 1].first] * v_row);
+    } else if (packed && bi + 2 < nblocks) {  // two blocks ahead: scattered blocks come from memory
+      kpf = reinterpret_cast<const char*>(k + order[blocks[bi + 2].first] * k_row);
+      vpf = reinterpret_cast<const char*>(v + order[blocks[bi + 2].first] * v_row);
     }
     block_rows<BF, NB>(k, v, k_row, v_row, order, pos, blocks[bi], blocks[bi].min_pos / NB * NB, in_order,
                    krows[sb_i], vrows[sb_i], presents[sb_i]);
     stage_keys<D, NB>(krows[sb_i], kt2s.data + sb_i * (D / 2 * NB), kpf, k_row * 2);
     interleave_values<D, NB>(vrows[sb_i], vt2s.data + sb_i * (NB / 2 * D), vpf, v_row * 2);
   };
+  if (packed && nblocks > 1)  // the second block's rows (stage(0) asks for the third)
+    for (int64_t i = 0; i < blocks[1].count; ++i)
+      for (int c = 0; c < D * 2 / 64; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(k + order[blocks[1].first + i] * k_row) + 64 * c, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(v + order[blocks[1].first + i] * v_row) + 64 * c, _MM_HINT_T1);
+      }
   if (nblocks > 0) stage(0);
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     if (pending.on && pending.block + 1 < bi) {  // staging block bi + 1 reuses its V buffer: run it first
@@ -828,6 +834,9 @@ struct ColdSource {
               picked[j] = 1;
             }
         }
+      const int64_t lanes = std::count(picked.begin(), picked.end(), 1) * cold.block;
+      order.reserve(lanes);
+      pos.reserve(lanes);
       for (int64_t j = 0; j < most; ++j) {
         if (!picked[j]) continue;
         const int64_t s = cold.slot_of(ch, j);
