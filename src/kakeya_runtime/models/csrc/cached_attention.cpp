@@ -738,8 +738,8 @@ struct Source {
 // slot[j] the place in K/V of cold block j (positions sink + j * block ...; -1: not provided), and each token's
 // selection bitsets (B, Hk, T, words). Only blocks wholly below a token's hot range count (n(t) of them).
 //
-// A token's selected blocks, in position order, are packed into lanes of their own: superchunks of SPLIT lanes
-// (the work items), cut into blocks of BK lanes. So its cold keys are grouped and reduced by one fixed
+// Without AMX (ColdSource below otherwise), a token's selected blocks, in position order, are packed into lanes of
+// their own: superchunks of SPLIT lanes (the work items), cut into blocks of BK lanes. So its cold keys are grouped and reduced by one fixed
 // sequence that depends on its own selection only, never on what other tokens of the call selected, and no
 // lane is spent on a block it did not select.
 struct Cold {
@@ -924,8 +924,9 @@ inline std::vector<int64_t> item_schedule(const std::vector<Source>& sources,
 }
 
 // Attention of q over every source (and the cold blocks, if any), one softmax: each (batch, head, source
-// superblock) and each (batch, head, token, cold superchunk) is a work item; a row's partial states are merged
-// in (source, position) order, then its cold superchunks in order, against its global max. `seen` (B, Hk, R,
+// superblock) and each (batch, head, token, cold superchunk), or on AMX each (batch, head, ColdSource
+// superblock), is a work item; a row's partial states are merged in (source, position) order, then its cold
+// parts in order, against its global max. `seen` (B, Hk, R,
 // 1 + has cold), when given, receives the keys each row saw per source.
 template <typename T, int D>
 void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_pos, int64_t window, int64_t sink,
@@ -933,8 +934,8 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), NT = q_pos.size(0);
   const int64_t G = R / NT, NS = static_cast<int64_t>(sources.size()), NC = NS + (cold != nullptr);
   // AMX on CPUs that have it (bf16), for every call alike: the choice depends on the machine, never the shape.
-  // Cold work items always hold one token's G rows: AMX tiles (16 rows) would idle there, so they take the
-  // dot-product path on every machine and in every call (still one fixed sequence per token).
+  // Without AMX, cold work items hold one token's G rows on the dot-product path (one fixed sequence per token);
+  // with it, cold_amx below.
   const bool use_amx = amx_enabled<T>() && D % 32 == 0;
   // On a machine whose attention runs on AMX the cold side shares the tiles too (ColdSource), in every call alike
   // (a decode step as a chunk); int8 codes are dequantized first, to the values they decode to.
@@ -1055,7 +1056,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         const int64_t *order, *pos;
         const Block* blocks;
         Rule rule{qpos + t0, tn, window, sink, Kind::Plain, cold != nullptr ? cold->block : 0};
-        bool amx_item = use_amx;  // cold items (one token's G rows, any call) always take the dot-product path
+        bool amx_item = use_amx;  // cold items of one token's G rows (no AMX cold side) take the dot-product path
         bool in_order = false;    // keys stored in position order (a source that says so)
         float* base;
         if (item < hot_items) {
