@@ -170,7 +170,8 @@ def sparse_attention(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, tor
     or in its hot range hot_lo(t)..t (the last `window` positions extended down to a block boundary counted
     from `sink`), and `cold` (k, v (B, Hk, U * block, D) blocks in q's dtype, slot (N,) int64: where block j is,
     -1 if absent, or (Hc, N): per cold head; or k, v int8 codes, k_scale, v_scale fp16 (B, Hk, U * block), slot): token t attends the blocks
-    its `select` bitset (B, Hk, T, words) names among those wholly below hot_lo(t), packed in its own lanes; a
+    its `select` bitset (B, Hk, T, words) names among those wholly below hot_lo(t) (each token's result its own
+    bits, in a chunk or alone); a
     selected block that is absent raises. Cold tensors hold the heads `cold_head` (Hk,) maps to (-1: a head with
     no cold tier; default: every head, in order). Returns the output (B, Hk, R, D) and the keys each row saw,
     (B, Hk, R, 2) int64 (hot, cold)."""
