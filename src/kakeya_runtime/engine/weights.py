@@ -15,7 +15,12 @@ PyTorch's weight-only CPU kernels on bf16 activations:
 - The LM head defaults to int8 (a tied head also serves the embedding lookup: `QuantEmbedding`).
 - BF16 / FP32: the weights as loaded, with one-row matmuls as matrix-vector products (`DenseLinear`).
 
-The int kernels are fast for one row (decode) but slow for many (prefill: ~600 tok/s against
+With our kernels (the native backend), int4 runs on ours instead (`kakeya::quant_linear`, csrc/quant_linear.cpp):
+the weights dequantized to bf16 inside the kernel, tile by tile, by one routine, and multiplied as our bf16
+projections are, so every row count runs at about bf16 matmul speed and a row's bits do not depend on the rows
+beside it; its weights are `dequantize()`'s, exactly.
+
+PyTorch's int kernels are fast for one row (decode) but slow for many (prefill: ~600 tok/s against
 thousands with bf16 AMX matmuls), so a quantized linear switches on the number of rows: at or above
 `prefill_rows` it runs a bf16 matmul on weights it dequantizes for that call (`Prefill.DEQUANT`, no
 extra resident memory, the same numbers as the int kernel up to accumulation order) or on a bf16 copy
@@ -152,7 +157,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, prefill={self.prefill.value}")
+                f"bias={self.bias is not None}, prefill={self.prefill.value}, "
+                f"kernel={'native' if getattr(self, 'native', False) else 'torch'}")
 
 
 class Int8Linear(QuantLinear):
@@ -182,8 +188,15 @@ class Int4Linear(QuantLinear):
         super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
         codes, scales_zeros = quantize_int4(weight, group_size)
         self.group_size = group_size
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))  # (N, K/2)
         self.register_buffer("scales_zeros", scales_zeros)  # (K/G, N, 2) bf16: scale, zero
+        # With our kernels, our int kernel (kakeya::quant_linear: every row count at bf16 matmul speed, invariant);
+        # else PyTorch's, in its packed layout.
+        self.native = native_quant(n, k, group_size)
+        if self.native:
+            self.register_buffer("packed", pack_tiles(codes, 4))  # (N, K/2) uint8 in 16 x 32 tiles
+            self._unpack_ok = True
+            return
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))  # (N, K/2)
         if not torch.equal(_unpack_int4(self.packed, n, k), codes.to(torch.uint8)):
             # The kernel's packing differs from the layout _unpack_int4 reads: keep DEQUANT honest by
             # falling back to a bf16 copy rather than dequantizing wrong numbers.
@@ -194,9 +207,13 @@ class Int4Linear(QuantLinear):
             self._unpack_ok = True
 
     def kernel_mm(self, x: Tensor) -> Tensor:
+        if self.native:
+            return native.quant_linear(x, self.packed, self.scales_zeros, 4)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
 
     def dequantize(self) -> Tensor:
+        if self.native:  # the kernel's own dequantization: the weights it multiplies by, bit for bit
+            return native.quant_dequant(self.packed, self.scales_zeros, 4)
         if not self._unpack_ok:  # exact but slow: run the kernel on the identity
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
             return self.kernel_mm(eye).t().contiguous()
@@ -228,6 +245,27 @@ class QuantEmbedding(nn.Module):
         else:
             rows = self.head.dequantize()[flat]
         return rows.view(*ids.shape, self.embedding_dim)
+
+
+def native_quant(out_features: int, in_features: int, group_size: int = INT4_GROUP) -> bool:
+    """Whether a quantized linear of this shape runs on our int kernel (kakeya::quant_linear): the native backend
+    is in force and the shape fits its 16 x 32 tiles (int4 groups of 32)."""
+    return (native.enabled() and group_size == INT4_GROUP and out_features % 16 == 0
+            and in_features % INT4_GROUP == 0)
+
+
+def pack_tiles(q: Tensor, bits: int) -> Tensor:
+    """Codes (N, K) (int4: 0..15; int8: -127..127) in our kernel's layout: 16 x 32 tiles, row-major by (row block,
+    column block), each tile's 16 rows in order; an int4 row's byte j holds column j (low nibble) and j + 16 (high).
+    (N, K * bits / 8) uint8."""
+    n, k = q.shape
+    t = q.view(n // 16, 16, k // 32, 32).transpose(1, 2)  # (N/16, K/32, 16, 32)
+    if bits == 4:
+        c = t.to(torch.uint8)
+        t = c[..., :16] | (c[..., 16:] << 4)
+    else:
+        t = t.to(torch.int8).view(torch.uint8)
+    return t.contiguous().view(n, k * bits // 8)
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -304,6 +342,8 @@ def _unpack_int4(packed: Tensor, n: int, k: int) -> Tensor:
 def _int4_rows(head: Int4Linear, rows: Tensor) -> Tensor:
     """Dequantized rows (R, K) bf16 of an Int4Linear whose N is a multiple of the 64-row block."""
     n, k, g = head.out_features, head.in_features, head.group_size
+    if head.native:
+        return native.quant_dequant(head.packed, head.scales_zeros, 4, rows)
     if n % _INT4_BLOCK_N:
         return head.dequantize()[rows]
     blocks = head.packed.view(n // _INT4_BLOCK_N, k, _INT4_BLOCK_N // 2)  # (NB, K, 32)
