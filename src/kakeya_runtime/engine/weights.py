@@ -139,6 +139,10 @@ class QuantLinear(nn.Module):
         """The weight this module computes with, (N, K) bf16."""
         raise NotImplementedError
 
+    def dequantize_rows(self, rows: Tensor) -> Tensor:
+        """Rows `rows` (R,) of `dequantize()`, (R, K) bf16 (the embedding lookup of a tied head)."""
+        return self.dequantize()[rows]
+
     @property
     def weight(self) -> Tensor:  # for callers that read `.weight` (e.g. a tied head); costs a dequant
         return self.dequantize()
@@ -169,14 +173,25 @@ class Int8Linear(QuantLinear):
         n, k = weight.shape
         super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
         q, scales = quantize_int8(weight)
-        self.register_buffer("qweight", q)  # (N, K) int8
+        # With our kernels, our int kernel (as Int4Linear); else PyTorch's
+        self.native = native_quant(n, k)
+        self.register_buffer("qweight", pack_tiles(q, 8) if self.native else q)  # (N, K): 16 x 32 tiles, or int8
         self.register_buffer("scales", scales)  # (N,) bf16
 
     def kernel_mm(self, x: Tensor) -> Tensor:
+        if self.native:
+            return native.quant_linear(x, self.qweight, self.scales, 8)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def dequantize(self) -> Tensor:
+        if self.native:
+            return native.quant_dequant(self.qweight, self.scales, 8)
         return (self.qweight * self.scales.float()[:, None]).to(torch.bfloat16)
+
+    def dequantize_rows(self, rows: Tensor) -> Tensor:
+        if self.native:
+            return native.quant_dequant(self.qweight, self.scales, 8, rows)
+        return (self.qweight[rows] * self.scales[rows, None].float()).to(torch.bfloat16)
 
 
 class Int4Linear(QuantLinear):
@@ -223,6 +238,9 @@ class Int4Linear(QuantLinear):
         # fp32 like the kernel, then one rounding to bf16
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k).to(torch.bfloat16)
 
+    def dequantize_rows(self, rows: Tensor) -> Tensor:
+        return _int4_rows(self, rows) if self._unpack_ok else self.dequantize()[rows]
+
 
 class QuantEmbedding(nn.Module):
     """Embedding lookup served from a (tied) quantized LM head: rows are dequantized on demand."""
@@ -238,12 +256,7 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1)
-        if isinstance(self.head, Int8Linear):
-            rows = (self.head.qweight[flat] * self.head.scales[flat, None].float()).to(torch.bfloat16)
-        elif isinstance(self.head, Int4Linear) and self.head._unpack_ok:
-            rows = _int4_rows(self.head, flat)
-        else:
-            rows = self.head.dequantize()[flat]
+        rows = self.head.dequantize_rows(flat)
         return rows.view(*ids.shape, self.embedding_dim)
 
 
