@@ -14,7 +14,8 @@
 //
 // Layouts (engine/weights.py packs them): codes in tiles of 16 rows x 32 columns (one int4 group), tile (b, s) =
 // rows 16b.., columns 32s.. at byte (b * K/32 + s) * 16 * bytes_per_row_of_tile:
-// - int4: 16 bytes per tile row; byte j holds column 32s + j in its low nibble and 32s + 16 + j in its high one.
+// - int4: 16 bytes per tile row, column 32s + c in nibble slot int4_slot(c) (below: the order one byte-shuffle
+//   instruction unpacks).
 //   sz (K/32, N, 2) bf16: scale, zero of (group s, row n). w = (q - 8) * scale + zero (one fused multiply-add
 //   in fp32), rounded once to bf16 (nearest even).
 // - int8: 32 bytes per tile row, column 32s + j at byte j. sz (N,) bf16 scales. w = q * scale in fp32, rounded
@@ -36,15 +37,23 @@ inline float bf16_bits(uint32_t b) {
   return f;
 }
 
-// The quantized weight: codes, scales and the shape. tile(): rows 16b..16b+15, columns 32s..32s+31 of W' as 16 rows
-// of 32 bf16, 64 bytes apart (an A tile as AMX loads it).
-#if defined(__AVX512VBMI__)
-// byte 2i of a vector <- byte i % 16 of the group's codes (vpermb; odd bytes zeroed by the mask)
-inline const __m512i kSpread = _mm512_set_epi8(
-    0, 15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0,
-    0, 15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0);
+// Where an int4 group's code c (column 32s + c) sits in its 16 bytes: in 64-bit half h = (c / 4) % 2, nibble slot
+// 4 * (c / 8) + c % 4 (bits 4 * slot..), so one vpmultishiftqb over the 16 bytes (in every 128-bit lane) puts code c
+// in the low bits of word c. int4_slot(c) = 16 * h + slot (engine/weights.py's pack_tiles lays the codes out so).
+constexpr int int4_slot(int c) { return 16 * ((c / 4) % 2) + 4 * (c / 8) + c % 4; }
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define KAKEYA_QUANT_VECTOR 1
+// vpmultishiftqb control: the low byte of word w (qword w / 4) takes the 8 bits from bit 4 * slot(w) of its qword
+inline const __m512i kInt4Shift = [] {
+  alignas(64) uint8_t ctrl[64];
+  for (int i = 0; i < 64; ++i) ctrl[i] = i % 2 ? 0 : uint8_t(4 * (int4_slot(i / 2) % 16));
+  return _mm512_load_si512(ctrl);
+}();
 #endif
 
+// The quantized weight: codes, scales and the shape. tile(): rows 16b..16b+15, columns 32s..32s+31 of W' as 16 rows
+// of 32 bf16, 64 bytes apart (an A tile as AMX loads it). Every path's W' comes from here.
 struct QWeight {
   const uint8_t* q;
   const uint16_t* sz;
@@ -56,62 +65,65 @@ struct QWeight {
     const uint8_t* src = q + (b * (K / kTileCols) + s) * tile_bytes();
     if (bits == 4) {
       const auto* pairs = reinterpret_cast<const uint32_t*>(sz) + s * N + b * kTileRows;  // (scale, zero) per row
+      alignas(64) float scale[kTileRows], zero[kTileRows];
+      scales16(pairs, scale, zero);
 #pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r) group4(src + r * 16, pairs + r, out + r * kTileCols);
+      for (int r = 0; r < kTileRows; ++r) group4(src + r * 16, scale + r, zero + r, out + r * kTileCols);
     } else {
       const uint16_t* scales = sz + b * kTileRows;
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r)
-        group8(reinterpret_cast<const int8_t*>(src) + r * 32, scales[r], out + r * kTileCols);
+        group8(reinterpret_cast<const int8_t*>(src) + r * 32, bf16_bits(uint32_t(scales[r]) << 16), out + r * kTileCols);
     }
   }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  // The group's 16 possible values, fma(c - 8, scale, zero) rounded to bf16, as a table; then one word permute
-  // picks each column's entry by its code (the same values as computing every element, in fewer operations).
-  __attribute__((always_inline)) static inline void group4(const uint8_t* src, const uint32_t* sz_pair,
-                                                          c10::BFloat16* out) {
-    const __m512i pair = _mm512_set1_epi32(int32_t(*sz_pair));  // scale in the low half, zero in the high one
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(int32_t(0xffff0000u))));
-    const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-#if defined(__AVX512VBMI__)
-    // the table twice (entries 16..31 = 0..15), so an index's bit 4 is ignored: word j < 16 holds byte j whole
-    // (its low nibble the code), word 16 + j byte j shifted right by 4
-    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(codes, s, z), _mm512_fmadd_ps(codes, s, z));
-    const __m512i spread = _mm512_maskz_permutexvar_epi8(
-        0x5555555555555555ull, kSpread, _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-    const __m512i idx = _mm512_mask_srli_epi16(spread, 0xffff0000u, spread, 4);
-    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(idx, table));
-#else
-    const __m256i table = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(codes, s, z));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    const __m256i nib = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1),
-                                         _mm256_set1_epi8(0x0f));
-    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nib), _mm512_castsi256_si512(table)));
-#endif
+#if defined(KAKEYA_QUANT_VECTOR)
+  // The group's 16 possible values, fma(c - 8, scale, zero) rounded to bf16, as a table (twice: entries 16..31 =
+  // 0..15, so an index's bit 4 does not matter); one word permute picks each column's entry by its code. The same
+  // values as computing every element, in fewer operations.
+  // 16 rows' (scale, zero) pairs as fp32, through memory: the group below broadcasts its row's from there
+  static inline void scales16(const uint32_t* pairs, float* scale, float* zero) {
+    const __m512i p = _mm512_loadu_si512(pairs);
+    _mm512_store_ps(scale, _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)));
+    _mm512_store_ps(zero, _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32(int32_t(0xffff0000u)))));
   }
-  __attribute__((always_inline)) static inline void group8(const int8_t* src, uint16_t scale, c10::BFloat16* out) {
+  __attribute__((always_inline)) static inline void group4(const uint8_t* src, const float* scale, const float* zero,
+                                                          c10::BFloat16* out) {
+    const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512 values = _mm512_fmadd_ps(codes, _mm512_set1_ps(*scale), _mm512_set1_ps(*zero));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(kInt4Shift, bytes), table));
+  }
+  __attribute__((always_inline)) static inline void group8(const int8_t* src, float scale, c10::BFloat16* out) {
     const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
-    const __m512 s = _mm512_set1_ps(bf16_bits(uint32_t(scale) << 16));
+    const __m512 s = _mm512_set1_ps(scale);
     _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(w), s),
                                                           _mm512_mul_ps(_mm512_cvtepi32_ps(v), s)));
   }
 #else
   // The same arithmetic element by element: std::fma is the fused multiply-add the vector path uses, and c10's
   // conversion rounds to nearest even as vcvtne2ps2bf16 does.
-  static inline void group4(const uint8_t* src, const uint32_t* sz_pair, c10::BFloat16* out) {
-    const float s = bf16_bits(*sz_pair << 16), z = bf16_bits(*sz_pair & 0xffff0000u);
-    for (int j = 0; j < 16; ++j) {
-      out[j] = c10::BFloat16(std::fma(float(int(src[j] & 15) - 8), s, z));
-      out[16 + j] = c10::BFloat16(std::fma(float(int(src[j] >> 4) - 8), s, z));
+  static inline void scales16(const uint32_t* pairs, float* scale, float* zero) {
+    for (int r = 0; r < kTileRows; ++r) {
+      scale[r] = bf16_bits(pairs[r] << 16);
+      zero[r] = bf16_bits(pairs[r] & 0xffff0000u);
     }
   }
-  static inline void group8(const int8_t* src, uint16_t scale, c10::BFloat16* out) {
-    const float s = bf16_bits(uint32_t(scale) << 16);
+  static inline void group4(const uint8_t* src, const float* scale_p, const float* zero_p, c10::BFloat16* out) {
+    const float scale = *scale_p, zero = *zero_p;
+    uint64_t half[2];
+    std::memcpy(half, src, 16);
+    for (int c = 0; c < 32; ++c) {
+      const int slot = int4_slot(c);
+      const int code = int((half[slot / 16] >> (4 * (slot % 16))) & 15);
+      out[c] = c10::BFloat16(std::fma(float(code - 8), scale, zero));
+    }
+  }
+  static inline void group8(const int8_t* src, float scale, c10::BFloat16* out) {
     for (int j = 0; j < 32; ++j) {
-      volatile float p = float(src[j]) * s;  // one rounding of the product, never contracted into anything
+      volatile float p = float(src[j]) * scale;  // one rounding of the product, never contracted into anything
       out[j] = c10::BFloat16(p);
     }
   }
