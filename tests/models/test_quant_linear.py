@@ -1,6 +1,6 @@
 """Our quantized projection kernel (kakeya::quant_linear): int4 / int8 weights dequantized to bf16 inside the kernel,
 then multiplied as kakeya::linear multiplies bf16 weights. Its result is linear(x, W')'s bit for bit (W' the
-kernel's own dequantization), a row's bits do not depend on the rows beside it or the thread count, on either route
+kernel's own dequantization; int8: over the codes, then scaled), a row's bits do not depend on the rows beside it or the thread count, on either route
 (AMX tiles, or the AVX-512 / at::vec path CPUs without AMX take), and it is right against an fp64 reference."""
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def route(request):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_dequantized_weights_are_the_plain_formula(n, k, bits):
-    """W' is the affine (int4) or scaled (int8) value rounded once to bf16 (the kernel's fused multiply-add may
-    round differently from torch's separate multiply and add: at most one bf16 step), and any rows of it alone are
-    the same bits as in the whole."""
+    """The weights' values: the affine (int4) or scaled (int8) value rounded once to bf16 (int4's fused
+    multiply-add may round differently from torch's separate multiply and add: at most one bf16 step), and any rows
+    of it alone are the same bits as in the whole."""
     q, sz, _ = quantized(n, k, bits)
     got = native.quant_dequant(q, sz, bits)
     want = dequant_reference(n, k, bits)
@@ -68,17 +68,30 @@ def test_dequantized_weights_are_the_plain_formula(n, k, bits):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_equals_linear_on_the_dequantized_weights(n, k, bits, route):
-    """y is kakeya::linear(x, W') bit for bit, with and without bias, for every row count (both AMX paths: few
-    rows with W' tiles dequantized per step, many rows with W' panels dequantized per call)."""
-    q, sz, _ = quantized(n, k, bits, seed=n + k)
-    wd = native.quant_dequant(q, sz, bits)
+    """int4: y is kakeya::linear(x, W') bit for bit, W' the kernel's dequantized weights; int8: kakeya::linear's
+    fp32 sums over the codes (exact in bf16) times the row scales plus bias in one fused multiply-add, rounded once.
+    With and without bias, for every row count (both AMX paths: few rows with W' tiles dequantized per step, many
+    rows with W' panels dequantized per call)."""
+    q, sz, w = quantized(n, k, bits, seed=n + k)
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(512, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16()
+    if bits == 4:
+        wd = native.quant_dequant(q, sz, bits)
+
+        def want(xs, bias=None):
+            return native.linear(xs, wd, bias)
+    else:
+        codes = quantize_int8(w)[0].bfloat16()
+
+        def want(xs, bias=None):
+            acc = native.linear(xs, codes, out_fp32=True).double()
+            fused = acc * sz.double() + (0.0 if bias is None else bias.double())  # exact: fma before its rounding
+            return fused.float().bfloat16()
     for m in ROWS:
-        assert torch.equal(native.quant_linear(x[:m], q, sz, bits), native.linear(x[:m], wd)), (m, route)
-    assert torch.equal(native.quant_linear(x[:40], q, sz, bits, b), native.linear(x[:40], wd, b))
-    assert torch.equal(native.quant_linear(x[:3], q, sz, bits, b), native.linear(x[:3], wd, b))
+        assert torch.equal(native.quant_linear(x[:m], q, sz, bits), want(x[:m])), (m, route)
+    assert torch.equal(native.quant_linear(x[:40], q, sz, bits, b), want(x[:40], b))
+    assert torch.equal(native.quant_linear(x[:3], q, sz, bits, b), want(x[:3], b))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

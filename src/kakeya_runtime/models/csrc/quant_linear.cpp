@@ -2,10 +2,11 @@
 // operations, whatever the number of rows in the call: kakeya::quant_linear.
 //
 // The weights are stored quantized (int4 group-wise affine, or int8 per output channel) and dequantized inside the
-// kernel to W' = bf16(fp32 dequant) by one routine (dequant_tile), then multiplied as our bf16 projection kernel
-// (invariant_linear.cpp) multiplies W': y's bits are kakeya::linear(x, W')'s, so a row's result does not depend
-// on the rows beside it (a decode step, a turn, a prefill chunk compute alike).
-// - AMX: calls of fewer than 32 rows (decode) dequantize each 16 x 32 A tile of W' rows into an L1 buffer right
+// kernel to bf16 W' by one routine (QWeight::tile; int4: W' = bf16(fp32 dequant); int8: W' = the codes, the scales
+// applied to the sums), then multiplied as our bf16 projection kernel (invariant_linear.cpp) multiplies W': y's bits
+// are kakeya::linear(x, W')'s (int8: then times the scales), so a row's result does not depend on the rows beside
+// it (a decode step, a turn, a prefill chunk compute alike).
+// - AMX: calls of fewer than 32 rows (decode) dequantize each 16 x 32 A tile of W' rows into an L1 buffer one step
 //   before its tdpbf16ps (x^T pairs are the B tiles); calls of 32 rows or more (prefill) dequantize each 32-row
 //   panel of W' once per call into B tiles and run every 32-row block of x (A tiles, in place) against it. The
 //   tdpbf16ps sequence over K (steps of 32, in order, from zeroed tiles) is invariant_linear.cpp's on both paths.
@@ -18,8 +19,9 @@
 //   instruction unpacks).
 //   sz (K/32, N, 2) bf16: scale, zero of (group s, row n). w = (q - 8) * scale + zero (one fused multiply-add
 //   in fp32), rounded once to bf16 (nearest even).
-// - int8: 32 bytes per tile row, column 32s + j at byte j. sz (N,) bf16 scales. w = q * scale in fp32, rounded
-//   once to bf16.
+// - int8: 32 bytes per tile row, column 32s + j at byte j. sz (N,) bf16 scales. W' = the codes (exact in bf16), and
+//   y = fma(sum, scale, bias) per output column, rounded once: no rounding of the weights beyond int8's own (a
+//   bf16 q * scale would add up to half of int8's step again near a row's largest weights).
 
 #include "common.h"
 
@@ -70,10 +72,8 @@ struct QWeight {
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) group4(src + r * 16, scale + r, zero + r, out + r * kTileCols);
     } else {
-      const uint16_t* scales = sz + b * kTileRows;
 #pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r)
-        group8(reinterpret_cast<const int8_t*>(src) + r * 32, bf16_bits(uint32_t(scales[r]) << 16), out + r * kTileCols);
+      for (int r = 0; r < kTileRows; ++r) group8(reinterpret_cast<const int8_t*>(src) + r * 32, out + r * kTileCols);
     }
   }
 
@@ -95,12 +95,11 @@ struct QWeight {
     const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(kInt4Shift, bytes), table));
   }
-  __attribute__((always_inline)) static inline void group8(const int8_t* src, float scale, c10::BFloat16* out) {
+  // int8 codes as bf16, exactly (|q| <= 127 has 7 significant bits); the row's scale comes after the sum
+  __attribute__((always_inline)) static inline void group8(const int8_t* src, c10::BFloat16* out) {
     const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
-    const __m512 s = _mm512_set1_ps(scale);
-    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(w), s),
-                                                          _mm512_mul_ps(_mm512_cvtepi32_ps(v), s)));
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(w), _mm512_cvtepi32_ps(v)));
   }
 #else
   // The same arithmetic element by element: std::fma is the fused multiply-add the vector path uses, and c10's
@@ -121,11 +120,8 @@ struct QWeight {
       out[c] = c10::BFloat16(std::fma(float(code - 8), scale, zero));
     }
   }
-  static inline void group8(const int8_t* src, float scale, c10::BFloat16* out) {
-    for (int j = 0; j < 32; ++j) {
-      volatile float p = float(src[j]) * scale;  // one rounding of the product, never contracted into anything
-      out[j] = c10::BFloat16(p);
-    }
+  static inline void group8(const int8_t* src, c10::BFloat16* out) {
+    for (int j = 0; j < 32; ++j) out[j] = c10::BFloat16(float(src[j]));
   }
 #endif
 };
@@ -199,12 +195,15 @@ inline void amx_block(const QWeight& w, int64_t b0, const uint32_t* xt, int64_t 
   if constexpr (NN > 1 && NM > 1) _tile_stored(3, c + 3 * 256, 64);
 }
 
-inline void store16(__m512 v, const float* bias, c10::BFloat16* dst) {
-  if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+// One output vector: int8's fp32 sums times the rows' scales plus bias in one fused multiply-add, int4's plus bias;
+// then one rounding to bf16 (nearest even).
+inline void store16(__m512 v, const float* scale, const float* bias, c10::BFloat16* dst) {
+  if (scale) v = _mm512_fmadd_ps(v, _mm512_loadu_ps(scale), bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps());
+  else if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-void quant_amx(const at::Tensor& x, const QWeight& w, const float* bias, at::Tensor& y) {
+void quant_amx(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = w.K, N = w.N;
   const int64_t mblocks = (M + 15) / 16, pairs = K / 2;
   kakeya_amx::AlignedBuffer<uint32_t> xt(mblocks * pairs * 16);
@@ -230,7 +229,8 @@ void quant_amx(const at::Tensor& x, const QWeight& w, const float* bias, at::Ten
           const int64_t m = (mb0 + im) * 16 + mm;
           if (m >= M) break;
           for (int in = 0; in < nn; ++in)
-            store16(_mm512_loadu_ps(ct + in * 256 + mm * 16), bias ? bias + n0 + in * 16 : nullptr,
+            store16(_mm512_loadu_ps(ct + in * 256 + mm * 16), scale ? scale + n0 + in * 16 : nullptr,
+                    bias ? bias + n0 + in * 16 : nullptr,
                     yp + m * y.stride(0) + n0 + in * 16);
         }
       }
@@ -278,7 +278,7 @@ inline void pack_panel(const QWeight& w, int64_t b0, int nn, uint32_t* out) {
   }
 }
 
-void quant_amx_rows(const at::Tensor& x, const QWeight& w, const float* bias, at::Tensor& y) {
+void quant_amx_rows(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = w.K, N = w.N, steps = K / 32, x_row = x.stride(0);
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
@@ -310,7 +310,8 @@ void quant_amx_rows(const at::Tensor& x, const QWeight& w, const float* bias, at
         else amx_rows<1, 1>(a, 16 * a_row, a_row * 2, b, steps, c);
         for (int64_t mm = 0; mm < rows; ++mm)
           for (int in = 0; in < nn; ++in)
-            store16(_mm512_loadu_ps(c + mm * nn * 16 + in * 16), bias ? bias + n0 + in * 16 : nullptr,
+            store16(_mm512_loadu_ps(c + mm * nn * 16 + in * 16), scale ? scale + n0 + in * 16 : nullptr,
+                    bias ? bias + n0 + in * 16 : nullptr,
                     yp + (m0 + mm) * y.stride(0) + n0 + in * 16);
       }
     }
@@ -325,22 +326,32 @@ inline bool on_amx() { return false; }
 #endif
 
 // Off AMX: W' a panel of rows at a time, multiplied by kakeya::linear (per element, a sequence that depends on that
-// row of x and row of W' only), each panel's columns copied into y.
+// row of x and row of W' only), each panel's columns copied into y (int8: the fp32 sums times the scales plus bias in
+// one fused multiply-add, then rounded, as store16 does).
 constexpr int64_t kPanelRows = 256;
 
-void quant_panels(const at::Tensor& x, const QWeight& w, const std::optional<at::Tensor>& bias, at::Tensor& y) {
+void quant_panels(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias,
+                  const std::optional<at::Tensor>& bias_t, at::Tensor& y) {
   const int64_t M = x.size(0);
+  auto* yp = y.data_ptr<c10::BFloat16>();
   auto panel = at::empty({std::min(kPanelRows, w.N), w.K}, x.options());
   for (int64_t n0 = 0; n0 < w.N; n0 += kPanelRows) {
     const int64_t rows = std::min(kPanelRows, w.N - n0);
     auto wp = panel.narrow(0, 0, rows);
     dequant_rows(w, n0, rows, wp.data_ptr<c10::BFloat16>());
-    std::optional<at::Tensor> b;
-    if (bias.has_value()) b = bias->narrow(0, n0, rows);
-    auto part = kakeya_ops::linear(x, wp, b, false);  // (M, rows)
-    for (int64_t m = 0; m < M; ++m)
-      std::memcpy(y.data_ptr<c10::BFloat16>() + m * y.stride(0) + n0, part.const_data_ptr<c10::BFloat16>() + m * rows,
-                  rows * 2);
+    if (scale) {
+      auto part = kakeya_ops::linear(x, wp, std::nullopt, true);  // (M, rows) fp32
+      const float* pp = part.const_data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < rows; ++j)
+          yp[m * w.N + n0 + j] = c10::BFloat16(std::fma(pp[m * rows + j], scale[n0 + j], bias ? bias[n0 + j] : 0.f));
+    } else {
+      std::optional<at::Tensor> b;
+      if (bias_t.has_value()) b = bias_t->narrow(0, n0, rows);
+      auto part = kakeya_ops::linear(x, wp, b, false);  // (M, rows)
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(yp + m * w.N + n0, part.const_data_ptr<c10::BFloat16>() + m * rows, rows * 2);
+    }
   }
 }
 
@@ -370,29 +381,42 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   const int64_t M = x.size(0);
   auto y = at::empty({M, w.N}, x.options());
   if (M == 0) return y;
-  if (!kAmx || !on_amx()) {
-    quant_panels(x, w, bias, y);
-    return y;
-  }
-#if defined(KAKEYA_AMX) && defined(__AVX512BF16__)
-  at::Tensor b32;
+  at::Tensor b32, s32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.N, "quant_linear: bias must be (N,)");
     b32 = bias->to(at::kFloat).contiguous();
   }
+  if (bits == 8) s32 = sz.to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
-  if (M >= kRowsMin) quant_amx_rows(x, w, bp, y);
-  else quant_amx(x, w, bp, y);
+  const float* sp = bits == 8 ? s32.const_data_ptr<float>() : nullptr;
+  if (!kAmx || !on_amx()) {
+    quant_panels(x, w, sp, bp, bias, y);
+    return y;
+  }
+#if defined(KAKEYA_AMX) && defined(__AVX512BF16__)
+  if (M >= kRowsMin) quant_amx_rows(x, w, sp, bp, y);
+  else quant_amx(x, w, sp, bp, y);
 #endif
   return y;
 }
 
-// W' (N, K) bf16, or its rows `rows` (R,) int64 only (R, K): the weights every path of quant_linear multiplies by.
+// int8 rows of codes (as bf16) times their scales, rounded once to bf16: the weights' values.
+void scale_rows(c10::BFloat16* out, const int64_t* rows, int64_t R, int64_t K, const uint16_t* sz) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float s = bf16_bits(uint32_t(sz[rows ? rows[r] : r]) << 16);
+    for (int64_t k = 0; k < K; ++k) out[r * K + k] = c10::BFloat16(float(out[r * K + k]) * s);
+  }
+}
+
+// The weights (N, K) bf16, or their rows `rows` (R,) int64 only (R, K): int4, W' itself (what every path of
+// quant_linear multiplies by); int8, the codes times their scales rounded once to bf16 (the kernel multiplies by the
+// codes, exact in bf16, and applies the scales to the fp32 sums).
 at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& sz, int64_t bits, const std::optional<at::Tensor>& rows) {
   const QWeight w = check_weight(q, sz, bits);
   if (!rows.has_value()) {
     auto out = at::empty({w.N, w.K}, q.options().dtype(at::kBFloat16));
     dequant_rows(w, 0, w.N, out.data_ptr<c10::BFloat16>());
+    if (bits == 8) scale_rows(out.data_ptr<c10::BFloat16>(), nullptr, w.N, w.K, w.sz);
     return out;
   }
   TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1, "quant_dequant: rows must be (R,) int64");
@@ -410,6 +434,7 @@ at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& sz, int64_t bits
       std::memcpy(op + r * w.K + s * kTileCols, t + (n % kTileRows) * kTileCols, kTileCols * 2);
     }
   });
+  if (bits == 8) scale_rows(op, ip, R, w.K, w.sz);
   return out;
 }
 
