@@ -19,7 +19,7 @@ def quantized(n: int, k: int, bits: int, seed: int = 0) -> tuple[torch.Tensor, t
     """(q, sz) in the kernel's layout and the float weight they came from."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k**-0.5
     if bits == 4:
-        codes, sz = quantize_int4(w)
+        codes, sz = quantize_int4(w, dtype=torch.float32)
         return pack_tiles(codes, 4), sz, w
     q, scales = quantize_int8(w)
     return pack_tiles(q, 8), scales, w
@@ -29,7 +29,7 @@ def dequant_reference(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
     """W' from the codes in plain torch: fp32 (q - 8) * scale + zero (int4) or q * scale (int8), rounded to bf16."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k**-0.5
     if bits == 4:
-        codes, sz = quantize_int4(w)
+        codes, sz = quantize_int4(w, dtype=torch.float32)
         sz = sz.transpose(0, 1).float()  # (N, K/32, 2)
         return ((codes.view(n, k // 32, 32).float() - 8) * sz[..., :1] + sz[..., 1:]).view(n, k).bfloat16()
     q, scales = quantize_int8(w)

@@ -201,16 +201,19 @@ class Int4Linear(QuantLinear):
                  prefill: Prefill = Prefill.DEQUANT, prefill_rows: int = PREFILL_ROWS) -> None:
         n, k = weight.shape
         super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
-        codes, scales_zeros = quantize_int4(weight, group_size)
         self.group_size = group_size
-        self.register_buffer("scales_zeros", scales_zeros)  # (K/G, N, 2) bf16: scale, zero
-        # With our kernels, our int kernel (kakeya::quant_linear: every row count at bf16 matmul speed, invariant);
-        # else PyTorch's, in its packed layout.
+        # With our kernels, our int kernel (kakeya::quant_linear: every row count at bf16 matmul speed, invariant),
+        # with fp32 scales and zeros (a GGUF block's own, nearly: W' is then its weights rounded once to bf16); else
+        # PyTorch's, in its packed layout, with bf16 ones (what it takes).
         self.native = native_quant(n, k, group_size)
+        codes, scales_zeros = quantize_int4(weight, group_size, dtype=torch.float32 if self.native else torch.bfloat16)
         if self.native:
+            # (K/G, N, 2) fp32 kept as its bits (int32), so a model-wide .to(bfloat16) leaves it whole
+            self.register_buffer("scales_zeros", scales_zeros.view(torch.int32))
             self.register_buffer("packed", pack_tiles(codes, 4))  # (N, K/2) uint8 in 16 x 32 tiles
             self._unpack_ok = True
             return
+        self.register_buffer("scales_zeros", scales_zeros)  # (K/G, N, 2) bf16: scale, zero
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))  # (N, K/2)
         if not torch.equal(_unpack_int4(self.packed, n, k), codes.to(torch.uint8)):
             # The kernel's packing differs from the layout _unpack_int4 reads: keep DEQUANT honest by
@@ -221,14 +224,18 @@ class Int4Linear(QuantLinear):
         else:
             self._unpack_ok = True
 
+    def scale_zero(self) -> Tensor:
+        """(K/G, N, 2) fp32: each group's scale and zero as the kernel uses them."""
+        return self.scales_zeros.view(torch.float32) if self.native else self.scales_zeros.float()
+
     def kernel_mm(self, x: Tensor) -> Tensor:
         if self.native:
-            return native.quant_linear(x, self.packed, self.scales_zeros, 4)
+            return native.quant_linear(x, self.packed, self.scales_zeros.view(torch.float32), 4)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
 
     def dequantize(self) -> Tensor:
         if self.native:  # the kernel's own dequantization: the weights it multiplies by, bit for bit
-            return native.quant_dequant(self.packed, self.scales_zeros, 4)
+            return native.quant_dequant(self.packed, self.scales_zeros.view(torch.float32), 4)
         if not self._unpack_ok:  # exact but slow: run the kernel on the identity
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
             return self.kernel_mm(eye).t().contiguous()
@@ -293,13 +300,15 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q, scales
 
 
-def quantize_int4(weight: Tensor, group_size: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
-    """(N, K) float -> (codes (N, K) int32 in 0..15, scales_zeros (K/G, N, 2) bf16).
+def quantize_int4(weight: Tensor, group_size: int = INT4_GROUP, *,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
+    """(N, K) float -> (codes (N, K) int32 in 0..15, scales_zeros (K/G, N, 2) in `dtype`: bf16 for PyTorch's kernel,
+    fp32 for ours).
 
     Affine per group: lowest value m, step d; the kernel's zero point is m + 8d. The step is the group's
     grid when its values already lie on one with at most 16 levels (a dequantized GGUF Q4_1 / Q4_K
     block: recovered exactly, whichever codes the block used), else (max - min) / 15 (Q4_1's rule).
-    Codes are chosen against the bf16-rounded scale/zero the kernel will use.
+    Codes are chosen against the scale/zero the kernel will use (rounded to `dtype`).
     """
     n, k = weight.shape
     if k % group_size:
@@ -310,10 +319,10 @@ def quantize_int4(weight: Tensor, group_size: int = INT4_GROUP) -> tuple[Tensor,
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # (N, K/G)
     step = _grid_step(w, lo, hi)
     scale = torch.where(step > 0, step, (hi - lo) / 15.0)
-    scale = scale.clamp(min=1e-8).to(torch.bfloat16).float()
-    zero = (lo + 8.0 * scale).to(torch.bfloat16).float()
+    scale = scale.clamp(min=1e-8).to(dtype).float()
+    zero = (lo + 8.0 * scale).to(dtype).float()
     codes = torch.round((w - zero[..., None]) / scale[..., None] + 8.0).clamp(0, 15).to(torch.int32)
-    scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
     return codes.view(n, k), scales_zeros
 
 
@@ -360,7 +369,7 @@ def _int4_rows(head: Int4Linear, rows: Tensor) -> Tensor:
     """Dequantized rows (R, K) bf16 of an Int4Linear whose N is a multiple of the 64-row block."""
     n, k, g = head.out_features, head.in_features, head.group_size
     if head.native:
-        return native.quant_dequant(head.packed, head.scales_zeros, 4, rows)
+        return native.quant_dequant(head.packed, head.scales_zeros.view(torch.float32), 4, rows)
     if n % _INT4_BLOCK_N:
         return head.dequantize()[rows]
     blocks = head.packed.view(n // _INT4_BLOCK_N, k, _INT4_BLOCK_N // 2)  # (NB, K, 32)

@@ -17,7 +17,7 @@
 // rows 16b.., columns 32s.. at byte (b * K/32 + s) * 16 * bytes_per_row_of_tile:
 // - int4: 16 bytes per tile row, column 32s + c in nibble slot int4_slot(c) (below: the order one byte-shuffle
 //   instruction unpacks).
-//   sz (K/32, N, 2) bf16: scale, zero of (group s, row n). w = (q - 8) * scale + zero (one fused multiply-add
+//   sz (K/32, N, 2) fp32: scale, zero of (group s, row n). w = (q - 8) * scale + zero (one fused multiply-add
 //   in fp32), rounded once to bf16 (nearest even).
 // - int8: 32 bytes per tile row, column 32s + j at byte j. sz (N,) bf16 scales. W' = the codes (exact in bf16), and
 //   y = fma(sum, scale, bias) per output column, rounded once: no rounding of the weights beyond int8's own (a
@@ -58,7 +58,7 @@ inline const __m512i kInt4Shift = [] {
 // of 32 bf16, 64 bytes apart (an A tile as AMX loads it). Every path's W' comes from here.
 struct QWeight {
   const uint8_t* q;
-  const uint16_t* sz;
+  const void* sz;  // int4: (K/32, N, 2) fp32 (scale, zero); int8: (N,) bf16 scales
   int64_t bits, N, K;
 
   inline int64_t tile_bytes() const { return kTileRows * kTileCols * bits / 8; }
@@ -66,11 +66,9 @@ struct QWeight {
   inline void tile(int64_t b, int64_t s, c10::BFloat16* out) const {
     const uint8_t* src = q + (b * (K / kTileCols) + s) * tile_bytes();
     if (bits == 4) {
-      const auto* pairs = reinterpret_cast<const uint32_t*>(sz) + s * N + b * kTileRows;  // (scale, zero) per row
-      alignas(64) float scale[kTileRows], zero[kTileRows];
-      scales16(pairs, scale, zero);
+      const float* sz_rows = static_cast<const float*>(sz) + (s * N + b * kTileRows) * 2;  // (scale, zero) per row
 #pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r) group4(src + r * 16, scale + r, zero + r, out + r * kTileCols);
+      for (int r = 0; r < kTileRows; ++r) group4(src + r * 16, sz_rows + 2 * r, sz_rows + 2 * r + 1, out + r * kTileCols);
     } else {
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) group8(reinterpret_cast<const int8_t*>(src) + r * 32, out + r * kTileCols);
@@ -81,12 +79,6 @@ struct QWeight {
   // The group's 16 possible values, fma(c - 8, scale, zero) rounded to bf16, as a table (twice: entries 16..31 =
   // 0..15, so an index's bit 4 does not matter); one word permute picks each column's entry by its code. The same
   // values as computing every element, in fewer operations.
-  // 16 rows' (scale, zero) pairs as fp32, through memory: the group below broadcasts its row's from there
-  static inline void scales16(const uint32_t* pairs, float* scale, float* zero) {
-    const __m512i p = _mm512_loadu_si512(pairs);
-    _mm512_store_ps(scale, _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)));
-    _mm512_store_ps(zero, _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32(int32_t(0xffff0000u)))));
-  }
   __attribute__((always_inline)) static inline void group4(const uint8_t* src, const float* scale, const float* zero,
                                                           c10::BFloat16* out) {
     const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -104,12 +96,6 @@ struct QWeight {
 #else
   // The same arithmetic element by element: std::fma is the fused multiply-add the vector path uses, and c10's
   // conversion rounds to nearest even as vcvtne2ps2bf16 does.
-  static inline void scales16(const uint32_t* pairs, float* scale, float* zero) {
-    for (int r = 0; r < kTileRows; ++r) {
-      scale[r] = bf16_bits(pairs[r] << 16);
-      zero[r] = bf16_bits(pairs[r] & 0xffff0000u);
-    }
-  }
   static inline void group4(const uint8_t* src, const float* scale_p, const float* zero_p, c10::BFloat16* out) {
     const float scale = *scale_p, zero = *zero_p;
     uint64_t half[2];
@@ -361,15 +347,16 @@ QWeight check_weight(const at::Tensor& q, const at::Tensor& sz, int64_t bits) {
               "quant_linear: q must be contiguous (N, K * bits / 8) uint8");
   const int64_t N = q.size(0), K = q.size(1) * 8 / bits;
   TORCH_CHECK(N % kTileRows == 0 && K % kTileCols == 0, "quant_linear: N must be a multiple of 16 and K of 32");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(), "quant_linear: sz must be contiguous bf16");
+  TORCH_CHECK(sz.is_contiguous(), "quant_linear: sz must be contiguous");
   if (bits == 4) {
-    TORCH_CHECK(sz.dim() == 3 && sz.size(0) == K / 32 && sz.size(1) == N && sz.size(2) == 2,
-                "quant_linear: int4 sz must be (K/32, N, 2)");
+    TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.dim() == 3 && sz.size(0) == K / 32 && sz.size(1) == N &&
+                    sz.size(2) == 2,
+                "quant_linear: int4 sz must be (K/32, N, 2) fp32");
   } else {
-    TORCH_CHECK(sz.dim() == 1 && sz.size(0) == N, "quant_linear: int8 sz must be (N,)");
+    TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 1 && sz.size(0) == N,
+                "quant_linear: int8 sz must be (N,) bf16");
   }
-  return QWeight{q.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sz.const_data_ptr<c10::BFloat16>()),
-                 bits, N, K};
+  return QWeight{q.const_data_ptr<uint8_t>(), sz.const_data_ptr(), bits, N, K};
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sz, int64_t bits,
@@ -401,7 +388,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 }
 
 // int8 rows of codes (as bf16) times their scales, rounded once to bf16: the weights' values.
-void scale_rows(c10::BFloat16* out, const int64_t* rows, int64_t R, int64_t K, const uint16_t* sz) {
+void scale_rows(c10::BFloat16* out, const int64_t* rows, int64_t R, int64_t K, const void* sz_bf16) {
+  const auto* sz = static_cast<const uint16_t*>(sz_bf16);
   for (int64_t r = 0; r < R; ++r) {
     const float s = bf16_bits(uint32_t(sz[rows ? rows[r] : r]) << 16);
     for (int64_t k = 0; k < K; ++k) out[r * K + k] = c10::BFloat16(float(out[r * K + k]) * s);
