@@ -3,6 +3,8 @@
 - `kakeya::cached_attention(q, k, v, q_pos, k_pos, window, sink, scale)`: every attention call of the models
   (fresh prompts, chunks over a cache, decode steps, windows), one fixed order of operations per query.
 - `kakeya::linear(x, w, bias, out_fp32)`: every projection and the LM head, one fixed order per output element.
+- `kakeya::quant_linear(x, q, sz, bits, bias)`: weight-only int4 / int8 projections, the weights dequantized to
+  bf16 inside the kernel and multiplied as `linear` multiplies them (so just as invariant).
 - `kakeya::gated_act(x, act)`: the gated MLP's act(gate) * up in one elementwise pass.
 - `kakeya::rms_norm` / `kakeya::add_rms_norm` / `kakeya::qkv_rope`: RMSNorm (after the residual add) and RoPE on
   q and k (after Gemma's q/k norms), each row in fp32 and rounded once (csrc/rowwise.cpp).
@@ -45,7 +47,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp",
-                             "lattice_points.cpp", "threads.cpp", "rowwise.cpp"))
+                             "lattice_points.cpp", "threads.cpp", "rowwise.cpp", "quant_linear.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head sizes
@@ -297,6 +299,30 @@ def linear_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.kakeya.linear_pack(weight)
 
 
+def quant_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bits: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W'^T (+ b) for x (M, K) bf16 and W' the bf16 weights `quant_dequant(q, sz, bits)` gives: int4 codes
+    (bits 4: q (N, K/2) uint8, sz (K/32, N, 2) bf16 scale, zero) or int8 (bits 8: q (N, K), sz (N,) bf16 scales),
+    in 16 x 32 tiles (csrc/quant_linear.cpp). The bits of `linear(x, W')`, whatever M is."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.quant_linear(x, q, sz, bits, bias)
+
+
+def quant_dequant(q: torch.Tensor, sz: torch.Tensor, bits: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """W' (N, K) bf16 of `quant_linear`'s weights, or only its rows `rows` (R,) int64: (R, K)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.quant_dequant(q, sz, bits, rows)
+
+
+def quant_path(bits: int) -> str:
+    """Which code `quant_linear` runs on here: "amx" (tiles dequantized in the kernel) or "panels" (W' dequantized
+    a panel at a time, then `linear`'s AVX-512 or at::vec path)."""
+    load()
+    return torch.ops.kakeya.quant_path(bits)
+
+
 GATED_ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
@@ -544,6 +570,8 @@ def _register_fake() -> None:
     torch.library.register_fake("kakeya::linear")(
         lambda x, w, bias, out_fp32=False: x.new_empty(x.shape[0], w.shape[0],
                                                        dtype=torch.float32 if out_fp32 else x.dtype))
+    torch.library.register_fake("kakeya::quant_linear")(
+        lambda x, q, sz, bits, bias=None: x.new_empty(x.shape[0], q.shape[0]))
     _register_fake.done = True
 
 
