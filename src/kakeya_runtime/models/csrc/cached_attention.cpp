@@ -348,34 +348,97 @@ inline __m512 exp2_masked(__mmask16 mk, __m512 t) {
   return _mm512_maskz_scalef_ps(mk, p, n);
 }
 
-// group_softmax for scale > 0, writing p straight to `pout` in bf16 (nearest even): the row's block max is taken
-// over the raw scores (scaling by a positive float is monotonic, so it is the max of the scaled scores) and each
-// p = 2^(s * scale log2 e - m log2 e) by one FMA and exp2_masked. The same vector ops and fixed trees for every
-// row, whichever lanes it sees: a row's bits depend on its own scores and visibility only.
-inline float group_softmax_bf16(const float* s, const uint32_t* vis, float scale, float& m, float& l,
-                                c10::BFloat16* pout) {
+// Horizontal `op` of each of 16 vectors, r[i] -> lane i, by the tree _mm512_reduce_add_ps / _mm512_reduce_max_ps
+// use on one vector (lanes i + 8, then + 4, then + 2, then + 1; GCC's __MM512_REDUCE_OP), run for 16 rows at once
+// with shuffles between the steps: each lane gets the bits that reduction gives its row alone. `r` is clobbered.
+template <typename Op>
+inline __m512 reduce_rows16(__m512* r, Op op) {
+  __m512 s1[8], s2[4];
+  for (int k = 0; k < 8; ++k)  // rows 2k, 2k+1: lanes i + (i + 8)
+    s1[k] = op(_mm512_shuffle_f32x4(r[2 * k], r[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+               _mm512_shuffle_f32x4(r[2 * k], r[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int g = 0; g < 4; ++g)  // rows 4g..4g+3, one per 128-bit lane: lanes j + (j + 4)
+    s2[g] = op(_mm512_shuffle_f32x4(s1[2 * g], s1[2 * g + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+               _mm512_shuffle_f32x4(s1[2 * g], s1[2 * g + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lanes 0 + 2 and 1 + 3 of each row; 128-bit lane j: rows j, 4 + j (v01), 8 + j, 12 + j (v23)
+  const __m512 v01 = op(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s2[0]), _mm512_castps_pd(s2[1]))),
+                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s2[0]), _mm512_castps_pd(s2[1]))));
+  const __m512 v23 = op(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s2[2]), _mm512_castps_pd(s2[3]))),
+                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s2[2]), _mm512_castps_pd(s2[3]))));
+  // the last pair: lane 4j + m holds row 4m + j; put row i in lane i
+  const __m512 x = op(_mm512_shuffle_ps(v01, v23, _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_ps(v01, v23, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(idx, x);
+}
+
+// The online softmax of the 16 rows of a tile over an AMX block, for scale > 0, writing P straight to `pout` in bf16
+// (nearest even). s: the rows' raw scores [row][BKA lanes]; vis[row][word]: the lanes each row sees; m, l, n: the
+// rows' running max, sum and key count; alpha: each row's factor for its accumulator, -1 where it sees nothing
+// (its state stays as it is, its P row is 0). Per row: the block max over the raw scores (scaling by a positive
+// float is monotonic), m_new = max(m, max * scale), alpha = exp(m - m_new) (libm, 1 when the max holds), each
+// p = 2^(s * scale log2 e - m_new log2 e) by one FMA and exp2_masked, the lanes summed by a fixed pairwise tree and
+// then _mm512_reduce_add_ps's tree, l = fma(l, alpha, sum). The horizontal max and sum of the 16 rows run together
+// (reduce_rows16), so rows do not wait on each other's reduction chains; a row's bits depend on its own scores and
+// visibility only, never on the other rows of its tile.
+inline void tile_softmax_bf16(const float* s, const uint32_t (*vis)[BKA / 32], float scale, float* m, float* l,
+                              float* n, c10::BFloat16* pout, float* alpha) {
   constexpr int NV = BKA / 16;
   constexpr float kLog2e = 1.4426950408889634f;
-  __mmask16 mk[NV];
-  __m512 x[NV];
-  __m512 mx = _mm512_set1_ps(NEG_INF);
-  for (int i = 0; i < NV; ++i) {
-    mk[i] = static_cast<__mmask16>((vis[i / 2] >> (16 * (i % 2))) & 0xFFFFu);
-    x[i] = _mm512_loadu_ps(s + 16 * i);
-    mx = _mm512_mask_max_ps(mx, mk[i], mx, x[i]);
+  __m512 rows[16];
+  __mmask16 active = 0;
+  for (int i = 0; i < 16; ++i) {
+    __m512 mx[NV];
+    int seen = 0;
+    for (int v = 0; v < NV; ++v) {
+      const auto mk = static_cast<__mmask16>((vis[i][v / 2] >> (16 * (v % 2))) & 0xFFFFu);
+      mx[v] = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), mk, _mm512_loadu_ps(s + i * BKA + 16 * v));
+    }
+    for (int w = 0; w < BKA / 32; ++w) seen += __builtin_popcount(vis[i][w]);
+    for (int w = NV / 2; w >= 1; w /= 2)  // max is exact in any order
+      for (int v = 0; v < w; ++v) mx[v] = _mm512_max_ps(mx[v], mx[v + w]);
+    rows[i] = mx[0];
+    if (seen > 0) {
+      active |= static_cast<__mmask16>(1u << i);
+      n[i] += static_cast<float>(seen);
+    }
   }
-  const float m_new = std::max(m, _mm512_reduce_max_ps(mx) * scale);  // max is exact in any order
-  const float alpha = m_new == m ? 1.f : std::exp(m - m_new);  // exp(0) is 1: no libm call when the max holds
-  const __m512 c = _mm512_set1_ps(scale * kLog2e), b = _mm512_set1_ps(-m_new * kLog2e);
-  __m512 p[NV];
-  for (int i = 0; i < NV; ++i) p[i] = exp2_masked(mk[i], _mm512_fmadd_ps(x[i], c, b));
-  for (int j = 0; j < NV; j += 2)
-    _mm512_storeu_si512(pout + 16 * j, (__m512i)_mm512_cvtne2ps_pbh(p[j + 1], p[j]));
-  for (int w = NV / 2; w >= 1; w /= 2)  // pairwise: ((p0 + p4) + (p2 + p6)) + ... , one fixed tree
-    for (int i = 0; i < w; ++i) p[i] = _mm512_add_ps(p[i], p[i + w]);
-  l = l * alpha + _mm512_reduce_add_ps(p[0]);
-  m = m_new;
-  return alpha;
+  const __m512 mv = _mm512_maskz_loadu_ps(active, m);  // masked: a short tile's state ends before 16 rows
+  const __m512 y = _mm512_mul_ps(reduce_rows16(rows, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }),
+                                 _mm512_set1_ps(scale));
+  const __m512 m_new = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mv, y, _CMP_LT_OQ), mv, y);  // std::max(m, y)
+  alignas(64) float mo[16], mn[16], bias[16];
+  _mm512_store_ps(mo, mv);
+  _mm512_store_ps(mn, m_new);
+  _mm512_store_ps(bias, _mm512_mul_ps(_mm512_xor_ps(m_new, _mm512_set1_ps(-0.f)), _mm512_set1_ps(kLog2e)));
+  const __m512 c = _mm512_set1_ps(scale * kLog2e);
+  for (int i = 0; i < 16; ++i) {
+    c10::BFloat16* po = pout + i * BKA;
+    if (!((active >> i) & 1u)) {
+      alpha[i] = -1.f;
+      rows[i] = _mm512_setzero_ps();
+      std::memset(po, 0, BKA * sizeof(c10::BFloat16));  // 0 for rows with nothing here
+      continue;
+    }
+    alpha[i] = mn[i] == mo[i] ? 1.f : std::exp(mo[i] - mn[i]);  // exp(0) is 1: no libm call when the max holds
+    const __m512 b = _mm512_set1_ps(bias[i]);
+    __m512 p[NV];
+    for (int v = 0; v < NV; ++v) {
+      const auto mk = static_cast<__mmask16>((vis[i][v / 2] >> (16 * (v % 2))) & 0xFFFFu);
+      p[v] = exp2_masked(mk, _mm512_fmadd_ps(_mm512_loadu_ps(s + i * BKA + 16 * v), c, b));
+    }
+    for (int v = 0; v < NV; v += 2)
+      _mm512_storeu_si512(po + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(p[v + 1], p[v]));
+    for (int w = NV / 2; w >= 1; w /= 2)  // pairwise: ((p0 + p4) + (p2 + p6)) + ... , one fixed tree
+      for (int v = 0; v < w; ++v) p[v] = _mm512_add_ps(p[v], p[v + w]);
+    rows[i] = p[0];
+  }
+  const __m512 sum = reduce_rows16(rows, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+  alignas(64) float al[16];
+  std::memcpy(al, alpha, sizeof(al));
+  // l = l * alpha + sum, fused (one rounding): written out, not left to the compiler's contraction of `l * alpha + s`
+  _mm512_mask_storeu_ps(l, active, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(active, l), _mm512_load_ps(al), sum));
+  _mm512_mask_storeu_ps(m, active, m_new);
 }
 
 // One block's key and value rows by lane (nullptr where empty) and its present lanes, one word per 32 lanes.
@@ -595,27 +658,27 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
       }
       float* const alpha = alphas[buf];
       BF* const pb = pbs.data + buf * (16 * BKA);
-      for (int64_t i = 0; i < 16; ++i) {
-        alpha[i] = -1.f;
-        float* s = sb.data + i * BKA;
-        uint32_t row_any = 0u;
-        int seen = 0;
-        for (int w = 0; w < WORDS; ++w) {
-          row_any |= vis[i][w];
-          seen += __builtin_popcount(vis[i][w]);
-        }
-        if (row_any != 0u) {
-          st.n[r0 + i] += static_cast<float>(seen);
-          if (scale > 0.f) {
-            alpha[i] = group_softmax_bf16(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i], pb + i * BKA);
-          } else {
+      if (scale > 0.f) {  // rows rn.. of a short tile see nothing (vis 0): their m, l, n stay as they are
+        tile_softmax_bf16(sb.data, vis, scale, st.m + r0, st.l + r0, st.n + r0, pb, alpha);
+      } else {
+        for (int64_t i = 0; i < 16; ++i) {
+          alpha[i] = -1.f;
+          float* s = sb.data + i * BKA;
+          uint32_t row_any = 0u;
+          int seen = 0;
+          for (int w = 0; w < WORDS; ++w) {
+            row_any |= vis[i][w];
+            seen += __builtin_popcount(vis[i][w]);
+          }
+          if (row_any != 0u) {
+            st.n[r0 + i] += static_cast<float>(seen);
             alpha[i] = group_softmax(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i]);
             for (int j = 0; j < BKA; j += 32)  // p rounded to bf16, nearest even
               _mm512_storeu_si512(pb + i * BKA + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16),
                                                                                       _mm512_loadu_ps(s + j)));
+          } else {
+            std::memset(pb + i * BKA, 0, BKA * sizeof(BF));  // 0 for rows with nothing here
           }
-        } else {
-          std::memset(pb + i * BKA, 0, BKA * sizeof(BF));  // 0 for rows with nothing here
         }
       }
       if (pending.on) run_pv(pending);
