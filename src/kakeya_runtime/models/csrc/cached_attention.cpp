@@ -51,6 +51,10 @@ struct Rule {
   int64_t T, window, sink;
   Kind kind = Kind::Plain;
   int64_t block = 0;  // Hot: positions per cold block, counted from `sink`
+  int64_t row0 = 0;   // the work item's first query row among the call's (a work item may take a slice of them)
+
+  // The token of the item's query row r (rows are ordered (group, token)).
+  inline int64_t token(int64_t r) const { return (row0 + r) % T; }
 
   // Hot: the first position of a query's hot range, the last `window` positions extended down to a block
   // boundary; every block below it lies wholly outside the window (a cold block).
@@ -284,7 +288,7 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
     }
     bool interleaved = false;
     for (int64_t r = 0; r < R; ++r) {
-      const uint32_t vis = rule.lanes(r % rule.T, base, present);
+      const uint32_t vis = rule.lanes(rule.token(r), base, present);
       if (vis == 0u) continue;
       st.n[r] += static_cast<float>(__builtin_popcount(vis));
       block_scores<T, D>(q + r * D, krow, s);
@@ -525,7 +529,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   std::vector<int64_t> tile_min(RB);
   for (int64_t rb = 0; rb < RB; ++rb) {
     int64_t mn = std::numeric_limits<int64_t>::max();
-    for (int64_t r = rb * 16; r < std::min<int64_t>(R, rb * 16 + 16); ++r) mn = std::min(mn, rule.q_pos[r % rule.T]);
+    for (int64_t r = rb * 16; r < std::min<int64_t>(R, rb * 16 + 16); ++r) mn = std::min(mn, rule.q_pos[rule.token(r)]);
     tile_min[rb] = mn;
   }
   const bool plain = rule.kind == Kind::Plain && rule.window <= 0;
@@ -628,7 +632,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
       } else {
         for (int64_t i = 0; i < 16; ++i)
           for (int w = 0; w < WORDS; ++w)
-            any |= vis[i][w] = i < rn ? rule.lanes((r0 + i) % rule.T, base + 32 * w, present[w]) : 0u;
+            any |= vis[i][w] = i < rn ? rule.lanes(rule.token(r0 + i), base + 32 * w, present[w]) : 0u;
       }
       if (any == 0u) continue;
       const BF* qa = rn == 16 ? q + r0 * D : qtail.data;
@@ -833,14 +837,15 @@ inline int64_t popcount_below(const uint64_t* row, int64_t n) {
   return c;
 }
 
-// The order in which a call's work items are handed out: hot items by their estimated cost (visible (row, key)
-// pairs), largest first, then the cold items in order. Threads take the next item when they finish one, so the
-// short items (a chunk's diagonal superblock) fill in at the end instead of a fixed split leaving one thread idle.
-// Only the schedule changes: each item computes its own partial state, merged per row in a fixed order after.
+// The order in which a call's work items are handed out: hot items (`splits` per (batch, head, superblock), a row
+// slice each) by their estimated cost (visible (row, key) pairs), largest first, then the cold items in order.
+// Threads take the next item when they finish one, so the short items (a chunk's diagonal superblock) fill in at
+// the end instead of a fixed split leaving one thread idle. Only the schedule changes: each item computes its own
+// partial state, merged per row in a fixed order after.
 inline std::vector<int64_t> item_schedule(const std::vector<Source>& sources,
                                           const std::vector<std::pair<int64_t, int64_t>>& supers, int64_t BH,
-                                          const int64_t* qpos, int64_t tn, int64_t items) {
-  const int64_t NSP = static_cast<int64_t>(supers.size()), hot_items = BH * NSP;
+                                          const int64_t* qpos, int64_t tn, int64_t items, int64_t splits) {
+  const int64_t NSP = static_cast<int64_t>(supers.size()), hot_items = BH * NSP * splits;
   std::vector<int64_t> cost(NSP, 0);
   for (int64_t i = 0; i < NSP; ++i) {
     const Source& src = sources[supers[i].first];
@@ -851,7 +856,7 @@ inline std::vector<int64_t> item_schedule(const std::vector<Source>& sources,
   std::vector<int64_t> order(items);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.begin() + hot_items,
-                   [&](int64_t a, int64_t b) { return cost[a % NSP] > cost[b % NSP]; });
+                   [&](int64_t a, int64_t b) { return cost[a / splits % NSP] > cost[b / splits % NSP]; });
   return order;
 }
 
@@ -923,12 +928,16 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
             std::memcpy(qtok.data() + ((bh * tn + t) * G + g) * D, qtile.data() + (bh * Rt + g * tn + t) * D,
                         D * sizeof(T));
     }
-    const int64_t hot_items = B * H * NSP, items = hot_items + B * H * tn * C;
+    // A (batch, head, superblock) takes `splits` work items, a slice of its rows each (a multiple of 16, so the
+    // tiles are the same): more, smaller items for the threads to share (a chunk's few superblocks left one idle).
+    // Rows are independent, so only the schedule changes; the slices write one state, (Rt, W) per superblock.
+    const int64_t splits = std::clamp<int64_t>(Rt / 256, 1, 4), slice = (Rt + 16 * splits - 1) / (16 * splits) * 16;
+    const int64_t hot_items = B * H * NSP * splits, items = hot_items + B * H * tn * C;
     // Every item writes its whole state before the merge reads it: no zero-fill (megabytes per call at 4k keys).
-    at::Tensor state_buf = at::empty({hot_items * Rt * W}, at::kFloat);
+    at::Tensor state_buf = at::empty({B * H * NSP * Rt * W}, at::kFloat);
     float* const state_data = state_buf.data_ptr<float>();
     cstate.resize((items - hot_items) * G * W);
-    const std::vector<int64_t> schedule = item_schedule(sources, supers, B * H, qpos + t0, tn, items);
+    const std::vector<int64_t> schedule = item_schedule(sources, supers, B * H, qpos + t0, tn, items, splits);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
 #if defined(KAKEYA_AMX)
@@ -947,15 +956,18 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         Rule rule{qpos + t0, tn, window, sink, Kind::Plain, cold != nullptr ? cold->block : 0};
         bool amx_item = use_amx;  // cold items (one token's G rows, any call) always take the dot-product path
         bool in_order = false;    // keys stored in position order (a source that says so)
-        float* base;
+        Partial st;
         if (item < hot_items) {
-          const int64_t b = item / (H * NSP), h = (item / NSP) % H;
-          const auto [si, sp] = supers[item % NSP];
+          const int64_t bhs = item / splits, b = bhs / (H * NSP), h = (bhs / NSP) % H;
+          const int64_t r_lo = std::min(Rt, item % splits * slice), r_hi = std::min(Rt, r_lo + slice);
+          if (r_lo == r_hi) continue;  // fewer rows than slices
+          const auto [si, sp] = supers[bhs % NSP];
           const Source& src = sources[si];
           rule.kind = src.kind;
           in_order = src.in_order;
-          qrows = qtile.data() + (b * H + h) * Rt * D;
-          R_item = Rt;
+          qrows = qtile.data() + ((b * H + h) * Rt + r_lo) * D;
+          R_item = r_hi - r_lo;
+          rule.row0 = r_lo;
           kb = src.k->template const_data_ptr<T>() + b * src.k->stride(0) + h * src.k->stride(1);
           vb = src.v->template const_data_ptr<T>() + b * src.v->stride(0) + h * src.v->stride(1);
           k_row = src.k->stride(2);
@@ -964,11 +976,13 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           pos = src.pos.data();
           blocks = src.blocks.data() + src.super_first[sp];
           nblocks = src.super_first[sp + 1] - src.super_first[sp];
-          base = state_data + item * Rt * W;
+          float* const base = state_data + bhs * Rt * W;  // rows r_lo..r_hi of its (acc, m, l, n)
+          st = Partial{base + r_lo * D, base + Rt * D + r_lo, base + Rt * D + Rt + r_lo, base + Rt * D + 2 * Rt + r_lo};
         } else {
           const int64_t ci = item - hot_items, c = ci % C, bht = ci / C, t = bht % tn, bh = bht / tn;
           const int64_t b = bh / H, h = cold->head[bh % H];  // h: the head in cold K/V (>= 0 when it has lanes)
-          base = cstate.data() + ci * G * W;
+          float* const base = cstate.data() + ci * G * W;
+          st = Partial{base, base + G * D, base + G * D + G, base + G * D + 2 * G};
           const int64_t first = c * SPLIT, count = std::min<int64_t>(SPLIT, nsel[bht] - first);
           if (count <= 0) {  // this token has fewer superchunks: an empty state
             std::fill(base, base + G * W, 0.f);
@@ -1002,7 +1016,6 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           blocks = cblocks.data();
           nblocks = static_cast<int64_t>(cblocks.size());
         }
-        const Partial st{base, base + R_item * D, base + R_item * D + R_item, base + R_item * D + 2 * R_item};
 #if defined(KAKEYA_AMX)
         if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
           if (amx_item) {  // head sizes that are not a multiple of 32 take the dot-product path everywhere
