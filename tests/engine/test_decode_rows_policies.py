@@ -103,3 +103,48 @@ def test_prefill_chunk_fused_into_decode_rows_is_bit_identical(family, chunked, 
         b = engine.decode_step(fused, torch.tensor([[token]])).logits[0, -1]
         assert torch.equal(a, b)
         token = int(a.argmax())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("decoders", [0, 3])
+def test_several_prompts_in_one_step_equal_each_prefilled_alone(family, decoders, make_tiny_model):
+    """Engine.step_chunks: several sequences' prompts (every policy, over caches of other lengths) read in ONE forward,
+    beside decode rows or none, each get the last logits and leave the cache their own prefill does (the decode steps
+    after agree bit for bit), and the decode rows still get their decode_step-alone logits."""
+    engine = Engine(make_tiny_model(family), prefill_chunk=64)
+    registry = PolicyRegistry()
+    gen = torch.Generator().manual_seed(11 + decoders)
+    vocab = engine.config.vocab_size
+
+    def build(i):
+        spec = registry.resolve(*POLICIES[i], engine.config, 256)
+        return registry.build(engine, spec, 256)
+
+    histories = [torch.randint(3, vocab, (1, n), generator=gen) for n in LENGTHS]
+    prompts = [torch.randint(3, vocab, (1, n), generator=gen) for n in (9, 1, 30, 17, 5, 22)]
+    pairs = []
+    for i in range(len(POLICIES)):
+        solo, fused = build(i), build(i)
+        engine.prefill(solo, histories[i])
+        engine.prefill(fused, histories[i])
+        pairs.append((solo, fused))
+    alone, batched = [], []
+    for i in range(decoders):
+        a, b = build(0), build(0)
+        engine.prefill(a, histories[i][:, :20])
+        engine.prefill(b, histories[i][:, :20])
+        alone.append(a), batched.append(b)
+    tokens = [int(h[0, 0]) for h in histories[:decoders]]
+    logits, lasts = engine.step_chunks(batched, tokens, [(f, p) for (_, f), p in zip(pairs, prompts, strict=True)])
+    assert len(lasts) == len(prompts)
+    for i, c in enumerate(alone):
+        assert torch.equal(logits[i], engine.decode_step(c, torch.tensor([[tokens[i]]])).logits[0, -1])
+    for (solo, fused), prompt, last in zip(pairs, prompts, lasts, strict=True):
+        ref = engine.prefill(solo, prompt).logits[0, -1]
+        assert torch.equal(last[0], ref)
+        assert fused.layer_lengths() == solo.layer_lengths()
+        token = int(ref.argmax())
+        for _ in range(2):
+            a = engine.decode_step(solo, torch.tensor([[token]])).logits[0, -1]
+            assert torch.equal(engine.decode_step(fused, torch.tensor([[token]])).logits[0, -1], a)
+            token = int(a.argmax())

@@ -57,7 +57,7 @@ def test_int4_weights_within_half_a_step_and_kernel_matches_its_weights():
     w, x = _weight_and_input()
     lin = Int4Linear(w, None)
     deq = lin.dequantize().float()
-    sz = lin.scales_zeros.float().transpose(0, 1)  # (N, K/G, 2)
+    sz = lin.scale_zero().transpose(0, 1)  # (N, K/G, 2)
     step = sz[..., 0].repeat_interleave(32, dim=1)  # (N, K)
     zero = sz[..., 1].repeat_interleave(32, dim=1)
     # Half a step of rounding; at a group's extremes the bf16-rounded scale and zero may clamp by up to

@@ -383,6 +383,78 @@ def test_rows_in_one_call_equal_each_row_alone(attention_amx, dtype, d, g):
         native.set_routes(kept.attention_amx, kept.linear_amx)
 
 
+@pytest.mark.parametrize("attention_amx", [False, True])
+@pytest.mark.parametrize(("dtype", "d", "g"), [(torch.bfloat16, 64, 3), (torch.float32, 32, 2)])
+def test_rows_append_equals_each_cache_write_then_its_call_alone(attention_amx, dtype, d, g):
+    """kakeya::cached_attention_rows_append (decode rows whose cache write runs in the call) leaves every cache as
+    its update_and_fetch of the token does and gives every row the bits of cached_attention alone over what that
+    returns: full layers (an empty one, room to spare, a wrapped ring), a ring before and after it wraps, and a row
+    whose keys came from update_and_fetch (slot -1) in the same call."""
+    from kakeya_runtime.kv.cache import FullLayerKV, SlidingLayerKV
+
+    kept = native.routes()
+    try:
+        native.set_routes(attention_amx, kept.linear_amx)
+        gen = torch.Generator().manual_seed(5 + d)
+        hk = 2
+
+        def filled(kind: str, length: int):
+            layer = (FullLayerKV(1, hk, d, 4096, dtype=dtype, initial=64) if kind == "full"
+                     else SlidingLayerKV(1, hk, d, 48, dtype=dtype, spare=5))
+            for start in range(0, length, 100):  # chunks, as prefills write them
+                t = min(100, length - start)
+                kv = torch.randn(2, 1, hk, t, d, generator=gen).to(dtype)
+                layer.update_and_fetch(kv[0], kv[1], torch.arange(start, start + t))
+            return layer
+
+        rows = [("full", 0, 0, 0), ("full", 300, 0, 0), ("full", 1100, 64, 4), ("ring", 20, 48, 0),
+                ("ring", 53, 48, 0), ("ring", 250, 48, 2), ("given", 77, 0, 0)]  # (kind, length, window, sink)
+        n = len(rows)
+        q = torch.randn(n, hk, g, d, generator=gen).to(dtype)
+        qkv = torch.randn(n, 1, 3 * hk * d, generator=gen).to(dtype)  # new K/V as strided views, as the model's
+        k_new = qkv[..., : hk * d].view(n, 1, hk, d).transpose(1, 2)
+        v_new = qkv[..., hk * d : 2 * hk * d].view(n, 1, hk, d).transpose(1, 2)
+        q_pos = torch.tensor([length for _, length, _, _ in rows])
+        ours = [filled("full" if kind == "given" else kind, length) for kind, length, _, _ in rows]
+        theirs = [filled("full" if kind == "given" else kind, length) for kind, length, _, _ in rows]
+        for a, b in zip(ours, theirs, strict=True):  # the same random contents in both copies
+            b.load_state(a.state())
+        ks, vs, kps, slots, counts, writes = [], [], [], [], [], []
+        for i, (kind, *_rest) in enumerate(rows):
+            if kind == "given":
+                k, v, kp = ours[i].update_and_fetch(k_new[i : i + 1], v_new[i : i + 1], q_pos[i : i + 1])
+                slot, count, write = -1, k.shape[2], False
+            else:
+                k, v, kp, slot, count, write = ours[i].append_slot()
+            ks.append(k), vs.append(v), kps.append(kp), slots.append(slot), counts.append(count), writes.append(write)
+        windows, sinks = [r[2] for r in rows], [r[3] for r in rows]
+        got = native.cached_attention_rows_append(q, k_new, v_new, ks, vs, kps, slots, counts, writes, q_pos, 0.125,
+                                                  window=windows, sink=sinks)
+        for i in range(n):
+            k, v, kp = theirs[i].update_and_fetch(k_new[i : i + 1], v_new[i : i + 1], q_pos[i : i + 1])
+            alone = native.cached_attention(q[i : i + 1], k, v, q_pos[i : i + 1], kp.contiguous(), 0.125,
+                                            window=windows[i] or None, sink=sinks[i])
+            assert torch.equal(got[i : i + 1], alone), rows[i]
+            assert ours[i].length == theirs[i].length
+            for key, value in theirs[i].state().items():
+                assert torch.equal(ours[i].state()[key], value), (rows[i], key)
+    finally:
+        native.set_routes(kept.attention_amx, kept.linear_amx)
+
+
+def test_rows_append_refuses_a_slot_outside_the_buffer():
+    q = torch.randn(1, 1, 1, 32)
+    k, v = torch.zeros(1, 1, 4, 32), torch.zeros(1, 1, 4, 32)
+    new = torch.randn(1, 1, 1, 32)
+    with pytest.raises(RuntimeError, match="outside its 4 slots"):
+        native.cached_attention_rows_append(q, new, new, [k], [v], [torch.arange(4)], [4], [5], [False],
+                                            torch.tensor([4]), 0.1, window=[0], sink=[0])
+    with pytest.raises(RuntimeError, match=r"must be \(N, Hk, 1, D\)"):
+        native.cached_attention_rows_append(q, torch.randn(1, 1, 2, 32), new, [k], [v], [torch.arange(4)], [0], [1],
+                                            [False], torch.tensor([0]), 0.1, window=[0], sink=[0])
+    assert torch.equal(k, torch.zeros_like(k))  # refused before anything was written
+
+
 def test_rows_call_refuses_mismatched_rows():
     q = torch.randn(2, 1, 1, 32)
     k = torch.randn(1, 1, 4, 32)

@@ -162,6 +162,60 @@ def test_sparse_attention_row_invariant(dtype):
         assert torch.equal(one[0, 0], whole.view(1, 1, 2, 100, d)[0, 0, :, t])
 
 
+@pytest.mark.parametrize("block", [32, 16, 48])
+def test_sparse_attention_row_invariant_scattered_selections(block):
+    """Tokens whose selections are scattered over a long cold tier (many superblocks), differ between batch rows
+    and KV heads, and name blocks only their own head holds: each token's rows are the bits of that token alone
+    (a decode step), in bf16 K/V and in int8 codes, and match the fp64 reference."""
+    torch.manual_seed(6)
+    sink, window, hkv, g, d, t_n, n_blocks = 4, 64, 2, 3, 64, 9, 200
+    n = sink + n_blocks * block + window + block // 2
+    q_pos = torch.arange(n - t_n, n)
+    q = torch.randn(2, hkv, g * t_n, d).bfloat16()
+    kv = torch.randn(2, 2, hkv, n, d).bfloat16()
+    hot_p = torch.cat((torch.arange(sink), torch.arange(sink + n_blocks * block, n)))
+    hot = (kv[0][:, :, hot_p].contiguous(), kv[1][:, :, hot_p].contiguous(), hot_p)
+    gen = torch.Generator().manual_seed(7)
+    chosen = [[[sorted(torch.randperm(n_blocks, generator=gen)[: 10 + 3 * t].tolist()) for t in range(t_n)]
+               for _ in range(hkv)] for _ in range(2)]
+    sel = bitsets(chosen, (n_blocks + 63) // 64)
+    # each head holds only the blocks its tokens (in either batch row) selected, at its own slots
+    held = [sorted({j for b in range(2) for toks in chosen[b][h] for j in toks}) for h in range(hkv)]
+    units = max(len(x) for x in held)
+    ck, cv = torch.zeros(2, 2, hkv, units * block, d, dtype=torch.bfloat16)
+    slot = torch.full((hkv, n_blocks), -1, dtype=torch.long)
+    for h in range(hkv):
+        for i, j in enumerate(reversed(held[h])):
+            ck[:, h, i * block : (i + 1) * block] = kv[0][:, h, sink + j * block : sink + (j + 1) * block]
+            cv[:, h, i * block : (i + 1) * block] = kv[1][:, h, sink + j * block : sink + (j + 1) * block]
+            slot[h, j] = i
+    codes = {}
+    for name, x in (("k", ck), ("v", cv)):
+        sc = (x.float().abs().amax(-1) / 127).clamp_min(1e-3).half()
+        codes[name] = ((x.float() / sc.float()[..., None]).round().clamp(-127, 127).to(torch.int8), sc)
+    colds = {"bf16": (ck, cv, slot), "int8": (codes["k"][0], codes["v"][0], codes["k"][1], codes["v"][1], slot)}
+    for name, cold in colds.items():
+        whole, seen = native.sparse_attention(q, hot, cold, sel, q_pos, 0.125, window=window, sink=sink, block=block)
+        for t in (0, 4, t_n - 1):
+            held_t = hot_p <= int(q_pos[t])
+            hot_t = (hot[0][:, :, held_t].contiguous(), hot[1][:, :, held_t].contiguous(), hot_p[held_t].contiguous())
+            for b in range(2):
+                qt = q[b : b + 1].view(1, hkv, g, t_n, d)[:, :, :, t].contiguous()
+                cold_b = tuple(x[b : b + 1].contiguous() for x in cold[:-1]) + (slot,)
+                one, one_seen = native.sparse_attention(
+                    qt, tuple(x[b : b + 1] for x in hot_t[:2]) + (hot_t[2],), cold_b,
+                    sel[b : b + 1, :, t : t + 1].contiguous(), q_pos[t : t + 1].contiguous(), 0.125, window=window,
+                    sink=sink, block=block)
+                assert torch.equal(one[0], whole[b].view(hkv, g, t_n, d)[:, :, t]), (name, t, b)
+                assert torch.equal(one_seen[0], seen[b].view(hkv, g, t_n, 2)[:, :, t])
+        if name == "bf16" and block == 32:  # the fp64 reference once (slow)
+            cold_p = torch.arange(sink, sink + n_blocks * block)
+            ref, ref_seen = reference(q, hot, (kv[0][:, :, cold_p], kv[1][:, :, cold_p], cold_p), sel, q_pos, 0.125,
+                                      window, sink, block)
+            assert torch.equal(seen, ref_seen)
+            torch.testing.assert_close(whole.double(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_sparse_attention_refuses_a_selected_block_it_was_not_given():
     """A block the indexer chose but the caller did not decode is an error, never a smaller attention."""
     torch.manual_seed(2)

@@ -163,16 +163,26 @@ class Engine:
         bit-identical to `decode_step(caches[i], ...)` alone."""
         return self.step_rows(caches, token_ids)[0]
 
-    @torch.inference_mode()
     def step_rows(self, caches: Sequence[ModelKV], token_ids: Sequence[int], chunk_cache: ModelKV | None = None,
                   chunk_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """`decode_rows`, and optionally a prefill chunk of one more sequence in the same forward: `chunk_ids`
         (1, T) appended to `chunk_cache` (T at most `prefill_chunk`, so one forward of its own too). Returns the
         decode rows' logits (N, V) and the chunk's last-token logits (1, V) (None without a chunk), each
         bit-identical to `decode_step` / `prefill` on that cache alone."""
-        if len(caches) != len(token_ids) or not caches:
+        chunks = [] if chunk_cache is None else [(chunk_cache, chunk_ids)]
+        logits, chunk_logits = self.step_chunks(caches, token_ids, chunks)
+        return logits, (chunk_logits[0] if chunk_logits else None)
+
+    @torch.inference_mode()
+    def step_chunks(self, caches: Sequence[ModelKV], token_ids: Sequence[int],
+                    chunks: Sequence[tuple[ModelKV, Tensor]] = ()) -> tuple[Tensor, list[Tensor]]:
+        """`decode_rows` and prefill chunks of more sequences in ONE forward: chunks[j] = (cache, ids (1, T_j)),
+        T_j at most `prefill_chunk` (one forward of its own too), appended to its cache. No decode rows at all is
+        allowed with chunks (several prompts read together). Returns the decode rows' logits (N, V) and each
+        chunk's last-token logits (1, V), every one bit-identical to `decode_step` / `prefill` on its cache alone."""
+        if len(caches) != len(token_ids) or not (caches or chunks):
             raise GenerationError(f"need one token per cache, got {len(token_ids)} tokens for {len(caches)} caches")
-        every = [*caches, chunk_cache] if chunk_cache is not None else list(caches)
+        every = [*caches, *(c for c, _ in chunks)]
         if len({id(c) for c in every}) != len(every):
             raise GenerationError("a cache appears twice in one batched step")
         for c in caches:
@@ -183,33 +193,34 @@ class Engine:
         if any(not 0 <= t < self.config.vocab_size for t in token_ids):
             raise GenerationError(f"token ids must be in [0, {self.config.vocab_size})")
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device).T  # (N, 1)
-        positions = torch.tensor([c.length for c in caches], device=self.device)
-        chunk = 0
-        if chunk_cache is not None:
-            assert chunk_ids is not None
-            self._check_ids(chunk_cache, chunk_ids)
-            chunk = chunk_ids.shape[1]
-            start = chunk_cache.length
-            if chunk_cache.batch != 1 or not 0 < chunk <= self.prefill_chunk:
+        positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=self.device)
+        sizes = []
+        for cache, chunk_ids in chunks:
+            self._check_ids(cache, chunk_ids)
+            t, start = chunk_ids.shape[1], cache.length
+            if cache.batch != 1 or not 0 < t <= self.prefill_chunk:
                 raise GenerationError(f"a fused prefill chunk takes 1 to {self.prefill_chunk} tokens of one sequence")
-            if start + chunk > chunk_cache.capacity:
-                raise GenerationError(f"{start} + {chunk} positions exceed the cache capacity {chunk_cache.capacity}")
-            ids = torch.cat((ids, chunk_ids.reshape(chunk, 1)))
-            positions = torch.cat((positions, torch.arange(start, start + chunk, device=self.device)))
+            if start + t > cache.capacity:
+                raise GenerationError(f"{start} + {t} positions exceed the cache capacity {cache.capacity}")
+            sizes.append(t)
+        if chunks:
+            ids = torch.cat((ids, *(chunk_ids.reshape(-1, 1) for _, chunk_ids in chunks)))
+            positions = torch.cat((positions, *(torch.arange(c.length, c.length + t, device=self.device)
+                                                for (c, _), t in zip(chunks, sizes, strict=True))))
         begun: list[ModelKV] = []
         try:
             for i, c in enumerate(caches):
                 c.begin_step(ids[i : i + 1], c.length)
                 begun.append(c)
-            if chunk_cache is not None:
-                chunk_cache.begin_step(chunk_ids, chunk_cache.length)
-                begun.append(chunk_cache)
-            logits = self.model.forward_rows(ids, positions, every, chunk).logits[:, -1]
+            for cache, chunk_ids in chunks:
+                cache.begin_step(chunk_ids, cache.length)
+                begun.append(cache)
+            logits = self.model.forward_rows(ids, positions, every, sizes).logits[:, -1]
         finally:
             for c in begun:
                 c.end_step()
         n = len(caches)
-        return logits[:n], (logits[n:] if chunk_cache is not None else None)
+        return logits[:n], [logits[n + j : n + j + 1] for j in range(len(chunks))]
 
     def stream(self, cache: ModelKV, new_ids: Tensor, request: GenerateRequest,
                should_stop: Callable[[], bool] | None = None) -> TokenStream:
@@ -330,15 +341,18 @@ class TokenStream:
         out = self.engine.decode_step(self.cache, self.next_input, trace_layer=self.request.trace_layer)
         return self.take(out.logits[:, -1], out.attn_row)
 
-    def take(self, logits: Tensor, attn_row: Tensor | None = None) -> list[int]:
-        """Sample one step from its logits (B, V) (the prefill's last position or a decode step's)."""
+    def take(self, logits: Tensor, attn_row: Tensor | None = None, picked: Tensor | None = None) -> list[int]:
+        """Sample one step from its logits (B, V) (the prefill's last position or a decode step's). `picked`: a
+        greedy stream's ids (B,) chosen already (sampling.greedy over a batched step's rows: the same ids)."""
         req, result = self.request, self.result
         assert result is not None
         if attn_row is not None:
             self.attn_rows.append(attn_row)
         if req.keep_logits:
             self.step_logits.append(logits.float())
-        next_ids = sample(logits, req.sampling, self._gen)  # (B,)
+        if picked is not None and not req.sampling.greedy:
+            raise GenerationError("only a greedy stream takes ids picked for it")
+        next_ids = sample(logits, req.sampling, self._gen) if picked is None else picked  # (B,)
         ids = next_ids.tolist()  # the one sync point per step
         if self._t_first is None:
             self._t_first = time.perf_counter()

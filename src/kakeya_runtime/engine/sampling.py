@@ -73,6 +73,12 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
     """(B, V) fp32 logits -> (B,) int64 token ids."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """(N, V) -> (N,): each row's first highest logit, what `sample` gives a greedy row, whatever rows share the call
+    (a batched step picks all its greedy rows in one argmax)."""
+    return logits.argmax(dim=-1)

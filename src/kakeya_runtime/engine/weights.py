@@ -15,7 +15,12 @@ PyTorch's weight-only CPU kernels on bf16 activations:
 - The LM head defaults to int8 (a tied head also serves the embedding lookup: `QuantEmbedding`).
 - BF16 / FP32: the weights as loaded, with one-row matmuls as matrix-vector products (`DenseLinear`).
 
-The int kernels are fast for one row (decode) but slow for many (prefill: ~600 tok/s against
+With our kernels (the native backend), int4 runs on ours instead (`kakeya::quant_linear`, csrc/quant_linear.cpp):
+the weights dequantized to bf16 inside the kernel, tile by tile, by one routine, and multiplied as our bf16
+projections are, so every row count runs at about bf16 matmul speed and a row's bits do not depend on the rows
+beside it; its weights are `dequantize()`'s, exactly.
+
+PyTorch's int kernels are fast for one row (decode) but slow for many (prefill: ~600 tok/s against
 thousands with bf16 AMX matmuls), so a quantized linear switches on the number of rows: at or above
 `prefill_rows` it runs a bf16 matmul on weights it dequantizes for that call (`Prefill.DEQUANT`, no
 extra resident memory, the same numbers as the int kernel up to accumulation order) or on a bf16 copy
@@ -134,6 +139,10 @@ class QuantLinear(nn.Module):
         """The weight this module computes with, (N, K) bf16."""
         raise NotImplementedError
 
+    def dequantize_rows(self, rows: Tensor) -> Tensor:
+        """Rows `rows` (R,) of `dequantize()`, (R, K) bf16 (the embedding lookup of a tied head)."""
+        return self.dequantize()[rows]
+
     @property
     def weight(self) -> Tensor:  # for callers that read `.weight` (e.g. a tied head); costs a dequant
         return self.dequantize()
@@ -152,7 +161,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, prefill={self.prefill.value}")
+                f"bias={self.bias is not None}, prefill={self.prefill.value}, "
+                f"kernel={'native' if getattr(self, 'native', False) else 'torch'}")
 
 
 class Int8Linear(QuantLinear):
@@ -163,14 +173,25 @@ class Int8Linear(QuantLinear):
         n, k = weight.shape
         super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
         q, scales = quantize_int8(weight)
-        self.register_buffer("qweight", q)  # (N, K) int8
+        # With our kernels, our int kernel (as Int4Linear); else PyTorch's
+        self.native = native_quant(n, k)
+        self.register_buffer("qweight", pack_tiles(q, 8) if self.native else q)  # (N, K): 16 x 32 tiles, or int8
         self.register_buffer("scales", scales)  # (N,) bf16
 
     def kernel_mm(self, x: Tensor) -> Tensor:
+        if self.native:
+            return native.quant_linear(x, self.qweight, self.scales, 8)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def dequantize(self) -> Tensor:
+        if self.native:
+            return native.quant_dequant(self.qweight, self.scales, 8)
         return (self.qweight * self.scales.float()[:, None]).to(torch.bfloat16)
+
+    def dequantize_rows(self, rows: Tensor) -> Tensor:
+        if self.native:
+            return native.quant_dequant(self.qweight, self.scales, 8, rows)
+        return (self.qweight[rows] * self.scales[rows, None].float()).to(torch.bfloat16)
 
 
 class Int4Linear(QuantLinear):
@@ -180,10 +201,20 @@ class Int4Linear(QuantLinear):
                  prefill: Prefill = Prefill.DEQUANT, prefill_rows: int = PREFILL_ROWS) -> None:
         n, k = weight.shape
         super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
-        codes, scales_zeros = quantize_int4(weight, group_size)
         self.group_size = group_size
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))  # (N, K/2)
+        # With our kernels, our int kernel (kakeya::quant_linear: every row count at bf16 matmul speed, invariant),
+        # with fp32 scales and zeros (a GGUF block's own, nearly: W' is then its weights rounded once to bf16); else
+        # PyTorch's, in its packed layout, with bf16 ones (what it takes).
+        self.native = native_quant(n, k, group_size)
+        codes, scales_zeros = quantize_int4(weight, group_size, dtype=torch.float32 if self.native else torch.bfloat16)
+        if self.native:
+            # (K/G, N, 2) fp32 kept as its bits (int32), so a model-wide .to(bfloat16) leaves it whole
+            self.register_buffer("scales_zeros", scales_zeros.view(torch.int32))
+            self.register_buffer("packed", pack_tiles(codes, 4))  # (N, K/2) uint8 in 16 x 32 tiles
+            self._unpack_ok = True
+            return
         self.register_buffer("scales_zeros", scales_zeros)  # (K/G, N, 2) bf16: scale, zero
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))  # (N, K/2)
         if not torch.equal(_unpack_int4(self.packed, n, k), codes.to(torch.uint8)):
             # The kernel's packing differs from the layout _unpack_int4 reads: keep DEQUANT honest by
             # falling back to a bf16 copy rather than dequantizing wrong numbers.
@@ -193,10 +224,18 @@ class Int4Linear(QuantLinear):
         else:
             self._unpack_ok = True
 
+    def scale_zero(self) -> Tensor:
+        """(K/G, N, 2) fp32: each group's scale and zero as the kernel uses them."""
+        return self.scales_zeros.view(torch.float32) if self.native else self.scales_zeros.float()
+
     def kernel_mm(self, x: Tensor) -> Tensor:
+        if self.native:
+            return native.quant_linear(x, self.packed, self.scales_zeros.view(torch.float32), 4)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
 
     def dequantize(self) -> Tensor:
+        if self.native:  # the kernel's own dequantization: the weights it multiplies by, bit for bit
+            return native.quant_dequant(self.packed, self.scales_zeros.view(torch.float32), 4)
         if not self._unpack_ok:  # exact but slow: run the kernel on the identity
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
             return self.kernel_mm(eye).t().contiguous()
@@ -205,6 +244,9 @@ class Int4Linear(QuantLinear):
         sz = self.scales_zeros.transpose(0, 1).float()  # (N, K/G, 2)
         # fp32 like the kernel, then one rounding to bf16
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k).to(torch.bfloat16)
+
+    def dequantize_rows(self, rows: Tensor) -> Tensor:
+        return _int4_rows(self, rows) if self._unpack_ok else self.dequantize()[rows]
 
 
 class QuantEmbedding(nn.Module):
@@ -221,13 +263,33 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1)
-        if isinstance(self.head, Int8Linear):
-            rows = (self.head.qweight[flat] * self.head.scales[flat, None].float()).to(torch.bfloat16)
-        elif isinstance(self.head, Int4Linear) and self.head._unpack_ok:
-            rows = _int4_rows(self.head, flat)
-        else:
-            rows = self.head.dequantize()[flat]
+        rows = self.head.dequantize_rows(flat)
         return rows.view(*ids.shape, self.embedding_dim)
+
+
+def native_quant(out_features: int, in_features: int, group_size: int = INT4_GROUP) -> bool:
+    """Whether a quantized linear of this shape runs on our int kernel (kakeya::quant_linear): the native backend
+    is in force and the shape fits its 16 x 32 tiles (int4 groups of 32)."""
+    return (native.enabled() and group_size == INT4_GROUP and out_features % 16 == 0
+            and in_features % INT4_GROUP == 0)
+
+
+_INT4_SLOT_ORDER = sorted(range(32), key=lambda c: 16 * ((c // 4) % 2) + 4 * (c // 8) + c % 4)  # column per slot
+
+
+def pack_tiles(q: Tensor, bits: int) -> Tensor:
+    """Codes (N, K) (int4: 0..15; int8: -127..127) in our kernel's layout: 16 x 32 tiles, row-major by (row block,
+    column block), each tile's 16 rows in order; an int4 row's 16 bytes hold column c in nibble slot
+    16 * ((c // 4) % 2) + 4 * (c // 8) + c % 4 (csrc/quant_linear.cpp's int4_slot: the order its unpack reads).
+    (N, K * bits / 8) uint8."""
+    n, k = q.shape
+    t = q.view(n // 16, 16, k // 32, 32).transpose(1, 2)  # (N/16, K/32, 16, 32)
+    if bits == 4:
+        c = t.to(torch.uint8)[..., _INT4_SLOT_ORDER]  # by nibble slot: slot 2j is byte j's low nibble, 2j + 1 its high
+        t = c[..., 0::2] | (c[..., 1::2] << 4)
+    else:
+        t = t.to(torch.int8).view(torch.uint8)
+    return t.contiguous().view(n, k * bits // 8)
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -238,13 +300,15 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q, scales
 
 
-def quantize_int4(weight: Tensor, group_size: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
-    """(N, K) float -> (codes (N, K) int32 in 0..15, scales_zeros (K/G, N, 2) bf16).
+def quantize_int4(weight: Tensor, group_size: int = INT4_GROUP, *,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
+    """(N, K) float -> (codes (N, K) int32 in 0..15, scales_zeros (K/G, N, 2) in `dtype`: bf16 for PyTorch's kernel,
+    fp32 for ours).
 
     Affine per group: lowest value m, step d; the kernel's zero point is m + 8d. The step is the group's
     grid when its values already lie on one with at most 16 levels (a dequantized GGUF Q4_1 / Q4_K
     block: recovered exactly, whichever codes the block used), else (max - min) / 15 (Q4_1's rule).
-    Codes are chosen against the bf16-rounded scale/zero the kernel will use.
+    Codes are chosen against the scale/zero the kernel will use (rounded to `dtype`).
     """
     n, k = weight.shape
     if k % group_size:
@@ -255,10 +319,10 @@ def quantize_int4(weight: Tensor, group_size: int = INT4_GROUP) -> tuple[Tensor,
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # (N, K/G)
     step = _grid_step(w, lo, hi)
     scale = torch.where(step > 0, step, (hi - lo) / 15.0)
-    scale = scale.clamp(min=1e-8).to(torch.bfloat16).float()
-    zero = (lo + 8.0 * scale).to(torch.bfloat16).float()
+    scale = scale.clamp(min=1e-8).to(dtype).float()
+    zero = (lo + 8.0 * scale).to(dtype).float()
     codes = torch.round((w - zero[..., None]) / scale[..., None] + 8.0).clamp(0, 15).to(torch.int32)
-    scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
     return codes.view(n, k), scales_zeros
 
 
@@ -304,6 +368,8 @@ def _unpack_int4(packed: Tensor, n: int, k: int) -> Tensor:
 def _int4_rows(head: Int4Linear, rows: Tensor) -> Tensor:
     """Dequantized rows (R, K) bf16 of an Int4Linear whose N is a multiple of the 64-row block."""
     n, k, g = head.out_features, head.in_features, head.group_size
+    if head.native:
+        return native.quant_dequant(head.packed, head.scales_zeros.view(torch.float32), 4, rows)
     if n % _INT4_BLOCK_N:
         return head.dequantize()[rows]
     blocks = head.packed.view(n // _INT4_BLOCK_N, k, _INT4_BLOCK_N // 2)  # (NB, K, 32)

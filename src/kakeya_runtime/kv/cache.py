@@ -27,6 +27,13 @@ def _storage(*shape: int, dtype: torch.dtype, device: torch.device | str) -> Ten
         return torch.zeros(*shape, dtype=dtype, device=device)
 
 
+def _keep_writes_overridable(cls: type) -> None:
+    """A subclass that overrides update_and_fetch but not append_slot gets no append_slot: its decode writes go
+    through its own update_and_fetch (a caller takes append_slot only where a layer offers it)."""
+    if "update_and_fetch" in cls.__dict__ and "append_slot" not in cls.__dict__:
+        cls.append_slot = None
+
+
 class FullLayerKV:
     """(B, Hk, allocated, D) buffers; `length` positions filled, 0..length-1 in order.
 
@@ -80,6 +87,22 @@ class FullLayerKV:
         self.v[:, :, start:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end], self.key_positions[:end]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        _keep_writes_overridable(cls)
+
+    def append_slot(self) -> tuple[Tensor, Tensor, Tensor, int, int, bool]:
+        """One decode token's room, for a caller that writes it itself (native.cached_attention_rows_append):
+        (k, v, key positions, the slot to write, the keys to attend after it, whether the slot's position must be
+        written). The slot is `length`, whose position is already in key_positions; the length moves on now. The
+        same storage and views as update_and_fetch of one token."""
+        end = self.length + 1
+        if end > self.capacity:
+            raise CacheError(f"cache overflow: {self.length} + 1 new positions exceed capacity {self.capacity}")
+        self._reserve(end)
+        self.length = end
+        return self.k, self.v, self.key_positions, end - 1, end, False
 
     def trim(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -153,6 +176,18 @@ class SlidingLayerKV:
         self.slot_positions.index_copy_(0, slots, positions[t - keep :])
         self.length += t
         return k_all, v_all, pos_all
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        _keep_writes_overridable(cls)
+
+    def append_slot(self) -> tuple[Tensor, Tensor, Tensor, int, int, bool]:
+        """update_and_fetch of one token for a caller that writes it itself (as FullLayerKV.append_slot): the ring
+        slot `length % slots`, its position to be written there too, and the first min(length + 1, slots) slots
+        to attend."""
+        slot = self.length % self.slots
+        self.length += 1
+        return self.k, self.v, self.slot_positions, slot, min(self.length, self.slots), True
 
     def trim(self, length: int) -> None:
         if not 0 <= length <= self.length:

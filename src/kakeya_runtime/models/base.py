@@ -96,19 +96,24 @@ class DecoderModel(nn.Module):
         return ForwardOutput(out, row, h if return_hidden else None)
 
     def forward_rows(self, input_ids: Tensor, positions: Tensor, caches: Sequence[Sequence[LayerKV]],
-                     chunk: int = 0) -> ForwardOutput:
+                     chunks: int | Sequence[int] = ()) -> ForwardOutput:
         """One new token for each of B independent sequences (a batched decode step across sessions):
         input_ids (B, 1), positions (B,), caches[b] row b's per-layer caches. Returns logits (B, 1, V); each row's
         are bit-identical to running that row alone.
 
-        With `chunk` > 0 the last `chunk` rows of input_ids / positions are consecutive tokens of ONE more sequence
-        (the last cache): a prefill chunk riding the step (len(caches) == B - chunk + 1). Its K/V are the ones a
-        forward of its own writes, and the logits gain one last row: its last token's (bit-identical too)."""
+        With `chunks` (token counts, each > 0; an int: one chunk, 0 none) the last sum(chunks) rows of input_ids /
+        positions are prefill chunks of len(chunks) more sequences (the last caches, in order), each its
+        sequence's consecutive tokens: prefill chunks riding the step (len(caches) == B - sum(chunks) +
+        len(chunks); no decode rows at all is allowed). A chunk's K/V are the ones a forward of its own writes,
+        and the logits gain one row per chunk, in order: its last token's (bit-identical too)."""
         n = input_ids.shape[0]
+        chunks = ((chunks,) if chunks else ()) if isinstance(chunks, int) else tuple(chunks)
+        total = sum(chunks)
         if input_ids.dim() != 2 or input_ids.shape[1] != 1:
             raise ValueError(f"input_ids must be (B, 1), got shape {tuple(input_ids.shape)}")
-        if not 0 <= chunk <= n or positions.shape != (n,) or len(caches) != n - chunk + (1 if chunk else 0):
-            raise ValueError(f"need one position per row and one cache per sequence: {n} rows (chunk {chunk}), "
+        if (any(c < 1 for c in chunks) or not total <= n or positions.shape != (n,)
+                or len(caches) != n - total + len(chunks)):
+            raise ValueError(f"need one position per row and one cache per sequence: {n} rows (chunks {chunks}), "
                              f"positions {tuple(positions.shape)}, {len(caches)} caches")
         num_layers = len(self.layers)
         if any(len(c) != num_layers for c in caches):
@@ -116,7 +121,11 @@ class DecoderModel(nn.Module):
         h = self.embed(input_ids)  # (B, 1, C)
         rope = self.rope_tables(positions, h.dtype)  # tables (B, D): one position per row
         for i in range(num_layers):
-            h, _ = self.layer_forward(i, h, positions, rope, RowCaches([c[i] for c in caches], chunk), False)
-        if chunk:
-            h = torch.cat((h[: n - chunk], h[n - 1 :]))  # the decode rows and the chunk's last token
+            h, _ = self.layer_forward(i, h, positions, rope, RowCaches([c[i] for c in caches], chunks), False)
+        if chunks:
+            r, last = n - total, []
+            for c in chunks:  # each chunk's last token
+                r += c
+                last.append(r - 1)
+            h = torch.cat((h[: n - total], h[last]))  # the decode rows and the chunks' last tokens
         return ForwardOutput(self.project(self.norm(h)), None)

@@ -16,7 +16,9 @@ from kakeya_runtime.models import native
 
 
 class LayerKV(Protocol):
-    """What a decoder layer needs from its caller-owned cache (implemented in kakeya_runtime.kv)."""
+    """What a decoder layer needs from its caller-owned cache (implemented in kakeya_runtime.kv). A cache with
+    preallocated storage may also offer `append_slot()` (kv.cache's full and ring layers): the batched decode rows
+    then write its token in their native attention call instead of calling update_and_fetch."""
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Store the new post-RoPE K/V (B, Hk, T, D) at `positions` (T,); return the keys and values
@@ -29,15 +31,16 @@ class RowCaches:
     sessions in one forward): projections and MLP run over all rows at once, attention per row over its own
     cache. Every op is row-wise or row-invariant, so a row's result is the one it gets alone.
 
-    With `chunk` > 0 the last `chunk` rows are not decode rows but consecutive tokens of one more sequence (the
-    last cache): a prefill chunk riding the decode step. Its attention is the plain chunk path over its own
-    cache, on the same inputs, so its K/V and outputs are the ones it gets in a forward of its own."""
+    With `chunks` (token counts) the last sum(chunks) rows are not decode rows but prefill chunks of len(chunks)
+    more sequences (the last caches, in order), each its sequence's consecutive tokens: prefill chunks riding the
+    decode step. A chunk's attention is the plain chunk path over its own cache, on the same inputs, so its K/V and
+    outputs are the ones it gets in a forward of its own."""
 
-    __slots__ = ("caches", "chunk")
+    __slots__ = ("caches", "chunks")
 
-    def __init__(self, caches: Sequence[LayerKV], chunk: int = 0) -> None:
+    def __init__(self, caches: Sequence[LayerKV], chunks: Sequence[int] = ()) -> None:
         self.caches = list(caches)
-        self.chunk = chunk
+        self.chunks = tuple(chunks)
 
 
 class RMSNorm(nn.Module):
@@ -372,19 +375,22 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _rows(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: RowCaches) -> Tensor:
-        """Decode rows (one token each, positions[b] row b's position) and an optional trailing prefill chunk;
+        """Decode rows (one token each, positions[b] row b's position) and optional trailing prefill chunks;
         attention outputs (N, 1, H*D) before o_proj."""
-        n, c = qkv.shape[0], cache.chunk
-        r = n - c
+        n = qkv.shape[0]
+        r = n - sum(cache.chunks)
         outs = []
         if r:
             q, k, v = self._split_rope(qkv[:r], cos[:r, None, :], sin[:r, None, :])
             out = self._attend_rows(q, k, v, positions[:r], cache.caches[:r])  # (r, H, 1, D)
             outs.append(out.transpose(1, 2).reshape(r, 1, self.q_size))
-        if c:
-            out, _ = self._sequence(qkv[r:].view(1, c, qkv.shape[-1]), positions[r:], cos[r:], sin[r:],
-                                    cache.caches[r], False)
+        a = r
+        for j, c in enumerate(cache.chunks):
+            b = a + c
+            out, _ = self._sequence(qkv[a:b].view(1, c, qkv.shape[-1]), positions[a:b], cos[a:b], sin[a:b],
+                                    cache.caches[r + j], False)
             outs.append(out.view(c, 1, self.q_size))
+            a = b
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _sequence(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: LayerKV | None,
@@ -410,40 +416,56 @@ class Attention(nn.Module):
     def _attend_rows(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, caches: Sequence[LayerKV]) -> Tensor:
         """Decode rows q, k, v (N, H or Hk, 1, D), row i one token at positions[i] of the sequence caches[i] holds:
         each row's attention over its own cache, (N, H, 1, D). With the native kernel the rows whose cache hands out
-        its keys (update_and_fetch) share ONE call (native.cached_attention_rows: each row the bits of its own call);
-        a cache that attends itself (kv.sparse) and the other backends go row by row."""
+        its keys share ONE call (native.cached_attention_rows_append: each row the bits of its own call); a cache
+        with preallocated storage (`append_slot`: kv.cache's full and ring layers) has its new K/V written in that
+        call too, the others (update_and_fetch) before it. A cache that attends itself (kv.sparse) and the other
+        backends go row by row."""
         if not (native.enabled() and native.supports(self.head_dim, q.dtype)):
             return torch.cat([self._attend_row(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1], kv)
                               for i, kv in enumerate(caches)])
-        out = q.new_empty(q.shape) if any(getattr(kv, "owns_attention", False) for kv in caches) else None
+        out = None
         rows: list[int] = []
         ks: list[Tensor] = []
         vs: list[Tensor] = []
         k_pos: list[Tensor] = []
+        slots: list[int] = []
+        counts: list[int] = []
+        writes: list[bool] = []
         windows: list[int] = []
         sinks: list[int] = []
         for i, kv in enumerate(caches):
             if getattr(kv, "owns_attention", False):
+                if out is None:
+                    out = q.new_empty(q.shape)
                 out[i : i + 1] = kv.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1],
                                            scale=self.scale)
                 continue
-            k_all, v_all, kp = kv.update_and_fetch(k[i : i + 1], v[i : i + 1], positions[i : i + 1])
-            if k_all.stride(-1) != 1 or v_all.stride(-1) != 1:
-                k_all, v_all = k_all.contiguous(), v_all.contiguous()
+            append_slot = getattr(kv, "append_slot", None)
+            if append_slot is not None:  # written by the native call below
+                k_all, v_all, kp, slot, count, write = append_slot()
+            else:
+                k_all, v_all, kp = kv.update_and_fetch(k[i : i + 1], v[i : i + 1], positions[i : i + 1])
+                if k_all.stride(-1) != 1 or v_all.stride(-1) != 1:
+                    k_all, v_all = k_all.contiguous(), v_all.contiguous()
+                kp, slot, count, write = kp.contiguous(), -1, k_all.shape[2], False
             sink, window = getattr(kv, "attention_rule", None) or (0, self.window)
             rows.append(i)
             ks.append(k_all)
             vs.append(v_all)
-            k_pos.append(kp.contiguous())
+            k_pos.append(kp)
+            slots.append(slot)
+            counts.append(count)
+            writes.append(write)
             windows.append(window or 0)
             sinks.append(sink)
         if not rows:
             return out
         if out is not None:  # some rows attended themselves: the others only
-            q, positions = q[rows], positions[rows]
+            q, k, v, positions = q[rows], k[rows], v[rows], positions[rows]
         m, groups = len(rows), self.num_heads // self.num_kv_heads
-        got = native.cached_attention_rows(q.reshape(m, self.num_kv_heads, groups, self.head_dim).contiguous(), ks,
-                                           vs, k_pos, positions.contiguous(), self.scale, window=windows, sink=sinks)
+        got = native.cached_attention_rows_append(
+            q.reshape(m, self.num_kv_heads, groups, self.head_dim).contiguous(), k, v, ks, vs, k_pos, slots, counts,
+            writes, positions.contiguous(), self.scale, window=windows, sink=sinks)
         got = got.view(m, self.num_heads, 1, self.head_dim)  # query head h * groups + g: row g of K/V head h
         if out is None:
             return got

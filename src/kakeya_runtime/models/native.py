@@ -3,6 +3,8 @@
 - `kakeya::cached_attention(q, k, v, q_pos, k_pos, window, sink, scale)`: every attention call of the models
   (fresh prompts, chunks over a cache, decode steps, windows), one fixed order of operations per query.
 - `kakeya::linear(x, w, bias, out_fp32)`: every projection and the LM head, one fixed order per output element.
+- `kakeya::quant_linear(x, q, sz, bits, bias)`: weight-only int4 / int8 projections, the weights dequantized to
+  bf16 inside the kernel and multiplied as `linear` multiplies them (so just as invariant).
 - `kakeya::gated_act(x, act)`: the gated MLP's act(gate) * up in one elementwise pass.
 - `kakeya::rms_norm` / `kakeya::add_rms_norm` / `kakeya::qkv_rope`: RMSNorm (after the residual add) and RoPE on
   q and k (after Gemma's q/k norms), each row in fp32 and rounded once (csrc/rowwise.cpp).
@@ -45,7 +47,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp",
-                             "lattice_points.cpp", "threads.cpp", "rowwise.cpp"))
+                             "lattice_points.cpp", "threads.cpp", "rowwise.cpp", "quant_linear.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head sizes
@@ -147,6 +149,21 @@ def cached_attention_rows(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.
     return torch.ops.kakeya.cached_attention_rows(q, k, v, k_pos, q_pos, window, sink, scale)
 
 
+def cached_attention_rows_append(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k: list[torch.Tensor],
+                                 v: list[torch.Tensor], k_pos: list[torch.Tensor], slot: list[int], count: list[int],
+                                 write_pos: list[bool], q_pos: torch.Tensor, scale: float, *, window: list[int],
+                                 sink: list[int]) -> torch.Tensor:
+    """`cached_attention_rows` with each row's cache write in the same call (decode rows over preallocated caches):
+    row i with slot[i] >= 0 stores k_new[i], v_new[i] (Hk, 1, D) at slot[i] of its buffers k[i], v[i]
+    (1, Hk, A_i, D) (and, with write_pos[i], its position q_pos[i] at k_pos[i][slot[i]]), then attends their first
+    count[i] slots; a row with slot[i] < 0 attends k[i], v[i], k_pos[i] as given. Returns (N, Hk, G, D), each row
+    the bits of the same write then `cached_attention` alone."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.cached_attention_rows_append(q, k_new, v_new, k, v, k_pos, slot, count, write_pos, q_pos,
+                                                         window, sink, scale)
+
+
 def sparse_attention(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      cold: tuple[torch.Tensor, ...], select: torch.Tensor, q_pos: torch.Tensor,
                      scale: float, *, window: int, sink: int, block: int,
@@ -155,7 +172,8 @@ def sparse_attention(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, tor
     or in its hot range hot_lo(t)..t (the last `window` positions extended down to a block boundary counted
     from `sink`), and `cold` (k, v (B, Hk, U * block, D) blocks in q's dtype, slot (N,) int64: where block j is,
     -1 if absent, or (Hc, N): per cold head; or k, v int8 codes, k_scale, v_scale fp16 (B, Hk, U * block), slot): token t attends the blocks
-    its `select` bitset (B, Hk, T, words) names among those wholly below hot_lo(t), packed in its own lanes; a
+    its `select` bitset (B, Hk, T, words) names among those wholly below hot_lo(t) (each token's result its own
+    bits, in a chunk or alone); a
     selected block that is absent raises. Cold tensors hold the heads `cold_head` (Hk,) maps to (-1: a head with
     no cold tier; default: every head, in order). Returns the output (B, Hk, R, D) and the keys each row saw,
     (B, Hk, R, 2) int64 (hot, cold)."""
@@ -279,6 +297,30 @@ def linear_pack(weight: torch.Tensor) -> torch.Tensor:
     empty tensor where W does not take that path here (dtype, shape, no AMX)."""
     load()
     return torch.ops.kakeya.linear_pack(weight)
+
+
+def quant_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bits: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W'^T (+ b) for x (M, K) bf16 and W' the bf16 weights `quant_dequant(q, sz, bits)` gives: int4 codes
+    (bits 4: q (N, K/2) uint8, sz (K/32, N, 2) bf16 scale, zero) or int8 (bits 8: q (N, K), sz (N,) bf16 scales),
+    in 16 x 32 tiles (csrc/quant_linear.cpp). The bits of `linear(x, W')`, whatever M is."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.quant_linear(x, q, sz, bits, bias)
+
+
+def quant_dequant(q: torch.Tensor, sz: torch.Tensor, bits: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """W' (N, K) bf16 of `quant_linear`'s weights, or only its rows `rows` (R,) int64: (R, K)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.quant_dequant(q, sz, bits, rows)
+
+
+def quant_path(bits: int) -> str:
+    """Which code `quant_linear` runs on here: "amx" (tiles dequantized in the kernel) or "panels" (W' dequantized
+    a panel at a time, then `linear`'s AVX-512 or at::vec path)."""
+    load()
+    return torch.ops.kakeya.quant_path(bits)
 
 
 GATED_ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -511,6 +553,7 @@ def _register_fake() -> None:
     torch.library.register_fake("kakeya::cached_attention")(
         lambda q, k, v, q_pos, k_pos, window, sink, scale: q.new_empty(q.shape))
     torch.library.register_fake("kakeya::cached_attention_rows")(lambda q, *args: q.new_empty(q.shape))
+    torch.library.register_fake("kakeya::cached_attention_rows_append")(lambda q, *args: q.new_empty(q.shape))
     torch.library.register_fake("kakeya::sparse_attention")(
         lambda q, *args: (q.new_empty(q.shape), q.new_empty(*q.shape[:3], 2, dtype=torch.long)))
     torch.library.register_fake("kakeya::sparse_step")(
@@ -527,6 +570,8 @@ def _register_fake() -> None:
     torch.library.register_fake("kakeya::linear")(
         lambda x, w, bias, out_fp32=False: x.new_empty(x.shape[0], w.shape[0],
                                                        dtype=torch.float32 if out_fp32 else x.dtype))
+    torch.library.register_fake("kakeya::quant_linear")(
+        lambda x, q, sz, bits, bias=None: x.new_empty(x.shape[0], q.shape[0]))
     _register_fake.done = True
 
 

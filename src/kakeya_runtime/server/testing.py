@@ -129,9 +129,10 @@ class SlowModel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(self.inner, 1, *args, **kwargs)
 
-    def forward_rows(self, input_ids: Any, positions: Any, caches: Any, chunk: int = 0) -> Any:
+    def forward_rows(self, input_ids: Any, positions: Any, caches: Any, chunks: Any = ()) -> Any:
         # rows: the sessions decoded (a fused prefill chunk's tokens are one more sequence, not rows)
-        return self._timed(self.inner.forward_rows, input_ids.shape[0] - chunk, input_ids, positions, caches, chunk)
+        fused = chunks if isinstance(chunks, int) else sum(chunks)
+        return self._timed(self.inner.forward_rows, input_ids.shape[0] - fused, input_ids, positions, caches, chunks)
 
     def _timed(self, fn: Any, rows: int, *args: Any, **kwargs: Any) -> Any:
         with self._lock:

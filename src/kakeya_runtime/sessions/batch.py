@@ -16,9 +16,12 @@ step after step:
   others one slower step.
   With nobody decoding, a prefill takes `Engine.prefill_chunk` tokens a step. A position's K/V and the last
   position's logits do not depend on how the prompt was chunked (INV-3), so neither does the stream. The oldest
-  prefill's chunk rides the decode rows' forward (`Engine.step_rows`: its tokens are extra rows of the
+  prefill's chunk rides the decode rows' forward (`Engine.step_chunks`: its tokens are extra rows of the
   projections and MLP, its attention the plain chunk path over its own cache), so a step costs one forward, not
-  two; its K/V and logits are the bits its own forward gives;
+  two; its K/V and logits are the bits its own forward gives. When that chunk is a short prompt, the other short
+  prompts waiting ride along too, whole, up to one forward's worth (`Engine.prefill_chunk` tokens in all), and with
+  nobody decoding the short prompts waiting are read together in one forward: turns that start together (8
+  sessions' next messages) share forwards instead of taking one each;
 * a speculative row runs one verifier step of its own stream (its prefill is its first step, whole): its forward
   is over [last token, drafts] of its own cache, so it is not batched with the others;
 * every row's step ends with the `Turn` committing and streaming its tokens, then checking stops and cancellation
@@ -39,10 +42,12 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kakeya_runtime.engine.generate import Engine, TokenStream
+from kakeya_runtime.engine.sampling import greedy
 from kakeya_runtime.models import native
 
 _log = logging.getLogger(__name__)
@@ -113,7 +118,8 @@ class BatchScheduler:
 
     def __init__(self, engine: Engine, *, max_batch: int = DEFAULT_MAX_BATCH,
                  step_tokens: int = DEFAULT_STEP_TOKENS, short_prompt: int = DEFAULT_SHORT_PROMPT,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 on_step: Callable[[int], None] | None = None,
+                 deliveries: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if step_tokens < 1:
@@ -125,6 +131,8 @@ class BatchScheduler:
         self.step_tokens = step_tokens
         self.short_prompt = min(short_prompt, engine.prefill_chunk)  # read whole: one forward's worth at most
         self.on_step = on_step  # called with the rows decoded in each step that decoded any
+        # entered around a batched step's deliveries (the turns may hand their events on once for all of them)
+        self.deliveries = deliveries or contextlib.nullcontext
         self.stats = StepStats()
         self._cv = threading.Condition()
         self._waiting: deque[_Row] = deque()
@@ -247,29 +255,55 @@ class BatchScheduler:
         # small budget would leave most of the batch idle for many steps (8 new turns: 3 s of mostly one-row steps)
         budget = max(self.step_tokens - len(decoding), -(-self.step_tokens // 4)) \
             if others and len(prefilling) <= others else self.engine.prefill_chunk
-        chunk = None
+        chunks: list[_Chunk] = []
         if decoding and prefilling:  # the oldest prefill's next chunk rides the decode forward
             # the oldest short prompt first (a turn's message need not wait for a long prompt's read), read whole
-            lead = next((r for r in prefilling if r.stream.new_ids.shape[1] <= self.short_prompt), prefilling[0])
+            lead = next((r for r in prefilling if self._short(r)), prefilling[0])
             prefilling = [r for r in prefilling if r is not lead]
             if lead.turn.cancelled():  # between chunks: the turn rolls back the partial prefill
                 self._finish(lead)  # (before the raise below: a cancelled prompt must not hand it to a long one)
             else:
-                if lead.stream.new_ids.shape[1] <= self.short_prompt:
+                if self._short(lead):
                     budget = max(budget, lead.stream.prefill_left)
                 if self._fusable(lead, budget, len(decoding)):
-                    chunk = _Chunk(lead, lead.stream.next_chunk(budget))
-                    budget -= chunk.ids.shape[1]
+                    chunks.append(_Chunk(lead, lead.stream.next_chunk(budget)))
+                    if self._short(lead):  # the other short prompts waiting ride along, whole
+                        chunks += self._take_short(prefilling, self.engine.prefill_chunk - chunks[0].ids.shape[1],
+                                                   len(decoding))
                 else:
                     prefilling.insert(0, lead)
-        if decoding:
-            self._decode(decoding, chunk)
+        elif not decoding and not speculative and len(prefilling) > 1:  # nobody decodes: short prompts together
+            chunks = self._take_short(prefilling, self.engine.prefill_chunk, 0)
+        budget -= sum(chunk.ids.shape[1] for chunk in chunks)
+        if decoding or chunks:
+            self._decode(decoding, chunks)
         for row in speculative:
             self._speculate(row)
         for row in prefilling:
             if budget <= 0:
                 break
             budget -= self._prefill(row, budget)
+
+    def _short(self, row: _Row) -> bool:
+        """A prompt read whole in one step (a turn's message): at most `short_prompt` new tokens."""
+        return row.stream.new_ids.shape[1] <= self.short_prompt
+
+    def _take_short(self, prefilling: list[_Row], room: int, decoding: int) -> list[_Chunk]:
+        """The short prompts waiting whose whole (rest of the) prompt fits in `room` tokens, oldest first, as chunks
+        of one forward (taken out of `prefilling`): several turns starting together are read in one forward instead
+        of one each. With no decode rows at least two are taken, or none (a lone prompt takes its own forward)."""
+        picked = []
+        for row in prefilling:
+            left = row.stream.prefill_left
+            if (self._short(row) and left <= room and not row.turn.cancelled()
+                    and self._fusable(row, left, decoding)):
+                picked.append(row)
+                room -= left
+        if not decoding and len(picked) < 2:
+            return []
+        for row in picked:
+            prefilling.remove(row)
+        return [_Chunk(row, row.stream.next_chunk(row.stream.prefill_left)) for row in picked]
 
     def _fusable(self, row: _Row, budget: int, decoding: int) -> bool:
         """A chunk can share the decode forward: no attention trace asked for, one forward's worth of tokens, and
@@ -278,7 +312,7 @@ class BatchScheduler:
         assert stream is not None
         return (stream.request.trace_layer is None and stream.cache.batch == 1
                 and min(budget, stream.prefill_left) <= self.engine.prefill_chunk
-                and (decoding > 1 or self.engine.decode_forward is None))
+                and (decoding != 1 or self.engine.decode_forward is None))
 
     def _prefill(self, row: _Row, budget: int) -> int:
         stream = row.stream
@@ -297,11 +331,13 @@ class BatchScheduler:
             self._deliver(row, ids)
         return n
 
-    def _decode(self, rows: list[_Row], chunk: _Chunk | None = None) -> None:
-        self.stats.decode_rows += len(rows)
-        if self.on_step is not None:
-            self.on_step(len(rows))
-        if len(rows) == 1 and chunk is None:
+    def _decode(self, rows: list[_Row], chunks: list[_Chunk]) -> None:
+        """The decode rows and the prefill chunks riding them (at least two chunks without rows) in one forward."""
+        if rows:
+            self.stats.decode_rows += len(rows)
+            if self.on_step is not None:
+                self.on_step(len(rows))
+        if len(rows) == 1 and not chunks:
             self._decode_alone(rows[0])
             return
         if len(rows) > 1:
@@ -309,12 +345,12 @@ class BatchScheduler:
         streams = [r.stream for r in rows]
         caches = [s.cache for s in streams]
         lengths = [c.length for c in caches]
-        chunk_cache = chunk.row.stream.cache if chunk is not None else None
-        chunk_length = chunk_cache.length if chunk_cache is not None else 0
+        chunk_caches = [c.row.stream.cache for c in chunks]
+        chunk_lengths = [c.length for c in chunk_caches]
         try:
             tokens = [int(s.next_input[0, 0]) for s in streams]
-            logits, chunk_logits = self.engine.step_rows(caches, tokens, chunk_cache,
-                                                         None if chunk is None else chunk.ids)
+            logits, chunk_logits = self.engine.step_chunks(
+                caches, tokens, [(cache, c.ids) for cache, c in zip(chunk_caches, chunks, strict=True)])
         except Exception:  # isolate: replay each row alone from where it was
             self.stats.isolated_errors += 1
             for row, cache, length in zip(rows, caches, lengths, strict=True):
@@ -325,33 +361,42 @@ class BatchScheduler:
                     self._fail(row, e)
                     continue
                 self._decode_alone(row)
-            if chunk is not None:
+            for chunk, cache, length in zip(chunks, chunk_caches, chunk_lengths, strict=True):
                 try:
-                    if chunk_cache.length != chunk_length:
-                        chunk_cache.trim(chunk_length)
+                    if cache.length != length:
+                        cache.trim(length)
                 except Exception as e:
                     self._fail(chunk.row, e)
-                    return
+                    continue
                 self._prefill(chunk.row, chunk.ids.shape[1])
             return
+        with self.deliveries():
+            self._take(rows, logits)
+            for chunk, last in zip(chunks, chunk_logits, strict=True):
+                self.stats.prefill_chunks += 1
+                self.stats.fused_chunks += 1
+                try:
+                    first = chunk.row.stream.chunk_done(chunk.ids.shape[1], last)
+                except Exception as e:
+                    self._fail(chunk.row, e)
+                    continue
+                if first is not None:
+                    self._deliver(chunk.row, first)
+
+    def _take(self, rows: list[_Row], logits: Any) -> None:
+        """Sample and deliver each decode row's token from the step's logits (N, V); the greedy rows' ids come from
+        one argmax over them all (each row's own, sampling.greedy)."""
+        is_greedy = [r.stream.request.sampling.greedy for r in rows]
+        picked = greedy(logits) if sum(is_greedy) > 1 else None  # (N,)
         for i, row in enumerate(rows):
             stream = row.stream
             try:
-                ids = stream.take(logits[i : i + 1])
+                ids = stream.take(logits[i : i + 1], picked=picked[i : i + 1] if picked is not None and is_greedy[i]
+                                  else None)
             except Exception as e:
                 self._fail(row, e)
                 continue
             self._deliver(row, ids)
-        if chunk is not None:
-            self.stats.prefill_chunks += 1
-            self.stats.fused_chunks += 1
-            try:
-                first = chunk.row.stream.chunk_done(chunk.ids.shape[1], chunk_logits)
-            except Exception as e:
-                self._fail(chunk.row, e)
-                return
-            if first is not None:
-                self._deliver(chunk.row, first)
 
     def _decode_alone(self, row: _Row) -> None:
         stream = row.stream

@@ -53,18 +53,28 @@ inline void widen(const T* src, float* dst, int64_t D) {
   at::vec::convert(src, dst, D);
 }
 
-// Estimates of blocks [j0, j1) of one token against its G query rows (qf (G, D) fp32) into score[g * most + j]:
-// per block and row, sum_d max(q_d lo_d, q_d hi_d) over the shrunk box, as D / VS vector steps in order, then
-// one fixed lane tree (NaN: -inf). The tree is the same for every block whatever the range, so a block's
-// estimate never depends on how the blocks were cut into work items.
+// The shrunk boxes of blocks [j0, j1) (row_stride apart in mn, mx) into box[j] = (lo (D), hi (D)) fp32: computed
+// once per call and read by every token's estimates (the same bits as per token).
 template <typename T>
-void score_blocks(const float* qf, int64_t G, int64_t D, const T* mn, const T* mx, int64_t row_stride, int64_t j0,
-                  int64_t j1, float* score, int64_t most) {
+void shrink_boxes(const T* mn, const T* mx, int64_t row_stride, int64_t D, int64_t j0, int64_t j1, float* box) {
+  for (int64_t j = j0; j < j1; ++j) {
+    float* lo = box + j * 2 * D;
+    widen(mn + j * row_stride, lo, D);
+    widen(mx + j * row_stride, lo + D, D);
+    shrink_box(lo, lo + D, D);
+  }
+}
+
+// Estimates of blocks [j0, j1) of one token against its G query rows (qf (G, D) fp32) into score[g * most + j]:
+// per block and row, sum_d max(q_d lo_d, q_d hi_d) over the shrunk box (box[j] = (lo, hi), shrink_boxes), as
+// D / VS vector steps in order, then one fixed lane tree (NaN: -inf). The tree is the same for every block
+// whatever the range, so a block's estimate never depends on how the blocks were cut into work items.
+inline void score_blocks(const float* qf, int64_t G, int64_t D, const float* box, int64_t j0, int64_t j1,
+                         float* score, int64_t most) {
   constexpr float NINF = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
   if (D % 16 == 0 && D <= 256) {
     // 16 blocks at a time: per row, 16 accumulators folded by reduce16 (one fixed pattern).
-    alignas(64) float lo[256], hi[256];
     __m512 acc[8][16];  // rows (at most 8 per pass) x 16 blocks
     for (int64_t jb = j0; jb < j1; jb += 16) {
       const int64_t nb = std::min<int64_t>(16, j1 - jb);
@@ -73,16 +83,15 @@ void score_blocks(const float* qf, int64_t G, int64_t D, const T* mn, const T* m
         for (int64_t jj = 0; jj < 16; ++jj) {
           for (int64_t g = 0; g < gn; ++g) acc[g][jj] = _mm512_setzero_ps();
           if (jj >= nb) continue;
-          widen(mn + (jb + jj) * row_stride, lo, D);
-          widen(mx + (jb + jj) * row_stride, hi, D);
-          shrink_box(lo, hi, D);
+          const float* lo = box + (jb + jj) * 2 * D;
+          const float* hi = lo + D;
           for (int64_t g = 0; g < gn; ++g) {
             const float* qg = qf + (g0 + g) * D;
             __m512 a = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d += 16) {
               const __m512 qv = _mm512_loadu_ps(qg + d);
-              a = _mm512_add_ps(a, _mm512_max_ps(_mm512_mul_ps(qv, _mm512_load_ps(lo + d)),
-                                                 _mm512_mul_ps(qv, _mm512_load_ps(hi + d))));
+              a = _mm512_add_ps(a, _mm512_max_ps(_mm512_mul_ps(qv, _mm512_loadu_ps(lo + d)),
+                                                 _mm512_mul_ps(qv, _mm512_loadu_ps(hi + d))));
             }
             acc[g][jj] = a;
           }
@@ -99,16 +108,14 @@ void score_blocks(const float* qf, int64_t G, int64_t D, const T* mn, const T* m
     return;
   }
 #endif
-  std::vector<float> lo(D), hi(D);
   for (int64_t j = j0; j < j1; ++j) {
-    widen(mn + j * row_stride, lo.data(), D);
-    widen(mx + j * row_stride, hi.data(), D);
-    shrink_box(lo.data(), hi.data(), D);
+    const float* lo = box + j * 2 * D;
+    const float* hi = lo + D;
     for (int64_t g = 0; g < G; ++g) {
       Vec acc(0.f);  // D / VS vector steps in order, then one fixed lane tree
       for (int64_t d = 0; d < D; d += VS) {
         const Vec qv = Vec::loadu(qf + g * D + d);
-        acc = acc + at::vec::maximum(qv * Vec::loadu(lo.data() + d), qv * Vec::loadu(hi.data() + d));
+        acc = acc + at::vec::maximum(qv * Vec::loadu(lo + d), qv * Vec::loadu(hi + d));
       }
       const float sc = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, acc);
       score[g * most + j] = std::isnan(sc) ? NINF : sc;
@@ -139,6 +146,23 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
   }
   // Scoring: work items of CHUNK blocks of one token (a decode step's few tokens still spread over the threads).
   const int64_t chunks = (most + CHUNK - 1) / CHUNK;
+  // The shrunk boxes of the blocks some token scores, (B, H, most, 2, D), once for the call's tokens; only the
+  // (batch, head)s that score anything.
+  std::vector<char> scores_any(B * H, 0);
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t n = nsc[item];
+    if (n > kept(head_topk[(item / NT) % H], n, budget)) scores_any[item / NT] = 1;
+  }
+  std::unique_ptr<float[]> boxes(new float[std::max<int64_t>(1, B * H * most * 2 * D)]);
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
+      if (!scores_any[bh]) continue;
+      const int64_t off = b * kmin.stride(0) + cold_head[h] * kmin.stride(1);
+      shrink_boxes<T>(mn + off, mx + off, kmin.stride(2), D, c * CHUNK, std::min<int64_t>(most, (c + 1) * CHUNK),
+                      boxes.get() + bh * most * 2 * D);
+    }
+  });
   // (items, G, most): every read entry is written
   std::unique_ptr<float[]> scores(new float[std::max<int64_t>(1, items * G * most)]);
   at::parallel_for(0, items * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -153,14 +177,13 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
           widen(qd + b * q.stride(0) + h * q.stride(1) + (g * NT + t) * q.stride(2), qf.data() + g * D, D);
         loaded = item;
       }
-      const int64_t off = b * kmin.stride(0) + cold_head[h] * kmin.stride(1);
-      score_blocks<T>(qf.data(), G, D, mn + off, mx + off, kmin.stride(2), c * CHUNK,
-                      std::min<int64_t>(n, (c + 1) * CHUNK), scores.get() + item * G * most, most);
+      score_blocks(qf.data(), G, D, boxes.get() + bh * most * 2 * D, c * CHUNK, std::min<int64_t>(n, (c + 1) * CHUNK),
+                   scores.get() + item * G * most, most);
     }
   });
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {  // a decode step's few tokens: each thread its own
     std::vector<int64_t> idx;
-    std::vector<float> share, w;
+    std::vector<float> share, w, ev;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = nsc[item], topk = kept(head_topk[(item / NT) % H], n, budget);
       uint64_t* row = sel + item * words;
@@ -172,17 +195,31 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
       }
       // The token's score per block: its estimated attention share summed over the G rows, one fixed order.
       const float* est = scores.get() + item * G * most;
-      share.assign(n, 0.f);
-      w.resize(n);
+      // Per row: exponentials VS blocks at a time (lanes past n: -inf, so 0), their sum by VS lane sums in block
+      // order and one fixed lane tree; the order depends on n alone.
+      const int64_t padded = (n + VS - 1) / VS * VS;
+      share.assign(padded, 0.f);
+      w.resize(padded);
+      ev.resize(padded);
       for (int64_t g = 0; g < G; ++g) {
-        const float* e = est + g * most;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) top = std::max(top, e[j]);
+        std::copy(est + g * most, est + g * most + n, ev.begin());
+        std::fill(ev.begin() + n, ev.end(), -std::numeric_limits<float>::infinity());
+        Vec vtop(-std::numeric_limits<float>::infinity());
+        for (int64_t j = 0; j < padded; j += VS) vtop = at::vec::maximum(vtop, Vec::loadu(ev.data() + j));
+        const float top = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::maximum(a, c); },
+                                                         vtop);  // max is exact in any order
         if (!std::isfinite(top)) continue;  // every estimate NaN (-inf) or inf: the row adds nothing
-        float z = 0.f;
-        for (int64_t j = 0; j < n; ++j) z += (w[j] = std::exp(static_cast<float>(scale) * (e[j] - top)));
-        const float inv = 1.f / z;
-        for (int64_t j = 0; j < n; ++j) share[j] += w[j] * inv;
+        const Vec sc(static_cast<float>(scale)), tv(top);
+        Vec zv(0.f);
+        for (int64_t j = 0; j < padded; j += VS) {
+          const Vec x = (sc * (Vec::loadu(ev.data() + j) - tv)).exp();
+          x.store(w.data() + j);
+          zv = zv + x;
+        }
+        const float z = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, zv);
+        const Vec inv(1.f / z);
+        for (int64_t j = 0; j < padded; j += VS)
+          (Vec::loadu(share.data() + j) + Vec::loadu(w.data() + j) * inv).store(share.data() + j);
       }
       const float* score = share.data();
       idx.resize(n);

@@ -41,20 +41,40 @@ constexpr bool kBf16Dot = false;
 template <typename T, int D>
 constexpr bool kPairs = kBf16Dot && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
 
-// How a key source is seen: cached_attention's keys are Plain; kakeya::sparse_attention's exact hot set is Hot
-// (its cold blocks are not a Source: each token's selected blocks are packed into lanes of their own, below).
-enum class Kind : int { Plain = 0, Hot = 1 };
+// How a key source is seen: cached_attention's keys are Plain; kakeya::sparse_attention's exact hot set is Hot;
+// its cold blocks on AMX tiles are Cold (positions counted from `sink`, each token sees the blocks it selected;
+// elsewhere each token's selected blocks are packed into lanes of their own, below).
+enum class Kind : int { Plain = 0, Hot = 1, Cold = 2 };
 
 // What the rows of a call see: positions, the window rule and, for sparse sources, the block split.
 struct Rule {
   const int64_t* q_pos;  // (T,)
   int64_t T, window, sink;
   Kind kind = Kind::Plain;
-  int64_t block = 0;  // Hot: positions per cold block, counted from `sink`
-  int64_t row0 = 0;   // the work item's first query row among the call's (a work item may take a slice of them)
+  int64_t block = 0;  // Hot, Cold: positions per cold block, counted from `sink`
+  int64_t row0 = 0;   // the work item's first query row among the call's (a hot item may take a slice of them)
+  const uint64_t* sel = nullptr;  // Cold: the tokens' selection bitsets, (T, words)
+  int64_t words = 0;
+  const int64_t* below = nullptr;  // Cold: (T,) the blocks wholly below each token's hot range
 
   // The token of the item's query row r (rows are ordered (group, token)).
   inline int64_t token(int64_t r) const { return (row0 + r) % T; }
+
+  // Cold: the lanes of the 32 cold positions [base, base + 32) (counted from `sink`) in blocks token t selected.
+  inline uint32_t cold_lanes(int64_t t, int64_t base) const {
+    const uint64_t* row = sel + t * words;
+    const int64_t n = below[t];
+    uint32_t m = 0u;
+    for (int64_t c = base; c < base + 32;) {
+      const int64_t j = c / block, end = std::min((j + 1) * block, base + 32);
+      if (j < n && ((row[j >> 6] >> (j & 63)) & 1u)) {
+        const int64_t lo = c - base, len = end - c;
+        m |= (len >= 32 ? 0xFFFFFFFFu : ((1u << len) - 1)) << lo;
+      }
+      c = end;
+    }
+    return m;
+  }
 
   // Hot: the first position of a query's hot range, the last `window` positions extended down to a block
   // boundary; every block below it lies wholly outside the window (a cold block).
@@ -65,6 +85,7 @@ struct Rule {
 
   // Lanes of the 32 positions [base, base + 32) that token t sees, among the `present` ones.
   inline uint32_t lanes(int64_t t, int64_t base, uint32_t present) const {
+    if (kind == Kind::Cold) return cold_lanes(t, base) & present;  // every selected block lies below the query
     const int64_t qp = q_pos[t], hi = qp - base;  // the last lane causality allows
     if (hi < 0) return 0u;
     uint32_t m = hi >= 31 ? 0xFFFFFFFFu : (1u << (hi + 1)) - 1;
@@ -307,10 +328,11 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
 #if defined(KAKEYA_AMX)
 constexpr int BKA = 128;  // positions per block on the AMX path: four 32-lane words
 
-// Online softmax of one row over an AMX block: the BKA lanes of s scaled and masked to `vis` (one word per 32
+// Online softmax of one row over an AMX block: the NB lanes of s scaled and masked to `vis` (one word per 32
 // lanes), folded into the running max and sum; p left in s. The same vector ops and fixed trees for every row.
+template <int NB = BKA>
 inline float group_softmax(float* s, const uint32_t* vis, float scale, float& m, float& l) {
-  constexpr int NV = BKA / 16;
+  constexpr int NV = NB / 16;
   const __m512 ninf = _mm512_set1_ps(NEG_INF), sc = _mm512_set1_ps(scale);
   __mmask16 mk[NV];
   __m512 x[NV];
@@ -350,6 +372,38 @@ inline __m512 exp2_masked(__mmask16 mk, __m512 t) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_maskz_scalef_ps(mk, p, n);
+}
+
+// group_softmax for scale > 0, writing p straight to `pout` in bf16 (nearest even): the row's block max is taken
+// over the raw scores (scaling by a positive float is monotonic, so it is the max of the scaled scores) and each
+// p = 2^(s * scale log2 e - m log2 e) by one FMA and exp2_masked. The same vector ops and fixed trees for every
+// row, whichever lanes it sees: a row's bits depend on its own scores and visibility only.
+template <int NB = BKA>
+inline float group_softmax_bf16(const float* s, const uint32_t* vis, float scale, float& m, float& l,
+                                c10::BFloat16* pout) {
+  constexpr int NV = NB / 16;
+  constexpr float kLog2e = 1.4426950408889634f;
+  __mmask16 mk[NV];
+  __m512 x[NV];
+  __m512 mx = _mm512_set1_ps(NEG_INF);
+  for (int i = 0; i < NV; ++i) {
+    mk[i] = static_cast<__mmask16>((vis[i / 2] >> (16 * (i % 2))) & 0xFFFFu);
+    x[i] = _mm512_loadu_ps(s + 16 * i);
+    mx = _mm512_mask_max_ps(mx, mk[i], mx, x[i]);
+  }
+  const float m_new = std::max(m, _mm512_reduce_max_ps(mx) * scale);  // max is exact in any order
+  const float alpha = m_new == m ? 1.f : std::exp(m - m_new);  // exp(0) is 1: no libm call when the max holds
+  const __m512 c = _mm512_set1_ps(scale * kLog2e), b = _mm512_set1_ps(-m_new * kLog2e);
+  __m512 p[NV];
+  for (int i = 0; i < NV; ++i)  // 16 masked lanes give zeros: skip the exponential there (the same bits)
+    p[i] = mk[i] != 0 ? exp2_masked(mk[i], _mm512_fmadd_ps(x[i], c, b)) : _mm512_setzero_ps();
+  for (int j = 0; j < NV; j += 2)
+    _mm512_storeu_si512(pout + 16 * j, (__m512i)_mm512_cvtne2ps_pbh(p[j + 1], p[j]));
+  for (int w = NV / 2; w >= 1; w /= 2)  // pairwise: ((p0 + p4) + (p2 + p6)) + ... , one fixed tree
+    for (int i = 0; i < w; ++i) p[i] = _mm512_add_ps(p[i], p[i + w]);
+  l = l * alpha + _mm512_reduce_add_ps(p[0]);
+  m = m_new;
+  return alpha;
 }
 
 // Horizontal `op` of each of 16 vectors, r[i] -> lane i, by the tree _mm512_reduce_add_ps / _mm512_reduce_max_ps
@@ -448,13 +502,13 @@ inline void tile_softmax_bf16(const float* s, const uint32_t (*vis)[BKA / 32], f
 // One block's key and value rows by lane (nullptr where empty) and its present lanes, one word per 32 lanes.
 // `in_order`: the keys are stored in position order (order[i] == i), so a block of consecutive positions
 // takes its rows by address arithmetic instead of one lookup per key (the same rows either way).
-template <typename BFT>
+template <typename BFT, int NB = BKA>
 inline void block_rows(const BFT* k, const BFT* v, int64_t k_row, int64_t v_row, const int64_t* order,
                        const int64_t* pos, const Block& blk, int64_t base, bool in_order, const BFT** krow,
                        const BFT** vrow, uint32_t* present) {
-  constexpr int WORDS = BKA / 32;
-  std::fill(krow, krow + BKA, nullptr);
-  std::fill(vrow, vrow + BKA, nullptr);
+  constexpr int WORDS = NB / 32;
+  std::fill(krow, krow + NB, nullptr);
+  std::fill(vrow, vrow + NB, nullptr);
   std::fill(present, present + WORDS, 0u);
   if (in_order && blk.max_pos - blk.min_pos == blk.count - 1) {
     const int64_t lane0 = blk.min_pos - base;
@@ -475,14 +529,20 @@ inline void block_rows(const BFT* k, const BFT* v, int64_t k_row, int64_t v_row,
   }
 }
 
-// Keys of a block as K^T in pairs, kt2 (D/2, BKA) of (k[lane][2p], k[lane][2p+1]) at [p][lane], zero lanes where
+// Keys of a block as K^T in pairs, kt2 (D/2, NB) of (k[lane][2p], k[lane][2p+1]) at [p][lane], zero lanes where
 // empty: 16 x 16 transposes of 32-bit pairs read straight from the key rows (transpose16's shuffles).
-// `pf` (optional): BKA rows, `pf_row` bytes apart, to ask the cache for, spread over the transposes (timing only).
-template <int D>
+// `pf` (optional): NB rows, `pf_row` bytes apart, to ask the cache for, spread over the transposes (timing only).
+template <int D, int NB = BKA>
 inline void stage_keys(const c10::BFloat16* const* krow, uint32_t* kt2, const char* pf = nullptr,
                        int64_t pf_row = 0) {
-  constexpr int LINES = D * 2 / 64, STEPS = BKA / 16 * (D / 32), PER = BKA / STEPS;  // rows asked for per transpose
-  for (int g = 0; g < BKA / 16; ++g) {
+  constexpr int LINES = D * 2 / 64, STEPS = NB / 16 * (D / 32), PER = NB / STEPS;  // rows asked for per transpose
+  for (int g = 0; g < NB / 16; ++g) {
+    bool empty = pf == nullptr;  // 16 empty lanes (a sparse block): zeros, as the transposes would give
+    for (int l = 0; l < 16 && empty; ++l) empty = krow[g * 16 + l] == nullptr;
+    if (empty) {
+      for (int p = 0; p < D / 2; ++p) _mm512_storeu_si512(kt2 + p * NB + g * 16, _mm512_setzero_si512());
+      continue;
+    }
     for (int p0 = 0; p0 < D / 2; p0 += 16) {
       if (pf != nullptr) {
         const int step = g * (D / 32) + p0 / 16;
@@ -495,25 +555,26 @@ inline void stage_keys(const c10::BFloat16* const* krow, uint32_t* kt2, const ch
         r[l] = kr != nullptr ? _mm512_castsi512_ps(_mm512_loadu_si512(kr + 2 * p0)) : _mm512_setzero_ps();
       }
       transpose16_regs(r);
-      float* out = reinterpret_cast<float*>(kt2) + p0 * BKA + g * 16;  // row p of the tile: out + p * BKA
-      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(out + BKA * c, r[c]);
+      float* out = reinterpret_cast<float*>(kt2) + p0 * NB + g * 16;  // row p of the tile: out + p * NB
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(out + NB * c, r[c]);
     }
   }
 }
 
-// The same work item on AMX tiles (bf16), blocks of BKA positions: scores S = Q . K^T of a 16-row tile, one
+// The same work item on AMX tiles (bf16), blocks of NB positions: scores S = Q . K^T of a 16-row tile, one
 // tdpbf16ps per 32 dims from a zeroed tile (Q rows in place as A, the block's keys staged once as K^T in pairs as
 // B); p . V of a block as P . V, four tdpbf16ps (32 keys each, in order) from a zeroed tile, then
 // acc = alpha * acc + that in fp32. Each element's sequence depends only on its own query row, so a decode row
 // (in a 16-row tile with zero rows) and a prompt row compute alike.
-template <int D>
+template <int D, int NB = BKA>
 void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_row,
                            int64_t v_row, int64_t R, const Rule& rule, const int64_t* order, const int64_t* pos,
-                           const Block* blocks, int64_t nblocks, float scale, Partial st, bool in_order = false) {
+                           const Block* blocks, int64_t nblocks, float scale, Partial st, bool in_order = false,
+                           bool packed = false) {
   using BF = c10::BFloat16;
   static_assert(D % 32 == 0, "AMX path needs head_dim a multiple of 32");
-  constexpr int KT = BKA / 16;  // key tiles per block
-  constexpr int WORDS = BKA / 32;
+  constexpr int KT = NB / 16;  // key tiles per block
+  constexpr int WORDS = NB / 32;
   std::fill(st.acc, st.acc + R * D, 0.f);
   std::fill(st.m, st.m + R, NEG_INF);
   std::fill(st.l, st.l + R, 0.f);
@@ -539,13 +600,13 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   // either; V is kept for three blocks for that. Data movement and schedule only: each row's m, l and acc are
   // updated block by block in the same order.
   constexpr int NBUF = 3;
-  kakeya_amx::AlignedBuffer<uint32_t> kt2s(NBUF * D / 2 * BKA);  // K^T in pairs: [pair][lane], zero lanes where empty
-  kakeya_amx::AlignedBuffer<uint32_t> vt2s(NBUF * BKA / 2 * D);  // values interleaved by lane pairs
-  kakeya_amx::AlignedBuffer<float> sb(16 * BKA);         // S of a row tile: [row][lane]
-  kakeya_amx::AlignedBuffer<BF> pbs(2 * 16 * BKA);       // P of a row tile, bf16, (16 rows, BKA lanes); two
+  kakeya_amx::AlignedBuffer<uint32_t> kt2s(NBUF * D / 2 * NB);  // K^T in pairs: [pair][lane], zero lanes where empty
+  kakeya_amx::AlignedBuffer<uint32_t> vt2s(NBUF * NB / 2 * D);  // values interleaved by lane pairs
+  kakeya_amx::AlignedBuffer<float> sb(16 * NB);         // S of a row tile: [row][lane]
+  kakeya_amx::AlignedBuffer<BF> pbs(2 * 16 * NB);       // P of a row tile, bf16, (16 rows, NB lanes); two
   kakeya_amx::AlignedBuffer<float> ob(16 * D);           // P . V of a row tile, (16 rows, D)
-  const BF* krows[NBUF][BKA];
-  const BF* vrows[NBUF][BKA];
+  const BF* krows[NBUF][NB];
+  const BF* vrows[NBUF][NB];
   uint32_t presents[NBUF][WORDS];
   float alphas[2][16];
   uint32_t vis[16][WORDS];
@@ -559,7 +620,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   } pending;
   int buf = 0;  // the P buffer the next row tile's softmax writes
   auto run_pv = [&](const PendingPV& pv) {
-    const BF* pb = pbs.data + pv.buf * (16 * BKA);
+    const BF* pb = pbs.data + pv.buf * (16 * NB);
     const uint32_t* vt2 = pv.vt2;
     const float* alpha = alphas[pv.buf];
     const int64_t rn = pv.rn;
@@ -570,8 +631,8 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      for (int c = 0; c < BKA / 32; ++c) {  // 32 keys (16 pairs) per step, in order
-        _tile_loadd(4, pb + c * 32, BKA * 2);
+      for (int c = 0; c < NB / 32; ++c) {  // 32 keys (16 pairs) per step, in order
+        _tile_loadd(4, pb + c * 32, NB * 2);
         const uint32_t* vb = vt2 + c * 16 * D + d0;
         _tile_loadd(6, vb, D * 4);
         _tile_dpbf16ps(0, 4, 6);
@@ -602,15 +663,29 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   };
   auto stage = [&](int64_t bi) {
     const int64_t sb_i = bi % NBUF;
-    // In order: ask for the next BKA stored rows (next block, or the next superblock's first), spread over the
+    // In order: ask for the next NB stored rows (next block, or the next superblock's first), spread over the
     // staging work (timing only; prefetches never fault, past the end of the cache too).
-    const char* kpf = in_order ? reinterpret_cast<const char*>(k + (blocks[bi].first + BKA) * k_row) : nullptr;
-    const char* vpf = in_order ? reinterpret_cast<const char*>(v + (blocks[bi].first + BKA) * v_row) : nullptr;
-    block_rows<BF>(k, v, k_row, v_row, order, pos, blocks[bi], blocks[bi].min_pos / BKA * BKA, in_order,
+    // Packed blocks (a ColdSource's, NB rows stored together): a later block's rows.
+    const char* kpf = nullptr;
+    const char* vpf = nullptr;
+    if (in_order) {
+      kpf = reinterpret_cast<const char*>(k + (blocks[bi].first + NB) * k_row);
+      vpf = reinterpret_cast<const char*>(v + (blocks[bi].first + NB) * v_row);
+    } else if (packed && bi + 2 < nblocks) {  // two blocks ahead: scattered blocks come from memory
+      kpf = reinterpret_cast<const char*>(k + order[blocks[bi + 2].first] * k_row);
+      vpf = reinterpret_cast<const char*>(v + order[blocks[bi + 2].first] * v_row);
+    }
+    block_rows<BF, NB>(k, v, k_row, v_row, order, pos, blocks[bi], blocks[bi].min_pos / NB * NB, in_order,
                    krows[sb_i], vrows[sb_i], presents[sb_i]);
-    stage_keys<D>(krows[sb_i], kt2s.data + sb_i * (D / 2 * BKA), kpf, k_row * 2);
-    interleave_values<D, BKA>(vrows[sb_i], vt2s.data + sb_i * (BKA / 2 * D), vpf, v_row * 2);
+    stage_keys<D, NB>(krows[sb_i], kt2s.data + sb_i * (D / 2 * NB), kpf, k_row * 2);
+    interleave_values<D, NB>(vrows[sb_i], vt2s.data + sb_i * (NB / 2 * D), vpf, v_row * 2);
   };
+  if (packed && nblocks > 1)  // the second block's rows (stage(0) asks for the third)
+    for (int64_t i = 0; i < blocks[1].count; ++i)
+      for (int c = 0; c < D * 2 / 64; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(k + order[blocks[1].first + i] * k_row) + 64 * c, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(v + order[blocks[1].first + i] * v_row) + 64 * c, _MM_HINT_T1);
+      }
   if (nblocks > 0) stage(0);
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     if (pending.on && pending.block + 1 < bi) {  // staging block bi + 1 reuses its V buffer: run it first
@@ -619,10 +694,10 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     }
     if (bi + 1 < nblocks) stage(bi + 1);
     const Block& blk = blocks[bi];
-    const int64_t base = blk.min_pos / BKA * BKA;
+    const int64_t base = blk.min_pos / NB * NB;
     const uint32_t* present = presents[bi % NBUF];
-    const uint32_t* kt2 = kt2s.data + (bi % NBUF) * (D / 2 * BKA);
-    const uint32_t* vt2 = vt2s.data + (bi % NBUF) * (BKA / 2 * D);
+    const uint32_t* kt2 = kt2s.data + (bi % NBUF) * (D / 2 * NB);
+    const uint32_t* vt2 = vt2s.data + (bi % NBUF) * (NB / 2 * D);
     for (int64_t rb = 0; rb < RB; ++rb) {
       const int64_t r0 = rb * 16, rn = std::min<int64_t>(16, R - r0);
       uint32_t any = 0u;
@@ -636,53 +711,67 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
       }
       if (any == 0u) continue;
       const BF* qa = rn == 16 ? q + r0 * D : qtail.data;
-      for (int pass = 0; pass < KT / 4; ++pass) {  // four key tiles at a time in C tiles 0-3
+      for (int pass = 0; pass < (KT + 3) / 4; ++pass) {  // up to four key tiles at a time in C tiles 0-3
+        constexpr int NT4 = KT < 4 ? KT : 4;  // key tiles per pass (NB = 32: two)
         _tile_zero(0);
         _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        if constexpr (NT4 > 2) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
         const uint32_t* kp = kt2 + pass * 64;
         for (int sd = 0; sd < D / 32; ++sd) {
           _tile_loadd(4, qa + sd * 32, D * 2);
-          const uint32_t* kb2 = kp + sd * 16 * BKA;
-          _tile_loadd(6, kb2, BKA * 4);
+          const uint32_t* kb2 = kp + sd * 16 * NB;
+          _tile_loadd(6, kb2, NB * 4);
           _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, kb2 + 16, BKA * 4);
+          _tile_loadd(7, kb2 + 16, NB * 4);
           _tile_dpbf16ps(1, 4, 7);
-          _tile_loadd(6, kb2 + 32, BKA * 4);
-          _tile_dpbf16ps(2, 4, 6);
-          _tile_loadd(7, kb2 + 48, BKA * 4);
-          _tile_dpbf16ps(3, 4, 7);
+          if constexpr (NT4 > 2) {
+            _tile_loadd(6, kb2 + 32, NB * 4);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, kb2 + 48, NB * 4);
+            _tile_dpbf16ps(3, 4, 7);
+          }
         }
         float* out = sb.data + pass * 64;
-        _tile_stored(0, out, BKA * 4);
-        _tile_stored(1, out + 16, BKA * 4);
-        _tile_stored(2, out + 32, BKA * 4);
-        _tile_stored(3, out + 48, BKA * 4);
+        _tile_stored(0, out, NB * 4);
+        _tile_stored(1, out + 16, NB * 4);
+        if constexpr (NT4 > 2) {
+          _tile_stored(2, out + 32, NB * 4);
+          _tile_stored(3, out + 48, NB * 4);
+        }
       }
       float* const alpha = alphas[buf];
-      BF* const pb = pbs.data + buf * (16 * BKA);
-      if (scale > 0.f) {  // rows rn.. of a short tile see nothing (vis 0): their m, l, n stay as they are
-        tile_softmax_bf16(sb.data, vis, scale, st.m + r0, st.l + r0, st.n + r0, pb, alpha);
-      } else {
-        for (int64_t i = 0; i < 16; ++i) {
-          alpha[i] = -1.f;
-          float* s = sb.data + i * BKA;
-          uint32_t row_any = 0u;
-          int seen = 0;
-          for (int w = 0; w < WORDS; ++w) {
-            row_any |= vis[i][w];
-            seen += __builtin_popcount(vis[i][w]);
-          }
-          if (row_any != 0u) {
-            st.n[r0 + i] += static_cast<float>(seen);
-            alpha[i] = group_softmax(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i]);
-            for (int j = 0; j < BKA; j += 32)  // p rounded to bf16, nearest even
-              _mm512_storeu_si512(pb + i * BKA + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16),
-                                                                                      _mm512_loadu_ps(s + j)));
+      BF* const pb = pbs.data + buf * (16 * NB);
+      bool tiled = false;  // the tile's 16 rows together (BKA blocks, scale > 0); the same bits per row as below
+      if constexpr (NB == BKA) {
+        if (scale > 0.f) {  // rows rn.. of a short tile see nothing (vis 0): their m, l, n stay as they are
+          tile_softmax_bf16(sb.data, vis, scale, st.m + r0, st.l + r0, st.n + r0, pb, alpha);
+          tiled = true;
+        }
+      }
+      for (int64_t i = 0; i < 16 && !tiled; ++i) {
+        alpha[i] = -1.f;
+        float* s = sb.data + i * NB;
+        uint32_t row_any = 0u;
+        int seen = 0;
+        for (int w = 0; w < WORDS; ++w) {
+          row_any |= vis[i][w];
+          seen += __builtin_popcount(vis[i][w]);
+        }
+        if (row_any != 0u) {
+          st.n[r0 + i] += static_cast<float>(seen);
+          if (scale > 0.f) {
+            alpha[i] = group_softmax_bf16<NB>(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i], pb + i * NB);
           } else {
-            std::memset(pb + i * BKA, 0, BKA * sizeof(BF));  // 0 for rows with nothing here
+            alpha[i] = group_softmax<NB>(s, vis[i], scale, st.m[r0 + i], st.l[r0 + i]);
+            for (int j = 0; j < NB; j += 32)  // p rounded to bf16, nearest even
+              _mm512_storeu_si512(pb + i * NB + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16),
+                                                                                      _mm512_loadu_ps(s + j)));
           }
+        } else {
+          std::memset(pb + i * NB, 0, NB * sizeof(BF));  // 0 for rows with nothing here
         }
       }
       if (pending.on) run_pv(pending);
@@ -692,6 +781,12 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   }
   if (pending.on) run_pv(pending);
 }
+#endif
+
+#if defined(KAKEYA_AMX)
+constexpr int COLD_AMX_BLOCK = 32;  // ColdSource's blocks: one word of lanes (a cold block of 32 fills one)
+#else
+constexpr int COLD_AMX_BLOCK = BK;
 #endif
 
 // One key source of a call: K/V (B, Hk, S, D) with their positions, cut into blocks and superblocks.
@@ -705,10 +800,12 @@ struct Source {
   std::vector<int64_t> super_first;  // index of each superblock's first block, plus an end marker
   bool in_order = false;             // keys stored in position order (order is the identity)
 
-  Source(const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& k_pos, Kind kind_, int64_t bk)
+  // The first `S` keys of k_ / v_ / k_pos (all of them when S < 0).
+  Source(const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& k_pos, Kind kind_, int64_t bk,
+         int64_t S = -1)
       : k(&k_), v(&v_), kind(kind_) {
     const int64_t* kp = k_pos.const_data_ptr<int64_t>();
-    const int64_t S = k_.size(2);
+    if (S < 0) S = k_.size(2);
     order.resize(S);
     std::iota(order.begin(), order.end(), 0);
     // A cache hands keys sorted, or as two sorted runs (a ring that wrapped): then a linear merge, not a sort.
@@ -747,8 +844,8 @@ struct Source {
 // slot[j] the place in K/V of cold block j (positions sink + j * block ...; -1: not provided), and each token's
 // selection bitsets (B, Hk, T, words). Only blocks wholly below a token's hot range count (n(t) of them).
 //
-// A token's selected blocks, in position order, are packed into lanes of their own: superchunks of SPLIT lanes
-// (the work items), cut into blocks of BK lanes. So its cold keys are grouped and reduced by one fixed
+// Without AMX (ColdSource below otherwise), a token's selected blocks, in position order, are packed into lanes of
+// their own: superchunks of SPLIT lanes (the work items), cut into blocks of BK lanes. So its cold keys are grouped and reduced by one fixed
 // sequence that depends on its own selection only, never on what other tokens of the call selected, and no
 // lane is spent on a block it did not select.
 struct Cold {
@@ -783,6 +880,79 @@ struct Cold {
         if (lane >= first + count) break;
       }
     }
+  }
+};
+
+// Cold positions per superblock of a ColdSource: a token's selected blocks lie scattered over the history, so
+// superblocks span more positions than a Source's (fewer work items and partial states, each still fixed by
+// absolute positions).
+constexpr int64_t COLD_SPLIT = 4 * SPLIT;
+
+// Keys at increasing positions `pos` cut into blocks of `bk` positions (a new block at the first key past the open
+// one's end) and superblocks of `split` positions; super_first gets each superblock's first block and an end marker.
+inline void cut_blocks(const std::vector<int64_t>& pos, int64_t bk, int64_t split, std::vector<Block>& blocks,
+                       std::vector<int64_t>& super_first) {
+  int64_t block_end = -1, super_end = -1;
+  for (int64_t i = 0; i < static_cast<int64_t>(pos.size()); ++i) {
+    const int64_t p = pos[i];
+    if (p >= block_end) {
+      if (p >= super_end) {
+        super_first.push_back(blocks.size());
+        super_end = (p / split + 1) * split;
+      }
+      blocks.push_back(Block{i, 0, p, p});
+      block_end = (p / bk + 1) * bk;
+    }
+    blocks.back().count += 1;
+    blocks.back().max_pos = p;
+  }
+  super_first.push_back(blocks.size());
+}
+
+// The cold side of a sparse call on AMX tiles, for one KV head and one row tile: the blocks that any token of the
+// tile selected (in any batch row), their keys at cold positions c = j * block + i (counted from `sink`, so
+// absolute), cut into blocks of COLD_AMX_BLOCK and superblocks of COLD_SPLIT positions like a Source, with rows from every token
+// of the tile in one 16-row tile. A token sees the blocks it selected only (Kind::Cold), so what each of its rows
+// computes follows from its own selection: the lanes other tokens add are masked (p = 0, an exact 0 product in
+// P . V), a block or superblock the row sees nothing of leaves its state as it was (skipped), and the blocks it
+// sees sit at the same lanes of the same blocks and superblocks whichever tokens share the call. A decode step
+// (its own selection alone) takes this same path, so a token's bits do not depend on the step it ran in.
+struct ColdSource {
+  std::vector<int64_t> order;  // rows of the head's cold K/V, in position order
+  std::vector<int64_t> pos;    // their cold positions
+  std::vector<Block> blocks;
+  std::vector<int64_t> super_first;
+  int64_t supers() const { return static_cast<int64_t>(super_first.size()) - 1; }
+
+  ColdSource(const Cold& cold, int64_t B, int64_t H, int64_t NT, int64_t h, int64_t t0, int64_t tn,
+             const int64_t* below, int64_t bk) {
+    const int64_t ch = cold.head[h];
+    if (ch >= 0) {
+      const int64_t most = *std::max_element(below, below + tn);
+      std::vector<char> picked(most, 0);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < tn; ++t) {
+          const uint64_t* row = cold.sel + ((b * H + h) * NT + t0 + t) * cold.words;
+          for (int64_t w = 0; w * 64 < below[t]; ++w)
+            for (uint64_t bits = row[w]; bits != 0u; bits &= bits - 1) {
+              const int64_t j = w * 64 + __builtin_ctzll(bits);
+              if (j >= below[t]) break;
+              picked[j] = 1;
+            }
+        }
+      const int64_t lanes = std::count(picked.begin(), picked.end(), 1) * cold.block;
+      order.reserve(lanes);
+      pos.reserve(lanes);
+      for (int64_t j = 0; j < most; ++j) {
+        if (!picked[j]) continue;
+        const int64_t s = cold.slot_of(ch, j);
+        for (int64_t i = 0; i < cold.block; ++i) {
+          order.push_back(s * cold.block + i);
+          pos.push_back(j * cold.block + i);
+        }
+      }
+    }
+    cut_blocks(pos, bk, COLD_SPLIT, blocks, super_first);
   }
 };
 
@@ -861,8 +1031,9 @@ inline std::vector<int64_t> item_schedule(const std::vector<Source>& sources,
 }
 
 // Attention of q over every source (and the cold blocks, if any), one softmax: each (batch, head, source
-// superblock) and each (batch, head, token, cold superchunk) is a work item; a row's partial states are merged
-// in (source, position) order, then its cold superchunks in order, against its global max. `seen` (B, Hk, R,
+// superblock) and each (batch, head, token, cold superchunk), or on AMX each (batch, head, ColdSource
+// superblock), is a work item; a row's partial states are merged in (source, position) order, then its cold
+// parts in order, against its global max. `seen` (B, Hk, R,
 // 1 + has cold), when given, receives the keys each row saw per source.
 template <typename T, int D>
 void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_pos, int64_t window, int64_t sink,
@@ -870,9 +1041,12 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), NT = q_pos.size(0);
   const int64_t G = R / NT, NS = static_cast<int64_t>(sources.size()), NC = NS + (cold != nullptr);
   // AMX on CPUs that have it (bf16), for every call alike: the choice depends on the machine, never the shape.
-  // Cold work items always hold one token's G rows: AMX tiles (16 rows) would idle there, so they take the
-  // dot-product path on every machine and in every call (still one fixed sequence per token).
+  // Without AMX, cold work items hold one token's G rows on the dot-product path (one fixed sequence per token);
+  // with it, cold_amx below.
   const bool use_amx = amx_enabled<T>() && D % 32 == 0;
+  // On a machine whose attention runs on AMX the cold side shares the tiles too (ColdSource), in every call alike
+  // (a decode step as a chunk); int8 codes are dequantized first, to the values they decode to.
+  const bool cold_amx = use_amx && cold != nullptr;
   std::vector<std::pair<int64_t, int64_t>> supers;  // (source, superblock) in merge order
   for (int64_t s = 0; s < NS; ++s)
     for (int64_t sp = 0; sp < sources[s].supers(); ++sp) supers.emplace_back(s, sp);
@@ -892,6 +1066,11 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
   std::vector<float> cstate;
   std::vector<T> qtile, qtok;
   std::vector<int64_t> nsel;  // (B, H, tn): cold lanes of each token
+  std::vector<int64_t> below;  // (tn,): cold blocks wholly below each token's hot range
+  std::vector<ColdSource> csrc;  // cold_amx: per KV head
+  std::vector<int64_t> cfirst;   // cold_amx: (B * H + 1,) the first cold item of each (batch, head)
+  std::vector<T> cdeq;           // cold_amx, int8 codes: (B * H, 2, lanes, D) the tile's cold K, V dequantized
+  std::vector<int64_t> cdeq_first, lane_seq;  // where each (batch, head)'s rows start there; 0, 1, ...
   for (int64_t t0 = 0; t0 < NT; t0 += ROW_TILE) {
     const int64_t tn = std::min(ROW_TILE, NT - t0), Rt = G * tn;
     // This tile's rows, (B, H, G * tn, D) ordered (group, token) like q.
@@ -920,23 +1099,58 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
             nsel[(b * H + h) * tn + t] = lanes;
             C = std::max(C, (lanes + SPLIT - 1) / SPLIT);
           }
-      // Each token's G rows together, (B, H, tn, G, D): a cold work item's query rows.
-      qtok.resize(B * H * tn * G * D);
-      for (int64_t bh = 0; bh < B * H; ++bh)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t t = 0; t < tn; ++t)
-            std::memcpy(qtok.data() + ((bh * tn + t) * G + g) * D, qtile.data() + (bh * Rt + g * tn + t) * D,
-                        D * sizeof(T));
+      if (cold_amx) {
+        below.resize(tn);
+        for (int64_t t = 0; t < tn; ++t) below[t] = cold->blocks_below(qpos[t0 + t], window, sink);
+        csrc.clear();
+        for (int64_t h = 0; h < H; ++h) csrc.emplace_back(*cold, B, H, NT, h, t0, tn, below.data(), COLD_AMX_BLOCK);
+        cfirst.assign(B * H + 1, 0);
+        for (int64_t bh = 0; bh < B * H; ++bh) cfirst[bh + 1] = cfirst[bh] + csrc[bh % H].supers();
+        if (cold->k_scale != nullptr) {  // int8 codes: the rows of every (batch, head), in lane order
+          cdeq_first.assign(B * H + 1, 0);
+          int64_t most = 0;
+          for (int64_t bh = 0; bh < B * H; ++bh) {
+            const int64_t n = static_cast<int64_t>(csrc[bh % H].order.size());
+            cdeq_first[bh + 1] = cdeq_first[bh] + 2 * n * D;
+            most = std::max(most, n);
+          }
+          cdeq.resize(cdeq_first[B * H]);
+          if (static_cast<int64_t>(lane_seq.size()) < most) {
+            lane_seq.resize(most);
+            std::iota(lane_seq.begin(), lane_seq.end(), 0);
+          }
+          at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t bh = begin; bh < end; ++bh) {
+              const std::vector<int64_t>& rows = csrc[bh % H].order;
+              if (rows.empty()) continue;
+              const int64_t b = bh / H, ch = cold->head[bh % H];
+              T* dst = cdeq.data() + cdeq_first[bh];
+              dequantize_rows<T, D>(*cold->k, *cold->k_scale, b, ch, rows, dst);
+              dequantize_rows<T, D>(*cold->v, *cold->v_scale, b, ch, rows, dst + rows.size() * D);
+            }
+          });
+        }
+      } else {
+        // Each token's G rows together, (B, H, tn, G, D): a cold work item's query rows.
+        qtok.resize(B * H * tn * G * D);
+        for (int64_t bh = 0; bh < B * H; ++bh)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t t = 0; t < tn; ++t)
+              std::memcpy(qtok.data() + ((bh * tn + t) * G + g) * D, qtile.data() + (bh * Rt + g * tn + t) * D,
+                          D * sizeof(T));
+      }
     }
     // A (batch, head, superblock) takes `splits` work items, a slice of its rows each (a multiple of 16, so the
     // tiles are the same): more, smaller items for the threads to share (a chunk's few superblocks left one idle).
     // Rows are independent, so only the schedule changes; the slices write one state, (Rt, W) per superblock.
+    // Cold items are not sliced: an AMX one takes all Rt rows of its (batch, head, cold superblock).
     const int64_t splits = std::clamp<int64_t>(Rt / 256, 1, 4), slice = (Rt + 16 * splits - 1) / (16 * splits) * 16;
-    const int64_t hot_items = B * H * NSP * splits, items = hot_items + B * H * tn * C;
+    const int64_t cold_items = cold_amx ? cfirst[B * H] : B * H * tn * C;
+    const int64_t hot_items = B * H * NSP * splits, items = hot_items + cold_items;
     // Every item writes its whole state before the merge reads it: no zero-fill (megabytes per call at 4k keys).
     at::Tensor state_buf = at::empty({B * H * NSP * Rt * W}, at::kFloat);
     float* const state_data = state_buf.data_ptr<float>();
-    cstate.resize((items - hot_items) * G * W);
+    cstate.resize(cold_items * (cold_amx ? Rt : G) * W);
     const std::vector<int64_t> schedule = item_schedule(sources, supers, B * H, qpos + t0, tn, items, splits);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -954,7 +1168,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         const int64_t *order, *pos;
         const Block* blocks;
         Rule rule{qpos + t0, tn, window, sink, Kind::Plain, cold != nullptr ? cold->block : 0};
-        bool amx_item = use_amx;  // cold items (one token's G rows, any call) always take the dot-product path
+        bool amx_item = use_amx;  // cold items of one token's G rows (no AMX cold side) take the dot-product path
         bool in_order = false;    // keys stored in position order (a source that says so)
         Partial st;
         if (item < hot_items) {
@@ -978,6 +1192,34 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           nblocks = src.super_first[sp + 1] - src.super_first[sp];
           float* const base = state_data + bhs * Rt * W;  // rows r_lo..r_hi of its (acc, m, l, n)
           st = Partial{base + r_lo * D, base + Rt * D + r_lo, base + Rt * D + Rt + r_lo, base + Rt * D + 2 * Rt + r_lo};
+        } else if (cold_amx) {  // (batch, head, cold superblock): every row of the tile, its own blocks visible
+          const int64_t ci = item - hot_items;
+          const int64_t bh = std::upper_bound(cfirst.begin(), cfirst.end(), ci) - cfirst.begin() - 1;
+          const int64_t b = bh / H, h = bh % H, ch = cold->head[h], sp = ci - cfirst[bh];
+          const ColdSource& cs = csrc[h];
+          rule.kind = Kind::Cold;
+          rule.sel = cold->sel + (bh * NT + t0) * cold->words;
+          rule.words = cold->words;
+          rule.below = below.data();
+          qrows = qtile.data() + bh * Rt * D;
+          R_item = Rt;
+          if (cold->k_scale != nullptr) {  // dequantized above, in lane order
+            kb = cdeq.data() + cdeq_first[bh];
+            vb = kb + cs.order.size() * D;
+            k_row = v_row = D;
+            order = lane_seq.data();
+          } else {
+            kb = cold->k->template const_data_ptr<T>() + b * cold->k->stride(0) + ch * cold->k->stride(1);
+            vb = cold->v->template const_data_ptr<T>() + b * cold->v->stride(0) + ch * cold->v->stride(1);
+            k_row = cold->k->stride(2);
+            v_row = cold->v->stride(2);
+            order = cs.order.data();
+          }
+          pos = cs.pos.data();
+          blocks = cs.blocks.data() + cs.super_first[sp];
+          nblocks = cs.super_first[sp + 1] - cs.super_first[sp];
+          float* const base = cstate.data() + ci * Rt * W;  // rule.row0 stays 0: row r is token r % tn
+          st = Partial{base, base + Rt * D, base + Rt * D + Rt, base + Rt * D + 2 * Rt};
         } else {
           const int64_t ci = item - hot_items, c = ci % C, bht = ci / C, t = bht % tn, bh = bht / tn;
           const int64_t b = bh / H, h = cold->head[bh % H];  // h: the head in cold K/V (>= 0 when it has lanes)
@@ -1018,6 +1260,11 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         }
 #if defined(KAKEYA_AMX)
         if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
+          if (amx_item && rule.kind == Kind::Cold) {  // a ColdSource's blocks of COLD_AMX_BLOCK lanes
+            attend_superblock_amx<D, COLD_AMX_BLOCK>(qrows, kb, vb, k_row, v_row, R_item, rule, order, pos, blocks,
+                                                     nblocks, scale, st, false, true);
+            continue;
+          }
           if (amx_item) {  // head sizes that are not a multiple of 32 take the dot-product path everywhere
             attend_superblock_amx<D>(qrows, kb, vb, k_row, v_row, R_item, rule, order, pos, blocks, nblocks, scale,
                                      st, in_order);
@@ -1038,15 +1285,16 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         const int64_t bh = idx / Rt, r = idx % Rt, g = r / tn, tt = r % tn;
         // (acc, m, l, n) of each partial state of this row: hot superblocks, then cold superchunks
         auto part = [&](int64_t i, const float*& acc, float& m, float& l, float& n) {
-          if (i < NSP) {
-            const float* base = state_data + (bh * NSP + i) * Rt * W;
+          if (i < NSP || cold_amx) {
+            const float* base = i < NSP ? state_data + (bh * NSP + i) * Rt * W
+                                        : cstate.data() + (cfirst[bh] + i - NSP) * Rt * W;
             acc = base + r * D, m = base[Rt * D + r], l = base[Rt * D + Rt + r], n = base[Rt * D + 2 * Rt + r];
           } else {
             const float* base = cstate.data() + ((bh * tn + tt) * C + (i - NSP)) * G * W;
             acc = base + g * D, m = base[G * D + g], l = base[G * D + G + g], n = base[G * D + 2 * G + g];
           }
         };
-        const int64_t parts = NSP + C;
+        const int64_t parts = NSP + (cold_amx ? cfirst[bh + 1] - cfirst[bh] : C);
         const float* acc;
         float ms, ls, ns;
         float m = NEG_INF;
@@ -1104,7 +1352,9 @@ int64_t block_size() {
   return BK;
 }
 
-void check_source(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pos) {
+// k_pos holds k's positions: exactly S (k's keys), or at least S with `pos_prefix` (a buffer's first S).
+void check_source(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pos,
+                  bool pos_prefix = false) {
   TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "cached_attention: CPU only");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "cached_attention: k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
@@ -1114,7 +1364,8 @@ void check_source(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "cached_attention: q (B, Hk, R, D) and k (B, Hk, S, D) disagree");
   TORCH_CHECK(k_pos.dim() == 1 && k_pos.scalar_type() == at::kLong && k_pos.is_contiguous(),
               "cached_attention: k_pos (S,) must be contiguous int64");
-  TORCH_CHECK(k_pos.size(0) == k.size(2), "cached_attention: k_pos has ", k_pos.size(0), " positions for ",
+  TORCH_CHECK(pos_prefix ? k_pos.size(0) >= k.size(2) : k_pos.size(0) == k.size(2), "cached_attention: k_pos has ",
+              k_pos.size(0), " positions for ",
               k.size(2), " keys");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "cached_attention: k/v last dim must have unit stride");
 }
@@ -1320,28 +1571,22 @@ void run_rows(const at::Tensor& q, std::vector<Source>& sources, const int64_t* 
   });
 }
 
-at::Tensor cached_attention_rows(const at::Tensor& q, at::TensorList k, at::TensorList v, at::TensorList k_pos,
-                                 const at::Tensor& q_pos, at::IntArrayRef window, at::IntArrayRef sink,
-                                 double scale) {
+void check_rows_query(const at::Tensor& q, const at::Tensor& q_pos, int64_t n_k, int64_t n_v, int64_t n_pos,
+                      int64_t n_window, int64_t n_sink) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 4 && q.is_contiguous(),
               "cached_attention_rows: q must be a contiguous CPU (N, Hk, G, D) tensor");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "cached_attention_rows: dtype ",
               q.scalar_type(), " not supported (float32, bfloat16)");
   const int64_t N = q.size(0);
-  TORCH_CHECK(static_cast<int64_t>(k.size()) == N && static_cast<int64_t>(v.size()) == N &&
-                  static_cast<int64_t>(k_pos.size()) == N && static_cast<int64_t>(window.size()) == N &&
-                  static_cast<int64_t>(sink.size()) == N,
+  TORCH_CHECK(n_k == N && n_v == N && n_pos == N && n_window == N && n_sink == N,
               "cached_attention_rows: need one k, v, k_pos, window and sink per row");
   TORCH_CHECK(q_pos.dim() == 1 && q_pos.size(0) == N && q_pos.scalar_type() == at::kLong && q_pos.is_contiguous(),
               "cached_attention_rows: q_pos must be contiguous int64 (N,)");
-  std::vector<Source> sources;
-  sources.reserve(N);
-  for (int64_t i = 0; i < N; ++i) {
-    TORCH_CHECK(k[i].dim() == 4 && k[i].size(0) == 1, "cached_attention_rows: k[", i, "] must be (1, Hk, S, D)");
-    check_source(q.narrow(0, i, 1), k[i], v[i], k_pos[i]);
-    TORCH_CHECK(window[i] >= 0 && sink[i] >= 0, "cached_attention_rows: window and sink must be >= 0");
-    sources.emplace_back(k[i], v[i], k_pos[i], Kind::Plain, path_block(q));
-  }
+}
+
+// The rows' attention over their sources (one per row), as cached_attention_rows documents.
+at::Tensor attend_rows(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_pos,
+                       at::IntArrayRef window, at::IntArrayRef sink, double scale) {
   auto out = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return out;
   const int64_t* qp = q_pos.const_data_ptr<int64_t>();
@@ -1361,6 +1606,78 @@ at::Tensor cached_attention_rows(const at::Tensor& q, at::TensorList k, at::Tens
   }
 #undef KAKEYA_ROWS
   TORCH_CHECK(false, "cached_attention_rows: head_dim ", q.size(3), " not in {16, 32, 64, 96, 128, 256}");
+}
+
+at::Tensor cached_attention_rows(const at::Tensor& q, at::TensorList k, at::TensorList v, at::TensorList k_pos,
+                                 const at::Tensor& q_pos, at::IntArrayRef window, at::IntArrayRef sink,
+                                 double scale) {
+  check_rows_query(q, q_pos, k.size(), v.size(), k_pos.size(), window.size(), sink.size());
+  const int64_t N = q.size(0);
+  std::vector<Source> sources;
+  sources.reserve(N);
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(k[i].dim() == 4 && k[i].size(0) == 1, "cached_attention_rows: k[", i, "] must be (1, Hk, S, D)");
+    check_source(q.narrow(0, i, 1), k[i], v[i], k_pos[i]);
+    TORCH_CHECK(window[i] >= 0 && sink[i] >= 0, "cached_attention_rows: window and sink must be >= 0");
+    sources.emplace_back(k[i], v[i], k_pos[i], Kind::Plain, path_block(q));
+  }
+  return attend_rows(q, sources, q_pos, window, sink, scale);
+}
+
+// kakeya::cached_attention_rows_append: cached_attention_rows for decode rows whose caches are preallocated
+// buffers (kv.cache's full and ring layers), with each row's cache write done here. Row i with slot[i] >= 0 first
+// stores its new key and value, k_new[i] and v_new[i] (Hk, 1, D), at slot[i] of its buffers k[i], v[i]
+// (1, Hk, A_i, D) and, when write_pos[i], its position q_pos[i] at k_pos[i][slot[i]]; then it attends the first
+// count[i] slots (k_pos[i] (>= count[i],) their positions). A row with slot[i] < 0 attends k[i], v[i], k_pos[i] as
+// given (a cache that handed out its keys itself). A write is a copy of the same bits, and the attention is
+// cached_attention_rows' over the same keys: each row's result is the bits of its cache's update_and_fetch then
+// cached_attention alone, without a Python write and views per row and layer.
+at::Tensor cached_attention_rows_append(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                                        at::TensorList k, at::TensorList v, at::TensorList k_pos,
+                                        at::IntArrayRef slot, at::IntArrayRef count, at::IntArrayRef write_pos,
+                                        const at::Tensor& q_pos, at::IntArrayRef window, at::IntArrayRef sink,
+                                        double scale) {
+  check_rows_query(q, q_pos, k.size(), v.size(), k_pos.size(), window.size(), sink.size());
+  const int64_t N = q.size(0), Hk = q.size(1), D = q.size(3);
+  TORCH_CHECK(static_cast<int64_t>(slot.size()) == N && static_cast<int64_t>(count.size()) == N &&
+                  static_cast<int64_t>(write_pos.size()) == N,
+              "cached_attention_rows_append: need one slot, count and write_pos per row");
+  TORCH_CHECK(k_new.dim() == 4 && v_new.dim() == 4 && k_new.size(0) == N && k_new.size(1) == Hk &&
+                  k_new.size(2) == 1 && k_new.size(3) == D && v_new.sizes() == k_new.sizes(),
+              "cached_attention_rows_append: k_new, v_new must be (N, Hk, 1, D) like q's rows");
+  TORCH_CHECK(k_new.scalar_type() == q.scalar_type() && v_new.scalar_type() == q.scalar_type() &&
+                  k_new.device().is_cpu() && v_new.device().is_cpu() && k_new.stride(3) == 1 && v_new.stride(3) == 1,
+              "cached_attention_rows_append: k_new, v_new must be CPU tensors of q's dtype, unit last stride");
+  const int64_t* qp = q_pos.const_data_ptr<int64_t>();
+  const size_t row_bytes = D * q.element_size();
+  const char* kn = static_cast<const char*>(k_new.const_data_ptr());
+  const char* vn = static_cast<const char*>(v_new.const_data_ptr());
+  std::vector<Source> sources;
+  sources.reserve(N);
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(k[i].dim() == 4 && k[i].size(0) == 1, "cached_attention_rows_append: k[", i,
+                "] must be (1, Hk, S, D)");
+    check_source(q.narrow(0, i, 1), k[i], v[i], k_pos[i], /*pos_prefix=*/slot[i] >= 0);
+    TORCH_CHECK(window[i] >= 0 && sink[i] >= 0, "cached_attention_rows_append: window and sink must be >= 0");
+    int64_t n = k[i].size(2);
+    if (slot[i] >= 0) {
+      n = count[i];
+      TORCH_CHECK(slot[i] < n && n <= k[i].size(2), "cached_attention_rows_append: row ", i, " slot ", slot[i],
+                  " and count ", n, " outside its ", k[i].size(2), " slots");
+      char* kb = static_cast<char*>(k[i].data_ptr());
+      char* vb = static_cast<char*>(v[i].data_ptr());
+      const int64_t es = q.element_size();
+      for (int64_t h = 0; h < Hk; ++h) {
+        std::memcpy(kb + (h * k[i].stride(1) + slot[i] * k[i].stride(2)) * es,
+                    kn + (i * k_new.stride(0) + h * k_new.stride(1)) * es, row_bytes);
+        std::memcpy(vb + (h * v[i].stride(1) + slot[i] * v[i].stride(2)) * es,
+                    vn + (i * v_new.stride(0) + h * v_new.stride(1)) * es, row_bytes);
+      }
+      if (write_pos[i]) k_pos[i].data_ptr<int64_t>()[slot[i]] = qp[i];
+    }
+    sources.emplace_back(k[i], v[i], k_pos[i], Kind::Plain, path_block(q), n);
+  }
+  return attend_rows(q, sources, q_pos, window, sink, scale);
 }
 
 }  // namespace
@@ -1417,3 +1734,12 @@ TORCH_LIBRARY_FRAGMENT(kakeya, m) {
 }
 
 TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("cached_attention_rows", &cached_attention_rows); }
+
+// The same with each row's cache write (cached_attention_rows_append above): k, v and k_pos are written in place.
+TORCH_LIBRARY_FRAGMENT(kakeya, m) {
+  m.def("cached_attention_rows_append(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!)[] k, Tensor(b!)[] v, "
+        "Tensor(c!)[] k_pos, int[] slot, int[] count, int[] write_pos, Tensor q_pos, int[] window, int[] sink, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("cached_attention_rows_append", &cached_attention_rows_append); }

@@ -1,0 +1,445 @@
+// Weight-only quantized y = x W^T (+ b) whose every output element is computed by one fixed sequence of
+// operations, whatever the number of rows in the call: kakeya::quant_linear.
+//
+// The weights are stored quantized (int4 group-wise affine, or int8 per output channel) and dequantized inside the
+// kernel to bf16 W' by one routine (QWeight::tile; int4: W' = bf16(fp32 dequant); int8: W' = the codes, the scales
+// applied to the sums), then multiplied as our bf16 projection kernel (invariant_linear.cpp) multiplies W': y's bits
+// are kakeya::linear(x, W')'s (int8: then times the scales), so a row's result does not depend on the rows beside
+// it (a decode step, a turn, a prefill chunk compute alike).
+// - AMX: calls of fewer than 32 rows (decode) dequantize each 16 x 32 A tile of W' rows into an L1 buffer one step
+//   before its tdpbf16ps (x^T pairs are the B tiles); calls of 32 rows or more (prefill) dequantize each 32-row
+//   panel of W' once per call into B tiles and run every 32-row block of x (A tiles, in place) against it. The
+//   tdpbf16ps sequence over K (steps of 32, in order, from zeroed tiles) is invariant_linear.cpp's on both paths.
+// - elsewhere (no AMX, or the AVX-512 route): W' dequantized a panel of rows at a time and multiplied by
+//   kakeya::linear (AVX-512 BF16 dot products or at::vec), whose result per element does not depend on M or N.
+//
+// Layouts (engine/weights.py packs them): codes in tiles of 16 rows x 32 columns (one int4 group), tile (b, s) =
+// rows 16b.., columns 32s.. at byte (b * K/32 + s) * 16 * bytes_per_row_of_tile:
+// - int4: 16 bytes per tile row, column 32s + c in nibble slot int4_slot(c) (below: the order one byte-shuffle
+//   instruction unpacks).
+//   sz (K/32, N, 2) fp32: scale, zero of (group s, row n). w = (q - 8) * scale + zero (one fused multiply-add
+//   in fp32), rounded once to bf16 (nearest even).
+// - int8: 32 bytes per tile row, column 32s + j at byte j. sz (N,) bf16 scales. W' = the codes (exact in bf16), and
+//   y = fma(sum, scale, bias) per output column, rounded once: no rounding of the weights beyond int8's own (a
+//   bf16 q * scale would add up to half of int8's step again near a row's largest weights).
+
+#include "common.h"
+
+namespace kakeya_ops {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32);
+}
+
+namespace {
+
+constexpr int64_t kTileRows = 16, kTileCols = 32;
+
+inline float bf16_bits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// Where an int4 group's code c (column 32s + c) sits in its 16 bytes: in 64-bit half h = (c / 4) % 2, nibble slot
+// 4 * (c / 8) + c % 4 (bits 4 * slot..), so one vpmultishiftqb over the 16 bytes (in every 128-bit lane) puts code c
+// in the low bits of word c. int4_slot(c) = 16 * h + slot (engine/weights.py's pack_tiles lays the codes out so).
+constexpr int int4_slot(int c) { return 16 * ((c / 4) % 2) + 4 * (c / 8) + c % 4; }
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define KAKEYA_QUANT_VECTOR 1
+// vpmultishiftqb control: the low byte of word w (qword w / 4) takes the 8 bits from bit 4 * slot(w) of its qword
+inline const __m512i kInt4Shift = [] {
+  alignas(64) uint8_t ctrl[64];
+  for (int i = 0; i < 64; ++i) ctrl[i] = i % 2 ? 0 : uint8_t(4 * (int4_slot(i / 2) % 16));
+  return _mm512_load_si512(ctrl);
+}();
+#endif
+
+// The quantized weight: codes, scales and the shape. tile(): rows 16b..16b+15, columns 32s..32s+31 of W' as 16 rows
+// of 32 bf16, 64 bytes apart (an A tile as AMX loads it). Every path's W' comes from here.
+struct QWeight {
+  const uint8_t* q;
+  const void* sz;  // int4: (K/32, N, 2) fp32 (scale, zero); int8: (N,) bf16 scales
+  int64_t bits, N, K;
+
+  inline int64_t tile_bytes() const { return kTileRows * kTileCols * bits / 8; }
+
+  inline void tile(int64_t b, int64_t s, c10::BFloat16* out) const {
+    const uint8_t* src = q + (b * (K / kTileCols) + s) * tile_bytes();
+    if (bits == 4) {
+      const float* sz_rows = static_cast<const float*>(sz) + (s * N + b * kTileRows) * 2;  // (scale, zero) per row
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) group4(src + r * 16, sz_rows + 2 * r, sz_rows + 2 * r + 1, out + r * kTileCols);
+    } else {
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) group8(reinterpret_cast<const int8_t*>(src) + r * 32, out + r * kTileCols);
+    }
+  }
+
+#if defined(KAKEYA_QUANT_VECTOR)
+  // The group's 16 possible values, fma(c - 8, scale, zero) rounded to bf16, as a table (twice: entries 16..31 =
+  // 0..15, so an index's bit 4 does not matter); one word permute picks each column's entry by its code. The same
+  // values as computing every element, in fewer operations.
+  __attribute__((always_inline)) static inline void group4(const uint8_t* src, const float* scale, const float* zero,
+                                                          c10::BFloat16* out) {
+    const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512 values = _mm512_fmadd_ps(codes, _mm512_set1_ps(*scale), _mm512_set1_ps(*zero));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(kInt4Shift, bytes), table));
+  }
+  // int8 codes as bf16, exactly (|q| <= 127 has 7 significant bits); the row's scale comes after the sum
+  __attribute__((always_inline)) static inline void group8(const int8_t* src, c10::BFloat16* out) {
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(w), _mm512_cvtepi32_ps(v)));
+  }
+#else
+  // The same arithmetic element by element: std::fma is the fused multiply-add the vector path uses, and c10's
+  // conversion rounds to nearest even as vcvtne2ps2bf16 does.
+  static inline void group4(const uint8_t* src, const float* scale_p, const float* zero_p, c10::BFloat16* out) {
+    const float scale = *scale_p, zero = *zero_p;
+    uint64_t half[2];
+    std::memcpy(half, src, 16);
+    for (int c = 0; c < 32; ++c) {
+      const int slot = int4_slot(c);
+      const int code = int((half[slot / 16] >> (4 * (slot % 16))) & 15);
+      out[c] = c10::BFloat16(std::fma(float(code - 8), scale, zero));
+    }
+  }
+  static inline void group8(const int8_t* src, c10::BFloat16* out) {
+    for (int j = 0; j < 32; ++j) out[j] = c10::BFloat16(float(src[j]));
+  }
+#endif
+};
+
+// Rows n0..n0+rows (n0 % 16 == 0, rows % 16 == 0) of W' into out (rows, K) row-major.
+void dequant_rows(const QWeight& w, int64_t n0, int64_t rows, c10::BFloat16* out) {
+  const int64_t steps = w.K / kTileCols, blocks = rows / kTileRows;
+  at::parallel_for(0, blocks * steps, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) c10::BFloat16 t[kTileRows * kTileCols];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / steps, s = i % steps;
+      w.tile(n0 / kTileRows + b, s, t);
+      for (int r = 0; r < kTileRows; ++r)
+        std::memcpy(out + (b * kTileRows + r) * w.K + s * kTileCols, t + r * kTileCols, kTileCols * 2);
+    }
+  });
+}
+
+#if defined(KAKEYA_AMX) && defined(__AVX512BF16__)
+constexpr bool kAmx = true;
+constexpr int64_t kRowsMin = 32;  // invariant_linear.cpp's switch to the many-row orientation
+
+// x^T in pairs, zero-padded to whole 16-row blocks: (mblocks, K/2, 16) uint32 (invariant_linear.cpp's pack_x).
+inline void pack_x(const uint32_t* xp, int64_t x_row, int64_t M, int64_t pairs, uint32_t* xt) {
+  alignas(64) uint32_t in[256], out[256];
+  for (int64_t mb = 0; mb < (M + 15) / 16; ++mb) {
+    const int64_t rows = std::min<int64_t>(16, M - mb * 16);
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      for (int64_t r = 0; r < 16; ++r) {
+        if (r < rows) std::memcpy(in + r * 16, xp + (mb * 16 + r) * x_row + p0, 64);
+        else std::memset(in + r * 16, 0, 64);
+      }
+      transpose16(reinterpret_cast<const float*>(in), reinterpret_cast<float*>(out));
+      std::memcpy(xt + (mb * pairs + p0) * 16, out, sizeof(out));
+    }
+  }
+}
+
+// C^T tiles for NN blocks of 16 W' rows (from block b0) and NM blocks of 16 x rows, over K in steps of 32: each A
+// tile dequantized into `abuf` (two steps' worth, alternating) one step before it is loaded. The tile ops are
+// invariant_linear.cpp's amx_block's, in its order.
+template <int NN, int NM>
+inline void amx_block(const QWeight& w, int64_t b0, const uint32_t* xt, int64_t mb0, c10::BFloat16* abuf, float* c) {
+  _tile_zero(0);
+  if constexpr (NM > 1) _tile_zero(1);
+  if constexpr (NN > 1) _tile_zero(2);
+  if constexpr (NN > 1 && NM > 1) _tile_zero(3);
+  const int64_t pairs = w.K / 2;
+  const int64_t steps = w.K / 32;
+  w.tile(b0, 0, abuf);
+  if constexpr (NN > 1) w.tile(b0 + 1, 0, abuf + 512);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (s + 1 < steps) {  // the next step's tiles first: its stores are then long done when they are loaded
+      c10::BFloat16* next = abuf + ((s + 1) & 1) * 1024;
+      w.tile(b0, s + 1, next);
+      if constexpr (NN > 1) w.tile(b0 + 1, s + 1, next + 512);
+    }
+    const c10::BFloat16* a = abuf + (s & 1) * 1024;
+    _tile_loadd(4, a, 64);
+    if constexpr (NN > 1) _tile_loadd(5, a + 512, 64);
+    _tile_loadd(6, xt + (mb0 * pairs + s * 16) * 16, 64);
+    if constexpr (NM > 1) _tile_loadd(7, xt + ((mb0 + 1) * pairs + s * 16) * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NM > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NN > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NN > 1 && NM > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NM > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (NN > 1) _tile_stored(2, c + NM * 256, 64);
+  if constexpr (NN > 1 && NM > 1) _tile_stored(3, c + 3 * 256, 64);
+}
+
+// One output vector: int8's fp32 sums times the rows' scales plus bias in one fused multiply-add, int4's plus bias;
+// then one rounding to bf16 (nearest even).
+inline void store16(__m512 v, const float* scale, const float* bias, c10::BFloat16* dst) {
+  if (scale) v = _mm512_fmadd_ps(v, _mm512_loadu_ps(scale), bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps());
+  else if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+void quant_amx(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = w.K, N = w.N;
+  const int64_t mblocks = (M + 15) / 16, pairs = K / 2;
+  kakeya_amx::AlignedBuffer<uint32_t> xt(mblocks * pairs * 16);
+  pack_x(reinterpret_cast<const uint32_t*>(x.const_data_ptr<c10::BFloat16>()), x.stride(0) / 2, M, pairs, xt.data);
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t n_items = (N + 31) / 32, m_items = (mblocks + 1) / 2;
+  at::parallel_for(0, n_items * m_items, 1, [&](int64_t begin, int64_t end) {
+    kakeya_amx::configure();
+    alignas(64) c10::BFloat16 abuf[2 * 1024];
+    alignas(64) float c[4 * 256];
+    alignas(64) float ct[2 * 256];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n0 = (item / m_items) * 32, mb0 = (item % m_items) * 2;
+      const int nn = N - n0 >= 32 ? 2 : 1, nm = mblocks - mb0 >= 2 ? 2 : 1;
+      const int64_t b0 = n0 / 16;
+      if (nn == 2 && nm == 2) amx_block<2, 2>(w, b0, xt.data, mb0, abuf, c);
+      else if (nn == 2) amx_block<2, 1>(w, b0, xt.data, mb0, abuf, c);
+      else if (nm == 2) amx_block<1, 2>(w, b0, xt.data, mb0, abuf, c);
+      else amx_block<1, 1>(w, b0, xt.data, mb0, abuf, c);
+      for (int im = 0; im < nm; ++im) {
+        for (int in = 0; in < nn; ++in) transpose16(c + (in * nm + im) * 256, ct + in * 256);  // [m][n] tiles
+        for (int mm = 0; mm < 16; ++mm) {
+          const int64_t m = (mb0 + im) * 16 + mm;
+          if (m >= M) break;
+          for (int in = 0; in < nn; ++in)
+            store16(_mm512_loadu_ps(ct + in * 256 + mm * 16), scale ? scale + n0 + in * 16 : nullptr,
+                    bias ? bias + n0 + in * 16 : nullptr,
+                    yp + m * y.stride(0) + n0 + in * 16);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+// NM x NN C tiles, C = x W'^T: A tile s of x block im at a + im * a_block + 32s; B tile s of W' block in at
+// b + (in * steps + s) * 512 (invariant_linear.cpp's amx_rows).
+template <int NM, int NN>
+inline void amx_rows(const c10::BFloat16* a, int64_t a_block, int64_t a_stride, const c10::BFloat16* b,
+                     int64_t steps, float* c) {
+  _tile_zero(0);
+  if constexpr (NN > 1) _tile_zero(1);
+  if constexpr (NM > 1) _tile_zero(2);
+  if constexpr (NM > 1 && NN > 1) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, b + s * 512, 64);
+    if constexpr (NN > 1) _tile_loadd(5, b + (steps + s) * 512, 64);
+    _tile_loadd(6, a + s * 32, a_stride);
+    if constexpr (NM > 1) _tile_loadd(7, a + a_block + s * 32, a_stride);
+    _tile_dpbf16ps(0, 6, 4);
+    if constexpr (NN > 1) _tile_dpbf16ps(1, 6, 5);
+    if constexpr (NM > 1) _tile_dpbf16ps(2, 7, 4);
+    if constexpr (NM > 1 && NN > 1) _tile_dpbf16ps(3, 7, 5);
+  }
+  constexpr int64_t row = NN * 16;
+  _tile_stored(0, c, row * 4);
+  if constexpr (NN > 1) _tile_stored(1, c + 16, row * 4);
+  if constexpr (NM > 1) _tile_stored(2, c + 16 * row, row * 4);
+  if constexpr (NM > 1 && NN > 1) _tile_stored(3, c + 16 * row + 16, row * 4);
+}
+
+// The B tiles of W' blocks b0..b0+nn: tile (in, s) row p = the 16 rows' K pairs 16s + p (a dequantized 16 x 32 tile
+// is 16 rows of 16 pairs: one 16 x 16 transpose of uint32).
+inline void pack_panel(const QWeight& w, int64_t b0, int nn, uint32_t* out) {
+  const int64_t steps = w.K / 32;
+  alignas(64) c10::BFloat16 t[512];
+  for (int in = 0; in < nn; ++in) {
+    for (int64_t s = 0; s < steps; ++s) {
+      w.tile(b0 + in, s, t);
+      transpose16(reinterpret_cast<const float*>(t), reinterpret_cast<float*>(out + (in * steps + s) * 256));
+    }
+  }
+}
+
+void quant_amx_rows(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = w.K, N = w.N, steps = K / 32, x_row = x.stride(0);
+  const auto* xp = x.const_data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t full = M / 32 * 32;  // rows in whole 32-row blocks; the rest goes through a zero-padded copy
+  const int64_t n_items = (N + 31) / 32;
+  at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
+    kakeya_amx::configure();
+    kakeya_amx::AlignedBuffer<uint32_t> packed(2 * steps * 256);
+    kakeya_amx::AlignedBuffer<c10::BFloat16> tail(M > full ? 32 * K : 1);
+    if (M > full) {
+      std::memset(tail.data, 0, 32 * K * sizeof(c10::BFloat16));
+      for (int64_t m = full; m < M; ++m) std::memcpy(tail.data + (m - full) * K, xp + m * x_row, K * 2);
+    }
+    alignas(64) float c[32 * 32];
+    const auto* b = reinterpret_cast<const c10::BFloat16*>(packed.data);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n0 = item * 32;
+      const int nn = N - n0 >= 32 ? 2 : 1;
+      pack_panel(w, n0 / 16, nn, packed.data);
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const bool in_place = m0 < full;
+        const c10::BFloat16* a = in_place ? xp + m0 * x_row : tail.data;
+        const int64_t a_row = in_place ? x_row : K;
+        const int64_t rows = std::min<int64_t>(32, M - m0);
+        const int nm = rows > 16 ? 2 : 1;
+        if (nn == 2 && nm == 2) amx_rows<2, 2>(a, 16 * a_row, a_row * 2, b, steps, c);
+        else if (nn == 2) amx_rows<1, 2>(a, 16 * a_row, a_row * 2, b, steps, c);
+        else if (nm == 2) amx_rows<2, 1>(a, 16 * a_row, a_row * 2, b, steps, c);
+        else amx_rows<1, 1>(a, 16 * a_row, a_row * 2, b, steps, c);
+        for (int64_t mm = 0; mm < rows; ++mm)
+          for (int in = 0; in < nn; ++in)
+            store16(_mm512_loadu_ps(c + mm * nn * 16 + in * 16), scale ? scale + n0 + in * 16 : nullptr,
+                    bias ? bias + n0 + in * 16 : nullptr,
+                    yp + (m0 + mm) * y.stride(0) + n0 + in * 16);
+      }
+    }
+    _tile_release();
+  });
+}
+
+inline bool on_amx() { return kakeya_amx::permitted() && kakeya_amx::linear_on.load(); }
+#else
+constexpr bool kAmx = false;
+inline bool on_amx() { return false; }
+#endif
+
+// Off AMX: W' a panel of rows at a time, multiplied by kakeya::linear (per element, a sequence that depends on that
+// row of x and row of W' only), each panel's columns copied into y (int8: the fp32 sums times the scales plus bias in
+// one fused multiply-add, then rounded, as store16 does).
+constexpr int64_t kPanelRows = 256;
+
+void quant_panels(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias,
+                  const std::optional<at::Tensor>& bias_t, at::Tensor& y) {
+  const int64_t M = x.size(0);
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  auto panel = at::empty({std::min(kPanelRows, w.N), w.K}, x.options());
+  for (int64_t n0 = 0; n0 < w.N; n0 += kPanelRows) {
+    const int64_t rows = std::min(kPanelRows, w.N - n0);
+    auto wp = panel.narrow(0, 0, rows);
+    dequant_rows(w, n0, rows, wp.data_ptr<c10::BFloat16>());
+    if (scale) {
+      auto part = kakeya_ops::linear(x, wp, std::nullopt, true);  // (M, rows) fp32
+      const float* pp = part.const_data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < rows; ++j)
+          yp[m * w.N + n0 + j] = c10::BFloat16(std::fma(pp[m * rows + j], scale[n0 + j], bias ? bias[n0 + j] : 0.f));
+    } else {
+      std::optional<at::Tensor> b;
+      if (bias_t.has_value()) b = bias_t->narrow(0, n0, rows);
+      auto part = kakeya_ops::linear(x, wp, b, false);  // (M, rows)
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(yp + m * w.N + n0, part.const_data_ptr<c10::BFloat16>() + m * rows, rows * 2);
+    }
+  }
+}
+
+QWeight check_weight(const at::Tensor& q, const at::Tensor& sz, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous(),
+              "quant_linear: q must be contiguous (N, K * bits / 8) uint8");
+  const int64_t N = q.size(0), K = q.size(1) * 8 / bits;
+  TORCH_CHECK(N % kTileRows == 0 && K % kTileCols == 0, "quant_linear: N must be a multiple of 16 and K of 32");
+  TORCH_CHECK(sz.is_contiguous(), "quant_linear: sz must be contiguous");
+  if (bits == 4) {
+    TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.dim() == 3 && sz.size(0) == K / 32 && sz.size(1) == N &&
+                    sz.size(2) == 2,
+                "quant_linear: int4 sz must be (K/32, N, 2) fp32");
+  } else {
+    TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 1 && sz.size(0) == N,
+                "quant_linear: int8 sz must be (N,) bf16");
+  }
+  return QWeight{q.const_data_ptr<uint8_t>(), sz.const_data_ptr(), bits, N, K};
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sz, int64_t bits,
+                        const std::optional<at::Tensor>& bias) {
+  const QWeight w = check_weight(q, sz, bits);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == w.K && x.scalar_type() == at::kBFloat16,
+              "quant_linear: x must be (M, K) bf16");
+  TORCH_CHECK(x.stride(1) == 1, "quant_linear: rows of x must be contiguous");
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, w.N}, x.options());
+  if (M == 0) return y;
+  at::Tensor b32, s32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.N, "quant_linear: bias must be (N,)");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  if (bits == 8) s32 = sz.to(at::kFloat).contiguous();
+  const float* bp = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
+  const float* sp = bits == 8 ? s32.const_data_ptr<float>() : nullptr;
+  if (!kAmx || !on_amx()) {
+    quant_panels(x, w, sp, bp, bias, y);
+    return y;
+  }
+#if defined(KAKEYA_AMX) && defined(__AVX512BF16__)
+  if (M >= kRowsMin) quant_amx_rows(x, w, sp, bp, y);
+  else quant_amx(x, w, sp, bp, y);
+#endif
+  return y;
+}
+
+// int8 rows of codes (as bf16) times their scales, rounded once to bf16: the weights' values.
+void scale_rows(c10::BFloat16* out, const int64_t* rows, int64_t R, int64_t K, const void* sz_bf16) {
+  const auto* sz = static_cast<const uint16_t*>(sz_bf16);
+  for (int64_t r = 0; r < R; ++r) {
+    const float s = bf16_bits(uint32_t(sz[rows ? rows[r] : r]) << 16);
+    for (int64_t k = 0; k < K; ++k) out[r * K + k] = c10::BFloat16(float(out[r * K + k]) * s);
+  }
+}
+
+// The weights (N, K) bf16, or their rows `rows` (R,) int64 only (R, K): int4, W' itself (what every path of
+// quant_linear multiplies by); int8, the codes times their scales rounded once to bf16 (the kernel multiplies by the
+// codes, exact in bf16, and applies the scales to the fp32 sums).
+at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& sz, int64_t bits, const std::optional<at::Tensor>& rows) {
+  const QWeight w = check_weight(q, sz, bits);
+  if (!rows.has_value()) {
+    auto out = at::empty({w.N, w.K}, q.options().dtype(at::kBFloat16));
+    dequant_rows(w, 0, w.N, out.data_ptr<c10::BFloat16>());
+    if (bits == 8) scale_rows(out.data_ptr<c10::BFloat16>(), nullptr, w.N, w.K, w.sz);
+    return out;
+  }
+  TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1, "quant_dequant: rows must be (R,) int64");
+  auto idx = rows->contiguous();
+  const int64_t R = idx.size(0), steps = w.K / kTileCols;
+  const int64_t* ip = idx.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < w.N, "quant_dequant: row ", ip[i], " out of range");
+  auto out = at::empty({R, w.K}, q.options().dtype(at::kBFloat16));
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, R * steps, 64, [&](int64_t begin, int64_t end) {
+    alignas(64) c10::BFloat16 t[kTileRows * kTileCols];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / steps, s = i % steps, n = ip[r];
+      w.tile(n / kTileRows, s, t);  // the whole tile, so the row's values come from the one routine
+      std::memcpy(op + r * w.K + s * kTileCols, t + (n % kTileRows) * kTileCols, kTileCols * 2);
+    }
+  });
+  if (bits == 8) scale_rows(op, ip, R, w.K, w.sz);
+  return out;
+}
+
+std::string quant_path(int64_t bits) {
+  (void)bits;
+  return kAmx && on_amx() ? "amx" : "panels";
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kakeya, m) {
+  m.def("quant_linear(Tensor x, Tensor q, Tensor sz, int bits, Tensor? bias=None) -> Tensor");
+  m.def("quant_dequant(Tensor q, Tensor sz, int bits, Tensor? rows=None) -> Tensor");
+  m.def("quant_path(int bits) -> str", &quant_path);
+}
+
+TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequant", &quant_dequant);
+}
