@@ -52,9 +52,13 @@ struct Rule {
   int64_t T, window, sink;
   Kind kind = Kind::Plain;
   int64_t block = 0;  // Hot, Cold: positions per cold block, counted from `sink`
+  int64_t row0 = 0;   // the work item's first query row among the call's (a hot item may take a slice of them)
   const uint64_t* sel = nullptr;  // Cold: the tokens' selection bitsets, (T, words)
   int64_t words = 0;
   const int64_t* below = nullptr;  // Cold: (T,) the blocks wholly below each token's hot range
+
+  // The token of the item's query row r (rows are ordered (group, token)).
+  inline int64_t token(int64_t r) const { return (row0 + r) % T; }
 
   // Cold: the lanes of the 32 cold positions [base, base + 32) (counted from `sink`) in blocks token t selected.
   inline uint32_t cold_lanes(int64_t t, int64_t base) const {
@@ -305,7 +309,7 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
     }
     bool interleaved = false;
     for (int64_t r = 0; r < R; ++r) {
-      const uint32_t vis = rule.lanes(r % rule.T, base, present);
+      const uint32_t vis = rule.lanes(rule.token(r), base, present);
       if (vis == 0u) continue;
       st.n[r] += static_cast<float>(__builtin_popcount(vis));
       block_scores<T, D>(q + r * D, krow, s);
@@ -402,6 +406,99 @@ inline float group_softmax_bf16(const float* s, const uint32_t* vis, float scale
   return alpha;
 }
 
+// Horizontal `op` of each of 16 vectors, r[i] -> lane i, by the tree _mm512_reduce_add_ps / _mm512_reduce_max_ps
+// use on one vector (lanes i + 8, then + 4, then + 2, then + 1; GCC's __MM512_REDUCE_OP), run for 16 rows at once
+// with shuffles between the steps: each lane gets the bits that reduction gives its row alone. `r` is clobbered.
+template <typename Op>
+inline __m512 reduce_rows16(__m512* r, Op op) {
+  __m512 s1[8], s2[4];
+  for (int k = 0; k < 8; ++k)  // rows 2k, 2k+1: lanes i + (i + 8)
+    s1[k] = op(_mm512_shuffle_f32x4(r[2 * k], r[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+               _mm512_shuffle_f32x4(r[2 * k], r[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int g = 0; g < 4; ++g)  // rows 4g..4g+3, one per 128-bit lane: lanes j + (j + 4)
+    s2[g] = op(_mm512_shuffle_f32x4(s1[2 * g], s1[2 * g + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+               _mm512_shuffle_f32x4(s1[2 * g], s1[2 * g + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lanes 0 + 2 and 1 + 3 of each row; 128-bit lane j: rows j, 4 + j (v01), 8 + j, 12 + j (v23)
+  const __m512 v01 = op(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s2[0]), _mm512_castps_pd(s2[1]))),
+                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s2[0]), _mm512_castps_pd(s2[1]))));
+  const __m512 v23 = op(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s2[2]), _mm512_castps_pd(s2[3]))),
+                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s2[2]), _mm512_castps_pd(s2[3]))));
+  // the last pair: lane 4j + m holds row 4m + j; put row i in lane i
+  const __m512 x = op(_mm512_shuffle_ps(v01, v23, _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_ps(v01, v23, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(idx, x);
+}
+
+// The online softmax of the 16 rows of a tile over an AMX block, for scale > 0, writing P straight to `pout` in bf16
+// (nearest even). s: the rows' raw scores [row][BKA lanes]; vis[row][word]: the lanes each row sees; m, l, n: the
+// rows' running max, sum and key count; alpha: each row's factor for its accumulator, -1 where it sees nothing
+// (its state stays as it is, its P row is 0). Per row: the block max over the raw scores (scaling by a positive
+// float is monotonic), m_new = max(m, max * scale), alpha = exp(m - m_new) (libm, 1 when the max holds), each
+// p = 2^(s * scale log2 e - m_new log2 e) by one FMA and exp2_masked, the lanes summed by a fixed pairwise tree and
+// then _mm512_reduce_add_ps's tree, l = fma(l, alpha, sum). The horizontal max and sum of the 16 rows run together
+// (reduce_rows16), so rows do not wait on each other's reduction chains; a row's bits depend on its own scores and
+// visibility only, never on the other rows of its tile.
+inline void tile_softmax_bf16(const float* s, const uint32_t (*vis)[BKA / 32], float scale, float* m, float* l,
+                              float* n, c10::BFloat16* pout, float* alpha) {
+  constexpr int NV = BKA / 16;
+  constexpr float kLog2e = 1.4426950408889634f;
+  __m512 rows[16];
+  __mmask16 active = 0;
+  for (int i = 0; i < 16; ++i) {
+    __m512 mx[NV];
+    int seen = 0;
+    for (int v = 0; v < NV; ++v) {
+      const auto mk = static_cast<__mmask16>((vis[i][v / 2] >> (16 * (v % 2))) & 0xFFFFu);
+      mx[v] = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), mk, _mm512_loadu_ps(s + i * BKA + 16 * v));
+    }
+    for (int w = 0; w < BKA / 32; ++w) seen += __builtin_popcount(vis[i][w]);
+    for (int w = NV / 2; w >= 1; w /= 2)  // max is exact in any order
+      for (int v = 0; v < w; ++v) mx[v] = _mm512_max_ps(mx[v], mx[v + w]);
+    rows[i] = mx[0];
+    if (seen > 0) {
+      active |= static_cast<__mmask16>(1u << i);
+      n[i] += static_cast<float>(seen);
+    }
+  }
+  const __m512 mv = _mm512_maskz_loadu_ps(active, m);  // masked: a short tile's state ends before 16 rows
+  const __m512 y = _mm512_mul_ps(reduce_rows16(rows, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }),
+                                 _mm512_set1_ps(scale));
+  const __m512 m_new = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mv, y, _CMP_LT_OQ), mv, y);  // std::max(m, y)
+  alignas(64) float mo[16], mn[16], bias[16];
+  _mm512_store_ps(mo, mv);
+  _mm512_store_ps(mn, m_new);
+  _mm512_store_ps(bias, _mm512_mul_ps(_mm512_xor_ps(m_new, _mm512_set1_ps(-0.f)), _mm512_set1_ps(kLog2e)));
+  const __m512 c = _mm512_set1_ps(scale * kLog2e);
+  for (int i = 0; i < 16; ++i) {
+    c10::BFloat16* po = pout + i * BKA;
+    if (!((active >> i) & 1u)) {
+      alpha[i] = -1.f;
+      rows[i] = _mm512_setzero_ps();
+      std::memset(po, 0, BKA * sizeof(c10::BFloat16));  // 0 for rows with nothing here
+      continue;
+    }
+    alpha[i] = mn[i] == mo[i] ? 1.f : std::exp(mo[i] - mn[i]);  // exp(0) is 1: no libm call when the max holds
+    const __m512 b = _mm512_set1_ps(bias[i]);
+    __m512 p[NV];
+    for (int v = 0; v < NV; ++v) {
+      const auto mk = static_cast<__mmask16>((vis[i][v / 2] >> (16 * (v % 2))) & 0xFFFFu);
+      p[v] = exp2_masked(mk, _mm512_fmadd_ps(_mm512_loadu_ps(s + i * BKA + 16 * v), c, b));
+    }
+    for (int v = 0; v < NV; v += 2)
+      _mm512_storeu_si512(po + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(p[v + 1], p[v]));
+    for (int w = NV / 2; w >= 1; w /= 2)  // pairwise: ((p0 + p4) + (p2 + p6)) + ... , one fixed tree
+      for (int v = 0; v < w; ++v) p[v] = _mm512_add_ps(p[v], p[v + w]);
+    rows[i] = p[0];
+  }
+  const __m512 sum = reduce_rows16(rows, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+  alignas(64) float al[16];
+  std::memcpy(al, alpha, sizeof(al));
+  // l = l * alpha + sum, fused (one rounding): written out, not left to the compiler's contraction of `l * alpha + s`
+  _mm512_mask_storeu_ps(l, active, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(active, l), _mm512_load_ps(al), sum));
+  _mm512_mask_storeu_ps(m, active, m_new);
+}
+
 // One block's key and value rows by lane (nullptr where empty) and its present lanes, one word per 32 lanes.
 // `in_order`: the keys are stored in position order (order[i] == i), so a block of consecutive positions
 // takes its rows by address arithmetic instead of one lookup per key (the same rows either way).
@@ -493,7 +590,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   std::vector<int64_t> tile_min(RB);
   for (int64_t rb = 0; rb < RB; ++rb) {
     int64_t mn = std::numeric_limits<int64_t>::max();
-    for (int64_t r = rb * 16; r < std::min<int64_t>(R, rb * 16 + 16); ++r) mn = std::min(mn, rule.q_pos[r % rule.T]);
+    for (int64_t r = rb * 16; r < std::min<int64_t>(R, rb * 16 + 16); ++r) mn = std::min(mn, rule.q_pos[rule.token(r)]);
     tile_min[rb] = mn;
   }
   const bool plain = rule.kind == Kind::Plain && rule.window <= 0;
@@ -610,7 +707,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
       } else {
         for (int64_t i = 0; i < 16; ++i)
           for (int w = 0; w < WORDS; ++w)
-            any |= vis[i][w] = i < rn ? rule.lanes((r0 + i) % rule.T, base + 32 * w, present[w]) : 0u;
+            any |= vis[i][w] = i < rn ? rule.lanes(rule.token(r0 + i), base + 32 * w, present[w]) : 0u;
       }
       if (any == 0u) continue;
       const BF* qa = rn == 16 ? q + r0 * D : qtail.data;
@@ -647,7 +744,14 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
       }
       float* const alpha = alphas[buf];
       BF* const pb = pbs.data + buf * (16 * NB);
-      for (int64_t i = 0; i < 16; ++i) {
+      bool tiled = false;  // the tile's 16 rows together (BKA blocks, scale > 0); the same bits per row as below
+      if constexpr (NB == BKA) {
+        if (scale > 0.f) {  // rows rn.. of a short tile see nothing (vis 0): their m, l, n stay as they are
+          tile_softmax_bf16(sb.data, vis, scale, st.m + r0, st.l + r0, st.n + r0, pb, alpha);
+          tiled = true;
+        }
+      }
+      for (int64_t i = 0; i < 16 && !tiled; ++i) {
         alpha[i] = -1.f;
         float* s = sb.data + i * NB;
         uint32_t row_any = 0u;
@@ -903,14 +1007,15 @@ inline int64_t popcount_below(const uint64_t* row, int64_t n) {
   return c;
 }
 
-// The order in which a call's work items are handed out: hot items by their estimated cost (visible (row, key)
-// pairs), largest first, then the cold items in order. Threads take the next item when they finish one, so the
-// short items (a chunk's diagonal superblock) fill in at the end instead of a fixed split leaving one thread idle.
-// Only the schedule changes: each item computes its own partial state, merged per row in a fixed order after.
+// The order in which a call's work items are handed out: hot items (`splits` per (batch, head, superblock), a row
+// slice each) by their estimated cost (visible (row, key) pairs), largest first, then the cold items in order.
+// Threads take the next item when they finish one, so the short items (a chunk's diagonal superblock) fill in at
+// the end instead of a fixed split leaving one thread idle. Only the schedule changes: each item computes its own
+// partial state, merged per row in a fixed order after.
 inline std::vector<int64_t> item_schedule(const std::vector<Source>& sources,
                                           const std::vector<std::pair<int64_t, int64_t>>& supers, int64_t BH,
-                                          const int64_t* qpos, int64_t tn, int64_t items) {
-  const int64_t NSP = static_cast<int64_t>(supers.size()), hot_items = BH * NSP;
+                                          const int64_t* qpos, int64_t tn, int64_t items, int64_t splits) {
+  const int64_t NSP = static_cast<int64_t>(supers.size()), hot_items = BH * NSP * splits;
   std::vector<int64_t> cost(NSP, 0);
   for (int64_t i = 0; i < NSP; ++i) {
     const Source& src = sources[supers[i].first];
@@ -921,7 +1026,7 @@ inline std::vector<int64_t> item_schedule(const std::vector<Source>& sources,
   std::vector<int64_t> order(items);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.begin() + hot_items,
-                   [&](int64_t a, int64_t b) { return cost[a % NSP] > cost[b % NSP]; });
+                   [&](int64_t a, int64_t b) { return cost[a / splits % NSP] > cost[b / splits % NSP]; });
   return order;
 }
 
@@ -1035,13 +1140,18 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
                           D * sizeof(T));
       }
     }
+    // A (batch, head, superblock) takes `splits` work items, a slice of its rows each (a multiple of 16, so the
+    // tiles are the same): more, smaller items for the threads to share (a chunk's few superblocks left one idle).
+    // Rows are independent, so only the schedule changes; the slices write one state, (Rt, W) per superblock.
+    // Cold items are not sliced: an AMX one takes all Rt rows of its (batch, head, cold superblock).
+    const int64_t splits = std::clamp<int64_t>(Rt / 256, 1, 4), slice = (Rt + 16 * splits - 1) / (16 * splits) * 16;
     const int64_t cold_items = cold_amx ? cfirst[B * H] : B * H * tn * C;
-    const int64_t hot_items = B * H * NSP, items = hot_items + cold_items;
+    const int64_t hot_items = B * H * NSP * splits, items = hot_items + cold_items;
     // Every item writes its whole state before the merge reads it: no zero-fill (megabytes per call at 4k keys).
-    at::Tensor state_buf = at::empty({hot_items * Rt * W}, at::kFloat);
+    at::Tensor state_buf = at::empty({B * H * NSP * Rt * W}, at::kFloat);
     float* const state_data = state_buf.data_ptr<float>();
     cstate.resize(cold_items * (cold_amx ? Rt : G) * W);
-    const std::vector<int64_t> schedule = item_schedule(sources, supers, B * H, qpos + t0, tn, items);
+    const std::vector<int64_t> schedule = item_schedule(sources, supers, B * H, qpos + t0, tn, items, splits);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
 #if defined(KAKEYA_AMX)
@@ -1060,15 +1170,18 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         Rule rule{qpos + t0, tn, window, sink, Kind::Plain, cold != nullptr ? cold->block : 0};
         bool amx_item = use_amx;  // cold items of one token's G rows (no AMX cold side) take the dot-product path
         bool in_order = false;    // keys stored in position order (a source that says so)
-        float* base;
+        Partial st;
         if (item < hot_items) {
-          const int64_t b = item / (H * NSP), h = (item / NSP) % H;
-          const auto [si, sp] = supers[item % NSP];
+          const int64_t bhs = item / splits, b = bhs / (H * NSP), h = (bhs / NSP) % H;
+          const int64_t r_lo = std::min(Rt, item % splits * slice), r_hi = std::min(Rt, r_lo + slice);
+          if (r_lo == r_hi) continue;  // fewer rows than slices
+          const auto [si, sp] = supers[bhs % NSP];
           const Source& src = sources[si];
           rule.kind = src.kind;
           in_order = src.in_order;
-          qrows = qtile.data() + (b * H + h) * Rt * D;
-          R_item = Rt;
+          qrows = qtile.data() + ((b * H + h) * Rt + r_lo) * D;
+          R_item = r_hi - r_lo;
+          rule.row0 = r_lo;
           kb = src.k->template const_data_ptr<T>() + b * src.k->stride(0) + h * src.k->stride(1);
           vb = src.v->template const_data_ptr<T>() + b * src.v->stride(0) + h * src.v->stride(1);
           k_row = src.k->stride(2);
@@ -1077,7 +1190,8 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           pos = src.pos.data();
           blocks = src.blocks.data() + src.super_first[sp];
           nblocks = src.super_first[sp + 1] - src.super_first[sp];
-          base = state_data + item * Rt * W;
+          float* const base = state_data + bhs * Rt * W;  // rows r_lo..r_hi of its (acc, m, l, n)
+          st = Partial{base + r_lo * D, base + Rt * D + r_lo, base + Rt * D + Rt + r_lo, base + Rt * D + 2 * Rt + r_lo};
         } else if (cold_amx) {  // (batch, head, cold superblock): every row of the tile, its own blocks visible
           const int64_t ci = item - hot_items;
           const int64_t bh = std::upper_bound(cfirst.begin(), cfirst.end(), ci) - cfirst.begin() - 1;
@@ -1104,11 +1218,13 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           pos = cs.pos.data();
           blocks = cs.blocks.data() + cs.super_first[sp];
           nblocks = cs.super_first[sp + 1] - cs.super_first[sp];
-          base = cstate.data() + ci * Rt * W;
+          float* const base = cstate.data() + ci * Rt * W;  // rule.row0 stays 0: row r is token r % tn
+          st = Partial{base, base + Rt * D, base + Rt * D + Rt, base + Rt * D + 2 * Rt};
         } else {
           const int64_t ci = item - hot_items, c = ci % C, bht = ci / C, t = bht % tn, bh = bht / tn;
           const int64_t b = bh / H, h = cold->head[bh % H];  // h: the head in cold K/V (>= 0 when it has lanes)
-          base = cstate.data() + ci * G * W;
+          float* const base = cstate.data() + ci * G * W;
+          st = Partial{base, base + G * D, base + G * D + G, base + G * D + 2 * G};
           const int64_t first = c * SPLIT, count = std::min<int64_t>(SPLIT, nsel[bht] - first);
           if (count <= 0) {  // this token has fewer superchunks: an empty state
             std::fill(base, base + G * W, 0.f);
@@ -1142,7 +1258,6 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           blocks = cblocks.data();
           nblocks = static_cast<int64_t>(cblocks.size());
         }
-        const Partial st{base, base + R_item * D, base + R_item * D + R_item, base + R_item * D + 2 * R_item};
 #if defined(KAKEYA_AMX)
         if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
           if (amx_item && rule.kind == Kind::Cold) {  // a ColdSource's blocks of COLD_AMX_BLOCK lanes
