@@ -139,31 +139,7 @@ void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
 // same on both paths, whatever M is.
 constexpr int64_t kRowsMin = 32;
 
-// NM x NN C tiles: A tile s of x block im at a + im * a_block + 32s (rows a_stride bytes apart); B tile s of W
-// block in at b + (in * steps + s) * 512. c: row-major [NM * 16][NN * 16].
-template <int NM, int NN>
-inline void amx_rows(const c10::BFloat16* a, int64_t a_block, int64_t a_stride, const c10::BFloat16* b,
-                     int64_t steps, float* c) {
-  _tile_zero(0);
-  if constexpr (NN > 1) _tile_zero(1);
-  if constexpr (NM > 1) _tile_zero(2);
-  if constexpr (NM > 1 && NN > 1) _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(4, b + s * 512, 64);
-    if constexpr (NN > 1) _tile_loadd(5, b + (steps + s) * 512, 64);
-    _tile_loadd(6, a + s * 32, a_stride);
-    if constexpr (NM > 1) _tile_loadd(7, a + a_block + s * 32, a_stride);
-    _tile_dpbf16ps(0, 6, 4);
-    if constexpr (NN > 1) _tile_dpbf16ps(1, 6, 5);
-    if constexpr (NM > 1) _tile_dpbf16ps(2, 7, 4);
-    if constexpr (NM > 1 && NN > 1) _tile_dpbf16ps(3, 7, 5);
-  }
-  constexpr int64_t row = NN * 16;
-  _tile_stored(0, c, row * 4);
-  if constexpr (NN > 1) _tile_stored(1, c + 16, row * 4);
-  if constexpr (NM > 1) _tile_stored(2, c + 16 * row, row * 4);
-  if constexpr (NM > 1 && NN > 1) _tile_stored(3, c + 16 * row + 16, row * 4);
-}
+// amx_rows (common.h): the NM x NN C tiles of this path; quant_linear.cpp runs the same sequence on W'.
 
 // B tiles of W rows n0..n0+16*nn: tile (in, s) row p = the 16 rows' K pairs 16s + p, i.e. 16 x 16 transposes of
 // (rows, pairs) blocks of uint32.
