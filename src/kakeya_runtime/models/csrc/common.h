@@ -126,6 +126,23 @@ inline __m512 reduce16(const __m512* a) {
 
 #if defined(KAKEYA_AMX)
 namespace {
+// x^T in pairs, zero-padded to whole 16-row blocks: (mblocks, K/2, 16) uint32 = (x[m][2p], x[m][2p+1]), built by
+// 16 x 16 transposes of (rows, pairs) blocks.
+inline void pack_x(const uint32_t* xp, int64_t x_row, int64_t M, int64_t pairs, uint32_t* xt) {
+  alignas(64) uint32_t in[256], out[256];
+  for (int64_t mb = 0; mb < (M + 15) / 16; ++mb) {
+    const int64_t rows = std::min<int64_t>(16, M - mb * 16);
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      for (int64_t r = 0; r < 16; ++r) {
+        if (r < rows) std::memcpy(in + r * 16, xp + (mb * 16 + r) * x_row + p0, 64);
+        else std::memset(in + r * 16, 0, 64);
+      }
+      transpose16(reinterpret_cast<const float*>(in), reinterpret_cast<float*>(out));
+      std::memcpy(xt + (mb * pairs + p0) * 16, out, sizeof(out));
+    }
+  }
+}
+
 // The many-row AMX GEMM step shared by kakeya::linear (invariant_linear.cpp) and kakeya::quant_linear
 // (quant_linear.cpp), so both issue one tdpbf16ps sequence and a quantized weight gives linear's bits on W'.
 // NM x NN C tiles: A tile s of x block im at a + im * a_block + 32s (rows a_stride bytes apart); B tile s of W

@@ -71,22 +71,7 @@ inline void amx_block(const c10::BFloat16* wa, int64_t w_block, int64_t w_step, 
   if constexpr (NN > 1 && NM > 1) _tile_stored(3, c + 3 * 256, 64);
 }
 
-// x^T in pairs, zero-padded to whole 16-row blocks: (mblocks, K/2, 16) uint32 = (x[m][2p], x[m][2p+1]), built by
-// 16 x 16 transposes of (rows, pairs) blocks.
-inline void pack_x(const uint32_t* xp, int64_t x_row, int64_t M, int64_t pairs, uint32_t* xt) {
-  alignas(64) uint32_t in[256], out[256];
-  for (int64_t mb = 0; mb < (M + 15) / 16; ++mb) {
-    const int64_t rows = std::min<int64_t>(16, M - mb * 16);
-    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
-      for (int64_t r = 0; r < 16; ++r) {
-        if (r < rows) std::memcpy(in + r * 16, xp + (mb * 16 + r) * x_row + p0, 64);
-        else std::memset(in + r * 16, 0, 64);
-      }
-      transpose16(reinterpret_cast<const float*>(in), reinterpret_cast<float*>(out));
-      std::memcpy(xt + (mb * pairs + p0) * 16, out, sizeof(out));
-    }
-  }
-}
+// pack_x (common.h): x^T in pairs for the few-row path's B tiles.
 
 template <typename T>
 void linear_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {

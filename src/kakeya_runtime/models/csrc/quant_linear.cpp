@@ -130,21 +130,7 @@ void dequant_rows(const QWeight& w, int64_t n0, int64_t rows, c10::BFloat16* out
 constexpr bool kAmx = true;
 constexpr int64_t kRowsMin = 32;  // invariant_linear.cpp's switch to the many-row orientation
 
-// x^T in pairs, zero-padded to whole 16-row blocks: (mblocks, K/2, 16) uint32 (invariant_linear.cpp's pack_x).
-inline void pack_x(const uint32_t* xp, int64_t x_row, int64_t M, int64_t pairs, uint32_t* xt) {
-  alignas(64) uint32_t in[256], out[256];
-  for (int64_t mb = 0; mb < (M + 15) / 16; ++mb) {
-    const int64_t rows = std::min<int64_t>(16, M - mb * 16);
-    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
-      for (int64_t r = 0; r < 16; ++r) {
-        if (r < rows) std::memcpy(in + r * 16, xp + (mb * 16 + r) * x_row + p0, 64);
-        else std::memset(in + r * 16, 0, 64);
-      }
-      transpose16(reinterpret_cast<const float*>(in), reinterpret_cast<float*>(out));
-      std::memcpy(xt + (mb * pairs + p0) * 16, out, sizeof(out));
-    }
-  }
-}
+// pack_x (common.h): x^T in pairs, as kakeya::linear builds it.
 
 // C^T tiles for NN blocks of 16 W' rows (from block b0) and NM blocks of 16 x rows, over K in steps of 32: each A
 // tile dequantized into `abuf` (two steps' worth, alternating) one step before it is loaded. The tile ops are
