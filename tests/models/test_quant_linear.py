@@ -148,3 +148,46 @@ def test_compiles_under_torch_compile():
     x = torch.randn(3, 64).bfloat16()
     fn = torch.compile(lambda t: native.quant_linear(t, q, sz, 4) * 2, fullgraph=True)
     assert torch.equal(fn(x), native.quant_linear(x, q, sz, 4) * 2)
+
+
+def plain_weights(n: int, k: int, bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, sz) packed, and W' computed without the kernel: int4 fma(q - 8, scale, zero) in float64 (exact here: the
+    product has 28 significant bits and the zero point is of the same magnitude), rounded to fp32 once as the fused
+    multiply-add rounds, then to bf16; int8 the codes. And the int8 scales as fp32 (ones for int4)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k**-0.5
+    if bits == 4:
+        codes, sz = quantize_int4(w, dtype=torch.float32)
+        s = sz.transpose(0, 1).double().repeat_interleave(32, dim=1)  # (N, K, 2)
+        wd = ((codes.double() - 8) * s[..., 0] + s[..., 1]).float().bfloat16()
+        return pack_tiles(codes, 4), sz, wd, torch.ones(n)
+    q, scales = quantize_int8(w)
+    return pack_tiles(q, 8), scales, q.bfloat16(), scales.float()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (80, 96), (208, 160), (16, 32), (1536, 640)])
+def test_few_rows_keep_the_reference_bits(n, k, bits, threads, route):
+    """Every row count 1..40 (the few-row path below 32 rows, the many-row path from 32) against kakeya::linear on W'
+    computed in plain torch from the codes (int8: its fp32 sums times the scales plus bias, one rounding), with and
+    without bias, on 1 and 2 threads: the layout, the dequantization and the tile sequence, whatever the kernel's
+    few-row path does to be fast, give the bits they gave before."""
+    q, sz, wd, scale = plain_weights(n, k, bits, seed=7 * n + k)
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    if bits == 4:
+        want = {bias: native.linear(x, wd, None if bias is None else b) for bias in (None, 1)}
+    else:
+        acc = native.linear(x, wd, out_fp32=True).double() * scale.double()
+        want = {None: acc.float().bfloat16(), 1: (acc + b.double()).float().bfloat16()}
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in range(1, 41):
+            off = (3 * m) % (41 - m)
+            for bias in (None, 1):
+                got = native.quant_linear(x[off : off + m], q, sz, bits, None if bias is None else b)
+                assert torch.equal(got, want[bias][off : off + m]), (m, off, bias)
+    finally:
+        torch.set_num_threads(old)
