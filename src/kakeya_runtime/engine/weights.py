@@ -274,16 +274,19 @@ def native_quant(out_features: int, in_features: int, group_size: int = INT4_GRO
             and in_features % INT4_GROUP == 0)
 
 
+_INT4_SLOT_ORDER = sorted(range(32), key=lambda c: 16 * ((c // 4) % 2) + 4 * (c // 8) + c % 4)  # column per slot
+
+
 def pack_tiles(q: Tensor, bits: int) -> Tensor:
     """Codes (N, K) (int4: 0..15; int8: -127..127) in our kernel's layout: 16 x 32 tiles, row-major by (row block,
-    column block), each tile's 16 rows in order; an int4 tile is 4 chunks of 64 bytes (rows 4i..4i+3), whose 16-bit
-    word c holds column c of row 4i + j in bits 4j..4j+3 (csrc/quant_linear.cpp's chunk4 reads it so).
+    column block), each tile's 16 rows in order; an int4 row's 16 bytes hold column c in nibble slot
+    16 * ((c // 4) % 2) + 4 * (c // 8) + c % 4 (csrc/quant_linear.cpp's int4_slot: the order its unpack reads).
     (N, K * bits / 8) uint8."""
     n, k = q.shape
     t = q.view(n // 16, 16, k // 32, 32).transpose(1, 2)  # (N/16, K/32, 16, 32)
     if bits == 4:
-        c = t.to(torch.uint8).reshape(n // 16, k // 32, 4, 2, 2, 32)  # (.., chunk, byte of the word, nibble, column)
-        t = (c[..., 0, :] | (c[..., 1, :] << 4)).transpose(-1, -2)  # (.., chunk, column, byte)
+        c = t.to(torch.uint8)[..., _INT4_SLOT_ORDER]  # by nibble slot: slot 2j is byte j's low nibble, 2j + 1 its high
+        t = c[..., 0::2] | (c[..., 1::2] << 4)
     else:
         t = t.to(torch.int8).view(torch.uint8)
     return t.contiguous().view(n, k * bits // 8)

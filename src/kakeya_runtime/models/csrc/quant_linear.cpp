@@ -15,9 +15,8 @@
 //
 // Layouts (engine/weights.py packs them): codes in tiles of 16 rows x 32 columns (one int4 group), tile (b, s) =
 // rows 16b.., columns 32s.. at byte (b * K/32 + s) * 16 * bytes_per_row_of_tile:
-// - int4: a tile's 256 bytes are 4 chunks of 64, chunk i = rows 4i..4i+3: its 16-bit word c holds column 32s + c
-//   of row 4i + j in bits 4j..4j+3, so a row's 32 codes are one word shift away from the index vector of a word
-//   permute (no byte shuffle: that port is the permute's).
+// - int4: 16 bytes per tile row, column 32s + c in nibble slot int4_slot(c) (below: the order one byte-shuffle
+//   instruction unpacks).
 //   sz (K/32, N, 2) fp32: scale, zero of (group s, row n). w = (q - 8) * scale + zero (one fused multiply-add
 //   in fp32), rounded once to bf16 (nearest even).
 // - int8: 32 bytes per tile row, column 32s + j at byte j. sz (N,) bf16 scales. W' = the codes (exact in bf16), and
@@ -40,8 +39,19 @@ inline float bf16_bits(uint32_t b) {
   return f;
 }
 
+// Where an int4 group's code c (column 32s + c) sits in its 16 bytes: in 64-bit half h = (c / 4) % 2, nibble slot
+// 4 * (c / 8) + c % 4 (bits 4 * slot..), so one vpmultishiftqb over the 16 bytes (in every 128-bit lane) puts code c
+// in the low bits of word c. int4_slot(c) = 16 * h + slot (engine/weights.py's pack_tiles lays the codes out so).
+constexpr int int4_slot(int c) { return 16 * ((c / 4) % 2) + 4 * (c / 8) + c % 4; }
+
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define KAKEYA_QUANT_VECTOR 1
+// vpmultishiftqb control: the low byte of word w (qword w / 4) takes the 8 bits from bit 4 * slot(w) of its qword
+inline const __m512i kInt4Shift = [] {
+  alignas(64) uint8_t ctrl[64];
+  for (int i = 0; i < 64; ++i) ctrl[i] = i % 2 ? 0 : uint8_t(4 * (int4_slot(i / 2) % 16));
+  return _mm512_load_si512(ctrl);
+}();
 #endif
 
 // The quantized weight: codes, scales and the shape. tile(): rows 16b..16b+15, columns 32s..32s+31 of W' as 16 rows
@@ -53,25 +63,12 @@ struct QWeight {
 
   inline int64_t tile_bytes() const { return kTileRows * kTileCols * bits / 8; }
 
-  // Tile (b, s)'s codes and (int4) its rows' scales and zeros towards L1: a row block's (scale, zero) pairs lie N * 8
-  // bytes apart from one step to the next, a page or more, where the hardware's prefetchers do not follow.
-  inline void prefetch(int64_t b, int64_t s) const {
-    if (b >= N / kTileRows) return;
-    const char* src = reinterpret_cast<const char*>(q + (b * (K / kTileCols) + s) * tile_bytes());
-    for (int64_t i = 0; i < tile_bytes(); i += 64) _mm_prefetch(src + i, _MM_HINT_T0);
-    if (bits == 4) {
-      const char* p = reinterpret_cast<const char*>(static_cast<const float*>(sz) + (s * N + b * kTileRows) * 2);
-      _mm_prefetch(p, _MM_HINT_T0);
-      _mm_prefetch(p + 64, _MM_HINT_T0);
-    }
-  }
-
   inline void tile(int64_t b, int64_t s, c10::BFloat16* out) const {
     const uint8_t* src = q + (b * (K / kTileCols) + s) * tile_bytes();
     if (bits == 4) {
       const float* sz_rows = static_cast<const float*>(sz) + (s * N + b * kTileRows) * 2;  // (scale, zero) per row
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) chunk4(src + i * 64, sz_rows + 8 * i, out + 4 * i * kTileCols);
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) group4(src + r * 16, sz_rows + 2 * r, sz_rows + 2 * r + 1, out + r * kTileCols);
     } else {
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) group8(reinterpret_cast<const int8_t*>(src) + r * 32, out + r * kTileCols);
@@ -81,18 +78,14 @@ struct QWeight {
 #if defined(KAKEYA_QUANT_VECTOR)
   // The group's 16 possible values, fma(c - 8, scale, zero) rounded to bf16, as a table (twice: entries 16..31 =
   // 0..15, so an index's bit 4 does not matter); one word permute picks each column's entry by its code. The same
-  // values as computing every element, in fewer operations. Rows 4i..4i+3 of a tile from their chunk `src`, sz the
-  // rows' (scale, zero) pairs.
-  __attribute__((always_inline)) static inline void chunk4(const uint8_t* src, const float* sz, c10::BFloat16* out) {
+  // values as computing every element, in fewer operations.
+  __attribute__((always_inline)) static inline void group4(const uint8_t* src, const float* scale, const float* zero,
+                                                          c10::BFloat16* out) {
     const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i words = _mm512_loadu_si512(src);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512 values = _mm512_fmadd_ps(codes, _mm512_set1_ps(sz[2 * j]), _mm512_set1_ps(sz[2 * j + 1]));
-      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
-      const __m512i idx = j == 0 ? words : _mm512_srli_epi16(words, 4 * j);  // vpermw reads bits 0..4 only
-      _mm512_storeu_si512(out + j * kTileCols, _mm512_permutexvar_epi16(idx, table));
-    }
+    const __m512 values = _mm512_fmadd_ps(codes, _mm512_set1_ps(*scale), _mm512_set1_ps(*zero));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(kInt4Shift, bytes), table));
   }
   // int8 codes as bf16, exactly (|q| <= 127 has 7 significant bits); the row's scale comes after the sum
   __attribute__((always_inline)) static inline void group8(const int8_t* src, c10::BFloat16* out) {
@@ -103,12 +96,15 @@ struct QWeight {
 #else
   // The same arithmetic element by element: std::fma is the fused multiply-add the vector path uses, and c10's
   // conversion rounds to nearest even as vcvtne2ps2bf16 does.
-  static inline void chunk4(const uint8_t* src, const float* sz, c10::BFloat16* out) {
-    for (int j = 0; j < 4; ++j)
-      for (int c = 0; c < 32; ++c) {
-        const int code = ((src[2 * c] | src[2 * c + 1] << 8) >> (4 * j)) & 15;
-        out[j * 32 + c] = c10::BFloat16(std::fma(float(code - 8), sz[2 * j], sz[2 * j + 1]));
-      }
+  static inline void group4(const uint8_t* src, const float* scale_p, const float* zero_p, c10::BFloat16* out) {
+    const float scale = *scale_p, zero = *zero_p;
+    uint64_t half[2];
+    std::memcpy(half, src, 16);
+    for (int c = 0; c < 32; ++c) {
+      const int slot = int4_slot(c);
+      const int code = int((half[slot / 16] >> (4 * (slot % 16))) & 15);
+      out[c] = c10::BFloat16(std::fma(float(code - 8), scale, zero));
+    }
   }
   static inline void group8(const int8_t* src, c10::BFloat16* out) {
     for (int j = 0; j < 32; ++j) out[j] = c10::BFloat16(float(src[j]));
@@ -139,8 +135,6 @@ constexpr int64_t kRowsMin = 32;  // invariant_linear.cpp's switch to the many-r
 // C^T tiles for NN blocks of 16 W' rows (from block b0) and NM blocks of 16 x rows, over K in steps of 32: each A
 // tile dequantized into `abuf` (two steps' worth, alternating) one step before it is loaded. The tile ops are
 // invariant_linear.cpp's amx_block's, in its order.
-constexpr int64_t kAhead = 4;  // steps of prefetch distance (~ a few hundred ns of work on a core)
-
 template <int NN, int NM>
 inline void amx_block(const QWeight& w, int64_t b0, const uint32_t* xt, int64_t mb0, c10::BFloat16* abuf, float* c) {
   _tile_zero(0);
@@ -152,11 +146,6 @@ inline void amx_block(const QWeight& w, int64_t b0, const uint32_t* xt, int64_t 
   w.tile(b0, 0, abuf);
   if constexpr (NN > 1) w.tile(b0 + 1, 0, abuf + 512);
   for (int64_t s = 0; s < steps; ++s) {
-    {  // the tiles kAhead steps on (past the last step: the next blocks', which this thread takes next)
-      const int64_t t = s + kAhead, bt = t < steps ? b0 : b0 + NN;
-      w.prefetch(bt, t % steps);
-      if constexpr (NN > 1) w.prefetch(bt + 1, t % steps);
-    }
     if (s + 1 < steps) {  // the next step's tiles first: its stores are then long done when they are loaded
       c10::BFloat16* next = abuf + ((s + 1) & 1) * 1024;
       w.tile(b0, s + 1, next);
