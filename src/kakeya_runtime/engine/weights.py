@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kakeya_runtime.models import native
-from kakeya_runtime.models.layers import linear
+from kakeya_runtime.models.layers import DecodeArgs, linear
 
 INT4_GROUP = 32  # one GGUF Q4_0/Q4_1 block, one Q4_K sub-block
 _INT4_BLOCK_N = 64  # rows per block in the CPU int4 packed layout (see _unpack_int4)
@@ -116,6 +116,10 @@ class DenseLinear(nn.Module):
     def forward_fp32(self, x: Tensor) -> Tensor:
         return linear(x.to(self.weight.dtype), self.weight, self.bias, out_fp32=True, packed=self._packed_for(x))
 
+    def decode_args(self) -> DecodeArgs | None:
+        """`forward` with our kernels, for kakeya::decoder_layer (packed tiles or not: the same bits)."""
+        return DecodeArgs(0, self.weight, None, self.bias, self.weight.dtype, None) if native.enabled() else None
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -134,6 +138,16 @@ class QuantLinear(nn.Module):
     def kernel_mm(self, x: Tensor) -> Tensor:
         """(R, K) bf16 -> (R, N) bf16 through the int kernel."""
         raise NotImplementedError
+
+    def decode_args(self) -> DecodeArgs | None:
+        """`forward`'s kernel path (below `prefill_rows` rows) on our int kernel, for kakeya::decoder_layer."""
+        if not getattr(self, "native", False):
+            return None
+        max_rows = None if self.prefill is Prefill.KERNEL else self.prefill_rows
+        if isinstance(self, Int4Linear):
+            return DecodeArgs(4, self.packed, self.scales_zeros.view(torch.float32), self.bias, torch.bfloat16,
+                              max_rows)
+        return DecodeArgs(8, self.qweight, self.scales, self.bias, torch.bfloat16, max_rows)
 
     def dequantize(self) -> Tensor:
         """The weight this module computes with, (N, K) bf16."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from kakeya_runtime.models import native_layer
 from kakeya_runtime.models.config import ModelConfig
 from kakeya_runtime.models.layers import LayerKV, RowCaches, linear
 
@@ -45,6 +46,19 @@ class DecoderModel(nn.Module):
     def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict:
         raise NotImplementedError
 
+    def layer_rope(self, layer_idx: int, rope: dict) -> tuple[Tensor, Tensor]:
+        """Layer layer_idx's cos, sin (T or B, D) out of `rope_tables`."""
+        raise NotImplementedError
+
+    def native_layers(self) -> native_layer.NativeLayers | None:
+        """This model's one-call-per-layer decode path (models.native_layer), or None where it is off."""
+        if not native_layer.enabled():
+            return None
+        fused = self.__dict__.get("_native_layers")
+        if fused is None:
+            fused = self.__dict__["_native_layers"] = native_layer.NativeLayers(len(self.layers))
+        return fused
+
     def head_weight(self) -> Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
@@ -79,7 +93,15 @@ class DecoderModel(nn.Module):
         h = self.embed(input_ids)  # (B, T, C)
         rope = self.rope_tables(positions, h.dtype)
         row = None
+        # one decode token: each layer one native call where its cache allows (the same bits as its forward)
+        fused = self.native_layers() if cache is not None and input_ids.shape == (1, 1) else None
         for i in range(num_layers):
+            if fused is not None and i != trace_layer:
+                cos, sin = self.layer_rope(i, rope)
+                out = fused.run(i, self.layers[i], h, positions, cos, sin, (cache[i],))
+                if out is not None:
+                    h = out
+                    continue
             h, r = self.layer_forward(i, h, positions, rope, None if cache is None else cache[i], i == trace_layer)
             if r is not None:
                 row = r
@@ -120,8 +142,16 @@ class DecoderModel(nn.Module):
             raise ValueError(f"every cache needs {num_layers} layers")
         h = self.embed(input_ids)  # (B, 1, C)
         rope = self.rope_tables(positions, h.dtype)  # tables (B, D): one position per row
+        fused = self.native_layers() if not chunks else None
         for i in range(num_layers):
-            h, _ = self.layer_forward(i, h, positions, rope, RowCaches([c[i] for c in caches], chunks), False)
+            layer_caches = [c[i] for c in caches]
+            if fused is not None:
+                cos, sin = self.layer_rope(i, rope)
+                out = fused.run(i, self.layers[i], h, positions, cos, sin, layer_caches)
+                if out is not None:
+                    h = out
+                    continue
+            h, _ = self.layer_forward(i, h, positions, rope, RowCaches(layer_caches, chunks), False)
         if chunks:
             r, last = n - total, []
             for c in chunks:  # each chunk's last token

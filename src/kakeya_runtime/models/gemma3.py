@@ -12,6 +12,8 @@ from kakeya_runtime.models.llama import _strip_hf_prefix
 
 
 class Gemma3Block(nn.Module):
+    sandwich_norms = True  # norms after attention and MLP too (models.native_layer reads it)
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         eps = config.rms_norm_eps
@@ -67,3 +69,6 @@ class Gemma3Model(DecoderModel):
         block = self.layers[layer_idx]
         cos, sin = rope["local" if block.sliding else "global"]
         return block(h, positions, cos, sin, cache, trace)
+
+    def layer_rope(self, layer_idx, rope):
+        return rope["local" if self.layers[layer_idx].sliding else "global"]

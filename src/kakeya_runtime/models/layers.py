@@ -6,7 +6,7 @@ Shapes: B batch, T new tokens, S keys attended, H query heads, Hk key/value head
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -264,6 +264,23 @@ class Linear(nn.Linear):
     def forward_fp32(self, x: Tensor) -> Tensor:
         """The same sums, returned in fp32 (logits: no bf16 rounding that could tie the top tokens)."""
         return linear(x, self.weight, self.bias, out_fp32=True)
+
+    def decode_args(self) -> DecodeArgs | None:
+        """What kakeya::decoder_layer needs to run this projection as `forward` does (models/native_layer.py)."""
+        return DecodeArgs(0, self.weight, None, self.bias, self.weight.dtype, None)
+
+
+class DecodeArgs(NamedTuple):
+    """A projection as kakeya::decoder_layer runs it: fmt 0 (kakeya::linear, bias in the kernel) or 4 / 8
+    (kakeya::quant_linear int4 / int8, bias added after), its tensors, the activation dtype it takes without a cast,
+    and the row count from which its forward leaves that kernel (None: never)."""
+
+    fmt: int
+    weight: Tensor
+    scales: Tensor | None
+    bias: Tensor | None
+    dtype: torch.dtype
+    max_rows: int | None
 
 
 class GatedMLP(nn.Module):

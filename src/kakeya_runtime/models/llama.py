@@ -51,6 +51,9 @@ class LlamaModel(DecoderModel):
     def layer_forward(self, layer_idx, h, positions, rope, cache, trace):
         return self.layers[layer_idx](h, positions, rope["cos"], rope["sin"], cache, trace)
 
+    def layer_rope(self, layer_idx, rope):
+        return rope["cos"], rope["sin"]
+
 
 def _strip_hf_prefix(state_dict, prefix, *args, **kwargs):
     """HF checkpoints name the trunk `model.*`; we keep the trunk at top level."""

@@ -8,6 +8,8 @@
 - `kakeya::gated_act(x, act)`: the gated MLP's act(gate) * up in one elementwise pass.
 - `kakeya::rms_norm` / `kakeya::add_rms_norm` / `kakeya::qkv_rope`: RMSNorm (after the residual add) and RoPE on
   q and k (after Gemma's q/k norms), each row in fp32 and rounded once (csrc/rowwise.cpp).
+- `kakeya::decoder_layer`: one decoder layer's decode rows (the ops above, in the Python path's order) in one call
+  (models/native_layer.py).
 - `kakeya::sparse_attention` / `kakeya::block_select`: the sparse KV policy's attention over an exact hot set and
   selected cold blocks, and its indexer (kv.sparse), with the same per-query invariance; `kakeya::sparse_step`
   runs both and the step's tripwire in one call.
@@ -47,7 +49,8 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp",
-                             "lattice_points.cpp", "threads.cpp", "rowwise.cpp", "quant_linear.cpp"))
+                             "lattice_points.cpp", "threads.cpp", "rowwise.cpp", "quant_linear.cpp",
+                              "decoder_layer.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head sizes
@@ -570,6 +573,7 @@ def _register_fake() -> None:
     torch.library.register_fake("kakeya::linear")(
         lambda x, w, bias, out_fp32=False: x.new_empty(x.shape[0], w.shape[0],
                                                        dtype=torch.float32 if out_fp32 else x.dtype))
+    torch.library.register_fake("kakeya::decoder_layer")(lambda h, *args: h.new_empty(h.shape))
     torch.library.register_fake("kakeya::quant_linear")(
         lambda x, q, sz, bits, bias=None: x.new_empty(x.shape[0], q.shape[0]))
     _register_fake.done = True

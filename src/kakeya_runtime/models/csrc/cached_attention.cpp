@@ -1694,6 +1694,14 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
   return ::sparse_attention(q, hot_k, hot_v, hot_pos, cold_k, cold_v, cold_k_scale, cold_v_scale, cold_slot,
                             cold_head, select, q_pos, window, sink, block, scale);
 }
+at::Tensor cached_attention_rows_append(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                                        at::TensorList k, at::TensorList v, at::TensorList k_pos,
+                                        at::IntArrayRef slot, at::IntArrayRef count, at::IntArrayRef write_pos,
+                                        const at::Tensor& q_pos, at::IntArrayRef window, at::IntArrayRef sink,
+                                        double scale) {
+  return ::cached_attention_rows_append(q, k_new, v_new, k, v, k_pos, slot, count, write_pos, q_pos, window, sink,
+                                        scale);
+}
 }  // namespace kakeya_ops
 
 TORCH_LIBRARY(kakeya, m) {

@@ -47,6 +47,20 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
 // functions the ops run, so a block decoded there is the bits kv/lattice.py's decode gives.
 at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q, int64_t bits, int64_t codes);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32);
+// The ops one decoder layer's decode step runs, for decoder_layer.cpp (kakeya::decoder_layer): the same functions
+// the ops run, called in the order layers.py calls the ops, so the layer's bits are the Python path's.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps, bool unit_offset);
+std::tuple<at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                            int64_t heads, int64_t kv_heads, const std::optional<at::Tensor>& q_norm,
+                                            const std::optional<at::Tensor>& k_norm, double eps, bool unit_offset);
+at::Tensor gated_act(const at::Tensor& x, int64_t act);
+at::Tensor cached_attention_rows_append(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                                        at::TensorList k, at::TensorList v, at::TensorList k_pos,
+                                        at::IntArrayRef slot, at::IntArrayRef count, at::IntArrayRef write_pos,
+                                        const at::Tensor& q_pos, at::IntArrayRef window, at::IntArrayRef sink,
+                                        double scale);
 }  // namespace kakeya_ops
 
 namespace {

@@ -463,6 +463,7 @@ namespace kakeya_ops {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32) {
   return ::linear(x, w, bias, out_fp32, std::nullopt);
 }
+at::Tensor gated_act(const at::Tensor& x, int64_t act) { return ::gated_act(x, act); }
 }  // namespace kakeya_ops
 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {

@@ -190,6 +190,21 @@ std::tuple<at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Ten
 
 }  // namespace
 
+namespace kakeya_ops {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
+  return ::rms_norm(x, weight, eps, unit_offset);
+}
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps, bool unit_offset) {
+  return ::add_rms_norm(x, residual, weight, eps, unit_offset);
+}
+std::tuple<at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                            int64_t heads, int64_t kv_heads, const std::optional<at::Tensor>& q_norm,
+                                            const std::optional<at::Tensor>& k_norm, double eps, bool unit_offset) {
+  return ::qkv_rope(qkv, cos, sin, heads, kv_heads, q_norm, k_norm, eps, unit_offset);
+}
+}  // namespace kakeya_ops
+
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool unit_offset) -> (Tensor, Tensor)");

@@ -1,0 +1,97 @@
+// One decoder layer's decode step in one call: kakeya::decoder_layer.
+//
+// N rows, one new token each (a decode step of one session, or the rows of a batched step), each over its own
+// preallocated cache (kv.cache's full and ring layers, `append_slot`). The eager step otherwise runs ~9 ops per layer
+// from Python with their views and glue (~8 ms of a 25 ms SmolLM2 step at 1k); here the same ops run back to back:
+// norm -> QKV projection -> qkv_rope (Gemma's q/k norms) -> attention with the K/V write -> o_proj -> (Gemma's
+// post-attention norm) -> add + norm -> gate/up -> act(gate) * up -> down -> (Gemma's post-feedforward norm) ->
+// residual add. Each is the very function its op runs (common.h), on the same inputs, in layers.py's order, so the
+// bits are the Python path's by construction (tests/models/test_decoder_layer.py compares them).
+//
+// Arguments prepared once per layer (models/fused.py): weights [input norm, post-attention norm, pre-feedforward
+// norm, post-feedforward norm, q norm, k norm, then (w or codes, scales, bias) for qkv, o, gate/up, down], an empty
+// tensor where a layer has none; config [gemma, heads, kv_heads, head_dim, unit_offset, act, fmt x 4] (fmt 0: dense
+// kakeya::linear, 4 / 8: kakeya::quant_linear int4 / int8, its bias added after as QuantLinear does); params
+// [eps, q/k norm eps, attention scale]. Per step: h (N, 1, C), cos / sin (N, D) the rows' RoPE rows, q_pos (N,),
+// and the caches' buffers and slots as kakeya::cached_attention_rows_append takes them.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+
+#include "common.h"
+
+namespace {
+
+enum Weight : int64_t { kInputNorm, kPostAttnNorm, kPreFfNorm, kPostFfNorm, kQNorm, kKNorm, kProj };
+enum Proj : int64_t { kQkv, kO, kGateUp, kDown };
+enum Config : int64_t { kGemma, kHeads, kKvHeads, kHeadDim, kUnitOffset, kAct, kFmt };
+
+std::optional<at::Tensor> maybe(const at::Tensor& t) {
+  return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// kakeya::quant_linear lives in quant_linear.cpp's own namespace: reached through its registered op (one
+// dispatcher call, the same function).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sz, int64_t bits) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kakeya::quant_linear", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                               const std::optional<at::Tensor>&)>();
+  return op.call(x, q, sz, bits, std::nullopt);
+}
+
+// layers.Linear / DenseLinear (fmt 0: bias inside the kernel) or QuantLinear.forward's kernel path (bias after).
+at::Tensor project(const at::Tensor& x, at::TensorList weights, at::IntArrayRef config, int64_t which) {
+  const at::Tensor& w = weights[kProj + 3 * which];
+  const at::Tensor& sz = weights[kProj + 3 * which + 1];
+  const at::Tensor& bias = weights[kProj + 3 * which + 2];
+  const int64_t fmt = config[kFmt + which];
+  if (fmt == 0) return kakeya_ops::linear(x, w, maybe(bias), false);
+  auto y = quant_linear(x, w, sz, fmt);
+  return bias.numel() ? at::add(y, bias) : y;
+}
+
+at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& q_pos,
+                         at::TensorList weights, at::IntArrayRef config, at::ArrayRef<double> params,
+                         at::TensorList k, at::TensorList v, at::TensorList k_pos, at::IntArrayRef slot,
+                         at::IntArrayRef count, at::IntArrayRef write_pos, at::IntArrayRef window,
+                         at::IntArrayRef sink) {
+  TORCH_CHECK(weights.size() == kProj + 12 && config.size() == kFmt + 4 && params.size() == 3,
+              "decoder_layer: weights (18), config (10) and params (3) as models/fused.py packs them");
+  TORCH_CHECK(h.dim() == 3 && h.size(1) == 1 && h.is_contiguous(), "decoder_layer: h must be contiguous (N, 1, C)");
+  const int64_t N = h.size(0), C = h.size(2), H = config[kHeads], Hk = config[kKvHeads], D = config[kHeadDim];
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == N && cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
+                  sin.sizes() == cos.sizes(),
+              "decoder_layer: cos, sin must be contiguous (N, D)");
+  const bool gemma = config[kGemma] != 0, unit_offset = config[kUnitOffset] != 0;
+  const double eps = params[0], qk_eps = params[1], scale = params[2];
+  const auto h2 = h.view({N, C});
+  // Attention: RMSNorm.forward, then Attention.forward's rows (_split_rope, _attend_rows, o_proj).
+  const auto x = kakeya_ops::rms_norm(h2, weights[kInputNorm], eps, unit_offset);
+  const auto qkv = project(x, weights, config, kQkv).view({N, 1, -1});  // (N, 1, (H + 2 Hk) D)
+  auto [q, k_new] = kakeya_ops::qkv_rope(qkv, cos.view({N, 1, D}), sin.view({N, 1, D}), H, Hk,
+                                         maybe(weights[kQNorm]), maybe(weights[kKNorm]), qk_eps, unit_offset);
+  const auto v_new = qkv.narrow(2, (H + Hk) * D, Hk * D).view({N, 1, Hk, D}).transpose(1, 2);  // (N, Hk, 1, D)
+  const auto att = kakeya_ops::cached_attention_rows_append(q.view({N, Hk, H / Hk, D}), k_new, v_new, k, v, k_pos,
+                                                            slot, count, write_pos, q_pos, window, sink, scale);
+  const auto a = project(att.view({N, H * D}), weights, config, kO);  // (N, C)
+  // The block: Llama's add + norm, or Gemma's sandwich (post-attention norm, then add + pre-feedforward norm).
+  auto [s, normed] = gemma ? kakeya_ops::add_rms_norm(kakeya_ops::rms_norm(a, weights[kPostAttnNorm], eps, true), h2,
+                                                      weights[kPreFfNorm], eps, true)
+                           : kakeya_ops::add_rms_norm(a, h2, weights[kPostAttnNorm], eps, unit_offset);
+  // GatedMLP.forward: gate/up, act(gate) * up, down.
+  const auto gate_up = project(normed, weights, config, kGateUp);
+  auto m = project(kakeya_ops::gated_act(gate_up, config[kAct]), weights, config, kDown);
+  if (gemma) m = kakeya_ops::rms_norm(m, weights[kPostFfNorm], eps, true);
+  return at::add(s, m).view({N, 1, C});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kakeya, m) {
+  m.def("decoder_layer(Tensor h, Tensor cos, Tensor sin, Tensor q_pos, Tensor[] weights, int[] config, "
+        "float[] params, Tensor(a!)[] k, Tensor(b!)[] v, Tensor(c!)[] k_pos, int[] slot, int[] count, "
+        "int[] write_pos, int[] window, int[] sink) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("decoder_layer", &decoder_layer); }

@@ -1,0 +1,126 @@
+"""One native call per decoder layer for decode rows (kakeya::decoder_layer, csrc/decoder_layer.cpp).
+
+An eager decode step runs ~9 kernels per layer, each reached from Python through module calls, views and the
+dispatcher: ~8 ms of a 25 ms SmolLM2 step at 1k context (results/engine/eager_step_profile.json). For layers whose
+caches are preallocated buffers (`append_slot`: kv.cache's full and ring layers) the C++ op runs the same kernels in
+the same order on the same inputs, so the bits are the Python path's; every other case (a policy cache, a trace, a
+prefill chunk, many rows on a quantized layer's dequantizing path, the sdpa backend, torch.compile) keeps the
+Python path. The per-layer arguments are gathered once (`LayerArgs`) and reused while the layer's projection
+modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kakeya_runtime.models import native
+from kakeya_runtime.models.layers import LayerKV
+from kakeya_runtime.models.native import GATED_ACTS
+
+ENV = "KAKEYA_NATIVE_LAYER"
+_enabled = os.environ.get(ENV, "1").strip() != "0"
+
+
+def set_enabled(value: bool) -> bool:
+    """Turn the native layer path on or off for this process (tests, A/B); returns the previous setting."""
+    global _enabled
+    before, _enabled = _enabled, value
+    return before
+
+
+def enabled() -> bool:
+    return _enabled and native.enabled() and not torch.compiler.is_compiling()
+
+
+@dataclass(slots=True)
+class LayerArgs:
+    """kakeya::decoder_layer's per-layer arguments (weights, config, params as csrc/decoder_layer.cpp reads them),
+    the activation dtype they take, the row count from which a projection leaves its kernel, and the projection
+    modules they were read from (`key`: rebuilt if any is replaced, e.g. by engine.weights.quantize_model)."""
+
+    weights: list[Tensor]
+    config: list[int]
+    params: list[float]
+    dtype: torch.dtype
+    max_rows: int
+    window: int | None
+    key: tuple[nn.Module, ...]
+
+
+def _projections(block: nn.Module) -> tuple[nn.Module, ...]:
+    attn, mlp = block.self_attn._modules, block.mlp._modules
+    return attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]
+
+
+def layer_args(block: nn.Module) -> LayerArgs | None:
+    """The arguments for `block` (a LlamaBlock or a Gemma3Block: `sandwich_norms`), or None where its decode step
+    cannot run natively as its forward does (a projection without `decode_args`, a norm or activation the kernels
+    lack, mixed dtypes)."""
+    attn, mlp = block.self_attn, block.mlp
+    projections = _projections(block)
+    found = [getattr(p, "decode_args", lambda: None)() for p in projections]
+    if any(a is None for a in found) or len({a.dtype for a in found}) != 1 or mlp.fused_act is None:
+        return None
+    if not native.supports(attn.head_dim, found[0].dtype):
+        return None
+    gemma = bool(getattr(block, "sandwich_norms", False))
+    none = torch.empty(0)
+    norms = [block.input_layernorm, block.post_attention_layernorm]
+    norms += [block.pre_feedforward_layernorm, block.post_feedforward_layernorm] if gemma else [None, None]
+    norms += [attn.q_norm, attn.k_norm]
+    if len({n.unit_offset for n in norms if n is not None}) > 1 or len({n.eps for n in norms[:4] if n is not None}) > 1:
+        return None
+    weights = [none if n is None else n.weight for n in norms]
+    for a in found:
+        weights += [a.weight, none if a.scales is None else a.scales, none if a.bias is None else a.bias]
+    config = [int(gemma), attn.num_heads, attn.num_kv_heads, attn.head_dim, int(block.input_layernorm.unit_offset),
+              GATED_ACTS[mlp.fused_act], *(a.fmt for a in found)]
+    qk_eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
+    params = [block.input_layernorm.eps, qk_eps, attn.scale]
+    max_rows = min((a.max_rows for a in found if a.max_rows is not None), default=1 << 62)
+    return LayerArgs(weights, config, params, found[0].dtype, max_rows, attn.window, projections)
+
+
+class NativeLayers:
+    """The per-layer arguments of one model, built on first use; `run` is one layer's decode rows or None."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, num_layers: int) -> None:
+        self.args: list[LayerArgs | None | bool] = [False] * num_layers  # False: not built yet
+
+    def _args(self, i: int, block: nn.Module) -> LayerArgs | None:
+        args = self.args[i]
+        if args is False or (args is not None and args.key != _projections(block)):
+            args = self.args[i] = layer_args(block)
+        return args
+
+    def run(self, i: int, block: nn.Module, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+            caches: Sequence[LayerKV]) -> Tensor | None:
+        """Layer i over rows h (N, 1, C) at positions (N,), row r over caches[r] (cos, sin (N, D) their RoPE rows);
+        None (nothing touched) where the Python path must run it."""
+        args = self._args(i, block)
+        if args is None or h.dtype != args.dtype or h.shape[0] >= args.max_rows or cos.dtype != h.dtype:
+            return None
+        for kv in caches:
+            if getattr(kv, "append_slot", None) is None or getattr(kv, "owns_attention", False):
+                return None
+        ks, vs, k_pos, slots, counts, writes, windows, sinks = [], [], [], [], [], [], [], []
+        for kv in caches:
+            k, v, kp, slot, count, write = kv.append_slot()
+            sink, window = getattr(kv, "attention_rule", None) or (0, args.window)
+            ks.append(k)
+            vs.append(v)
+            k_pos.append(kp)
+            slots.append(slot)
+            counts.append(count)
+            writes.append(write)
+            windows.append(window or 0)
+            sinks.append(sink)
+        return torch.ops.kakeya.decoder_layer(h, cos, sin, positions, args.weights, args.config, args.params, ks, vs,
+                                              k_pos, slots, counts, writes, windows, sinks)
