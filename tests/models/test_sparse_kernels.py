@@ -216,6 +216,54 @@ def test_sparse_attention_row_invariant_scattered_selections(block):
             torch.testing.assert_close(whole.double(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sparse_attention_mixed_call_of_600_rows_token_by_token(threads):
+    """One call of 600 query rows (200 tokens x 3 heads per KV head): the hot side's superblocks are cut into row
+    slices (more than 256 rows) and the cold side runs as AMX items over every token's blocks, in one call; every
+    token's rows and counts are the bits of that token alone (its decode step), in bf16 K/V and int8 codes."""
+    torch.manual_seed(8)
+    sink, window, block, hkv, g, d, t_n, n_blocks = 4, 64, 32, 2, 3, 64, 200, 90
+    n = sink + n_blocks * block + window + t_n
+    q_pos = torch.arange(n - t_n, n)
+    q = torch.randn(1, hkv, g * t_n, d).bfloat16()
+    kv = torch.randn(2, 1, hkv, n, d).bfloat16()
+    first_hot = hot_lo(int(q_pos[0]), window, sink, block)
+    hot_p = torch.cat((torch.arange(sink), torch.arange(first_hot, n)))
+    hot = (kv[0][:, :, hot_p].contiguous(), kv[1][:, :, hot_p].contiguous(), hot_p)
+    gen = torch.Generator().manual_seed(9)
+    below = [(int(p) + 1 - window - sink) // block for p in q_pos]
+    chosen = [[[sorted(torch.randperm(below[t], generator=gen)[: 8 + t % 13].tolist()) for t in range(t_n)]
+               for _ in range(hkv)]]
+    n_cold = max(below)  # the cold tier at the chunk's end (later tokens may select blocks earlier ones see hot)
+    sel = bitsets(chosen, (n_cold + 63) // 64)
+    cold_p = torch.arange(sink, sink + n_cold * block)
+    ck, cv = kv[0][:, :, cold_p].contiguous(), kv[1][:, :, cold_p].contiguous()
+    codes = {}
+    for name, x in (("k", ck), ("v", cv)):
+        sc = (x.float().abs().amax(-1) / 127).clamp_min(1e-3).half()
+        codes[name] = ((x.float() / sc.float()[..., None]).round().clamp(-127, 127).to(torch.int8), sc)
+    slot = torch.arange(n_cold)
+    colds = {"bf16": (ck, cv, slot), "int8": (codes["k"][0], codes["v"][0], codes["k"][1], codes["v"][1], slot)}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, cold in colds.items():
+            whole, seen = native.sparse_attention(q, hot, cold, sel, q_pos, 0.125, window=window, sink=sink,
+                                                  block=block)
+            assert int(seen[..., 1].min()) > 0  # every token attended cold blocks in the same call as its hot keys
+            for t in range(t_n):
+                held = hot_p <= int(q_pos[t])
+                hot_t = (hot[0][:, :, held].contiguous(), hot[1][:, :, held].contiguous(), hot_p[held].contiguous())
+                qt = q.view(1, hkv, g, t_n, d)[:, :, :, t].contiguous()
+                one, one_seen = native.sparse_attention(qt, hot_t, cold, sel[:, :, t : t + 1].contiguous(),
+                                                        q_pos[t : t + 1].contiguous(), 0.125, window=window,
+                                                        sink=sink, block=block)
+                assert torch.equal(one[0], whole[0].view(hkv, g, t_n, d)[:, :, t]), (name, t)
+                assert torch.equal(one_seen[0], seen[0].view(hkv, g, t_n, 2)[:, :, t]), (name, t)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_sparse_attention_refuses_a_selected_block_it_was_not_given():
     """A block the indexer chose but the caller did not decode is an error, never a smaller attention."""
     torch.manual_seed(2)

@@ -153,19 +153,25 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
     const int64_t n = nsc[item];
     if (n > kept(head_topk[(item / NT) % H], n, budget)) scores_any[item / NT] = 1;
   }
-  std::unique_ptr<float[]> boxes(new float[std::max<int64_t>(1, B * H * most * 2 * D)]);
-  at::parallel_for(0, B * H * chunks, 1, [&](int64_t begin, int64_t end) {
+  // (from per-thread scratch up to kScratchBytes, slot 3: a decode step's hundreds of KB without a heap call)
+  const size_t boxes_n = std::max<int64_t>(1, B * H * most * 2 * D);
+  std::unique_ptr<float[]> boxes_heap(boxes_n * sizeof(float) > kScratchBytes ? new float[boxes_n] : nullptr);
+  float* const boxes_data = boxes_heap ? boxes_heap.get() : scratch<float>(3, boxes_n);
+  // A decode step's few tokens score a few hundred blocks: microseconds of work, less than the three parallel
+  // regions cost on two cores, so such a call runs on its own thread (items are independent: the same bits).
+  const int64_t grain = items * most * G * D < (1 << 18) ? std::numeric_limits<int64_t>::max() / 2 : 1;
+  at::parallel_for(0, B * H * chunks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
       if (!scores_any[bh]) continue;
       const int64_t off = b * kmin.stride(0) + cold_head[h] * kmin.stride(1);
       shrink_boxes<T>(mn + off, mx + off, kmin.stride(2), D, c * CHUNK, std::min<int64_t>(most, (c + 1) * CHUNK),
-                      boxes.get() + bh * most * 2 * D);
+                      boxes_data + bh * most * 2 * D);
     }
   });
   // (items, G, most): every read entry is written
   std::unique_ptr<float[]> scores(new float[std::max<int64_t>(1, items * G * most)]);
-  at::parallel_for(0, items * chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D);
     int64_t loaded = -1;
     for (int64_t w = begin; w < end; ++w) {
@@ -177,11 +183,11 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
           widen(qd + b * q.stride(0) + h * q.stride(1) + (g * NT + t) * q.stride(2), qf.data() + g * D, D);
         loaded = item;
       }
-      score_blocks(qf.data(), G, D, boxes.get() + bh * most * 2 * D, c * CHUNK, std::min<int64_t>(n, (c + 1) * CHUNK),
+      score_blocks(qf.data(), G, D, boxes_data + bh * most * 2 * D, c * CHUNK, std::min<int64_t>(n, (c + 1) * CHUNK),
                    scores.get() + item * G * most, most);
     }
   });
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {  // a decode step's few tokens: each thread its own
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {  // a decode step's few tokens: each thread its own
     std::vector<int64_t> idx;
     std::vector<float> share, w, ev;
     for (int64_t item = begin; item < end; ++item) {

@@ -582,9 +582,10 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   const int64_t RB = (R + 15) / 16;  // 16-row tiles
   // Q rows as A tiles: in place, but the last tile of a row count that is not a multiple of 16 is padded with zeros.
   const int64_t full_rows = R / 16 * 16;
-  kakeya_amx::AlignedBuffer<BF> qtail(16 * D);
-  std::memset(qtail.data, 0, 16 * D * sizeof(BF));
-  if (full_rows < R) std::memcpy(qtail.data, q + full_rows * D, (R - full_rows) * D * sizeof(BF));
+  // Staging buffers from per-thread scratch (slots 0-5 of their types; one item runs at a time on a thread).
+  BF* const qtail = scratch<BF>(0, 16 * D);
+  std::memset(qtail, 0, 16 * D * sizeof(BF));
+  if (full_rows < R) std::memcpy(qtail, q + full_rows * D, (R - full_rows) * D * sizeof(BF));
   // The first query position of each row tile: a block wholly at or below it is seen whole by every row there
   // (no window, plain keys), with no per-row masks to build.
   std::vector<int64_t> tile_min(RB);
@@ -600,11 +601,11 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   // either; V is kept for three blocks for that. Data movement and schedule only: each row's m, l and acc are
   // updated block by block in the same order.
   constexpr int NBUF = 3;
-  kakeya_amx::AlignedBuffer<uint32_t> kt2s(NBUF * D / 2 * NB);  // K^T in pairs: [pair][lane], zero lanes where empty
-  kakeya_amx::AlignedBuffer<uint32_t> vt2s(NBUF * NB / 2 * D);  // values interleaved by lane pairs
-  kakeya_amx::AlignedBuffer<float> sb(16 * NB);         // S of a row tile: [row][lane]
-  kakeya_amx::AlignedBuffer<BF> pbs(2 * 16 * NB);       // P of a row tile, bf16, (16 rows, NB lanes); two
-  kakeya_amx::AlignedBuffer<float> ob(16 * D);           // P . V of a row tile, (16 rows, D)
+  uint32_t* const kt2s = scratch<uint32_t>(0, NBUF * D / 2 * NB);  // K^T in pairs: [pair][lane], zero lanes where empty
+  uint32_t* const vt2s = scratch<uint32_t>(1, NBUF * NB / 2 * D);  // values interleaved by lane pairs
+  float* const sb = scratch<float>(0, 16 * NB);                    // S of a row tile: [row][lane]
+  BF* const pbs = scratch<BF>(1, 2 * 16 * NB);  // P of a row tile, bf16, (16 rows, NB lanes); two
+  float* const ob = scratch<float>(1, 16 * D);   // P . V of a row tile, (16 rows, D)
   const BF* krows[NBUF][NB];
   const BF* vrows[NBUF][NB];
   uint32_t presents[NBUF][WORDS];
@@ -620,7 +621,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   } pending;
   int buf = 0;  // the P buffer the next row tile's softmax writes
   auto run_pv = [&](const PendingPV& pv) {
-    const BF* pb = pbs.data + pv.buf * (16 * NB);
+    const BF* pb = pbs + pv.buf * (16 * NB);
     const uint32_t* vt2 = pv.vt2;
     const float* alpha = alphas[pv.buf];
     const int64_t rn = pv.rn;
@@ -649,16 +650,16 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
           _tile_dpbf16ps(3, 4, 7);
         }
       }
-      _tile_stored(0, ob.data + d0, D * 4);
-      if (nt > 1) _tile_stored(1, ob.data + d0 + 16, D * 4);
-      if (nt > 2) _tile_stored(2, ob.data + d0 + 32, D * 4);
-      if (nt > 3) _tile_stored(3, ob.data + d0 + 48, D * 4);
+      _tile_stored(0, ob + d0, D * 4);
+      if (nt > 1) _tile_stored(1, ob + d0 + 16, D * 4);
+      if (nt > 2) _tile_stored(2, ob + d0 + 32, D * 4);
+      if (nt > 3) _tile_stored(3, ob + d0 + 48, D * 4);
     }
     for (int64_t i = 0; i < rn; ++i) {
       if (alpha[i] < 0.f) continue;
       float* acc = acc0 + i * D;
       for (int d = 0; d < D; d += VS)
-        (Vec::loadu(acc + d) * Vec(alpha[i]) + Vec::loadu(ob.data + i * D + d)).store(acc + d);
+        (Vec::loadu(acc + d) * Vec(alpha[i]) + Vec::loadu(ob + i * D + d)).store(acc + d);
     }
   };
   auto stage = [&](int64_t bi) {
@@ -677,8 +678,8 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     }
     block_rows<BF, NB>(k, v, k_row, v_row, order, pos, blocks[bi], blocks[bi].min_pos / NB * NB, in_order,
                    krows[sb_i], vrows[sb_i], presents[sb_i]);
-    stage_keys<D, NB>(krows[sb_i], kt2s.data + sb_i * (D / 2 * NB), kpf, k_row * 2);
-    interleave_values<D, NB>(vrows[sb_i], vt2s.data + sb_i * (NB / 2 * D), vpf, v_row * 2);
+    stage_keys<D, NB>(krows[sb_i], kt2s + sb_i * (D / 2 * NB), kpf, k_row * 2);
+    interleave_values<D, NB>(vrows[sb_i], vt2s + sb_i * (NB / 2 * D), vpf, v_row * 2);
   };
   if (packed && nblocks > 1)  // the second block's rows (stage(0) asks for the third)
     for (int64_t i = 0; i < blocks[1].count; ++i)
@@ -696,8 +697,8 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     const Block& blk = blocks[bi];
     const int64_t base = blk.min_pos / NB * NB;
     const uint32_t* present = presents[bi % NBUF];
-    const uint32_t* kt2 = kt2s.data + (bi % NBUF) * (D / 2 * NB);
-    const uint32_t* vt2 = vt2s.data + (bi % NBUF) * (NB / 2 * D);
+    const uint32_t* kt2 = kt2s + (bi % NBUF) * (D / 2 * NB);
+    const uint32_t* vt2 = vt2s + (bi % NBUF) * (NB / 2 * D);
     for (int64_t rb = 0; rb < RB; ++rb) {
       const int64_t r0 = rb * 16, rn = std::min<int64_t>(16, R - r0);
       uint32_t any = 0u;
@@ -710,7 +711,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
             any |= vis[i][w] = i < rn ? rule.lanes(rule.token(r0 + i), base + 32 * w, present[w]) : 0u;
       }
       if (any == 0u) continue;
-      const BF* qa = rn == 16 ? q + r0 * D : qtail.data;
+      const BF* qa = rn == 16 ? q + r0 * D : qtail;
       for (int pass = 0; pass < (KT + 3) / 4; ++pass) {  // up to four key tiles at a time in C tiles 0-3
         constexpr int NT4 = KT < 4 ? KT : 4;  // key tiles per pass (NB = 32: two)
         _tile_zero(0);
@@ -734,7 +735,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
             _tile_dpbf16ps(3, 4, 7);
           }
         }
-        float* out = sb.data + pass * 64;
+        float* out = sb + pass * 64;
         _tile_stored(0, out, NB * 4);
         _tile_stored(1, out + 16, NB * 4);
         if constexpr (NT4 > 2) {
@@ -743,17 +744,17 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
         }
       }
       float* const alpha = alphas[buf];
-      BF* const pb = pbs.data + buf * (16 * NB);
+      BF* const pb = pbs + buf * (16 * NB);
       bool tiled = false;  // the tile's 16 rows together (BKA blocks, scale > 0); the same bits per row as below
       if constexpr (NB == BKA) {
         if (scale > 0.f) {  // rows rn.. of a short tile see nothing (vis 0): their m, l, n stay as they are
-          tile_softmax_bf16(sb.data, vis, scale, st.m + r0, st.l + r0, st.n + r0, pb, alpha);
+          tile_softmax_bf16(sb, vis, scale, st.m + r0, st.l + r0, st.n + r0, pb, alpha);
           tiled = true;
         }
       }
       for (int64_t i = 0; i < 16 && !tiled; ++i) {
         alpha[i] = -1.f;
-        float* s = sb.data + i * NB;
+        float* s = sb + i * NB;
         uint32_t row_any = 0u;
         int seen = 0;
         for (int w = 0; w < WORDS; ++w) {
@@ -1148,8 +1149,11 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
     const int64_t cold_items = cold_amx ? cfirst[B * H] : B * H * tn * C;
     const int64_t hot_items = B * H * NSP * splits, items = hot_items + cold_items;
     // Every item writes its whole state before the merge reads it: no zero-fill (megabytes per call at 4k keys).
-    at::Tensor state_buf = at::empty({B * H * NSP * Rt * W}, at::kFloat);
-    float* const state_data = state_buf.data_ptr<float>();
+    // (a decode step's few states from per-thread scratch, slot 2: no heap call per step)
+    const int64_t state_n = B * H * NSP * Rt * W;
+    const bool small_state = static_cast<size_t>(state_n) * sizeof(float) <= kScratchBytes;
+    at::Tensor state_buf = small_state ? at::Tensor() : at::empty({state_n}, at::kFloat);
+    float* const state_data = small_state ? scratch<float>(2, state_n) : state_buf.data_ptr<float>();
     cstate.resize(cold_items * (cold_amx ? Rt : G) * W);
     const std::vector<int64_t> schedule = item_schedule(sources, supers, B * H, qpos + t0, tn, items, splits);
     std::atomic<int64_t> next{0};

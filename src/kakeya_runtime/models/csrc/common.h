@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -64,6 +65,30 @@ at::Tensor cached_attention_rows_append(const at::Tensor& q, const at::Tensor& k
 }  // namespace kakeya_ops
 
 namespace {
+
+// Per-thread scratch kept across calls: slot `slot`'s buffer of at least n elements of T, 64-byte aligned (tile rows
+// start on a cache line), contents unspecified. A decode step's work items took their staging buffers from the heap
+// each (aligned_alloc walks a fragmented heap: a few percent of a step); a caller uses each slot for one buffer at
+// a time and asks only for small sizes (the buffer is kept, at its largest, for the thread's life).
+template <typename T>
+inline T* scratch(int slot, size_t n) {
+  struct Buf {
+    void* p = nullptr;
+    size_t bytes = 0;
+    ~Buf() { std::free(p); }
+  };
+  thread_local Buf bufs[8];
+  Buf& b = bufs[slot];
+  const size_t need = std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64);
+  if (need > b.bytes) {
+    std::free(b.p);
+    b.p = std::aligned_alloc(64, need);
+    TORCH_CHECK(b.p != nullptr, "scratch: out of memory for ", need, " bytes");
+    b.bytes = need;
+  }
+  return static_cast<T*>(b.p);
+}
+constexpr size_t kScratchBytes = 1 << 20;  // a call's buffers up to this size come from scratch, larger ones not
 
 // n elements from src to dst: a copy when both are fp32, else at::vec::convert (bf16 <-> fp32, round to nearest
 // even, as the scalar conversion does).
