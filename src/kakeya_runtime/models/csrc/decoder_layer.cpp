@@ -6,9 +6,9 @@
 // norm -> QKV projection -> qkv_rope (Gemma's q/k norms) -> attention with the K/V write -> o_proj -> (Gemma's
 // post-attention norm) -> add + norm -> gate/up -> act(gate) * up -> down -> (Gemma's post-feedforward norm) ->
 // residual add. Each is the very function its op runs (common.h), on the same inputs, in layers.py's order, so the
-// bits are the Python path's by construction (tests/models/test_decoder_layer.py compares them).
+// bits are the Python path's by construction (tests/models/test_native_layer.py compares them).
 //
-// Arguments prepared once per layer (models/fused.py): weights [input norm, post-attention norm, pre-feedforward
+// Arguments prepared once per layer (models/native_layer.py): weights [input norm, post-attention norm, pre-feedforward
 // norm, post-feedforward norm, q norm, k norm, then (w or codes, scales, bias) for qkv, o, gate/up, down], an empty
 // tensor where a layer has none; config [gemma, heads, kv_heads, head_dim, unit_offset, act, fmt x 4] (fmt 0: dense
 // kakeya::linear, 4 / 8: kakeya::quant_linear int4 / int8, its bias added after as QuantLinear does); params
@@ -57,7 +57,7 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::T
                          at::IntArrayRef count, at::IntArrayRef write_pos, at::IntArrayRef window,
                          at::IntArrayRef sink) {
   TORCH_CHECK(weights.size() == kProj + 12 && config.size() == kFmt + 4 && params.size() == 3,
-              "decoder_layer: weights (18), config (10) and params (3) as models/fused.py packs them");
+              "decoder_layer: weights (18), config (10) and params (3) as models/native_layer.py packs them");
   TORCH_CHECK(h.dim() == 3 && h.size(1) == 1 && h.is_contiguous(), "decoder_layer: h must be contiguous (N, 1, C)");
   const int64_t N = h.size(0), C = h.size(2), H = config[kHeads], Hk = config[kKvHeads], D = config[kHeadDim];
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == N && cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
