@@ -6,6 +6,7 @@ Shapes: B batch, T new tokens, S keys attended, H query heads, Hk key/value head
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
@@ -24,6 +25,44 @@ class LayerKV(Protocol):
         """Store the new post-RoPE K/V (B, Hk, T, D) at `positions` (T,); return the keys and values
         the new queries may attend to, (B, Hk, S, D) each, and their positions (S,)."""
         ...
+
+
+@dataclass(slots=True)
+class RowKV:
+    """The per-row cache arguments of one batched attention call (native.cached_attention_rows_append, and
+    kakeya::decoder_layer through models.native_layer): each row's keys, values, positions, its write slot and the
+    window rule it attends under."""
+
+    k: list[Tensor] = field(default_factory=list)
+    v: list[Tensor] = field(default_factory=list)
+    k_pos: list[Tensor] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    writes: list[bool] = field(default_factory=list)
+    windows: list[int] = field(default_factory=list)
+    sinks: list[int] = field(default_factory=list)
+
+    def add(self, kv: LayerKV, window: int | None, new: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+        """Row `kv`: a cache with preallocated storage (`append_slot`) has the row's K/V written by the call; any
+        other is given `new` (k, v, positions) through update_and_fetch now. `window`: the layer's own, unless
+        the cache narrows what queries see (`attention_rule`)."""
+        append_slot = getattr(kv, "append_slot", None)
+        if append_slot is not None:
+            k_all, v_all, kp, slot, count, write = append_slot()
+        else:
+            k_all, v_all, kp = kv.update_and_fetch(*new)
+            if k_all.stride(-1) != 1 or v_all.stride(-1) != 1:
+                k_all, v_all = k_all.contiguous(), v_all.contiguous()
+            kp, slot, count, write = kp.contiguous(), -1, k_all.shape[2], False
+        sink, window = getattr(kv, "attention_rule", None) or (0, window)
+        self.k.append(k_all)
+        self.v.append(v_all)
+        self.k_pos.append(kp)
+        self.slots.append(slot)
+        self.counts.append(count)
+        self.writes.append(write)
+        self.windows.append(window or 0)
+        self.sinks.append(sink)
 
 
 class RowCaches:
@@ -442,14 +481,7 @@ class Attention(nn.Module):
                               for i, kv in enumerate(caches)])
         out = None
         rows: list[int] = []
-        ks: list[Tensor] = []
-        vs: list[Tensor] = []
-        k_pos: list[Tensor] = []
-        slots: list[int] = []
-        counts: list[int] = []
-        writes: list[bool] = []
-        windows: list[int] = []
-        sinks: list[int] = []
+        args = RowKV()
         for i, kv in enumerate(caches):
             if getattr(kv, "owns_attention", False):
                 if out is None:
@@ -457,32 +489,17 @@ class Attention(nn.Module):
                 out[i : i + 1] = kv.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1],
                                            scale=self.scale)
                 continue
-            append_slot = getattr(kv, "append_slot", None)
-            if append_slot is not None:  # written by the native call below
-                k_all, v_all, kp, slot, count, write = append_slot()
-            else:
-                k_all, v_all, kp = kv.update_and_fetch(k[i : i + 1], v[i : i + 1], positions[i : i + 1])
-                if k_all.stride(-1) != 1 or v_all.stride(-1) != 1:
-                    k_all, v_all = k_all.contiguous(), v_all.contiguous()
-                kp, slot, count, write = kp.contiguous(), -1, k_all.shape[2], False
-            sink, window = getattr(kv, "attention_rule", None) or (0, self.window)
+            args.add(kv, self.window, (k[i : i + 1], v[i : i + 1], positions[i : i + 1]))
             rows.append(i)
-            ks.append(k_all)
-            vs.append(v_all)
-            k_pos.append(kp)
-            slots.append(slot)
-            counts.append(count)
-            writes.append(write)
-            windows.append(window or 0)
-            sinks.append(sink)
         if not rows:
             return out
         if out is not None:  # some rows attended themselves: the others only
             q, k, v, positions = q[rows], k[rows], v[rows], positions[rows]
         m, groups = len(rows), self.num_heads // self.num_kv_heads
         got = native.cached_attention_rows_append(
-            q.reshape(m, self.num_kv_heads, groups, self.head_dim).contiguous(), k, v, ks, vs, k_pos, slots, counts,
-            writes, positions.contiguous(), self.scale, window=windows, sink=sinks)
+            q.reshape(m, self.num_kv_heads, groups, self.head_dim).contiguous(), k, v, args.k, args.v, args.k_pos,
+            args.slots, args.counts, args.writes, positions.contiguous(), self.scale, window=args.windows,
+            sink=args.sinks)
         got = got.view(m, self.num_heads, 1, self.head_dim)  # query head h * groups + g: row g of K/V head h
         if out is None:
             return got

@@ -8,7 +8,8 @@
 - `kakeya::gated_act(x, act)`: the gated MLP's act(gate) * up in one elementwise pass.
 - `kakeya::rms_norm` / `kakeya::add_rms_norm` / `kakeya::qkv_rope`: RMSNorm (after the residual add) and RoPE on
   q and k (after Gemma's q/k norms), each row in fp32 and rounded once (csrc/rowwise.cpp).
-- `kakeya::decoder_layer`: one decoder layer's decode rows (the ops above, in the Python path's order) in one call
+- `kakeya::decoder_layer`: one decoder layer's decode rows (the ops above, in the Python path's order) in one call,
+  or in two around a policy cache's own attention (`decoder_layer_attention_inputs`, `decoder_layer_output`)
   (models/native_layer.py).
 - `kakeya::sparse_attention` / `kakeya::block_select`: the sparse KV policy's attention over an exact hot set and
   selected cold blocks, and its indexer (kv.sparse), with the same per-query invariance; `kakeya::sparse_step`
@@ -574,6 +575,7 @@ def _register_fake() -> None:
         lambda x, w, bias, out_fp32=False: x.new_empty(x.shape[0], w.shape[0],
                                                        dtype=torch.float32 if out_fp32 else x.dtype))
     torch.library.register_fake("kakeya::decoder_layer")(lambda h, *args: h.new_empty(h.shape))
+    torch.library.register_fake("kakeya::decoder_layer_output")(lambda att, h, *args: h.new_empty(h.shape))
     torch.library.register_fake("kakeya::quant_linear")(
         lambda x, q, sz, bits, bias=None: x.new_empty(x.shape[0], q.shape[0]))
     _register_fake.done = True

@@ -3,9 +3,10 @@
 An eager decode step runs ~9 kernels per layer, each reached from Python through module calls, views and the
 dispatcher: ~8 ms of a 25 ms SmolLM2 step at 1k context (results/engine/eager_step_profile.json). For layers whose
 caches are preallocated buffers (`append_slot`: kv.cache's full and ring layers) the C++ op runs the same kernels in
-the same order on the same inputs, so the bits are the Python path's; every other case (a policy cache, a trace, a
-prefill chunk, many rows on a quantized layer's dequantizing path, the sdpa backend, torch.compile) keeps the
-Python path. The per-layer arguments are gathered once (`LayerArgs`) and reused while the layer's projection
+the same order on the same inputs, so the bits are the Python path's. Where a row's cache is a policy (sink_window,
+restore, sparse: no `append_slot`, or a cache that attends itself) the layer runs as two native calls around the
+Python path's own attention of the rows. A trace, a prefill chunk, many rows on a quantized layer's dequantizing
+path, the sdpa backend and torch.compile keep the Python path. The per-layer arguments are gathered once (`LayerArgs`) and reused while the layer's projection
 modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
 """
 
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from kakeya_runtime.models import native
-from kakeya_runtime.models.layers import LayerKV
+from kakeya_runtime.models.layers import LayerKV, RowKV
 from kakeya_runtime.models.native import GATED_ACTS
 
 ENV = "KAKEYA_NATIVE_LAYER"
@@ -107,20 +108,23 @@ class NativeLayers:
         args = self._args(i, block)
         if args is None or h.dtype != args.dtype or h.shape[0] >= args.max_rows or cos.dtype != h.dtype:
             return None
+        if not all(getattr(kv, "append_slot", None) is not None and not getattr(kv, "owns_attention", False)
+                   for kv in caches):
+            return self._run_split(args, block, h, positions, cos, sin, caches)
+        rows = RowKV()
         for kv in caches:
-            if getattr(kv, "append_slot", None) is None or getattr(kv, "owns_attention", False):
-                return None
-        ks, vs, k_pos, slots, counts, writes, windows, sinks = [], [], [], [], [], [], [], []
-        for kv in caches:
-            k, v, kp, slot, count, write = kv.append_slot()
-            sink, window = getattr(kv, "attention_rule", None) or (0, args.window)
-            ks.append(k)
-            vs.append(v)
-            k_pos.append(kp)
-            slots.append(slot)
-            counts.append(count)
-            writes.append(write)
-            windows.append(window or 0)
-            sinks.append(sink)
-        return torch.ops.kakeya.decoder_layer(h, cos, sin, positions, args.weights, args.config, args.params, ks, vs,
-                                              k_pos, slots, counts, writes, windows, sinks)
+            rows.add(kv, args.window)
+        return torch.ops.kakeya.decoder_layer(h, cos, sin, positions, args.weights, args.config, args.params, rows.k,
+                                              rows.v, rows.k_pos, rows.slots, rows.counts, rows.writes, rows.windows,
+                                              rows.sinks)
+
+    @staticmethod
+    def _run_split(args: LayerArgs, block: nn.Module, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+                   caches: Sequence[LayerKV]) -> Tensor:
+        """A row's cache is a policy (it attends itself, or writes through update_and_fetch): the layer up to
+        attention and from its output on are one native call each, and the attention between is the Python
+        path's own (Attention._attend_rows), so every cache's writes and bits are those of the layer's forward."""
+        q, k, v = torch.ops.kakeya.decoder_layer_attention_inputs(h, cos, sin, args.weights, args.config, args.params)
+        att = block.self_attn._attend_rows(q, k, v, positions, caches)  # (N, H, 1, D)
+        return torch.ops.kakeya.decoder_layer_output(att.reshape(h.shape[0], -1), h, args.weights, args.config,
+                                                     args.params)

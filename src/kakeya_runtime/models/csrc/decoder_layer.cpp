@@ -14,6 +14,10 @@
 // kakeya::linear, 4 / 8: kakeya::quant_linear int4 / int8, its bias added after as QuantLinear does); params
 // [eps, q/k norm eps, attention scale]. Per step: h (N, 1, C), cos / sin (N, D) the rows' RoPE rows, q_pos (N,),
 // and the caches' buffers and slots as kakeya::cached_attention_rows_append takes them.
+//
+// Rows over a policy cache (its own writes or its own attention, in Python) take the same layer in two calls around
+// that attention: kakeya::decoder_layer_attention_inputs (norm -> QKV -> qkv_rope: q, k_new, v_new) and
+// kakeya::decoder_layer_output (attention output -> o_proj -> ... -> residual add), the very halves decoder_layer runs.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
@@ -51,30 +55,43 @@ at::Tensor project(const at::Tensor& x, at::TensorList weights, at::IntArrayRef 
   return bias.numel() ? at::add(y, bias) : y;
 }
 
-at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& q_pos,
-                         at::TensorList weights, at::IntArrayRef config, at::ArrayRef<double> params,
-                         at::TensorList k, at::TensorList v, at::TensorList k_pos, at::IntArrayRef slot,
-                         at::IntArrayRef count, at::IntArrayRef write_pos, at::IntArrayRef window,
-                         at::IntArrayRef sink) {
+void check_layer(const at::Tensor& h, at::TensorList weights, at::IntArrayRef config, at::ArrayRef<double> params) {
   TORCH_CHECK(weights.size() == kProj + 12 && config.size() == kFmt + 4 && params.size() == 3,
               "decoder_layer: weights (18), config (10) and params (3) as models/native_layer.py packs them");
   TORCH_CHECK(h.dim() == 3 && h.size(1) == 1 && h.is_contiguous(), "decoder_layer: h must be contiguous (N, 1, C)");
+}
+
+// The layer up to attention: RMSNorm.forward, then Attention.forward's rows (_split_rope): q (N, H, 1, D) and
+// k_new (N, Hk, 1, D) normed (Gemma) and rotated, v_new (N, Hk, 1, D) a view of the QKV projection.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_inputs(const at::Tensor& h, const at::Tensor& cos,
+                                                                const at::Tensor& sin, at::TensorList weights,
+                                                                at::IntArrayRef config, at::ArrayRef<double> params) {
+  check_layer(h, weights, config, params);
   const int64_t N = h.size(0), C = h.size(2), H = config[kHeads], Hk = config[kKvHeads], D = config[kHeadDim];
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == N && cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
                   sin.sizes() == cos.sizes(),
               "decoder_layer: cos, sin must be contiguous (N, D)");
-  const bool gemma = config[kGemma] != 0, unit_offset = config[kUnitOffset] != 0;
-  const double eps = params[0], qk_eps = params[1], scale = params[2];
-  const auto h2 = h.view({N, C});
-  // Attention: RMSNorm.forward, then Attention.forward's rows (_split_rope, _attend_rows, o_proj).
-  const auto x = kakeya_ops::rms_norm(h2, weights[kInputNorm], eps, unit_offset);
+  const bool unit_offset = config[kUnitOffset] != 0;
+  const auto x = kakeya_ops::rms_norm(h.view({N, C}), weights[kInputNorm], params[0], unit_offset);
   const auto qkv = project(x, weights, config, kQkv).view({N, 1, -1});  // (N, 1, (H + 2 Hk) D)
   auto [q, k_new] = kakeya_ops::qkv_rope(qkv, cos.view({N, 1, D}), sin.view({N, 1, D}), H, Hk,
-                                         maybe(weights[kQNorm]), maybe(weights[kKNorm]), qk_eps, unit_offset);
-  const auto v_new = qkv.narrow(2, (H + Hk) * D, Hk * D).view({N, 1, Hk, D}).transpose(1, 2);  // (N, Hk, 1, D)
-  const auto att = kakeya_ops::cached_attention_rows_append(q.view({N, Hk, H / Hk, D}), k_new, v_new, k, v, k_pos,
-                                                            slot, count, write_pos, q_pos, window, sink, scale);
-  const auto a = project(att.view({N, H * D}), weights, config, kO);  // (N, C)
+                                         maybe(weights[kQNorm]), maybe(weights[kKNorm]), params[1], unit_offset);
+  auto v_new = qkv.narrow(2, (H + Hk) * D, Hk * D).view({N, 1, Hk, D}).transpose(1, 2);  // (N, Hk, 1, D)
+  return {q, k_new, v_new};
+}
+
+// The layer from attention's output att (N, H * D) on: o_proj, the block's norms and residual adds, the MLP.
+at::Tensor layer_output(const at::Tensor& att, const at::Tensor& h, at::TensorList weights, at::IntArrayRef config,
+                        at::ArrayRef<double> params) {
+  check_layer(h, weights, config, params);
+  const int64_t N = h.size(0), C = h.size(2);
+  TORCH_CHECK(att.dim() == 2 && att.size(0) == N && att.size(1) == config[kHeads] * config[kHeadDim] &&
+                  att.scalar_type() == h.scalar_type(),
+              "decoder_layer: attention output must be (N, H * D) in h's dtype");
+  const bool gemma = config[kGemma] != 0, unit_offset = config[kUnitOffset] != 0;
+  const double eps = params[0];
+  const auto h2 = h.view({N, C});
+  const auto a = project(att, weights, config, kO);  // (N, C)
   // The block: Llama's add + norm, or Gemma's sandwich (post-attention norm, then add + pre-feedforward norm).
   auto [s, normed] = gemma ? kakeya_ops::add_rms_norm(kakeya_ops::rms_norm(a, weights[kPostAttnNorm], eps, true), h2,
                                                       weights[kPreFfNorm], eps, true)
@@ -86,12 +103,31 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::T
   return at::add(s, m).view({N, 1, C});
 }
 
+at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& q_pos,
+                         at::TensorList weights, at::IntArrayRef config, at::ArrayRef<double> params,
+                         at::TensorList k, at::TensorList v, at::TensorList k_pos, at::IntArrayRef slot,
+                         at::IntArrayRef count, at::IntArrayRef write_pos, at::IntArrayRef window,
+                         at::IntArrayRef sink) {
+  const auto [q, k_new, v_new] = attention_inputs(h, cos, sin, weights, config, params);
+  const int64_t N = h.size(0), H = config[kHeads], Hk = config[kKvHeads], D = config[kHeadDim];
+  const auto att = kakeya_ops::cached_attention_rows_append(q.view({N, Hk, H / Hk, D}), k_new, v_new, k, v, k_pos,
+                                                            slot, count, write_pos, q_pos, window, sink, params[2]);
+  return layer_output(att.view({N, H * D}), h, weights, config, params);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.def("decoder_layer(Tensor h, Tensor cos, Tensor sin, Tensor q_pos, Tensor[] weights, int[] config, "
         "float[] params, Tensor(a!)[] k, Tensor(b!)[] v, Tensor(c!)[] k_pos, int[] slot, int[] count, "
         "int[] write_pos, int[] window, int[] sink) -> Tensor");
+  m.def("decoder_layer_attention_inputs(Tensor h, Tensor cos, Tensor sin, Tensor[] weights, int[] config, "
+        "float[] params) -> (Tensor, Tensor, Tensor)");
+  m.def("decoder_layer_output(Tensor att, Tensor h, Tensor[] weights, int[] config, float[] params) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kakeya, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
+TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
+  m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_layer_attention_inputs", &attention_inputs);
+  m.impl("decoder_layer_output", &layer_output);
+}
