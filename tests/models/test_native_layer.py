@@ -1,7 +1,8 @@
 """kakeya::decoder_layer (models/native_layer.py): one native call per decoder layer for decode rows gives the bits
 of the layer's Python path (logits and every cache), on tiny Llama and Gemma 3 models and on SmolLM2, in each weight
 format, one row (Engine.decode_step) and several rows of different cache lengths (Engine.decode_rows), at 1 and 2
-threads; and it serves exactly the layers it should."""
+threads; over every KV policy too (the layer in two native calls around the policy's own attention); and it serves
+exactly the layers it should."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kakeya_runtime.engine.generate import Engine
 from kakeya_runtime.engine.weights import quantize_model
 from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.models import native, native_layer
+from kakeya_runtime.sessions.policy import PolicyRegistry
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="needs the native kernels")
 
@@ -24,21 +26,27 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-def _caches(engine: Engine, histories: list[torch.Tensor]) -> list[ModelKV]:
+def _caches(engine: Engine, histories: list[torch.Tensor], policies: list | None = None) -> list[ModelKV]:
     out = []
-    for ids in histories:
-        cache = engine.new_cache(capacity=ids.shape[1] + 8)
+    registry = PolicyRegistry()
+    for i, ids in enumerate(histories):
+        if policies is None:
+            cache = engine.new_cache(capacity=ids.shape[1] + 8)
+        else:
+            capacity = min(512, engine.config.max_position_embeddings)
+            cache = registry.build(engine, registry.resolve(*policies[i], engine.config, capacity), capacity)
         engine.prefill(cache, ids)
         out.append(cache)
     return out
 
 
-def _steps(engine: Engine, histories: list[torch.Tensor], tokens: list[int], *, on: bool) -> tuple[list, list]:
+def _steps(engine: Engine, histories: list[torch.Tensor], tokens: list[int], *, on: bool,
+           policies: list | None = None) -> tuple[list, list]:
     """Two decode steps of rows over caches holding `histories`, then two single-row steps on the first cache, with
     the native layer path on or off: (logits of each step, final cache states)."""
     before = native_layer.set_enabled(on)
     try:
-        caches = _caches(engine, histories)
+        caches = _caches(engine, histories, policies)
         logits = [engine.decode_rows(caches, tokens), engine.decode_rows(caches, tokens[::-1])]
         for t in tokens[:2]:
             logits.append(engine.decode_step(caches[0], torch.tensor([[t]])).logits)
@@ -47,11 +55,11 @@ def _steps(engine: Engine, histories: list[torch.Tensor], tokens: list[int], *, 
         native_layer.set_enabled(before)
 
 
-def check_same_bits(model, histories: list[torch.Tensor], tokens: list[int]) -> None:
+def check_same_bits(model, histories: list[torch.Tensor], tokens: list[int], policies: list | None = None) -> None:
     engine = Engine(model)
-    ref_logits, ref_states = _steps(engine, histories, tokens, on=False)
+    ref_logits, ref_states = _steps(engine, histories, tokens, on=False, policies=policies)
     model.__dict__.pop("_native_layers", None)
-    logits, states = _steps(engine, histories, tokens, on=True)
+    logits, states = _steps(engine, histories, tokens, on=True, policies=policies)
     served = model.native_layers().args
     assert all(a not in (None, False) for a in served), "every layer should have run natively"
     for i, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
@@ -86,14 +94,67 @@ def test_smollm2_native_layer_same_bits(fmt, english_text, threads):
     check_same_bits(loaded.model, histories, [ids[1], ids[2], ids[3]])
 
 
+POLICIES = [
+    ("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2}),  # attends itself (owns_attention)
+    ("full", {}),
+    ("sink_window", {"sink": 4, "window": 16}),  # update_and_fetch, no append_slot
+    ("sink_window", {"sink": 4, "window": 16, "codec": "d4"}),  # packed lattice resident codec
+    ("restore", {"sink": 4, "window": 16, "granularity": "per_step"}),  # a proposer forward inside the step
+    ("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2, "codec": "d4"}),
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int4"])
+def test_tiny_native_layer_over_policies_same_bits(family, fmt, make_tiny_model, threads):
+    """Rows over every policy in one step (and single-row steps on a sparse cache): the split native layer gives the
+    Python path's logits and leaves every cache as the Python path does."""
+    model = make_tiny_model(family, dtype=torch.float32)
+    if fmt != "fp32":
+        quantize_model(model, fmt)
+    gen = torch.Generator().manual_seed(5)
+    lengths = [70, 7, 90, 33, 64, 41]  # past the windows: evicted, cold blocks, ring wraps
+    histories = [torch.randint(3, model.config.vocab_size, (1, n), generator=gen) for n in lengths]
+    check_same_bits(model, histories, [7, 11, 13, 2, 5, 9], POLICIES)
+
+
+@pytest.mark.real_model
+def test_smollm2_native_layer_over_sparse_and_sink_window_same_bits(english_text):
+    from kakeya_runtime.models.loader import load_model
+
+    loaded = load_model("smollm2", dtype=torch.bfloat16)
+    ids = loaded.tokenizer.encode(english_text).ids
+    histories = [torch.tensor([ids[i : i + n]]) for i, n in enumerate([300, 120])]
+    policies = [("sparse", {"sink": 4, "window": 64, "block": 16, "topk": 4}), ("sink_window", {"sink": 4, "window": 64})]
+    check_same_bits(loaded.model, histories, [ids[1], ids[2]], policies)
+
+
+def test_split_layer_serves_policy_caches(make_tiny_model):
+    """A sparse or sink_window cache's layer runs natively in two calls around the cache's own attention: one
+    native_layer.run per layer, the cache written once, the output the layer's forward."""
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    engine = Engine(model, prefill_chunk=32)
+    registry = PolicyRegistry()
+    for name, params in POLICIES[:1] + POLICIES[2:3]:
+        cache = registry.build(engine, registry.resolve(name, params, engine.config, 256), 256)
+        engine.prefill(cache, torch.randint(3, 50, (1, 40), generator=torch.Generator().manual_seed(1)))
+        h = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).bfloat16()
+        cos, sin = model.rotary.cos_sin(torch.tensor([40]), torch.bfloat16)
+        out = model.native_layers().run(0, model.layers[0], h, torch.tensor([40]), cos, sin, [cache[0]])
+        assert out is not None and cache.layer_lengths()[0] == 41, name
+        before = native_layer.set_enabled(False)
+        try:
+            other = registry.build(engine, registry.resolve(name, params, engine.config, 256), 256)
+            engine.prefill(other, torch.randint(3, 50, (1, 40), generator=torch.Generator().manual_seed(1)))
+            ref, _ = model.layer_forward(0, h, torch.tensor([40]), model.rope_tables(torch.tensor([40]), h.dtype),
+                                         other[0], False)
+        finally:
+            native_layer.set_enabled(before)
+        assert torch.equal(out, ref), name
+
+
 def test_policy_and_traced_layers_keep_the_python_path(make_tiny_model):
-    """A cache that writes itself (no append_slot), a traced layer or a prefill chunk runs the layer's forward."""
-    from kakeya_runtime.kv.cache import FullLayerKV
-
-    class OwnWrites(FullLayerKV):
-        def update_and_fetch(self, k, v, positions):
-            return super().update_and_fetch(k, v, positions)
-
+    """A traced layer, a prefill chunk or a cast the kernels lack runs the layer's forward."""
     model = make_tiny_model("llama", dtype=torch.bfloat16)
     engine = Engine(model)
     cache = engine.new_cache(capacity=32)
@@ -102,9 +163,50 @@ def test_policy_and_traced_layers_keep_the_python_path(make_tiny_model):
     block = model.layers[0]
     h = torch.zeros(1, 1, model.config.hidden_size, dtype=torch.bfloat16)
     cos, sin = model.rotary.cos_sin(torch.tensor([4]), torch.bfloat16)
-    own = OwnWrites(1, model.config.num_key_value_heads, model.config.head_dim, 32, dtype=torch.bfloat16)
-    assert fused.run(0, block, h, torch.tensor([4]), cos, sin, [own]) is None and own.length == 0
     assert fused.run(0, block, h.float(), torch.tensor([4]), cos, sin, [cache[0]]) is None  # a cast the path lacks
     assert cache[0].length == 4
     out = engine.decode_step(cache, torch.tensor([[5]]), trace_layer=1)
     assert out.attn_row is not None  # layer 1 traced: its forward ran
+
+
+def test_sink_window_ring_written_natively_after_trim_and_load_same_bits(make_tiny_model):
+    """sink_window with the identity codec hands its ring to the one-call layer (append_slot): the op-by-op path's
+    bits, also after a trim leaves holes (the layer steps aside until the history passes them) and after a state
+    with holes is loaded into a fresh cache."""
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    engine = Engine(model, prefill_chunk=32)
+    registry = PolicyRegistry()
+    spec = registry.resolve("sink_window", {"sink": 4, "window": 16, "spare": 4}, engine.config, 256)
+    ids = torch.randint(3, model.config.vocab_size, (1, 50), generator=torch.Generator().manual_seed(4))
+
+    def run(on: bool) -> tuple[list, list, list]:
+        before = native_layer.set_enabled(on)
+        try:
+            cache = registry.build(engine, spec, 256)
+            engine.prefill(cache, ids)
+            logits, offered = [], []
+            for t in (5, 6, 7):
+                logits.append(engine.decode_step(cache, torch.tensor([[t]])).logits)
+            cache.trim(cache.length - 3)
+            for t in (8, 9, 10, 11, 12):
+                offered.append(cache[0].append_slot is not None)
+                logits.append(engine.decode_step(cache, torch.tensor([[t]])).logits)
+            cache.trim(cache.length - 2)
+            loaded = registry.build(engine, spec, 256)
+            loaded.load_state(cache.state())
+            for t in (13, 14, 15):
+                offered.append(loaded[0].append_slot is not None)
+                logits.append(engine.decode_step(loaded, torch.tensor([[t]])).logits)
+            return logits, offered, loaded.state()
+        finally:
+            native_layer.set_enabled(before)
+
+    ref, _, ref_state = run(False)
+    model.__dict__.pop("_native_layers", None)
+    got, offered, state = run(True)
+    assert offered == [False, False, False, True, True, False, False, False]
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert torch.equal(a, b), f"step {i}"
+    for layer, (x, y) in enumerate(zip(state, ref_state, strict=True)):
+        for name in x:
+            assert torch.equal(x[name], y[name]), f"layer {layer} {name}"

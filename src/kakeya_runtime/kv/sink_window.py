@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kakeya_runtime.kv.cache import CacheError, _check_new
+from kakeya_runtime.kv.cache import CacheError, _check_new, _keep_writes_overridable
 from kakeya_runtime.kv.compress import IdentityCodec, KVCodec, SlotStore
 from kakeya_runtime.kv.spec import PolicyKV
 
@@ -56,6 +56,35 @@ class SinkWindowLayerKV:
         self.exact: tuple[Tensor, Tensor] | None = None
         self.dirty: Tensor | None = None  # (slots,) bool: written during the step
         self._probe = torch.empty(batch, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
+        # A trim empties the slots of the positions it drops; until the history passes them again they are holes
+        # below the newest slot, which only update_and_fetch's slot lists skip (append_slot is off until then).
+        self._holes_until = 0
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        _keep_writes_overridable(cls)
+
+    @property
+    def append_slot(self):
+        """update_and_fetch of one decode token for a caller that writes it itself (as kv.cache's ring layers offer
+        it, models.layers.RowKV), where the store is a plain buffer (the identity codec) with no holes: the
+        method, else None."""
+        if not isinstance(self.codec, IdentityCodec) or self.view is not None or self.length < self._holes_until:
+            return None
+        return self._append_slot
+
+    def _append_slot(self) -> tuple[Tensor, Tensor, Tensor, int, int, bool]:
+        """(k, v, slot positions, the slot to write, the slots to attend, True: the position is written there too).
+        The slots to attend hold every kept position (with `spare`, older ones the window rule masks)."""
+        start = self.length
+        if start + 1 > self.max_positions:
+            raise PositionLimitError(
+                f"position {start} is past the model's limit of {self.max_positions} positions; "
+                "sink_window does not reassign positions"
+            )
+        self.length = start + 1
+        return (self.store.k["x"], self.store.v["x"], self.store.slot_positions, self.slot(start),
+                min(start + 1, self.num_slots), True)
 
     def clone_empty(self) -> SinkWindowLayerKV:
         """A fresh layer of the same kind and shape (idle compression rebuilds layers with it)."""
@@ -180,6 +209,7 @@ class SinkWindowLayerKV:
             )
         gone = self.store.slot_positions >= length
         self.store.slot_positions[gone] = -1
+        self._holes_until = max(self._holes_until, self.length)
         self.length = length
 
     def state(self) -> dict[str, Tensor]:
@@ -193,6 +223,9 @@ class SinkWindowLayerKV:
         self.view = self.exact = self.dirty = None
         self.store.load_state(state)
         self.length = int(state["length"])
+        held = self.store.slot_positions[: min(self.length, self.num_slots)]
+        # a state saved with holes: every slot is rewritten within one pass over the ring
+        self._holes_until = self.length + self.num_slots if bool((held < 0).any()) else 0
 
     def held_positions(self) -> Tensor:
         sp = self.store.slot_positions
