@@ -298,3 +298,43 @@ def test_budget_validation():
             PolicySpec.parse("sparse", {"budget": bad})
     assert PolicySpec.parse("sparse", {"budget": "0.25"}).budget == 0.25
     assert PolicySpec.parse("sparse").params["budget"] == 0.125
+
+
+@pytest.mark.parametrize("codec", ["d4", "e8"])
+def test_deferred_block_encode_leaves_the_state_immediate_encoding_does(tiny_model, codec, monkeypatch):
+    """A lattice tier's blocks that no query of the step may select yet are encoded at the end of the step, every
+    layer's in one batch: each step's logits, and the cache after it (decode steps, chunks, a trim), are the bits
+    that encoding each block as it completes gives."""
+    spec = PolicySpec.parse("sparse", {**SMALL, "codec": codec, "spare": 4})
+    deferred, immediate = make_policy_cache(tiny_model.config, spec), make_policy_cache(tiny_model.config, spec)
+    sparse = [x for x in deferred.layers if isinstance(x, SparseLayerKV)]
+    assert sparse and all(x.defer_encode for x in sparse)
+    for x in immediate.layers:
+        if isinstance(x, SparseLayerKV):
+            x.defer_encode = False
+    flushed = []
+    end_step = SparseKV.end_step
+
+    def counting_end_step(self):
+        flushed.append(sum(x.pending_blocks() is not None for x in self._sparse()))
+        end_step(self)
+        assert all(x.pending_blocks() is None for x in self._sparse())
+
+    monkeypatch.setattr(SparseKV, "end_step", counting_end_step)
+    engine = Engine(tiny_model, prefill_chunk=16)
+    ids = _ids(80, seed=3)
+
+    def same(a, b):
+        assert torch.equal(a, b)
+        for la, lb in zip(deferred.state(), immediate.state(), strict=True):
+            for name in la:
+                assert torch.equal(la[name], lb[name]), name
+
+    same(engine.prefill(deferred, ids[:, :45]).logits, engine.prefill(immediate, ids[:, :45]).logits)
+    for t in range(45, 60):
+        same(engine.decode_step(deferred, ids[:, t : t + 1]).logits,
+             engine.decode_step(immediate, ids[:, t : t + 1]).logits)
+    deferred.trim(57)
+    immediate.trim(57)
+    same(engine.prefill(deferred, ids[:, 57:80]).logits, engine.prefill(immediate, ids[:, 57:80]).logits)
+    assert sum(flushed) > 0  # some steps did leave blocks for the end of the step

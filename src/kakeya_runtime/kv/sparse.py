@@ -87,7 +87,7 @@ class SparseLayerKV:
                  topk: int, max_positions: int, codec: KVCodec, spare: int = 0, dtype: torch.dtype,
                  device: torch.device | str = "cpu", initial_blocks: int = 16,
                  head_topk: tuple[int, ...] | None = None, decoded_blocks: int | None = None,
-                 budget: float = 0.0) -> None:
+                 budget: float = 0.0, defer_encode: bool = False) -> None:
         if sink < 0 or window < 1 or block < 1 or topk < 1 or spare < 0 or not 0.0 <= budget <= 1.0:
             raise CacheError(f"need sink >= 0, window, block, topk >= 1, spare >= 0, 0 <= budget <= 1; got {sink}, "
                              f"{window}, {block}, {topk}, {spare}, {budget}")
@@ -96,7 +96,8 @@ class SparseLayerKV:
             raise CacheError(f"head_topk needs {num_kv_heads} counts >= 0, got {head_topk}")
         self._init = dict(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, sink=sink, window=window,
                           block=block, topk=topk, max_positions=max_positions, codec=codec, spare=spare, dtype=dtype,
-                          device=device, head_topk=head_topk, decoded_blocks=decoded_blocks, budget=budget)
+                          device=device, head_topk=head_topk, decoded_blocks=decoded_blocks, budget=budget,
+                          defer_encode=defer_encode)
         # Per KV head: blocks kept (0: streaming, no cold tier), and its index among the heads with a cold tier.
         self.head_topk = head_topk
         self._topk_t = torch.tensor(head_topk, dtype=torch.long)
@@ -107,6 +108,11 @@ class SparseLayerKV:
                            else torch.tensor(self.cold_heads, dtype=torch.long, device=device))
         self.sink, self.window, self.block, self.topk, self.spare = sink, window, block, topk, spare
         self.budget = budget  # a sparse head keeps max(topk, ceil(budget * n)) of the n blocks it may select
+        # Blocks no query of a step may select yet wait for the model's end of step, which encodes every layer's in
+        # one batch (SparseKV.end_step; for lattice codecs, whose encode is many small ops). A layer stepped on its
+        # own (without SparseKV) must leave it off: nothing would encode them.
+        self.defer_encode = defer_encode
+        self._deferred = 0  # blocks complete up to here wait for flush_blocks (above n_blocks)
         self.ring = window + block + spare
         self.max_positions = max_positions
         self.codec, self.dtype = codec, dtype
@@ -260,9 +266,14 @@ class SparseLayerKV:
 
     def _complete_blocks(self, k_new: Tensor, v_new: Tensor, start: int, end: int) -> None:
         """Encode every block that is complete at `end` and not in the cold tier yet; its K/V come from the
-        ring (positions before `start`) and the step's own K/V (from `start`)."""
+        ring (positions before `start`) and the step's own K/V (from `start`). With `defer_encode`, blocks no
+        query of the step may select yet (they still lie in the newest query's window) wait for the model's
+        end of step, which encodes every layer's in one batch (flush_blocks): the same codes, fewer calls."""
         target = max(0, end - self.sink) // self.block
         if target <= self.n_blocks:
+            return
+        if self.defer_encode and self.cold_heads and max(0, end - self.window - self.sink) // self.block <= self.n_blocks:
+            self._deferred = target  # the ring still holds them at the end of the step (within the last window + block)
             return
         lo, hi = self.sink + self.n_blocks * self.block, self.sink + target * self.block
         parts_k, parts_v = [], []
@@ -275,24 +286,44 @@ class SparseLayerKV:
             parts_v.append(v_new[:, :, max(lo, start) - start : hi - start])
         kb = torch.cat(parts_k, dim=2) if len(parts_k) > 1 else parts_k[0]
         vb = torch.cat(parts_v, dim=2) if len(parts_v) > 1 else parts_v[0]
-        if self._cold_pick is not None:  # streaming heads keep no cold tier
-            kb, vb = kb.index_select(1, self._cold_pick), vb.index_select(1, self._cold_pick)
-        b, hk, _, d = kb.shape
-        n = target - self.n_blocks
-        self._reserve_blocks(target)
-        self._forget_decoded(self.n_blocks)  # blocks written from here on are new: a decoded copy would be stale
-        if hk == 0:
+        kb, vb = self._cold_side(kb), self._cold_side(vb)
+        if kb.shape[1] == 0:  # every head streams: no cold tier
+            self._reserve_blocks(target)
+            self._forget_decoded(self.n_blocks)
             self.n_blocks = target
             return
-        kb, vb = kb.reshape(b, hk, n, self.block, d), vb.reshape(b, hk, n, self.block, d)
         enc_k, enc_v = self.codec.encode(kb), self.codec.encode(vb)
+        self._put_blocks(target, enc_k, enc_v, kb if self.codec.lossless else self.codec.decode(enc_k, self.dtype))
+
+    def _cold_side(self, x: Tensor) -> Tensor:
+        """(B, Hk, n * block, D) -> (B, Hc, n, block, D): the heads with a cold tier, by block."""
+        if self._cold_pick is not None:  # streaming heads keep no cold tier
+            x = x.index_select(1, self._cold_pick)
+        b, hc, n, d = x.shape
+        return x.reshape(b, hc, n // self.block, self.block, d)
+
+    def _put_blocks(self, target: int, enc_k: dict[str, Tensor], enc_v: dict[str, Tensor], seen: Tensor) -> None:
+        """Store blocks n_blocks..target-1, encoded (B, Hc, n, block, ...), and their summaries from `seen`, the
+        keys as queries will read them."""
+        self._reserve_blocks(target)
+        self._forget_decoded(self.n_blocks)  # blocks written from here on are new: a decoded copy would be stale
         sl = slice(self.n_blocks, target)
         for store, enc in ((self.cold_k, enc_k), (self.cold_v, enc_v)):
             for name, t in store.items():
                 t[:, :, sl] = enc[name]
-        seen = kb if self.codec.lossless else self.codec.decode(enc_k, self.dtype)  # what queries will read
         self.kmin[:, :, sl], self.kmax[:, :, sl] = seen.amin(3), seen.amax(3)
         self.n_blocks = target
+
+    def pending_blocks(self) -> tuple[Tensor, Tensor] | None:
+        """The complete blocks `defer_encode` left for the end of the step, (B, Hc, n, block, D) K and V from the
+        ring, or None."""
+        if self._deferred <= self.n_blocks:
+            return None
+        k, v = self._ring_kv(self.sink + self.n_blocks * self.block, self.sink + self._deferred * self.block)
+        return self._cold_side(k), self._cold_side(v)
+
+    def flush_blocks(self) -> None:
+        flush_blocks([self])
 
     @property
     def counters(self) -> SparseCounters:
@@ -534,6 +565,7 @@ class SparseLayerKV:
             raise CacheError(f"cannot trim a cache of length {self.length} to {length}")
         if length == self.length:
             return
+        self.flush_blocks()
         lo = max(self.sink, min(self.hot_lo(length), self.sink + max(0, length - self.sink) // self.block * self.block))
         if lo < length:
             slots = self._slots(lo, length)
@@ -548,6 +580,7 @@ class SparseLayerKV:
         self.length = length
 
     def state(self) -> dict[str, Tensor]:
+        self.flush_blocks()
         n = self.n_blocks
         out = {"k": self.k_hot.clone(), "v": self.v_hot.clone(), "hot_pos": self.hot_pos.clone(),
                "kmin": self.kmin[:, :, :n].clone(), "kmax": self.kmax[:, :, :n].clone(),
@@ -558,7 +591,7 @@ class SparseLayerKV:
 
     def load_state(self, state: dict[str, Tensor]) -> None:
         n = state["kmin"].shape[2]
-        self.n_blocks = 0
+        self.n_blocks = self._deferred = 0
         self._forget_decoded(0)
         self._reserve_blocks(n)
         self.k_hot.copy_(state["k"])
@@ -581,6 +614,24 @@ def _grown(t: Tensor, n: int) -> Tensor:
     if t.shape[1] >= n:
         return t
     return torch.cat((t, torch.full((t.shape[0], n - t.shape[1]), -1, dtype=t.dtype)), dim=1)
+
+
+def flush_blocks(layers: list[SparseLayerKV]) -> None:
+    """Encode the blocks `defer_encode` left in these layers (one codec call for K and one for V over all of
+    them: the codecs work row by row, so the codes are the ones each block gets alone) and store them."""
+    work = [(layer, kv) for layer in layers if (kv := layer.pending_blocks()) is not None]
+    if not work:
+        return
+    codec, dtype, d = work[0][0].codec, work[0][0].dtype, work[0][1][0].shape[-1]
+    enc = [codec.encode(torch.cat([kv[i].reshape(-1, d) for _, kv in work])) for i in (0, 1)]
+    seen = torch.cat([kv[0].reshape(-1, d) for _, kv in work]) if codec.lossless else codec.decode(enc[0], dtype)
+    offset = 0
+    for layer, (k, _) in work:
+        n = k.numel() // d
+        take = [{key: t[offset : offset + n].reshape(*k.shape[:-1], *t.shape[1:]) for key, t in e.items()}
+                for e in enc]
+        layer._put_blocks(layer.n_blocks + k.shape[2], take[0], take[1], seen[offset : offset + n].reshape(k.shape))
+        offset += n
 
 
 class SparseKV(PolicyKV):
@@ -612,7 +663,9 @@ class SparseKV(PolicyKV):
         return [layer.counters.as_dict() for layer in self._sparse()]
 
     def end_step(self) -> None:
-        """Decoded blocks live while their layer attends: the step's peak is its largest layer's."""
+        """The step's deferred blocks, every layer's in one batch; decoded blocks live while their layer attends:
+        the step's peak is its largest layer's."""
+        flush_blocks(self._sparse())
         peak = max((layer.peak_decoded_bytes for layer in self._sparse()), default=0)
         self.peak_transient_bytes = max(self.peak_transient_bytes, peak)
 
