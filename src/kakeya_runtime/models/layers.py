@@ -18,7 +18,7 @@ from kakeya_runtime.models import native
 
 class LayerKV(Protocol):
     """What a decoder layer needs from its caller-owned cache (implemented in kakeya_runtime.kv). A cache with
-    preallocated storage may also offer `append_slot()` (kv.cache's full and ring layers): the batched decode rows
+    preallocated storage may also offer `append_slot()` (kv.cache's full and ring layers, sink_window's identity ring): the batched decode rows
     then write its token in their native attention call instead of calling update_and_fetch."""
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -473,7 +473,7 @@ class Attention(nn.Module):
         """Decode rows q, k, v (N, H or Hk, 1, D), row i one token at positions[i] of the sequence caches[i] holds:
         each row's attention over its own cache, (N, H, 1, D). With the native kernel the rows whose cache hands out
         its keys share ONE call (native.cached_attention_rows_append: each row the bits of its own call); a cache
-        with preallocated storage (`append_slot`: kv.cache's full and ring layers) has its new K/V written in that
+        with preallocated storage (`append_slot`: kv.cache's full and ring layers, sink_window's identity ring) has its new K/V written in that
         call too, the others (update_and_fetch) before it. A cache that attends itself (kv.sparse) and the other
         backends go row by row."""
         if not (native.enabled() and native.supports(self.head_dim, q.dtype)):

@@ -2,12 +2,12 @@
 
 An eager decode step runs ~9 kernels per layer, each reached from Python through module calls, views and the
 dispatcher: ~8 ms of a 25 ms SmolLM2 step at 1k context (results/engine/eager_step_profile.json). For layers whose
-caches are preallocated buffers (`append_slot`: kv.cache's full and ring layers) the C++ op runs the same kernels in
-the same order on the same inputs, so the bits are the Python path's. Where a row's cache is a policy (sink_window,
-restore, sparse: no `append_slot`, or a cache that attends itself) the layer runs as two native calls around the
-Python path's own attention of the rows. A trace, a prefill chunk, many rows on a quantized layer's dequantizing
-path, the sdpa backend and torch.compile keep the Python path. The per-layer arguments are gathered once (`LayerArgs`) and reused while the layer's projection
-modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
+caches are preallocated buffers (`append_slot`: kv.cache's full and ring layers, sink_window's identity-codec ring)
+the C++ op runs the same kernels in the same order on the same inputs, so the bits are the Python path's. Where a
+row's cache is another policy (restore, a lossy sink_window: no `append_slot`; sparse: it attends itself) the layer
+runs as two native calls around the Python path's own attention of the rows. A trace, a prefill chunk, many rows on
+a quantized layer's dequantizing path, the sdpa backend and torch.compile keep the Python path. The per-layer
+arguments are gathered once (`LayerArgs`) and reused while the layer's projection modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
 """
 
 from __future__ import annotations

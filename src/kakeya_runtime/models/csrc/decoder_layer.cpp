@@ -1,12 +1,13 @@
 // One decoder layer's decode step in one call: kakeya::decoder_layer.
 //
 // N rows, one new token each (a decode step of one session, or the rows of a batched step), each over its own
-// preallocated cache (kv.cache's full and ring layers, `append_slot`). The eager step otherwise runs ~9 ops per layer
-// from Python with their views and glue (~8 ms of a 25 ms SmolLM2 step at 1k); here the same ops run back to back:
-// norm -> QKV projection -> qkv_rope (Gemma's q/k norms) -> attention with the K/V write -> o_proj -> (Gemma's
-// post-attention norm) -> add + norm -> gate/up -> act(gate) * up -> down -> (Gemma's post-feedforward norm) ->
-// residual add. Each is the very function its op runs (common.h), on the same inputs, in layers.py's order, so the
-// bits are the Python path's by construction (tests/models/test_native_layer.py compares them).
+// preallocated cache (`append_slot`: kv.cache's full and ring layers, sink_window's identity ring). The eager step
+// otherwise runs ~9 ops per layer from Python with their views and glue (~8 ms of a 25 ms SmolLM2 step at 1k); here
+// the same ops run back to back: norm -> QKV projection -> qkv_rope (Gemma's q/k norms) -> attention with the K/V
+// write -> o_proj -> (Gemma's post-attention norm) -> add + norm -> gate/up -> act(gate) * up -> down -> (Gemma's
+// post-feedforward norm) -> residual add. Each is the very function its op runs (common.h), on the same inputs, in
+// layers.py's order, so the bits are the Python path's by construction (tests/models/test_native_layer.py compares
+// them).
 //
 // Arguments prepared once per layer (models/native_layer.py): weights [input norm, post-attention norm, pre-feedforward
 // norm, post-feedforward norm, q norm, k norm, then (w or codes, scales, bias) for qkv, o, gate/up, down], an empty
