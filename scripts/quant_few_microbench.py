@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kakeya_runtime.engine.weights import pack_tiles, quantize_int4, quantize_int8
+from kakeya_runtime.engine.weights import pack_scales, pack_tiles, quantize_int4, quantize_int8
 from kakeya_runtime.models import native
 
 SHAPES = {  # name: (N, K, bits)
@@ -62,7 +62,7 @@ def main() -> None:
         copies = 1 if a.hot else max(1, min(16, (16 << 20) // (n * k // 2 * bits // 4)))
         if bits == 4:
             codes, sz = quantize_int4(w, dtype=torch.float32)
-            ours = [(pack_tiles(codes, 4), sz.clone()) for _ in range(copies)]
+            ours = [(pack_tiles(codes, 4), pack_scales(sz)) for _ in range(copies)]
             _, szb = quantize_int4(w)
             peer = [] if a.no_peer else [(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), szb.clone())
                                          for _ in range(copies)]

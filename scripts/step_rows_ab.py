@@ -1,4 +1,5 @@
-"""One batched decode step of N sessions (Engine.step_rows, SmolLM2 bf16, each row its own cache of 250 + 10 i
+"""One batched decode step of N sessions (Engine.step_rows, SmolLM2 bf16 or, with `--weights`, as `kakeya serve`
+builds it; each row its own cache of 250 + 10 i
 tokens) against one session's decode step, in process, for an A/B of the engine's per-row cost. Run it once on each
 tree (PYTHONPATH picks the code), alternating, and compare `rows_ms`: the best of 3 timed runs of `--steps` steps
 each, after a warm-up run; the caches are trimmed back after every run, so each run decodes the same positions.
@@ -29,13 +30,23 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--weights", default="bf16",
+                        help="bf16 (load_model), or a `kakeya serve --weights` value: the model as serve builds it")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     import psutil
 
     busy = round(psutil.cpu_percent(interval=0.5) / 100.0, 3)
-    engine = Engine(load_model(args.model, dtype=torch.bfloat16).model)
+    if args.weights == "bf16":
+        engine = Engine(load_model(args.model, dtype=torch.bfloat16).model)
+    else:
+        from rich.console import Console
+
+        from kakeya_runtime.bench.long_session import load_served
+
+        served = load_served(args.model, args.weights, None, Console(quiet=True))
+        engine = Engine(served.model)
     gen = torch.Generator().manual_seed(0)
     caches = []
     for i in range(args.rows):
@@ -72,7 +83,7 @@ def main() -> None:
     commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"command": "python " + shlex.join(sys.argv), "source_tree": str(src), "commit": commit,
               "cpu_busy_before": busy, "torch_threads": torch.get_num_threads(), "rows": args.rows,
-              "steps": args.steps, "rows_ms": rows_ms, "solo_ms": solo_ms, "runs_ms": runs,
+              "weights": args.weights, "steps": args.steps, "rows_ms": rows_ms, "solo_ms": solo_ms, "runs_ms": runs,
               "rows_over_solo": round(rows_ms / solo_ms, 3),
               "pure_decode_aggregate_ratio": round(args.rows * solo_ms / rows_ms, 3)}
     print(json.dumps(result))

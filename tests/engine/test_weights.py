@@ -70,6 +70,25 @@ def test_int4_weights_within_half_a_step_and_kernel_matches_its_weights():
     assert ((y - x.float() @ w.t()).abs() <= bound).all()
 
 
+def test_int4_scales_sit_in_the_kernel_layout_and_the_state_dict_shows_them_plainly():
+    """The kernel reads a code tile's 16 (scale, zero) pairs together, (N/16, K/G, 16, 2); state_dict() still gives
+    quantize_int4's (K/G, N, 2) bits, so a session snapshot's model fingerprint does not depend on that layout."""
+    w, _ = _weight_and_input()
+    lin = Int4Linear(w, None)
+    if not lin.native:
+        pytest.skip("PyTorch's int4 kernel keeps its own layout")
+    _, want = quantize_int4(w, dtype=torch.float32)  # (K/G, N, 2)
+    stored = lin.scales_zeros.view(torch.float32)
+    assert stored.shape == (192 // 16, 128 // 32, 16, 2)
+    for n in (0, 15, 16, 191):  # row n, group s at [n // 16, s, n % 16]
+        for s in range(128 // 32):
+            assert torch.equal(stored[n // 16, s, n % 16], want[s, n])
+    assert torch.equal(lin.scale_zero(), want)
+    shown = lin.state_dict()["scales_zeros"]
+    assert shown.dtype == torch.int32 and torch.equal(shown.view(torch.float32), want)
+    assert lin.scales_zeros.shape == stored.shape  # the module's own buffer is untouched
+
+
 def test_gguf_q4_1_blocks_map_onto_int4_groups_exactly():
     """A Q4_1 block stores w = d * q + m (q in 0..15); as an int4 group it is scale d, zero m + 8d."""
     g = torch.Generator().manual_seed(1)

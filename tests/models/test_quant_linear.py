@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kakeya_runtime.engine.weights import pack_tiles, quantize_int4, quantize_int8
+from kakeya_runtime.engine.weights import pack_scales, pack_tiles, quantize_int4, quantize_int8
 from kakeya_runtime.models import native
 
 SHAPES = [(960, 576), (576, 1536), (3072, 576), (48, 64), (16, 32)]  # SmolLM2's qkv, down, gate/up; small
@@ -20,7 +20,7 @@ def quantized(n: int, k: int, bits: int, seed: int = 0) -> tuple[torch.Tensor, t
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k**-0.5
     if bits == 4:
         codes, sz = quantize_int4(w, dtype=torch.float32)
-        return pack_tiles(codes, 4), sz, w
+        return pack_tiles(codes, 4), pack_scales(sz), w
     q, scales = quantize_int8(w)
     return pack_tiles(q, 8), scales, w
 
@@ -124,7 +124,7 @@ def test_matches_fp64_reference(n, k, bits):
     y = native.quant_linear(x, q, sz, bits)
     want = x.double() @ wd.double().t()
     torch.testing.assert_close(y.double(), want, atol=2e-2, rtol=2e-2)
-    step = (sz.transpose(0, 1)[..., 0].float().repeat_interleave(32, dim=1) if bits == 4
+    step = (sz.permute(0, 2, 1, 3).reshape(n, k // 32, 2)[..., 0].repeat_interleave(32, dim=1) if bits == 4
             else sz.float()[:, None].expand(n, k))
     assert ((wd.float() - w).abs() <= 0.6 * step + 2.0**-7 * (w.abs() + 8 * step) + 1e-6).all()
 
@@ -159,7 +159,7 @@ def plain_weights(n: int, k: int, bits: int, seed: int) -> tuple[torch.Tensor, t
         codes, sz = quantize_int4(w, dtype=torch.float32)
         s = sz.transpose(0, 1).double().repeat_interleave(32, dim=1)  # (N, K, 2)
         wd = ((codes.double() - 8) * s[..., 0] + s[..., 1]).float().bfloat16()
-        return pack_tiles(codes, 4), sz, wd, torch.ones(n)
+        return pack_tiles(codes, 4), pack_scales(sz), wd, torch.ones(n)
     q, scales = quantize_int8(w)
     return pack_tiles(q, 8), scales, q.bfloat16(), scales.float()
 

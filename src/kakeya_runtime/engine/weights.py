@@ -222,8 +222,11 @@ class Int4Linear(QuantLinear):
         self.native = native_quant(n, k, group_size)
         codes, scales_zeros = quantize_int4(weight, group_size, dtype=torch.float32 if self.native else torch.bfloat16)
         if self.native:
-            # (K/G, N, 2) fp32 kept as its bits (int32), so a model-wide .to(bfloat16) leaves it whole
-            self.register_buffer("scales_zeros", scales_zeros.view(torch.int32))
+            # (N/16, K/G, 16, 2) fp32 kept as its bits (int32), so a model-wide .to(bfloat16) leaves it whole
+            self.register_buffer("scales_zeros", pack_scales(scales_zeros).view(torch.int32))
+            # state_dict() shows them as quantize_int4 gives them, (K/G, N, 2): the kernel's layout is not part of
+            # the weights' identity (sessions.snapshot.model_fingerprint samples the state dict)
+            self.register_state_dict_post_hook(_logical_scales)
             self.register_buffer("packed", pack_tiles(codes, 4))  # (N, K/2) uint8 in 16 x 32 tiles
             self._unpack_ok = True
             return
@@ -240,7 +243,9 @@ class Int4Linear(QuantLinear):
 
     def scale_zero(self) -> Tensor:
         """(K/G, N, 2) fp32: each group's scale and zero as the kernel uses them."""
-        return self.scales_zeros.view(torch.float32) if self.native else self.scales_zeros.float()
+        if self.native:  # from the kernel's (N/16, K/G, 16, 2)
+            return self.scales_zeros.view(torch.float32).permute(1, 0, 2, 3).reshape(-1, self.out_features, 2)
+        return self.scales_zeros.float()
 
     def kernel_mm(self, x: Tensor) -> Tensor:
         if self.native:
@@ -304,6 +309,17 @@ def pack_tiles(q: Tensor, bits: int) -> Tensor:
     else:
         t = t.to(torch.int8).view(torch.uint8)
     return t.contiguous().view(n, k * bits // 8)
+
+
+def _logical_scales(module: Int4Linear, state_dict: dict[str, Tensor], prefix: str, local_metadata: dict) -> None:
+    state_dict[prefix + "scales_zeros"] = module.scale_zero().view(torch.int32)
+
+
+def pack_scales(scales_zeros: Tensor) -> Tensor:
+    """int4 (scale, zero) pairs (K/32, N, 2) in our kernel's layout, (N/16, K/32, 16, 2): a 16 x 32 code tile's
+    16 pairs together, in pack_tiles' tile order (csrc/quant_linear.cpp reads them beside the codes)."""
+    k32, n, _ = scales_zeros.shape
+    return scales_zeros.view(k32, n // 16, 16, 2).transpose(0, 1).contiguous()
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,8 +17,10 @@
 // rows 16b.., columns 32s.. at byte (b * K/32 + s) * 16 * bytes_per_row_of_tile:
 // - int4: 16 bytes per tile row, column 32s + c in nibble slot int4_slot(c) (below: the order one byte-shuffle
 //   instruction unpacks).
-//   sz (K/32, N, 2) fp32: scale, zero of (group s, row n). w = (q - 8) * scale + zero (one fused multiply-add
-//   in fp32), rounded once to bf16 (nearest even).
+//   sz (N/16, K/32, 16, 2) fp32: scale, zero of row 16b + r in group s at [b][s][r], so a tile's 16 pairs lie
+//   together in the order the codes' tiles do (a decode reads both as two forward streams; in (K/32, N, 2) each
+//   step's pairs were a row of N apart, ~12% of the dequantization). w = (q - 8) * scale + zero (one fused
+//   multiply-add in fp32), rounded once to bf16 (nearest even).
 // - int8: 32 bytes per tile row, column 32s + j at byte j. sz (N,) bf16 scales. W' = the codes (exact in bf16), and
 //   y = fma(sum, scale, bias) per output column, rounded once: no rounding of the weights beyond int8's own (a
 //   bf16 q * scale would add up to half of int8's step again near a row's largest weights).
@@ -58,7 +60,7 @@ inline const __m512i kInt4Shift = [] {
 // of 32 bf16, 64 bytes apart (an A tile as AMX loads it). Every path's W' comes from here.
 struct QWeight {
   const uint8_t* q;
-  const void* sz;  // int4: (K/32, N, 2) fp32 (scale, zero); int8: (N,) bf16 scales
+  const void* sz;  // int4: (N/16, K/32, 16, 2) fp32 (scale, zero); int8: (N,) bf16 scales
   int64_t bits, N, K;
 
   inline int64_t tile_bytes() const { return kTileRows * kTileCols * bits / 8; }
@@ -66,9 +68,9 @@ struct QWeight {
   inline void tile(int64_t b, int64_t s, c10::BFloat16* out) const {
     const uint8_t* src = q + (b * (K / kTileCols) + s) * tile_bytes();
     if (bits == 4) {
-      const float* sz_rows = static_cast<const float*>(sz) + (s * N + b * kTileRows) * 2;  // (scale, zero) per row
-#pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r) group4(src + r * 16, sz_rows + 2 * r, sz_rows + 2 * r + 1, out + r * kTileCols);
+      const float* sz_rows = static_cast<const float*>(sz) + (b * (K / kTileCols) + s) * kTileRows * 2;  // per row
+#pragma GCC unroll 8
+      for (int r = 0; r < kTileRows; r += 2) group4_pair(src + r * 16, sz_rows + 2 * r, out + r * kTileCols);
     } else {
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) group8(reinterpret_cast<const int8_t*>(src) + r * 32, out + r * kTileCols);
@@ -86,6 +88,22 @@ struct QWeight {
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
     const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(kInt4Shift, bytes), table));
+  }
+  // Two rows' groups (codes at src, src + 16; sz = scale, zero of the first row, then of the second): one table of
+  // 32 entries, the first row's 16 values then the second's (one conversion for both), each row's codes looking up
+  // its half (index bit 4 cleared, or set). The entries are group4's, so the bits are too; ~12% fewer cycles.
+  __attribute__((always_inline)) static inline void group4_pair(const uint8_t* src, const float* sz, c10::BFloat16* out) {
+    const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512 first = _mm512_fmadd_ps(codes, _mm512_set1_ps(sz[0]), _mm512_set1_ps(sz[1]));
+    const __m512 second = _mm512_fmadd_ps(codes, _mm512_set1_ps(sz[2]), _mm512_set1_ps(sz[3]));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);
+    const __m512i bit4 = _mm512_set1_epi16(16);
+    const __m512i a = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(
+                                 _mm512_andnot_si512(bit4, _mm512_multishift_epi64_epi8(kInt4Shift, a)), table));
+    _mm512_storeu_si512(out + kTileCols, _mm512_permutexvar_epi16(
+                                             _mm512_or_si512(bit4, _mm512_multishift_epi64_epi8(kInt4Shift, b)), table));
   }
   // int8 codes as bf16, exactly (|q| <= 127 has 7 significant bits); the row's scale comes after the sum
   __attribute__((always_inline)) static inline void group8(const int8_t* src, c10::BFloat16* out) {
@@ -105,6 +123,10 @@ struct QWeight {
       const int code = int((half[slot / 16] >> (4 * (slot % 16))) & 15);
       out[c] = c10::BFloat16(std::fma(float(code - 8), scale, zero));
     }
+  }
+  static inline void group4_pair(const uint8_t* src, const float* sz, c10::BFloat16* out) {
+    group4(src, sz, sz + 1, out);
+    group4(src + 16, sz + 2, sz + 3, out + kTileCols);
   }
   static inline void group8(const int8_t* src, c10::BFloat16* out) {
     for (int j = 0; j < 32; ++j) out[j] = c10::BFloat16(float(src[j]));
@@ -309,9 +331,9 @@ QWeight check_weight(const at::Tensor& q, const at::Tensor& sz, int64_t bits) {
   TORCH_CHECK(N % kTileRows == 0 && K % kTileCols == 0, "quant_linear: N must be a multiple of 16 and K of 32");
   TORCH_CHECK(sz.is_contiguous(), "quant_linear: sz must be contiguous");
   if (bits == 4) {
-    TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.dim() == 3 && sz.size(0) == K / 32 && sz.size(1) == N &&
-                    sz.size(2) == 2,
-                "quant_linear: int4 sz must be (K/32, N, 2) fp32");
+    TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.dim() == 4 && sz.size(0) == N / 16 && sz.size(1) == K / 32 &&
+                    sz.size(2) == 16 && sz.size(3) == 2,
+                "quant_linear: int4 sz must be (N/16, K/32, 16, 2) fp32 (engine/weights.py's pack_scales)");
   } else {
     TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 1 && sz.size(0) == N,
                 "quant_linear: int8 sz must be (N,) bf16");
