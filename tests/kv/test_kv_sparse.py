@@ -66,6 +66,8 @@ def test_counters_and_fraction(tiny_llama):
 
 
 def test_tripwire_zero_blocks_selected(tiny_llama, monkeypatch):
+    # the indexer as its own call (the fused calls run the same selection and the same sparse_check inside)
+    monkeypatch.setattr(SparseLayerKV, "fused", False)
     real = native.block_select
 
     def none_selected(*args, **kwargs):
@@ -102,6 +104,7 @@ def test_fused_step_equals_three_calls(tiny_model, monkeypatch, codec):
 
 
 def test_tripwire_blocks_lost_before_attention(tiny_llama, monkeypatch):
+    monkeypatch.setattr(SparseLayerKV, "fused", False)  # the blocks decoded in Python, then handed to the kernel
     real = SparseLayerKV._decode_blocks
 
     def drop_one(self, select):  # the block in slot 0 goes missing on its way to the kernel

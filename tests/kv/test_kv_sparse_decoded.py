@@ -56,6 +56,11 @@ def test_cached_equals_fresh_turn_by_turn_and_one_shot(tiny_model, monkeypatch, 
         assert hits > 0 and misses > 0
         if per_topk == 4:
             assert hits > misses  # the cache served most blocks
+        oversize = sum(x.oversize_steps for x in layers)
+        if per_topk == 1 and chunk == 5:  # a chunk's blocks outgrow the cache: a scratch cache, native decode
+            assert oversize > 0
+        if chunk == 1:  # one token keeps at most topk blocks, which the cache always holds
+            assert oversize == 0
         if per_topk == 4 and chunk == 1:
             # more blocks decoded than it can hold: slots were reused
             assert misses > len(layers) * layers[0].decoded_blocks

@@ -141,6 +141,7 @@ class SparseLayerKV:
         self._slot_used = torch.full((hc, 0), -1, dtype=torch.long)  # (Hc, slots) the step a slot was last read
         self._dec_step = 0
         self.decoded_hits = self.decoded_misses = 0  # blocks found decoded / decoded, summed over steps
+        self.oversize_steps = 0  # steps whose blocks did not fit the decoded-block cache (_step_oversize)
         self.probe: OracleProbe | None = None
         # D4 codes on the CPU: the step, the decoded-block cache and its decode in one native call
         self._fused_decoded = (isinstance(codec, PackedLatticeCodec) and codec.lattice.kind == "d4"
@@ -446,25 +447,59 @@ class SparseLayerKV:
                       scale: float) -> tuple[Tensor, Tensor] | None:
         """A D4 cold tier's step in one native call (kakeya::sparse_step_decoded): the indexer, the decoded-block
         cache's bookkeeping and the decode of the blocks it lacks, the attention and the tripwire. None when the
-        cache has no slots yet or some head selected more blocks than it has slots (the caller decodes afresh)."""
+        cache has no slots yet (the caller decodes afresh). When some head selected more blocks than the cache
+        holds (a turn's chunk: each token keeps its own top-k), the step runs again over a scratch cache of the
+        chunk's size (`_step_oversize`)."""
         if self._grow_decoded() == 0 or self._dec is None:
             return None
         self._dec_step += 1
-        lat = self.codec.lattice
-        out, select, hits, misses = native.sparse_step_decoded(
-            qg, hot, self._cold_head_t, self.kmin, self.kmax, self.n_blocks, positions, scale, window=self.window,
-            sink=self.sink, block=self.block, topk=self._topk_t, counters=self._counts, budget=self.budget,
-            maps=(self._block_slot, self._slot_block, self._slot_used), step=self._dec_step,
-            codes=(self.cold_k["code"], self.cold_k["scale"], self.cold_v["code"], self.cold_v["scale"]),
-            rot=lat.h, decoded=self._dec, lattice_q=lat.q, bits=lat.bits, lattice_codes=lat.num_blocks)
+        out, select, hits, misses = self._fused_decoded_call(
+            qg, hot, positions, scale, (self._block_slot, self._slot_block, self._slot_used), self._dec_step,
+            self._dec)
         if misses < 0:
-            return None
+            return self._step_oversize(qg, hot, positions, scale, select)
         self.decoded_hits += hits
         self.decoded_misses += misses
         if misses:
             b, _, _, d = self.k_hot.shape
             self.peak_decoded_bytes = max(self.peak_decoded_bytes,
                                           2 * b * misses * self.block * d * self._dec[0].element_size())
+        return out, select
+
+    def _fused_decoded_call(self, qg: Tensor, hot: tuple[Tensor, Tensor, Tensor], positions: Tensor, scale: float,
+                            maps: tuple[Tensor, Tensor, Tensor], step: int,
+                            decoded: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, int, int]:
+        lat = self.codec.lattice
+        return native.sparse_step_decoded(
+            qg, hot, self._cold_head_t, self.kmin, self.kmax, self.n_blocks, positions, scale, window=self.window,
+            sink=self.sink, block=self.block, topk=self._topk_t, counters=self._counts, budget=self.budget,
+            maps=maps, step=step, codes=(self.cold_k["code"], self.cold_k["scale"], self.cold_v["code"],
+                                         self.cold_v["scale"]),
+            rot=lat.h, decoded=decoded, lattice_q=lat.q, bits=lat.bits, lattice_codes=lat.num_blocks)
+
+    def _step_oversize(self, qg: Tensor, hot: tuple[Tensor, Tensor, Tensor], positions: Tensor, scale: float,
+                       select: Tensor) -> tuple[Tensor, Tensor]:
+        """The step whose selection (`select`, from the refused call, which changed nothing) has more blocks for
+        some head than the decoded-block cache holds: the same native call over a scratch cache with a slot for
+        every block some token selected, all decoded natively, then dropped; the kept cache is left as it was.
+        The bits of the fresh decode (`_decode_fresh`, in Python: ~50 ms a turn's chunk at 6k on SmolLM2)."""
+        b, h, t, words = select.shape
+        shifts = torch.arange(64, device=select.device)
+        bits = ((select.transpose(0, 1).reshape(h, b * t, words, 1) >> shifts) & 1).any(1).reshape(h, -1)
+        bits = bits[:, : self.n_blocks]
+        if self._cold_pick is not None:
+            bits = bits.index_select(0, self._cold_pick)  # (Hc, N)
+        u = int(bits.sum(1).max())
+        hc, d = len(self.cold_heads), self.k_hot.shape[3]
+        decoded = tuple(torch.empty(b, hc, u * self.block, d, dtype=self.dtype, device=self.k_hot.device)
+                        for _ in range(2))
+        maps = (torch.full((hc, self.n_blocks), -1, dtype=torch.long), torch.full((hc, u), -1, dtype=torch.long),
+                torch.full((hc, u), -1, dtype=torch.long))
+        out, select, _, misses = self._fused_decoded_call(qg, hot, positions, scale, maps, 1, decoded)
+        if misses < 0:  # the same query rows select the same blocks: a scratch cache of their count holds them
+            raise SparseIndexError(f"the decoded scratch cache of {u} slots did not hold the step's blocks")
+        self.oversize_steps += 1
+        self.peak_decoded_bytes = max(self.peak_decoded_bytes, decoded[0].nbytes + decoded[1].nbytes)
         return out, select
 
     def _forget_decoded(self, first: int) -> None:
