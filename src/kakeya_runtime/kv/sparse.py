@@ -360,16 +360,20 @@ class SparseLayerKV:
             return empty, empty, torch.full((self.n_blocks,), -1, dtype=torch.long)
         if self.codec.direct:
             return self._direct_cold()
-        b, h, t, words = select.shape
-        shifts = torch.arange(64, device=select.device)
-        sel = select.transpose(0, 1).reshape(h, b * t, words, 1)
-        bits = ((sel >> shifts) & 1).any(1).reshape(h, -1)[:, : self.n_blocks]  # (Hk, N): blocks a head selected
-        if self._cold_pick is not None:
-            bits = bits.index_select(0, self._cold_pick)  # (Hc, N)
+        bits = self._selected(select)
         per_head = bits.sum(1)
         if bits.shape[0] and 0 < int(per_head.max()) <= self.decoded_blocks:
             return self._decode_cached(bits)
         return self._decode_fresh(bits)
+
+    def _selected(self, select: Tensor) -> Tensor:
+        """(Hc, N) bool: the blocks each cold head's queries selected (any token of the step), from the indexer's
+        bitsets (B, Hk, T, words)."""
+        b, h, t, words = select.shape
+        shifts = torch.arange(64, device=select.device)
+        sel = select.transpose(0, 1).reshape(h, b * t, words, 1)
+        bits = ((sel >> shifts) & 1).any(1).reshape(h, -1)[:, : self.n_blocks]  # (Hk, N)
+        return bits if self._cold_pick is None else bits.index_select(0, self._cold_pick)
 
     def _decode_fresh(self, bits: Tensor) -> tuple[Tensor, ...]:
         """The blocks each cold head selected (bits (Hc, N)) decoded afresh, per head (a head decodes only the
@@ -483,14 +487,8 @@ class SparseLayerKV:
         some head than the decoded-block cache holds: the same native call over a scratch cache with a slot for
         every block some token selected, all decoded natively, then dropped; the kept cache is left as it was.
         The bits of the fresh decode (`_decode_fresh`, in Python: ~50 ms a turn's chunk at 6k on SmolLM2)."""
-        b, h, t, words = select.shape
-        shifts = torch.arange(64, device=select.device)
-        bits = ((select.transpose(0, 1).reshape(h, b * t, words, 1) >> shifts) & 1).any(1).reshape(h, -1)
-        bits = bits[:, : self.n_blocks]
-        if self._cold_pick is not None:
-            bits = bits.index_select(0, self._cold_pick)  # (Hc, N)
-        u = int(bits.sum(1).max())
-        hc, d = len(self.cold_heads), self.k_hot.shape[3]
+        u = int(self._selected(select).sum(1).max())
+        b, hc, d = select.shape[0], len(self.cold_heads), self.k_hot.shape[3]
         decoded = tuple(torch.empty(b, hc, u * self.block, d, dtype=self.dtype, device=self.k_hot.device)
                         for _ in range(2))
         maps = (torch.full((hc, self.n_blocks), -1, dtype=torch.long), torch.full((hc, u), -1, dtype=torch.long),

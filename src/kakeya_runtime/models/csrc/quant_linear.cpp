@@ -19,7 +19,7 @@
 //   instruction unpacks).
 //   sz (N/16, K/32, 16, 2) fp32: scale, zero of row 16b + r in group s at [b][s][r], so a tile's 16 pairs lie
 //   together in the order the codes' tiles do (a decode reads both as two forward streams; in (K/32, N, 2) each
-//   step's pairs were a row of N apart, ~12% of the dequantization). w = (q - 8) * scale + zero (one fused
+//   step's pairs were a row of N apart: docs/evidence.md, "Scale layout"). w = (q - 8) * scale + zero (one fused
 //   multiply-add in fp32), rounded once to bf16 (nearest even).
 // - int8: 32 bytes per tile row, column 32s + j at byte j. sz (N,) bf16 scales. W' = the codes (exact in bf16), and
 //   y = fma(sum, scale, bias) per output column, rounded once: no rounding of the weights beyond int8's own (a
@@ -91,7 +91,7 @@ struct QWeight {
   }
   // Two rows' groups (codes at src, src + 16; sz = scale, zero of the first row, then of the second): one table of
   // 32 entries, the first row's 16 values then the second's (one conversion for both), each row's codes looking up
-  // its half (index bit 4 cleared, or set). The entries are group4's, so the bits are too; ~12% fewer cycles.
+  // its half (index bit 4 cleared, or set). The entries are group4's, so the bits are too, in fewer operations.
   __attribute__((always_inline)) static inline void group4_pair(const uint8_t* src, const float* sz, c10::BFloat16* out) {
     const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512 first = _mm512_fmadd_ps(codes, _mm512_set1_ps(sz[0]), _mm512_set1_ps(sz[1]));
