@@ -532,9 +532,10 @@ inline void block_rows(const BFT* k, const BFT* v, int64_t k_row, int64_t v_row,
 // Keys of a block as K^T in pairs, kt2 (D/2, NB) of (k[lane][2p], k[lane][2p+1]) at [p][lane], zero lanes where
 // empty: 16 x 16 transposes of 32-bit pairs read straight from the key rows (transpose16's shuffles).
 // `pf` (optional): NB rows, `pf_row` bytes apart, to ask the cache for, spread over the transposes (timing only).
+// Flattened: with transpose16_regs called, its 16 registers went through the stack (results/engine/transpose_inline_ab).
 template <int D, int NB = BKA>
-inline void stage_keys(const c10::BFloat16* const* krow, uint32_t* kt2, const char* pf = nullptr,
-                       int64_t pf_row = 0) {
+__attribute__((flatten)) inline void stage_keys(const c10::BFloat16* const* krow, uint32_t* kt2,
+                                                const char* pf = nullptr, int64_t pf_row = 0) {
   constexpr int LINES = D * 2 / 64, STEPS = NB / 16 * (D / 32), PER = NB / STEPS;  // rows asked for per transpose
   for (int g = 0; g < NB / 16; ++g) {
     bool empty = pf == nullptr;  // 16 empty lanes (a sparse block): zeros, as the transposes would give

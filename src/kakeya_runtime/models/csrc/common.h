@@ -106,9 +106,8 @@ inline void convert_row(const S* src, D* dst, int64_t n) {
 #if defined(__AVX512F__)
 namespace {
 
-// r[c] = column c of the 16 x 16 floats whose row i is r[i], in registers (the unpack/shuffle network). Always
-// inlined: as a call, r went through the stack around it and the attention kernel's key staging ran ~10% slower.
-__attribute__((always_inline)) inline void transpose16_regs(__m512* r) {
+// r[c] = column c of the 16 x 16 floats whose row i is r[i], in registers (the unpack/shuffle network).
+inline void transpose16_regs(__m512* r) {
   __m512 t[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
