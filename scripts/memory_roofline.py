@@ -1,8 +1,9 @@
 """How close the decode step's two big kernels run to this machine's memory stream, in one run: a plain fp32 sum
 (torch, the stream a prefetcher likes best) against our attention kernel over SmolLM2-shaped caches (30 layers of
-3 KV heads x 3 query heads, head_dim 64, bf16: a decode step's reads) and our int4 projections over SmolLM2's 30
-layers of weights at one row (cold: every layer its own weights, as a decode step reads them; hot: one layer's,
-30 times). GB/s counts the bytes each must read once. Best of `--reps` timed loops per case.
+3 KV heads x 3 query heads, head_dim 64, bf16: a decode step's reads; hot: one layer's caches, 30 times) and our
+int4 projections over SmolLM2's 30 layers of weights at one row (cold: every layer its own weights, as a decode step
+reads them; hot: one layer's, 30 times). GB/s counts the bytes each must read once. Best of `--reps` timed loops per
+case.
 
 PYTHONPATH=src python scripts/memory_roofline.py --out results/engine/memory_roofline.json
 """
@@ -45,13 +46,19 @@ def stream(reps: int) -> dict[str, float]:
     return {"bytes": x.nbytes, "ms": round(ms, 3), "gb_s": round(x.nbytes / ms / 1e6, 2)}
 
 
-def attention(keys: int, rows: int, reps: int) -> dict[str, float]:
+def attention(keys: int, rows: int, reps: int, hot: bool = False) -> dict[str, float]:
     """One decode step's attention over LAYERS layers: `rows` sequences of `keys` keys each (rows > 1: one
-    cached_attention_rows call per layer, as a batched step makes)."""
+    cached_attention_rows call per layer, as a batched step makes). `hot`: every layer reads the first layer's
+    caches (small ones then stay in the core's L2), against each its own (a decode step's reads)."""
     gen = torch.Generator().manual_seed(0)
     shape = (1, KV_HEADS, keys, HEAD_DIM)
-    k = [[torch.randn(shape, generator=gen).bfloat16() for _ in range(rows)] for _ in range(LAYERS)]
-    v = [[torch.randn(shape, generator=gen).bfloat16() for _ in range(rows)] for _ in range(LAYERS)]
+    distinct = 1 if hot else LAYERS
+
+    def caches() -> list[list[torch.Tensor]]:
+        made = [[torch.randn(shape, generator=gen).bfloat16() for _ in range(rows)] for _ in range(distinct)]
+        return made * (LAYERS // distinct)
+
+    k, v = caches(), caches()
     pos = [torch.arange(keys)] * rows
     q = torch.randn(rows, KV_HEADS, GROUP, HEAD_DIM, generator=gen).bfloat16()
     q_pos = torch.full((rows,), keys)
@@ -63,8 +70,9 @@ def attention(keys: int, rows: int, reps: int) -> dict[str, float]:
 
     ms = best_ms(step, reps, 10)
     read = 2 * LAYERS * rows * keys * KV_HEADS * HEAD_DIM * 2
-    return {"keys": keys, "rows": rows, "ms": round(ms, 3), "bytes": read, "gb_s": round(read / ms / 1e6, 2),
-            "us_per_row_layer": round(ms * 1e3 / (rows * LAYERS), 2)}
+    return {"keys": keys, "rows": rows, "hot": hot, "ms": round(ms, 3), "bytes": read,
+            "gb_s": round(read / ms / 1e6, 2), "us_per_row_layer": round(ms * 1e3 / (rows * LAYERS), 2),
+            "ns_per_key_head_thread": round(ms * 1e6 * torch.get_num_threads() / (LAYERS * rows * keys * KV_HEADS), 1)}
 
 
 def projections(reps: int) -> dict[str, dict[str, float]]:
@@ -99,6 +107,7 @@ def main() -> None:
         run = {"stream_fp32_sum": stream(args.reps),
                "attention": [attention(keys, 1, args.reps) for keys in (512, 2048, 6400)]
                + [attention(335, 8, args.reps)],
+               "attention_hot": [attention(keys, 1, args.reps, hot=True) for keys in (512, 2048)],
                "int4_projections_one_row": projections(args.reps)}
         result["runs"][str(threads)] = run
         print(json.dumps({"threads": threads, **run}))

@@ -1,0 +1,106 @@
+"""One layer's fused sparse step timed alone, beside plain attention over as many in-order keys: SmolLM2 bf16 under
+`sparse` (the defaults, or a codec given) prefilled to `--length` tokens of real text, one decode step run with
+`kakeya::sparse_step`'s arguments captured, then that call repeated on 1 and 2 threads. The peer is
+`kakeya::cached_attention_rows` for one row over the same number of keys as the step attends (sinks + window + top-k
+blocks), stored in position order. The gap between the two is what the fused call adds to the attention itself:
+the indexer, the cold side's scattered 32-key blocks, the tripwire and the call's own setup.
+
+PYTHONPATH=src python scripts/sparse_step_call.py --length 7680 --out results/sparse/step_call_7680.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kakeya_runtime.bench.engine import bench_text
+from kakeya_runtime.bench.machine import machine_info
+from kakeya_runtime.bench.sparse import cpu_busy
+from kakeya_runtime.engine.generate import Engine
+from kakeya_runtime.kv import sparse as sparse_mod
+from kakeya_runtime.kv.policy import PolicySpec, make_policy_cache
+from kakeya_runtime.models import native
+from kakeya_runtime.models.loader import load_model
+
+
+def per_call_us(fn, calls: int, reps: int = 3) -> float:
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return round(best * 1e6, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--length", type=int, default=7680)
+    ap.add_argument("--codec", default="identity")
+    ap.add_argument("--layer", type=int, default=10)
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    busy = cpu_busy()
+    torch.set_num_threads(2)
+    loaded = load_model("smollm2", dtype=torch.bfloat16)
+    engine = Engine(loaded.model, prefill_chunk=512)
+    ids = torch.tensor([loaded.tokenizer.encode(bench_text()).ids[: args.length]], dtype=torch.long)
+    spec = PolicySpec.parse("sparse", {"codec": args.codec})
+    cache = make_policy_cache(loaded.config, spec, capacity=args.length + 64, dtype=engine.dtype)
+    engine.prefill(cache, ids[:, :-1])
+
+    captured: list[tuple[tuple, dict]] = []
+    real = native.sparse_step
+
+    def capture(*a, **k):
+        captured.append((a, k))
+        return real(*a, **k)
+
+    layer = cache.layers[args.layer]
+    before = layer.counters
+    sparse_mod.native.sparse_step = capture
+    try:
+        engine.decode_step(cache, ids[:, -1:])
+    finally:
+        sparse_mod.native.sparse_step = real
+    after = layer.counters
+    if len(captured) <= args.layer:
+        raise SystemExit(f"captured {len(captured)} sparse_step calls (codec {args.codec!r} takes another path?)")
+    a, k = captured[args.layer]
+    q = a[0]  # (1, Hk, G, D)
+    # keys each (token, KV head) of the step attended: sinks, window and the selected blocks
+    attended = (after.positions_attended - before.positions_attended) // (after.queries - before.queries)
+    kh, d = q.shape[1], q.shape[3]
+    gen = torch.Generator().manual_seed(0)
+    keys = [torch.randn(1, kh, attended, d, generator=gen).bfloat16()]
+    values = [torch.randn(1, kh, attended, d, generator=gen).bfloat16()]
+    pos = [torch.arange(attended)]
+    q_pos = torch.full((1,), attended)
+    result = {"command": "python " + shlex.join(sys.argv), "machine": machine_info(), "cpu_busy_before": busy,
+              "length": args.length, "codec": args.codec, "layer": args.layer, "keys_attended": attended,
+              "q_shape": list(q.shape), "threads": {}}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        step_us = per_call_us(lambda: real(*a, **k), args.calls)
+        plain_us = per_call_us(lambda: native.cached_attention_rows(q, keys, values, pos, q_pos, 0.125, window=[0],
+                                                                    sink=[0]), args.calls)
+        result["threads"][str(threads)] = {"sparse_step_us": step_us, "plain_attention_us": plain_us,
+                                           "step_over_plain": round(step_us / plain_us, 2)}
+    torch.set_num_threads(2)
+    print(json.dumps({k: v for k, v in result.items() if k != "machine"}))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
