@@ -3,7 +3,9 @@
 `kakeya::sparse_step`'s arguments captured, then that call repeated on 1 and 2 threads. The peer is
 `kakeya::cached_attention_rows` for one row over the same number of keys as the step attends (sinks + window + top-k
 blocks), stored in position order. The gap between the two is what the fused call adds to the attention itself:
-the indexer, the cold side's scattered 32-key blocks, the tripwire and the call's own setup.
+the indexer, the cold side's scattered 32-key blocks, the tripwire and the call's own setup. Also the same call's
+time inside a decode loop (`--steps` steps, every layer's call timed), where the other layers' weights and caches
+have evicted what it reads.
 
 PYTHONPATH=src python scripts/sparse_step_call.py --length 7680 --out results/sparse/step_call_7680.json
 """
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--codec", default="identity")
     ap.add_argument("--layer", type=int, default=10)
     ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     busy = cpu_busy()
@@ -96,6 +99,25 @@ def main() -> None:
         result["threads"][str(threads)] = {"sparse_step_us": step_us, "plain_attention_us": plain_us,
                                            "step_over_plain": round(step_us / plain_us, 2)}
     torch.set_num_threads(2)
+    # the call inside a decode loop: every layer's sparse_step of `steps` steps, timed where it runs
+    in_loop: list[float] = []
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            in_loop.append(time.perf_counter() - t0)
+
+    sparse_mod.native.sparse_step = timed
+    try:
+        for _ in range(args.steps):
+            engine.decode_step(cache, ids[:, -1:])
+    finally:
+        sparse_mod.native.sparse_step = real
+    in_loop_us = round(1e6 * sorted(in_loop)[len(in_loop) // 2], 1)
+    result["in_decode_loop_us_median_2_threads"] = in_loop_us
+    result["in_decode_loop_calls"] = len(in_loop)
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
