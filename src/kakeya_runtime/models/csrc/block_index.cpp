@@ -7,8 +7,9 @@
 // kmin, kmax (B, Hc, N, D): per block and cold head (the heads with head_topk > 0, in order), the per-channel min
 // and max of its keys (Quest's summary).
 // A query row q's estimate of its largest logit in a block is sum_d max(q_d lo_d, q_d hi_d) over the block's box
-// shrunk about its centre by BOX (lo, hi = mid -/+ BOX * (kmax - kmin) / 2; BOX = 1 is Quest's bound, which
-// over-rates spread blocks at head_dim 256). A token's score for a block is its estimated share of the
+// shrunk about its centre by BOX (lo, hi = mid -/+ half, mid = (kmin + kmax) / 2, half = BOX * (kmax - kmin) / 2;
+// BOX = 1 is Quest's bound, which over-rates spread blocks at head_dim 256), computed as the equal
+// q . mid + |q| . half: two dot products, 16 blocks to a vector. A token's score for a block is its estimated share of the
 // attention, summed over the G query heads sharing the K/V head: sum_g softmax_j(scale * e_gj), each head's
 // softmax over the blocks the token may select (so no one head's logit range decides for the others).
 // Token t (position p) may select among the blocks wholly outside its window, n(p) = max(0, p + 1 - window -
@@ -20,6 +21,7 @@
 
 #include "common.h"
 
+#include <cstring>
 #include <memory>
 
 namespace {
@@ -29,7 +31,8 @@ constexpr int VS = Vec::size();
 
 constexpr int64_t CHUNK = 64;  // blocks per scoring work item
 constexpr float BOX = 0.5f;  // the summary box's shrink about its centre (1: Quest's upper bound)
-constexpr float BOX_LO = 0.5f * (1.f + BOX), BOX_HI = 0.5f * (1.f - BOX);  // lo = BOX_LO kmin + BOX_HI kmax
+constexpr float HALF = 0.5f * BOX;  // half = HALF * (kmax - kmin)
+constexpr int64_t LANES = 16;  // blocks per vector of terms
 
 // Blocks a query keeps of the n it may select: a head's topk (0: streaming), grown to ceil(budget * n).
 inline int64_t kept(int64_t topk, int64_t n, double budget) {
@@ -38,89 +41,159 @@ inline int64_t kept(int64_t topk, int64_t n, double budget) {
   return std::min(n, std::max(topk, share));
 }
 
-// The block's box from its min and max (widened to fp32), shrunk by BOX: the same bits for every caller.
-inline void shrink_box(float* lo, float* hi, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) {
-    const float a = lo[d], b = hi[d];
-    lo[d] = BOX_LO * a + BOX_HI * b;
-    hi[d] = BOX_HI * a + BOX_LO * b;
-  }
-}
-
 // Widen D values of T to fp32 (exact).
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t D) {
   at::vec::convert(src, dst, D);
 }
 
-// The shrunk boxes of blocks [j0, j1) (row_stride apart in mn, mx) into box[j] = (lo (D), hi (D)) fp32: computed
-// once per call and read by every token's estimates (the same bits as per token).
+// The terms of blocks [j0, j1) (row_stride apart in mn, mx; j0 a multiple of LANES) by groups of LANES blocks:
+// group j / LANES holds mid (D, LANES) then half (D, LANES), block j in lane j % LANES; lanes past j1 in its last
+// group are 0. Computed once per call and read by every token's estimates (the same bits as per token).
 template <typename T>
-void shrink_boxes(const T* mn, const T* mx, int64_t row_stride, int64_t D, int64_t j0, int64_t j1, float* box) {
-  for (int64_t j = j0; j < j1; ++j) {
-    float* lo = box + j * 2 * D;
-    widen(mn + j * row_stride, lo, D);
-    widen(mx + j * row_stride, lo + D, D);
-    shrink_box(lo, lo + D, D);
-  }
-}
-
-// Estimates of blocks [j0, j1) of one token against its G query rows (qf (G, D) fp32) into score[g * most + j]:
-// per block and row, sum_d max(q_d lo_d, q_d hi_d) over the shrunk box (box[j] = (lo, hi), shrink_boxes), as
-// D / VS vector steps in order, then one fixed lane tree (NaN: -inf). The tree is the same for every block
-// whatever the range, so a block's estimate never depends on how the blocks were cut into work items.
-inline void score_blocks(const float* qf, int64_t G, int64_t D, const float* box, int64_t j0, int64_t j1,
-                         float* score, int64_t most) {
-  constexpr float NINF = -std::numeric_limits<float>::infinity();
+__attribute__((flatten)) void block_terms(const T* mn, const T* mx, int64_t row_stride, int64_t D, int64_t j0, int64_t j1, float* terms) {
 #if defined(__AVX512F__)
-  if (D % 16 == 0 && D <= 256) {
-    // 16 blocks at a time: per row, 16 accumulators folded by reduce16 (one fixed pattern).
-    __m512 acc[8][16];  // rows (at most 8 per pass) x 16 blocks
-    for (int64_t jb = j0; jb < j1; jb += 16) {
-      const int64_t nb = std::min<int64_t>(16, j1 - jb);
-      for (int64_t g0 = 0; g0 < G; g0 += 8) {
-        const int64_t gn = std::min<int64_t>(8, G - g0);
-        for (int64_t jj = 0; jj < 16; ++jj) {
-          for (int64_t g = 0; g < gn; ++g) acc[g][jj] = _mm512_setzero_ps();
-          if (jj >= nb) continue;
-          const float* lo = box + (jb + jj) * 2 * D;
-          const float* hi = lo + D;
-          for (int64_t g = 0; g < gn; ++g) {
-            const float* qg = qf + (g0 + g) * D;
-            __m512 a = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d += 16) {
-              const __m512 qv = _mm512_loadu_ps(qg + d);
-              a = _mm512_add_ps(a, _mm512_max_ps(_mm512_mul_ps(qv, _mm512_loadu_ps(lo + d)),
-                                                 _mm512_mul_ps(qv, _mm512_loadu_ps(hi + d))));
-            }
-            acc[g][jj] = a;
+  if (D % 16 == 0) {  // 16 blocks x 16 dims at a time, transposed in registers (the same values as below)
+    // 16 values of T widened to fp32 (exact): bf16 is the high half of the float
+    const auto load16 = [](const T* src) {
+      if constexpr (std::is_same_v<T, float>) {
+        return _mm512_loadu_ps(src);
+      } else {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
+      }
+    };
+    for (int64_t jg = j0; jg < j1; jg += LANES) {
+      float* const mid = terms + jg / LANES * 2 * D * LANES;
+      float* const half = mid + D * LANES;
+      const int64_t nb = std::min<int64_t>(LANES, j1 - jg);
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 rm[16], rh[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          if (i >= nb) {
+            rm[i] = rh[i] = _mm512_setzero_ps();
+            continue;
           }
+          const __m512 a = load16(mn + (jg + i) * row_stride + d0), b = load16(mx + (jg + i) * row_stride + d0);
+          rm[i] = _mm512_mul_ps(_mm512_set1_ps(0.5f), _mm512_add_ps(a, b));
+          rh[i] = _mm512_mul_ps(_mm512_set1_ps(HALF), _mm512_sub_ps(b, a));
         }
-        for (int64_t g = 0; g < gn; ++g) {
-          __m512 sv = reduce16(acc[g]);
-          sv = _mm512_mask_mov_ps(sv, _mm512_cmp_ps_mask(sv, sv, _CMP_UNORD_Q), _mm512_set1_ps(NINF));
-          alignas(64) float sg[16];
-          _mm512_store_ps(sg, sv);
-          std::copy(sg, sg + nb, score + (g0 + g) * most + jb);
+        transpose16_regs(rm);
+        transpose16_regs(rh);
+        for (int c = 0; c < 16; ++c) {
+          _mm512_storeu_ps(mid + (d0 + c) * LANES, rm[c]);
+          _mm512_storeu_ps(half + (d0 + c) * LANES, rh[c]);
         }
       }
     }
     return;
   }
 #endif
-  for (int64_t j = j0; j < j1; ++j) {
-    const float* lo = box + j * 2 * D;
-    const float* hi = lo + D;
-    for (int64_t g = 0; g < G; ++g) {
-      Vec acc(0.f);  // D / VS vector steps in order, then one fixed lane tree
-      for (int64_t d = 0; d < D; d += VS) {
-        const Vec qv = Vec::loadu(qf + g * D + d);
-        acc = acc + at::vec::maximum(qv * Vec::loadu(lo + d), qv * Vec::loadu(hi + d));
+  std::vector<float> a(D), b(D);
+  const int64_t end = (j1 + LANES - 1) / LANES * LANES;
+  for (int64_t j = j0; j < end; ++j) {
+    float* mid = terms + j / LANES * 2 * D * LANES + j % LANES;
+    float* half = mid + D * LANES;
+    if (j >= j1) {  // padding lanes of the last group
+      for (int64_t d = 0; d < D; ++d) mid[d * LANES] = half[d * LANES] = 0.f;
+      continue;
+    }
+    widen(mn + j * row_stride, a.data(), D);
+    widen(mx + j * row_stride, b.data(), D);
+    for (int64_t d = 0; d < D; ++d) {
+      mid[d * LANES] = 0.5f * (a[d] + b[d]);
+      half[d * LANES] = HALF * (b[d] - a[d]);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// GN rows (qf, qa = |qf|, D apart) against one group of 16 blocks: per row and block, (sum_d q_d mid_d) + (sum_d
+// |q_d| half_d), each sum one fused multiply-add per d in order (so each row's bits are its own, whatever GN).
+template <int GN>
+inline void score_group(const float* qf, const float* qa, int64_t D, const float* mid, __m512* out) {
+  const float* half = mid + D * LANES;
+  __m512 am[GN], ah[GN];
+  for (int i = 0; i < GN; ++i) am[i] = ah[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 m = _mm512_loadu_ps(mid + d * LANES), h = _mm512_loadu_ps(half + d * LANES);
+    for (int i = 0; i < GN; ++i) {
+      am[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i * D + d]), m, am[i]);
+      ah[i] = _mm512_fmadd_ps(_mm512_set1_ps(qa[i * D + d]), h, ah[i]);
+    }
+  }
+  for (int i = 0; i < GN; ++i) out[i] = _mm512_add_ps(am[i], ah[i]);
+}
+#endif
+
+// Estimates of blocks [j0, j1) (j0 a multiple of LANES) of one token against its G query rows (qf (G, D) fp32, qa
+// = |qf|) into score[g * most + j] (NaN: -inf), from block_terms' groups. Every path computes each (row, block)
+// as two in-order fused multiply-add chains and one add, so the estimates are one set of bits on every machine.
+inline void score_blocks(const float* qf, const float* qa, int64_t G, int64_t D, const float* terms, int64_t j0,
+                         int64_t j1, float* score, int64_t most) {
+  constexpr float NINF = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  for (int64_t jb = j0; jb < j1; jb += LANES) {
+    const int64_t nb = std::min<int64_t>(LANES, j1 - jb);
+    const float* mid = terms + jb / LANES * 2 * D * LANES;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int64_t gn = std::min<int64_t>(4, G - g0);
+      __m512 sv[4];
+      const float* q0 = qf + g0 * D;
+      const float* a0 = qa + g0 * D;
+      if (gn == 4) score_group<4>(q0, a0, D, mid, sv);
+      else if (gn == 3) score_group<3>(q0, a0, D, mid, sv);
+      else if (gn == 2) score_group<2>(q0, a0, D, mid, sv);
+      else score_group<1>(q0, a0, D, mid, sv);
+      for (int64_t i = 0; i < gn; ++i) {
+        const __m512 v = _mm512_mask_mov_ps(sv[i], _mm512_cmp_ps_mask(sv[i], sv[i], _CMP_UNORD_Q), _mm512_set1_ps(NINF));
+        alignas(64) float sg[LANES];
+        _mm512_store_ps(sg, v);
+        std::copy(sg, sg + nb, score + (g0 + i) * most + jb);
       }
-      const float sc = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, acc);
+    }
+  }
+#else
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* mid = terms + j / LANES * 2 * D * LANES + j % LANES;
+    const float* half = mid + D * LANES;
+    for (int64_t g = 0; g < G; ++g) {
+      float am = 0.f, ah = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        am = std::fma(qf[g * D + d], mid[d * LANES], am);
+        ah = std::fma(qa[g * D + d], half[d * LANES], ah);
+      }
+      const float sc = am + ah;
       score[g * most + j] = std::isnan(sc) ? NINF : sc;
     }
   }
+#endif
+}
+
+// The k of n blocks with the highest scores, ties to the lower block, as bits of `row`: the k-th highest score is
+// found bit by bit on an order-preserving integer map of the scores (32 counting passes, no data-dependent
+// branches), then every block above it is kept and the lowest blocks equal to it fill the rest. The same set as
+// sorting by (score descending, block ascending), in a time that does not depend on the scores.
+inline void keep_top(const float* score, int64_t n, int64_t k, std::vector<uint32_t>& u, uint64_t* row) {
+  u.resize(n);
+  for (int64_t j = 0; j < n; ++j) {
+    uint32_t x;
+    std::memcpy(&x, score + j, sizeof(x));
+    u[j] = (x >> 31) != 0u ? ~x : (x | 0x80000000u);
+  }
+  const uint32_t* up = u.data();
+  uint32_t t = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    const uint32_t cand = t | (1u << bit);
+    int64_t count = 0;
+    for (int64_t j = 0; j < n; ++j) count += up[j] >= cand;
+    if (count >= k) t = cand;
+  }
+  int64_t above = 0;
+  for (int64_t j = 0; j < n; ++j) above += up[j] > t;
+  int64_t ties = k - above;  // >= 1: t is the k-th highest
+  for (int64_t j = 0; j < n; ++j)
+    if (up[j] > t || (up[j] == t && ties-- > 0)) row[j >> 6] |= 1ull << (j & 63);
 }
 
 template <typename T>
@@ -146,7 +219,7 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
   }
   // Scoring: work items of CHUNK blocks of one token (a decode step's few tokens still spread over the threads).
   const int64_t chunks = (most + CHUNK - 1) / CHUNK;
-  // The shrunk boxes of the blocks some token scores, (B, H, most, 2, D), once for the call's tokens; only the
+  // The terms of the blocks some token scores, (B, H, groups, 2, D, LANES), once for the call's tokens; only the
   // (batch, head)s that score anything.
   std::vector<char> scores_any(B * H, 0);
   for (int64_t item = 0; item < items; ++item) {
@@ -154,7 +227,8 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
     if (n > kept(head_topk[(item / NT) % H], n, budget)) scores_any[item / NT] = 1;
   }
   // (from per-thread scratch up to kScratchBytes, slot 3: a decode step's hundreds of KB without a heap call)
-  const size_t boxes_n = std::max<int64_t>(1, B * H * most * 2 * D);
+  const int64_t groups = (most + LANES - 1) / LANES, per_bh = groups * 2 * D * LANES;
+  const size_t boxes_n = std::max<int64_t>(1, B * H * per_bh);
   std::unique_ptr<float[]> boxes_heap(boxes_n * sizeof(float) > kScratchBytes ? new float[boxes_n] : nullptr);
   float* const boxes_data = boxes_heap ? boxes_heap.get() : scratch<float>(3, boxes_n);
   // A decode step's few tokens score a few hundred blocks: microseconds of work, less than the three parallel
@@ -165,14 +239,14 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
       if (!scores_any[bh]) continue;
       const int64_t off = b * kmin.stride(0) + cold_head[h] * kmin.stride(1);
-      shrink_boxes<T>(mn + off, mx + off, kmin.stride(2), D, c * CHUNK, std::min<int64_t>(most, (c + 1) * CHUNK),
-                      boxes_data + bh * most * 2 * D);
+      block_terms<T>(mn + off, mx + off, kmin.stride(2), D, c * CHUNK, std::min<int64_t>(most, (c + 1) * CHUNK),
+                     boxes_data + bh * per_bh);
     }
   });
   // (items, G, most): every read entry is written
   std::unique_ptr<float[]> scores(new float[std::max<int64_t>(1, items * G * most)]);
   at::parallel_for(0, items * chunks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D);
+    std::vector<float> qf(G * D), qa(G * D);
     int64_t loaded = -1;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t item = w / chunks, c = w % chunks, n = nsc[item];
@@ -181,14 +255,15 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
       if (loaded != item) {
         for (int64_t g = 0; g < G; ++g)
           widen(qd + b * q.stride(0) + h * q.stride(1) + (g * NT + t) * q.stride(2), qf.data() + g * D, D);
+        for (int64_t i = 0; i < G * D; ++i) qa[i] = std::fabs(qf[i]);
         loaded = item;
       }
-      score_blocks(qf.data(), G, D, boxes_data + bh * most * 2 * D, c * CHUNK, std::min<int64_t>(n, (c + 1) * CHUNK),
-                   scores.get() + item * G * most, most);
+      score_blocks(qf.data(), qa.data(), G, D, boxes_data + bh * per_bh, c * CHUNK,
+                   std::min<int64_t>(n, (c + 1) * CHUNK), scores.get() + item * G * most, most);
     }
   });
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {  // a decode step's few tokens: each thread its own
-    std::vector<int64_t> idx;
+    std::vector<uint32_t> keys;
     std::vector<float> share, w, ev;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = nsc[item], topk = kept(head_topk[(item / NT) % H], n, budget);
@@ -227,14 +302,7 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
         for (int64_t j = 0; j < padded; j += VS)
           (Vec::loadu(share.data() + j) + Vec::loadu(w.data() + j) * inv).store(share.data() + j);
       }
-      const float* score = share.data();
-      idx.resize(n);
-      std::iota(idx.begin(), idx.end(), 0);
-      // A strict total order (score, then the lower block), so the kept set is one set whatever the sort does.
-      std::nth_element(idx.begin(), idx.begin() + topk, idx.end(), [&](int64_t a, int64_t c) {
-        return score[a] > score[c] || (score[a] == score[c] && a < c);
-      });
-      for (int64_t i = 0; i < topk; ++i) row[idx[i] >> 6] |= 1ull << (idx[i] & 63);
+      keep_top(share.data(), n, topk, keys, row);
     }
   });
 }
