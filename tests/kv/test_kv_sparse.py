@@ -303,11 +303,11 @@ def test_budget_validation():
     assert PolicySpec.parse("sparse").params["budget"] == 0.125
 
 
-@pytest.mark.parametrize("codec", ["d4", "e8"])
+@pytest.mark.parametrize("codec", ["d4", "e8", "identity", "int8"])
 def test_deferred_block_encode_leaves_the_state_immediate_encoding_does(tiny_model, codec, monkeypatch):
-    """A lattice tier's blocks that no query of the step may select yet are encoded at the end of the step, every
+    """Every codec's blocks that no query of the step may select yet are stored at the end of the step, every
     layer's in one batch: each step's logits, and the cache after it (decode steps, chunks, a trim), are the bits
-    that encoding each block as it completes gives."""
+    that storing each block as it completes gives."""
     spec = PolicySpec.parse("sparse", {**SMALL, "codec": codec, "spare": 4})
     deferred, immediate = make_policy_cache(tiny_model.config, spec), make_policy_cache(tiny_model.config, spec)
     sparse = [x for x in deferred.layers if isinstance(x, SparseLayerKV)]

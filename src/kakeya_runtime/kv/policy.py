@@ -91,7 +91,7 @@ def make_policy_cache(config: ModelConfig, spec: PolicySpec, *, batch: int = 1, 
         def sparse_layer(i: int) -> SparseLayerKV:
             return SparseLayerKV(*shape, sink=spec.sink, window=spec.window, block=spec.block, topk=spec.topk,
                                  budget=spec.budget, spare=spec.spare, max_positions=cap, codec=codec, dtype=dtype,
-                                 device=device, defer_encode=not codec.direct,
+                                 device=device, defer_encode=True,  # every codec: one batch a step, not 30 small ones
                                  head_topk=None if profile is None else profile.head_topk(i, spec.topk, every))
 
         try:
