@@ -59,6 +59,7 @@ def test_cached_equals_fresh_turn_by_turn_and_one_shot(tiny_model, monkeypatch, 
         oversize = sum(x.oversize_steps for x in layers)
         if per_topk == 1 and chunk == 5:  # a chunk's blocks outgrow the cache: a scratch cache, native decode
             assert oversize > 0
+            assert sum(x.oversize_reused for x in layers) > 0  # the blocks the cache held were copied, not decoded
         if chunk == 1:  # one token keeps at most topk blocks, which the cache always holds
             assert oversize == 0
         if per_topk == 4 and chunk == 1:

@@ -142,6 +142,7 @@ class SparseLayerKV:
         self._dec_step = 0
         self.decoded_hits = self.decoded_misses = 0  # blocks found decoded / decoded, summed over steps
         self.oversize_steps = 0  # steps whose blocks did not fit the decoded-block cache (_step_oversize)
+        self.oversize_reused = 0  # (head, block) pairs such steps copied from the cache instead of decoding
         self.probe: OracleProbe | None = None
         # D4 codes on the CPU: the step, the decoded-block cache and its decode in one native call
         self._fused_decoded = (isinstance(codec, PackedLatticeCodec) and codec.lattice.kind == "d4"
@@ -485,14 +486,29 @@ class SparseLayerKV:
                        select: Tensor) -> tuple[Tensor, Tensor]:
         """The step whose selection (`select`, from the refused call, which changed nothing) has more blocks for
         some head than the decoded-block cache holds: the same native call over a scratch cache with a slot for
-        every block some token selected, all decoded natively, then dropped; the kept cache is left as it was.
-        The bits of the fresh decode (`_decode_fresh`, in Python: ~50 ms a turn's chunk at 6k on SmolLM2)."""
-        u = int(self._selected(select).sum(1).max())
-        b, hc, d = select.shape[0], len(self.cold_heads), self.k_hot.shape[3]
-        decoded = tuple(torch.empty(b, hc, u * self.block, d, dtype=self.dtype, device=self.k_hot.device)
+        every block some token selected, then dropped; the kept cache is left as it was. The blocks the kept cache
+        holds are copied into the scratch (a cached block has the bits of a fresh decode), the others decoded
+        natively: the bits of the fresh decode (`_decode_fresh`, in Python: ~50 ms a turn's chunk at 6k on
+        SmolLM2)."""
+        bits = self._selected(select)  # (Hc, N)
+        heads, ids = bits.nonzero(as_tuple=True)  # head-major
+        counts = bits.sum(1)
+        u = int(counts.max())
+        b, hc, blk, d = select.shape[0], len(self.cold_heads), self.block, self.k_hot.shape[3]
+        decoded = tuple(torch.empty(b, hc, u * blk, d, dtype=self.dtype, device=self.k_hot.device)
                         for _ in range(2))
         maps = (torch.full((hc, self.n_blocks), -1, dtype=torch.long), torch.full((hc, u), -1, dtype=torch.long),
                 torch.full((hc, u), -1, dtype=torch.long))
+        held_slot = self._block_slot[heads, ids]
+        held = held_slot >= 0
+        if bool(held.any()):  # into slots 0.. of each head, marked read at the call's step (1): never evicted by it
+            rank = torch.arange(ids.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+            hh, jj, rr, ss = heads[held], ids[held], rank[held], held_slot[held]
+            maps[0][hh, jj], maps[1][hh, rr], maps[2][hh, rr] = rr, jj, 1
+            c = self._slot_block.shape[1]
+            for scratch, cache in zip(decoded, self._dec, strict=True):
+                scratch.view(b, hc * u, blk, d)[:, hh * u + rr] = cache.view(b, hc * c, blk, d)[:, hh * c + ss]
+            self.oversize_reused += int(hh.numel())
         out, select, _, misses = self._fused_decoded_call(qg, hot, positions, scale, maps, 1, decoded)
         if misses < 0:  # the same query rows select the same blocks: a scratch cache of their count holds them
             raise SparseIndexError(f"the decoded scratch cache of {u} slots did not hold the step's blocks")
