@@ -9,8 +9,8 @@
 // A query row q's estimate of its largest logit in a block is sum_d max(q_d lo_d, q_d hi_d) over the block's box
 // shrunk about its centre by BOX (lo, hi = mid -/+ half, mid = (kmin + kmax) / 2, half = BOX * (kmax - kmin) / 2;
 // BOX = 1 is Quest's bound, which over-rates spread blocks at head_dim 256), computed as the equal
-// q . mid + |q| . half: two dot products, 16 blocks to a vector. A token's score for a block is its estimated share of the
-// attention, summed over the G query heads sharing the K/V head: sum_g softmax_j(scale * e_gj), each head's
+// q . mid + |q| . half: two dot products, 16 blocks to a vector. A token's score for a block is its estimated share
+// of the attention, summed over the G query heads sharing the K/V head: sum_g softmax_j(scale * e_gj), each head's
 // softmax over the blocks the token may select (so no one head's logit range decides for the others).
 // Token t (position p) may select among the blocks wholly outside its window, n(p) = max(0, p + 1 - window -
 // sink) / block of them (blocks j cover positions sink + j * block ...); it keeps kept(topk, n(p), budget) =
@@ -51,7 +51,8 @@ inline void widen(const T* src, float* dst, int64_t D) {
 // group j / LANES holds mid (D, LANES) then half (D, LANES), block j in lane j % LANES; lanes past j1 in its last
 // group are 0. Computed once per call and read by every token's estimates (the same bits as per token).
 template <typename T>
-__attribute__((flatten)) void block_terms(const T* mn, const T* mx, int64_t row_stride, int64_t D, int64_t j0, int64_t j1, float* terms) {
+__attribute__((flatten)) void block_terms(const T* mn, const T* mx, int64_t row_stride, int64_t D, int64_t j0,
+                                          int64_t j1, float* terms) {
 #if defined(__AVX512F__)
   if (D % 16 == 0) {  // 16 blocks x 16 dims at a time, transposed in registers (the same values as below)
     // 16 values of T widened to fp32 (exact): bf16 is the high half of the float
@@ -146,7 +147,8 @@ inline void score_blocks(const float* qf, const float* qa, int64_t G, int64_t D,
       else if (gn == 2) score_group<2>(q0, a0, D, mid, sv);
       else score_group<1>(q0, a0, D, mid, sv);
       for (int64_t i = 0; i < gn; ++i) {
-        const __m512 v = _mm512_mask_mov_ps(sv[i], _mm512_cmp_ps_mask(sv[i], sv[i], _CMP_UNORD_Q), _mm512_set1_ps(NINF));
+        const __m512 v =
+            _mm512_mask_mov_ps(sv[i], _mm512_cmp_ps_mask(sv[i], sv[i], _CMP_UNORD_Q), _mm512_set1_ps(NINF));
         alignas(64) float sg[LANES];
         _mm512_store_ps(sg, v);
         std::copy(sg, sg + nb, score + (g0 + i) * most + jb);
