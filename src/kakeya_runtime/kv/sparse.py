@@ -385,7 +385,7 @@ class SparseLayerKV:
         heads, ids = bits.nonzero(as_tuple=True)  # (head, block) pairs, head-major
         counts = bits.sum(1)
         u = int(counts.max())
-        rank = torch.arange(ids.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        rank = _rank_in_head(counts)
         slot = torch.full((hc, self.n_blocks), -1, dtype=torch.long)
         slot[heads, ids] = rank
         flat = heads * u + rank
@@ -502,7 +502,7 @@ class SparseLayerKV:
         held_slot = self._block_slot[heads, ids]
         held = held_slot >= 0
         if bool(held.any()):  # into slots 0.. of each head, marked read at the call's step (1): never evicted by it
-            rank = torch.arange(ids.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+            rank = _rank_in_head(counts)
             hh, jj, rr, ss = heads[held], ids[held], rank[held], held_slot[held]
             maps[0][hh, jj], maps[1][hh, rr], maps[2][hh, rr] = rr, jj, 1
             c = self._slot_block.shape[1]
@@ -656,6 +656,11 @@ class SparseLayerKV:
                 t[:, :, :n] = src
         self.n_blocks = n
         self.length = int(state["length"])
+
+
+def _rank_in_head(counts: Tensor) -> Tensor:
+    """Each (head, block) pair's place among its head's, for pairs listed head-major with `counts` per head."""
+    return torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
 
 
 def _grown(t: Tensor, n: int) -> Tensor:

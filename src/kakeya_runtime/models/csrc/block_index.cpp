@@ -230,9 +230,9 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
   }
   // (from per-thread scratch up to kScratchBytes, slot 3: a decode step's hundreds of KB without a heap call)
   const int64_t groups = (most + LANES - 1) / LANES, per_bh = groups * 2 * D * LANES;
-  const size_t boxes_n = std::max<int64_t>(1, B * H * per_bh);
-  std::unique_ptr<float[]> boxes_heap(boxes_n * sizeof(float) > kScratchBytes ? new float[boxes_n] : nullptr);
-  float* const boxes_data = boxes_heap ? boxes_heap.get() : scratch<float>(3, boxes_n);
+  const size_t terms_n = std::max<int64_t>(1, B * H * per_bh);
+  std::unique_ptr<float[]> terms_heap(terms_n * sizeof(float) > kScratchBytes ? new float[terms_n] : nullptr);
+  float* const terms_data = terms_heap ? terms_heap.get() : scratch<float>(3, terms_n);
   // A decode step's few tokens score a few hundred blocks: microseconds of work, less than the three parallel
   // regions cost on two cores, so such a call runs on its own thread (items are independent: the same bits).
   const int64_t grain = items * most * G * D < (1 << 18) ? std::numeric_limits<int64_t>::max() / 2 : 1;
@@ -242,7 +242,7 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
       if (!scores_any[bh]) continue;
       const int64_t off = b * kmin.stride(0) + cold_head[h] * kmin.stride(1);
       block_terms<T>(mn + off, mx + off, kmin.stride(2), D, c * CHUNK, std::min<int64_t>(most, (c + 1) * CHUNK),
-                     boxes_data + bh * per_bh);
+                     terms_data + bh * per_bh);
     }
   });
   // (items, G, most): every read entry is written
@@ -260,7 +260,7 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
         for (int64_t i = 0; i < G * D; ++i) qa[i] = std::fabs(qf[i]);
         loaded = item;
       }
-      score_blocks(qf.data(), qa.data(), G, D, boxes_data + bh * per_bh, c * CHUNK,
+      score_blocks(qf.data(), qa.data(), G, D, terms_data + bh * per_bh, c * CHUNK,
                    std::min<int64_t>(n, (c + 1) * CHUNK), scores.get() + item * G * most, most);
     }
   });
