@@ -60,3 +60,19 @@ def test_several_codecs_and_repeats_in_one_run(smollm2):
     assert 0.9 < rows[0]["memory"]["cold_over_full_bf16"] <= 1.01  # bf16 blocks
     assert rows[1]["memory"]["cold_over_full_bf16"] < 0.43
     assert set(got["policy"]["sparse_by_codec"]) == {"identity", "d4"}
+
+
+def test_ceiling_bounds_the_indexer(smollm2):
+    """The ceiling (as many blocks, picked by true mass) is never below what the indexer's blocks hold, and reaching
+    0.99 takes at least the hot range and at most every block."""
+    threads = torch.get_num_threads()
+    got = run_sparse_bench(params={"window": 64, "block": 32, "topk": 2, "codec": "identity"}, lengths=(640,),
+                           oracle_steps=2, decode_tokens=2, threads=1, loaded=smollm2)
+    torch.set_num_threads(threads)
+    o = got["rows"][0]["oracle_mass"]
+    for layer in o["per_layer"]:
+        assert layer["ceiling_mean"] >= layer["mean"] - 1e-6
+        need = layer["blocks_for_0.99"]
+        assert 0 <= need["mean"] <= need["max"] <= need["selectable"] == (640 - 64) // 32 - 1
+    assert o["ceiling_mean"] > o["mean"]  # two blocks of seventeen: the indexer's picks are not all the best
+    assert 64 / 640 < o["attended_for_0.99"] <= 1.0

@@ -4,6 +4,9 @@ Per context length, on real text (the engine bench's text: CPython's language re
 - oracle attention-mass recall: for sampled decode steps, every governed layer computes its newest query's full
   fp32 attention over every position with exact keys and reports the share of that mass on the set the policy
   attended (sinks, hot range, selected cold blocks); mean and worst per layer, over query heads and steps;
+- its ceiling: the mass with as many blocks per KV head as the indexer kept, picked by their true mass (no indexer
+  keeping that many can do better), and what 0.99 would take: per KV head the fewest blocks so picked that reach
+  it, as the share of the history a query would then attend;
 - greedy agreement: the tokens sparse decodes against full's, position by position;
 - decode speed: ms per token for full, sink_window (the bounded floor) and sparse, same prompt, same run;
 - memory: hot bytes (fixed), cold bytes (packed) and index bytes against full's K/V bytes at that length, and the
@@ -141,13 +144,23 @@ def _oracle(engine: Engine, cfg, spec: PolicySpec, ids: torch.Tensor, n: int, or
         layer.probe.active = True
     stream = engine.stream(cache, ids[:, -1:], GenerateRequest(oracle_steps, stop_ids=()))
     sparse_tokens = [step[0] for step in stream]
-    per_layer = [_mass_stats(layer.probe.masses) for layer in layers]
+    per_layer = [_mass_stats(layer.probe.masses) | {"ceiling_mean": _mass_stats(layer.probe.best_masses)["mean"],
+                                                     "blocks_for_0.99": _blocks_needed(layer.probe)}
+                 for layer in layers]
+    needed = [(statistics.fmean(b for step in layer.probe.blocks_for_99 for b in step), layer.probe.selectable[-1])
+              for layer in layers]
     for layer in layers:
         layer.probe = None
+    spec_layer = layers[0]
     return {"oracle_mass": {"mean": statistics.fmean(x["mean"] for x in per_layer),
                             "worst_layer_mean": min(x["mean"] for x in per_layer),
                             "worst_layer": min(range(len(per_layer)), key=lambda i: per_layer[i]["mean"]),
                             "worst_head_step": min(x["min"] for x in per_layer),
+                            # the best any indexer keeping as many blocks could do (blocks picked by true mass)
+                            "ceiling_mean": statistics.fmean(x["ceiling_mean"] for x in per_layer),
+                            # what 0.99 would take: each KV head its fewest such blocks (mean over steps), as a
+                            # share of the history a query would attend
+                            "attended_for_0.99": _attended_share(needed, spec_layer, n + oracle_steps // 2),
                             "per_layer": per_layer,
                             "steps": oracle_steps},
             "greedy_agreement": _agreement(sparse_tokens, full_tokens), "governed": len(layers)}
@@ -221,6 +234,19 @@ def _mass_stats(masses: list[list[float]]) -> dict[str, float]:
     return {"mean": statistics.fmean(flat), "min": min(flat), "samples": len(flat)}
 
 
+def _blocks_needed(probe: OracleProbe) -> dict[str, float]:
+    """Per KV head, over the measured steps: blocks (picked by true mass) its query heads need for a 0.99 mean."""
+    flat = [b for step in probe.blocks_for_99 for b in step]
+    return {"mean": statistics.fmean(flat), "max": max(flat), "selectable": probe.selectable[-1]}
+
+
+def _attended_share(needed: list[tuple[float, int]], layer: SparseLayerKV, length: int) -> float:
+    """The share of `length` positions a query would attend with every layer keeping its 0.99 blocks (mean over
+    layers): sinks + hot range + those blocks."""
+    hot = length - layer.hot_lo(length - 1) + layer.sink
+    return statistics.fmean(min(length, hot + blocks * layer.block) / length for blocks, _ in needed)
+
+
 def _agreement(tokens: list[int], ref: list[int]) -> float:
     return sum(a == b for a, b in zip(tokens, ref, strict=False)) / max(1, len(ref))
 
@@ -230,14 +256,15 @@ def summary_markdown(result: dict[str, Any]) -> str:
              f"({result['model']['dtype']})", "",
              f"Machine: {result['machine'].get('cpu_model')}, {result['threads']} threads, CPU busy before the run "
              f"{result['cpu_busy_before']:.0%}.", "",
-             "| length | codec | oracle mass (mean) | worst layer | greedy agreement | attended | full ms/tok | sink_window "
+             "| length | codec | oracle mass (mean) | worst layer | ceiling at these blocks | attended for 0.99 | "
+             "greedy agreement | attended | full ms/tok | sink_window "
              "ms/tok | sparse ms/tok | vs full | vs sink_window | cold / full bf16 | + index | decoded cache / full bf16 "
              "| decode hits |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         d, m, o = r["decode"], r["memory"], r["oracle_mass"]
         lines.append(f"| {r['length']} | {r.get('codec', result['policy']['sparse'].get('codec', ''))} | {o['mean']:.4f} | {o['worst_layer_mean']:.4f} (layer {o['worst_layer']}) | "
-                     f"{r['greedy_agreement']:.2f} | {d['sparse']['attended_fraction']:.1%} | "
+                     f"{o['ceiling_mean']:.4f} | {o['attended_for_0.99']:.1%} | {r['greedy_agreement']:.2f} | {d['sparse']['attended_fraction']:.1%} | "
                      f"{d['full']['ms_per_token']:.1f} | {d['sink_window']['ms_per_token']:.1f} | "
                      f"{d['sparse']['ms_per_token']:.1f} | {r['speedup_vs_full']:.2f}x faster | "
                      f"{r['vs_sink_window']:.2f}x | {m['cold_over_full_bf16']:.3f} | "

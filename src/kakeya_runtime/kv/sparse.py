@@ -66,10 +66,17 @@ class OracleProbe:
     active: bool = False
     masses: list[list[float]] | None = None  # per measured step: one mass per query head
     window_masses: list[list[float]] | None = None  # the same on the sinks and hot range alone (a streaming head)
+    # The ceiling of any indexer keeping as many blocks: the mass with each KV head's cold blocks picked by their
+    # true attention (summed over the query heads sharing it), as many as the indexer kept
+    best_masses: list[list[float]] | None = None
+    # per measured step and KV head: the fewest blocks so picked that bring its query heads' mean mass to 0.99
+    # (every selectable block when none do), and how many it could select
+    blocks_for_99: list[list[int]] | None = None
+    selectable: list[int] | None = None
 
     @classmethod
     def new(cls) -> OracleProbe:
-        return cls(keys=[], masses=[], window_masses=[])
+        return cls(keys=[], masses=[], window_masses=[], best_masses=[], blocks_for_99=[], selectable=[])
 
 
 class SparseLayerKV:
@@ -602,7 +609,19 @@ class SparseLayerKV:
         hot = (pos < self.sink) | (pos >= self.hot_lo(p))
         attended = hot | (chosen & (pos < self.hot_lo(p)))
         probe.masses.append((probs * attended[:, None, :]).sum(-1).flatten().tolist())
-        probe.window_masses.append((probs * hot[None, None, :]).sum(-1).flatten().tolist())
+        hot_mass = (probs * hot[None, None, :]).sum(-1)  # (Hk, G)
+        probe.window_masses.append(hot_mass.flatten().tolist())
+        # the ceiling: the same number of whole blocks per KV head, the ones holding the most of its heads' mass
+        n = (self.hot_lo(p) - self.sink) // self.block  # blocks this query could select
+        cold = probs[:, :, self.sink: self.sink + n * self.block].reshape(hk, g, n, self.block).sum(-1)  # (Hk, G, n)
+        kept = chosen[:, self.sink: self.sink + n * self.block].sum(-1) // self.block  # (Hk,)
+        order = cold.sum(1).argsort(-1, descending=True)
+        ranked = torch.cat((torch.zeros(hk, g, 1), cold.gather(2, order[:, None, :].expand(hk, g, n)).cumsum(-1)), -1)
+        probe.best_masses.append((hot_mass + ranked.gather(2, kept[:, None, None].expand(hk, g, 1))[..., 0])
+                                 .flatten().tolist())
+        reach = (hot_mass.mean(1, keepdim=True) + ranked.mean(1)) >= 0.99  # (Hk, n + 1): k blocks reach it
+        probe.blocks_for_99.append([int(r.nonzero()[0]) if r.any() else n for r in reach])
+        probe.selectable.append(n)
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor):
         raise CacheError("a sparse layer attends itself (models.layers.Attention calls attend with the queries)")
