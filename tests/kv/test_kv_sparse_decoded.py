@@ -9,7 +9,7 @@ import torch
 from kakeya_runtime.engine.generate import Engine
 from kakeya_runtime.kv.lattice import LatticeCodec
 from kakeya_runtime.kv.policy import PolicySpec, make_policy_cache
-from kakeya_runtime.kv.sparse import SparseLayerKV
+from kakeya_runtime.kv.sparse import SparseIndexError, SparseLayerKV
 from kakeya_runtime.models.base import Logits
 
 D4 = {"sink": 3, "window": 8, "block": 4, "topk": 3, "codec": "d4"}
@@ -120,3 +120,28 @@ def test_restore_forgets_decoded_blocks(tiny_llama):
     cache.load_state(source.state())
     got = eng.prefill(cache, ids[:, 60:], logits=Logits.ALL).logits
     assert torch.equal(got, ref[:, 60:])
+
+
+def test_an_oversize_step_reuses_its_selection_and_the_tripwire_checks_it(tiny_model, monkeypatch):
+    """The scratch-cache step attends the selection the refused call made (no second indexer run), and the tripwire
+    still checks it: a selection missing one block of a query's count fails loudly."""
+    monkeypatch.setattr(SparseLayerKV, "decoded_per_topk", 1)
+    original = SparseLayerKV._step_oversize
+    tampered = []
+
+    def drop_one_block(self, qg, hot, positions, scale, select):
+        select = select.clone()
+        row = select[0, 0, -1]  # the chunk's last token, KV head 0: clear its lowest selected block
+        words = row.nonzero()
+        if words.numel():
+            w = int(words[0])
+            row[w] = row[w] & (row[w] - 1)
+            tampered.append(w)
+        return original(self, qg, hot, positions, scale, select)
+
+    cache = _cache(tiny_model)
+    Engine(tiny_model, prefill_chunk=5).prefill(cache, _ids(60))  # no tampering: the oversize steps pass
+    monkeypatch.setattr(SparseLayerKV, "_step_oversize", drop_one_block)
+    with pytest.raises(SparseIndexError, match="blocks were not attended"):  # the tripwire, on the given blocks
+        Engine(tiny_model, prefill_chunk=5).prefill(_cache(tiny_model), _ids(120))
+    assert tampered

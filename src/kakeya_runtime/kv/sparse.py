@@ -21,6 +21,7 @@ min(topk, blocks below it) whole cold blocks, and block_select raises when a sel
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -73,6 +74,10 @@ class OracleProbe:
     # (every selectable block when none do), and how many it could select
     blocks_for_99: list[list[int]] | None = None
     selectable: list[int] | None = None
+    # evidence tools' own measure, called per measured step with (the newest query (Hk, G, D) fp32, every exact key
+    # (Hk, P, D), the attention probabilities (Hk, G, P), its cold selection (Hk, blocks it could select) bool, the
+    # attention's scale)
+    on_step: Callable[[Tensor, Tensor, Tensor, Tensor, float], None] | None = None
 
     @classmethod
     def new(cls) -> OracleProbe:
@@ -479,21 +484,23 @@ class SparseLayerKV:
         return out, select
 
     def _fused_decoded_call(self, qg: Tensor, hot: tuple[Tensor, Tensor, Tensor], positions: Tensor, scale: float,
-                            maps: tuple[Tensor, Tensor, Tensor], step: int,
-                            decoded: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, int, int]:
+                            maps: tuple[Tensor, Tensor, Tensor], step: int, decoded: tuple[Tensor, Tensor],
+                            selected: Tensor | None = None) -> tuple[Tensor, Tensor, int, int]:
         lat = self.codec.lattice
         return native.sparse_step_decoded(
             qg, hot, self._cold_head_t, self.kmin, self.kmax, self.n_blocks, positions, scale, window=self.window,
             sink=self.sink, block=self.block, topk=self._topk_t, counters=self._counts, budget=self.budget,
             maps=maps, step=step, codes=(self.cold_k["code"], self.cold_k["scale"], self.cold_v["code"],
                                          self.cold_v["scale"]),
-            rot=lat.h, decoded=decoded, lattice_q=lat.q, bits=lat.bits, lattice_codes=lat.num_blocks)
+            rot=lat.h, decoded=decoded, lattice_q=lat.q, bits=lat.bits, lattice_codes=lat.num_blocks,
+            selected=selected)
 
     def _step_oversize(self, qg: Tensor, hot: tuple[Tensor, Tensor, Tensor], positions: Tensor, scale: float,
                        select: Tensor) -> tuple[Tensor, Tensor]:
         """The step whose selection (`select`, from the refused call, which changed nothing) has more blocks for
-        some head than the decoded-block cache holds: the same native call over a scratch cache with a slot for
-        every block some token selected, then dropped; the kept cache is left as it was. The blocks the kept cache
+        some head than the decoded-block cache holds: the same native call, given that selection (no second
+        indexer run), over a scratch cache with a slot for every block some token selected, then dropped; the kept
+        cache is left as it was. The blocks the kept cache
         holds are copied into the scratch (a cached block has the bits of a fresh decode), the others decoded
         natively: the bits of the fresh decode (`_decode_fresh`, in Python: ~50 ms a turn's chunk at 6k on
         SmolLM2)."""
@@ -516,8 +523,8 @@ class SparseLayerKV:
             for scratch, cache in zip(decoded, self._dec, strict=True):
                 scratch.view(b, hc * u, blk, d)[:, hh * u + rr] = cache.view(b, hc * c, blk, d)[:, hh * c + ss]
             self.oversize_reused += int(hh.numel())
-        out, select, _, misses = self._fused_decoded_call(qg, hot, positions, scale, maps, 1, decoded)
-        if misses < 0:  # the same query rows select the same blocks: a scratch cache of their count holds them
+        out, select, _, misses = self._fused_decoded_call(qg, hot, positions, scale, maps, 1, decoded, select)
+        if misses < 0:  # the refused call's selection: a scratch cache of its count holds it
             raise SparseIndexError(f"the decoded scratch cache of {u} slots did not hold the step's blocks")
         self.oversize_steps += 1
         self.peak_decoded_bytes = max(self.peak_decoded_bytes, decoded[0].nbytes + decoded[1].nbytes)
@@ -622,6 +629,9 @@ class SparseLayerKV:
         reach = (hot_mass.mean(1, keepdim=True) + ranked.mean(1)) >= 0.99  # (Hk, n + 1): k blocks reach it
         probe.blocks_for_99.append([int(r.nonzero()[0]) if r.any() else n for r in reach])
         probe.selectable.append(n)
+        if probe.on_step is not None:
+            picked = chosen[:, self.sink: self.sink + n * self.block].reshape(hk, n, self.block)[:, :, 0]
+            probe.on_step(q[0, :, -1].float().view(hk, g, -1), keys, probs, picked, scale)
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor):
         raise CacheError("a sparse layer attends itself (models.layers.Attention calls attend with the queries)")

@@ -241,19 +241,21 @@ def sparse_step_decoded(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, 
                         window: int, sink: int, block: int, topk: torch.Tensor, counters: torch.Tensor,
                         budget: float, maps: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
                         codes: tuple[torch.Tensor, ...], rot: torch.Tensor, decoded: tuple[torch.Tensor, torch.Tensor],
-                        lattice_q: int, bits: int, lattice_codes: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+                        lattice_q: int, bits: int, lattice_codes: int,
+                        selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """sparse_step for a D4 cold tier with a decoded-block cache: block_select, then the cache's bookkeeping
     (`maps`: block -> slot (Hc, >= N), slot -> block and the step each slot was last read (Hc, slots), updated in
     place) and the decode of the (head, block) pairs it lacks (`codes`: k code, k scale, v code, v scale (B, Hc,
     blocks, block, ...); `rot` the codec's Hadamard (D, D) fp32) into `decoded` (K, V (B, Hc, slots * block, D)),
     with d4_points and linear (the bits of kv/lattice.py's decode), then sparse_attention over the cache and
     sparse_check. Returns (out, select, hits, misses); misses -1 (out empty, nothing changed) when some head
-    selected more blocks than it has slots."""
+    selected more blocks than it has slots. `selected`: the selection a refused call of the same step returned,
+    used instead of running the indexer again."""
     if _loaded is None:
         load()
     return torch.ops.kakeya.sparse_step_decoded(q, *hot, cold_head, kmin, kmax, n_blocks, topk, q_pos, window, sink,
                                                 block, scale, counters, budget, *maps, step, *codes, rot, *decoded,
-                                                lattice_q, bits, lattice_codes)
+                                                lattice_q, bits, lattice_codes, selected)
 
 
 def ring_write(k_hot: torch.Tensor, v_hot: torch.Tensor, hot_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -577,11 +577,27 @@ std::pair<int64_t, int64_t> decoded_fill(const at::Tensor& select, const at::Ten
   return {hits, m};
 }
 
+// The blocks each query may select, as block_select's `scored` (B, Hk, T): n(p), 0 for a streaming head.
+at::Tensor selectable(const at::Tensor& q, const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block,
+                      const at::Tensor& head_topk) {
+  const int64_t B = q.size(0), H = q.size(1), NT = q_pos.size(0);
+  auto scored = at::empty({B, H, NT}, q.options().dtype(at::kLong));
+  const int64_t* qp = q_pos.const_data_ptr<int64_t>();
+  const int64_t* tk = head_topk.const_data_ptr<int64_t>();
+  int64_t* nsc = scored.data_ptr<int64_t>();
+  for (int64_t item = 0; item < B * H * NT; ++item) {
+    const int64_t t = item % NT;
+    nsc[item] = tk[(item / NT) % H] == 0 ? 0 : std::max<int64_t>(0, qp[t] + 1 - window - sink) / block;
+  }
+  return scored;
+}
+
 // One sparse step for a D4 cold tier with its decoded-block cache: the indexer, the cache fill (decoded_fill), the
 // attention over the hot set and the cached blocks (block_slot's first n_blocks entries as the per-head slot map)
 // and the tripwire, in one call. Returns the output, the selection bitsets and (hits, misses) (B, Hc) summed; when
 // some head selected more blocks than it has slots, misses is -1, the output is empty and nothing was changed
-// (the caller decodes afresh).
+// (the caller decodes afresh). `selected`: the selection a refused call of the same step returned, reused instead of
+// running the indexer again (the tripwire still checks every query's counts, from its position).
 std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> sparse_step_decoded(
     const at::Tensor& q, const at::Tensor& hot_k, const at::Tensor& hot_v, const at::Tensor& hot_pos,
     const at::Tensor& cold_head, const at::Tensor& kmin, const at::Tensor& kmax, int64_t n_blocks,
@@ -589,12 +605,23 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> sparse_step_decoded(
     const at::Tensor& counters, double budget, const at::Tensor& block_slot, const at::Tensor& slot_block,
     const at::Tensor& slot_used, int64_t step, const at::Tensor& k_code, const at::Tensor& k_scale,
     const at::Tensor& v_code, const at::Tensor& v_scale, const at::Tensor& rot, const at::Tensor& dec_k,
-    const at::Tensor& dec_v, int64_t lattice_q, int64_t bits, int64_t codes) {
+    const at::Tensor& dec_v, int64_t lattice_q, int64_t bits, int64_t codes,
+    const std::optional<at::Tensor>& selected) {
   TORCH_CHECK(kmin.dim() == 4 && n_blocks >= 0 && n_blocks <= kmin.size(2), "sparse_step_decoded: ", n_blocks,
               " blocks, summaries (B, Hc, N, D) for ", kmin.dim() == 4 ? kmin.size(2) : -1);
   TORCH_CHECK(k_code.dim() == 5 && k_code.size(3) == block, "sparse_step_decoded: codes of ", block, "-position blocks");
-  auto [select, scored] = block_select(q, kmin.narrow(2, 0, n_blocks), kmax.narrow(2, 0, n_blocks), q_pos, window,
-                                       sink, block, head_topk, scale, budget);
+  at::Tensor select, scored;
+  if (selected.has_value()) {
+    TORCH_CHECK(selected->dim() == 4 && selected->scalar_type() == at::kLong && selected->is_contiguous() &&
+                    selected->size(0) == q.size(0) && selected->size(1) == q.size(1) &&
+                    selected->size(2) == q_pos.size(0) && head_topk.dim() == 1 && head_topk.size(0) == q.size(1),
+                "sparse_step_decoded: selected must be block_select's (B, Hk, T, words) int64 for these queries");
+    select = *selected;
+    scored = selectable(q, q_pos, window, sink, block, head_topk);
+  } else {
+    std::tie(select, scored) = block_select(q, kmin.narrow(2, 0, n_blocks), kmax.narrow(2, 0, n_blocks), q_pos,
+                                            window, sink, block, head_topk, scale, budget);
+  }
   const auto [hits, misses] = decoded_fill(select, cold_head, n_blocks, block_slot, slot_block, slot_used, step,
                                            k_code, k_scale, v_code, v_scale, rot, dec_k, dec_v, lattice_q, bits,
                                            codes);
@@ -652,7 +679,7 @@ TORCH_LIBRARY_FRAGMENT(kakeya, m) {
         "Tensor kmax, int n_blocks, Tensor head_topk, Tensor q_pos, int window, int sink, int block, float scale, "
         "Tensor(a!) counters, float budget, Tensor(b!) block_slot, Tensor(c!) slot_block, Tensor(d!) slot_used, "
         "int step, Tensor k_code, Tensor k_scale, Tensor v_code, Tensor v_scale, Tensor rot, Tensor(e!) dec_k, "
-        "Tensor(f!) dec_v, int lattice_q, int bits, int codes) -> (Tensor, Tensor, int, int)");
+        "Tensor(f!) dec_v, int lattice_q, int bits, int codes, Tensor? selected=None) -> (Tensor, Tensor, int, int)");
   m.def("ring_write(Tensor(a!) k_hot, Tensor(b!) v_hot, Tensor(c!) hot_pos, Tensor k, Tensor v, Tensor positions, "
         "int slot) -> ()");
 }
