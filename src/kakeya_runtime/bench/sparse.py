@@ -147,11 +147,9 @@ def _oracle(engine: Engine, cfg, spec: PolicySpec, ids: torch.Tensor, n: int, or
     per_layer = [_mass_stats(layer.probe.masses) | {"ceiling_mean": _mass_stats(layer.probe.best_masses)["mean"],
                                                      "blocks_for_0.99": _blocks_needed(layer.probe)}
                  for layer in layers]
-    needed = [(statistics.fmean(b for step in layer.probe.blocks_for_99 for b in step), layer.probe.selectable[-1])
-              for layer in layers]
+    needed = [x["blocks_for_0.99"]["mean"] for x in per_layer]
     for layer in layers:
         layer.probe = None
-    spec_layer = layers[0]
     return {"oracle_mass": {"mean": statistics.fmean(x["mean"] for x in per_layer),
                             "worst_layer_mean": min(x["mean"] for x in per_layer),
                             "worst_layer": min(range(len(per_layer)), key=lambda i: per_layer[i]["mean"]),
@@ -160,7 +158,7 @@ def _oracle(engine: Engine, cfg, spec: PolicySpec, ids: torch.Tensor, n: int, or
                             "ceiling_mean": statistics.fmean(x["ceiling_mean"] for x in per_layer),
                             # what 0.99 would take: each KV head its fewest such blocks (mean over steps), as a
                             # share of the history a query would attend
-                            "attended_for_0.99": _attended_share(needed, spec_layer, n + oracle_steps // 2),
+                            "attended_for_0.99": _attended_share(needed, layers[0], n + oracle_steps // 2),
                             "per_layer": per_layer,
                             "steps": oracle_steps},
             "greedy_agreement": _agreement(sparse_tokens, full_tokens), "governed": len(layers)}
@@ -240,11 +238,11 @@ def _blocks_needed(probe: OracleProbe) -> dict[str, float]:
     return {"mean": statistics.fmean(flat), "max": max(flat), "selectable": probe.selectable[-1]}
 
 
-def _attended_share(needed: list[tuple[float, int]], layer: SparseLayerKV, length: int) -> float:
-    """The share of `length` positions a query would attend with every layer keeping its 0.99 blocks (mean over
-    layers): sinks + hot range + those blocks."""
+def _attended_share(needed: list[float], layer: SparseLayerKV, length: int) -> float:
+    """The share of `length` positions a query would attend with every layer keeping its 0.99 blocks (`needed`, per
+    layer; mean over layers): sinks + hot range + those blocks."""
     hot = length - layer.hot_lo(length - 1) + layer.sink
-    return statistics.fmean(min(length, hot + blocks * layer.block) / length for blocks, _ in needed)
+    return statistics.fmean(min(length, hot + blocks * layer.block) / length for blocks in needed)
 
 
 def _agreement(tokens: list[int], ref: list[int]) -> float:

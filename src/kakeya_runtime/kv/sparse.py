@@ -500,10 +500,9 @@ class SparseLayerKV:
         """The step whose selection (`select`, from the refused call, which changed nothing) has more blocks for
         some head than the decoded-block cache holds: the same native call, given that selection (no second
         indexer run), over a scratch cache with a slot for every block some token selected, then dropped; the kept
-        cache is left as it was. The blocks the kept cache
-        holds are copied into the scratch (a cached block has the bits of a fresh decode), the others decoded
-        natively: the bits of the fresh decode (`_decode_fresh`, in Python: ~50 ms a turn's chunk at 6k on
-        SmolLM2)."""
+        cache is left as it was. The blocks the kept cache holds are copied into the scratch (a cached block has the
+        bits of a fresh decode), the others decoded natively: the bits of the fresh decode (`_decode_fresh`, in
+        Python: ~50 ms a turn's chunk at 6k on SmolLM2)."""
         bits = self._selected(select)  # (Hc, N)
         heads, ids = bits.nonzero(as_tuple=True)  # head-major
         counts = bits.sum(1)

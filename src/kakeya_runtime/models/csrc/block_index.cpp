@@ -198,6 +198,11 @@ inline void keep_top(const float* score, int64_t n, int64_t k, std::vector<uint3
     if (up[j] > t || (up[j] == t && ties-- > 0)) row[j >> 6] |= 1ull << (j & 63);
 }
 
+// The cold blocks a query at position p may select: those wholly outside its window (none for a streaming head).
+inline int64_t selectable_blocks(int64_t topk, int64_t p, int64_t window, int64_t sink, int64_t block) {
+  return topk == 0 ? 0 : std::max<int64_t>(0, p + 1 - window - sink) / block;
+}
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& q_pos,
          int64_t window, int64_t sink, int64_t block, const std::vector<int64_t>& head_topk,
@@ -214,9 +219,8 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
   const int64_t items = B * H * NT;
   int64_t most = 0;
   for (int64_t item = 0; item < items; ++item) {
-    const int64_t h = (item / NT) % H, t = item % NT, topk = head_topk[h];
-    const int64_t n = topk == 0 ? 0 : std::max<int64_t>(0, qp[t] + 1 - window - sink) / block;
-    nsc[item] = n;
+    const int64_t topk = head_topk[(item / NT) % H];
+    const int64_t n = nsc[item] = selectable_blocks(topk, qp[item % NT], window, sink, block);
     if (n > kept(topk, n, budget)) most = std::max(most, n);
   }
   // Scoring: work items of CHUNK blocks of one token (a decode step's few tokens still spread over the threads).
@@ -585,10 +589,8 @@ at::Tensor selectable(const at::Tensor& q, const at::Tensor& q_pos, int64_t wind
   const int64_t* qp = q_pos.const_data_ptr<int64_t>();
   const int64_t* tk = head_topk.const_data_ptr<int64_t>();
   int64_t* nsc = scored.data_ptr<int64_t>();
-  for (int64_t item = 0; item < B * H * NT; ++item) {
-    const int64_t t = item % NT;
-    nsc[item] = tk[(item / NT) % H] == 0 ? 0 : std::max<int64_t>(0, qp[t] + 1 - window - sink) / block;
-  }
+  for (int64_t item = 0; item < B * H * NT; ++item)
+    nsc[item] = selectable_blocks(tk[(item / NT) % H], qp[item % NT], window, sink, block);
   return scored;
 }
 
