@@ -4,7 +4,8 @@ as the policy's indexer did, scored by the attention mass (full fp32 attention, 
 its blocks. Estimators, each a logit per (query head, block), turned into blocks as the indexer does (a softmax per
 query head over the blocks, summed over the heads sharing the KV head, top k):
 - indexer: the policy's own selection (kakeya::block_select);
-- box c: q . mid + c |q| . half of the block's per-channel key min/max box (c = 0.5 is the indexer's, 1 Quest's bound);
+- box c: q . mid + c |q| . half of the block's per-channel key min/max box (c = 0.5 is indexer v3's, 1 Quest's bound);
+- max of box 0.5, 1.0 shares (indexer v4's rule), and half the blocks by each;
 - mean, mean + var: q . mu, plus q^2 . var / 2 at the attention's scale (a log-normal block);
 - sub s box c: the box of each s-position sub-block, combined by log-sum-exp (32 / s times the summary bytes);
 - oracle: the blocks' true mass (the ceiling).
@@ -61,6 +62,14 @@ def estimators(layer: SparseLayerKV, q: torch.Tensor, keys: torch.Tensor, probs:
     out = {"indexer": mass(picked), "oracle": pick(torch.log(cold + 1e-30))}
     for c in (0.25, 0.5, 1.0):
         out[f"box {c}"] = pick(box(kb.amin(2), kb.amax(2), c))
+    # the shares of the shrunk and of the whole box: their larger (indexer v4), or half the blocks by each
+    shrunk = torch.softmax(box(kb.amin(2), kb.amax(2), 0.5), -1).sum(1)
+    whole = torch.softmax(box(kb.amin(2), kb.amax(2), 1.0), -1).sum(1)
+    out["max of box 0.5, 1.0 shares"] = torch.zeros(hk, n, dtype=torch.bool).scatter_(
+        1, torch.maximum(shrunk, whole).topk(kept, -1).indices, True)
+    first = torch.zeros(hk, n, dtype=torch.bool).scatter_(1, shrunk.topk((kept + 1) // 2, -1).indices, True)
+    out["half by box 0.5, half by 1.0"] = first.scatter(
+        1, whole.masked_fill(first, -1.0).topk(kept - (kept + 1) // 2, -1).indices, True)
     out["mean"] = pick(scale * torch.einsum("hgd,hnd->hgn", q, mu))
     out["mean + var"] = pick(scale * torch.einsum("hgd,hnd->hgn", q, mu)
                              + 0.5 * scale ** 2 * torch.einsum("hgd,hnd->hgn", q * q, var))

@@ -285,7 +285,8 @@ def test_sparse_attention_refuses_a_selected_block_it_was_not_given():
 
 def quest_reference(q, kmin, kmax, q_pos, window, sink, block, topk, box=0.5):
     """The indexer's choice in float64: each row's bound over the min/max box shrunk about its centre by `box`,
-    each query head's softmax over the blocks the token may select, the shares summed over the heads."""
+    and over the whole box; per bound each query head's softmax over the blocks the token may select, the shares
+    summed over the heads; a block's score is the larger of its two shares."""
     b, h, r, d = q.shape
     t_n = q_pos.shape[0]
     g = r // t_n
@@ -297,9 +298,11 @@ def quest_reference(q, kmin, kmax, q_pos, window, sink, block, topk, box=0.5):
                 n = max(0, int(q_pos[t]) + 1 - window - sink) // block
                 qs = q[bi, hi].view(g, t_n, d)[:, t].double()  # (G, D)
                 a, c = kmin[bi, hi, :n].double(), kmax[bi, hi, :n].double()
-                lo, up = lo_w * a + hi_w * c, hi_w * a + lo_w * c
-                bound = torch.maximum(qs[:, None] * lo, qs[:, None] * up).sum(-1)  # (G, n)
-                score = torch.softmax(bound / d**0.5, dim=-1).sum(0) if n else bound.sum(0)  # (n,)
+                shares = []
+                for lo, up in ((lo_w * a + hi_w * c, hi_w * a + lo_w * c), (a, c)):
+                    bound = torch.maximum(qs[:, None] * lo, qs[:, None] * up).sum(-1)  # (G, n)
+                    shares.append(torch.softmax(bound / d**0.5, dim=-1).sum(0) if n else bound.sum(0))  # (n,)
+                score = torch.maximum(*shares)
                 order = sorted(range(n), key=lambda j: (-float(score[j]), j))
                 chosen.append(sorted(order[:topk]))
     return chosen

@@ -9,9 +9,11 @@
 // A query row q's estimate of its largest logit in a block is sum_d max(q_d lo_d, q_d hi_d) over the block's box
 // shrunk about its centre by BOX (lo, hi = mid -/+ half, mid = (kmin + kmax) / 2, half = BOX * (kmax - kmin) / 2;
 // BOX = 1 is Quest's bound, which over-rates spread blocks at head_dim 256), computed as the equal
-// q . mid + |q| . half: two dot products, 16 blocks to a vector. A token's score for a block is its estimated share
+// q . mid + |q| . half: two dot products, 16 blocks to a vector. A token's share of a block is its estimated share
 // of the attention, summed over the G query heads sharing the K/V head: sum_g softmax_j(scale * e_gj), each head's
-// softmax over the blocks the token may select (so no one head's logit range decides for the others).
+// softmax over the blocks the token may select (so no one head's logit range decides for the others). Its score
+// is the larger of that share from the shrunk box and from the whole box (Quest's bound, q . mid + |q| . half /
+// BOX): a block whose one outlying key a head attends to sharply (a needle's digits) ranks low by the shrunk box.
 // Token t (position p) may select among the blocks wholly outside its window, n(p) = max(0, p + 1 - window -
 // sink) / block of them (blocks j cover positions sink + j * block ...); it keeps kept(topk, n(p), budget) =
 // min(n(p), max(topk, ceil(budget * n(p)))) of them (0 for a streaming head), the highest scores first, ties
@@ -110,9 +112,10 @@ __attribute__((flatten)) void block_terms(const T* mn, const T* mx, int64_t row_
 
 #if defined(__AVX512F__)
 // GN rows (qf, qa = |qf|, D apart) against one group of 16 blocks: per row and block, (sum_d q_d mid_d) + (sum_d
-// |q_d| half_d), each sum one fused multiply-add per d in order (so each row's bits are its own, whatever GN).
+// |q_d| half_d) with the shrunk box, and with the whole box (Quest's bound: twice the half-width term, one fused
+// multiply-add); each sum one fused multiply-add per d in order (so each row's bits are its own, whatever GN).
 template <int GN>
-inline void score_group(const float* qf, const float* qa, int64_t D, const float* mid, __m512* out) {
+inline void score_group(const float* qf, const float* qa, int64_t D, const float* mid, __m512* out, __m512* whole) {
   const float* half = mid + D * LANES;
   __m512 am[GN], ah[GN];
   for (int i = 0; i < GN; ++i) am[i] = ah[i] = _mm512_setzero_ps();
@@ -123,15 +126,19 @@ inline void score_group(const float* qf, const float* qa, int64_t D, const float
       ah[i] = _mm512_fmadd_ps(_mm512_set1_ps(qa[i * D + d]), h, ah[i]);
     }
   }
-  for (int i = 0; i < GN; ++i) out[i] = _mm512_add_ps(am[i], ah[i]);
+  for (int i = 0; i < GN; ++i) {
+    out[i] = _mm512_add_ps(am[i], ah[i]);
+    whole[i] = _mm512_fmadd_ps(_mm512_set1_ps(1.f / BOX), ah[i], am[i]);
+  }
 }
 #endif
 
 // Estimates of blocks [j0, j1) (j0 a multiple of LANES) of one token against its G query rows (qf (G, D) fp32, qa
-// = |qf|) into score[g * most + j] (NaN: -inf), from block_terms' groups. Every path computes each (row, block)
-// as two in-order fused multiply-add chains and one add, so the estimates are one set of bits on every machine.
+// = |qf|) into score[g * most + j] (the shrunk box) and bound[g * most + j] (the whole box) (NaN: -inf), from
+// block_terms' groups. Every path computes each (row, block) as two in-order fused multiply-add chains, then one
+// add (shrunk) and one fused multiply-add (whole), so the estimates are one set of bits on every machine.
 inline void score_blocks(const float* qf, const float* qa, int64_t G, int64_t D, const float* terms, int64_t j0,
-                         int64_t j1, float* score, int64_t most) {
+                         int64_t j1, float* score, float* bound, int64_t most) {
   constexpr float NINF = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
   for (int64_t jb = j0; jb < j1; jb += LANES) {
@@ -139,19 +146,20 @@ inline void score_blocks(const float* qf, const float* qa, int64_t G, int64_t D,
     const float* mid = terms + jb / LANES * 2 * D * LANES;
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       const int64_t gn = std::min<int64_t>(4, G - g0);
-      __m512 sv[4];
+      __m512 sv[4], bv[4];
       const float* q0 = qf + g0 * D;
       const float* a0 = qa + g0 * D;
-      if (gn == 4) score_group<4>(q0, a0, D, mid, sv);
-      else if (gn == 3) score_group<3>(q0, a0, D, mid, sv);
-      else if (gn == 2) score_group<2>(q0, a0, D, mid, sv);
-      else score_group<1>(q0, a0, D, mid, sv);
+      if (gn == 4) score_group<4>(q0, a0, D, mid, sv, bv);
+      else if (gn == 3) score_group<3>(q0, a0, D, mid, sv, bv);
+      else if (gn == 2) score_group<2>(q0, a0, D, mid, sv, bv);
+      else score_group<1>(q0, a0, D, mid, sv, bv);
       for (int64_t i = 0; i < gn; ++i) {
-        const __m512 v =
-            _mm512_mask_mov_ps(sv[i], _mm512_cmp_ps_mask(sv[i], sv[i], _CMP_UNORD_Q), _mm512_set1_ps(NINF));
-        alignas(64) float sg[LANES];
-        _mm512_store_ps(sg, v);
-        std::copy(sg, sg + nb, score + (g0 + i) * most + jb);
+        for (auto [x, dst] : {std::pair{sv[i], score}, std::pair{bv[i], bound}}) {
+          const __m512 v = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_ps(NINF));
+          alignas(64) float sg[LANES];
+          _mm512_store_ps(sg, v);
+          std::copy(sg, sg + nb, dst + (g0 + i) * most + jb);
+        }
       }
     }
   }
@@ -165,8 +173,9 @@ inline void score_blocks(const float* qf, const float* qa, int64_t G, int64_t D,
         am = std::fma(qf[g * D + d], mid[d * LANES], am);
         ah = std::fma(qa[g * D + d], half[d * LANES], ah);
       }
-      const float sc = am + ah;
+      const float sc = am + ah, bd = std::fma(1.f / BOX, ah, am);
       score[g * most + j] = std::isnan(sc) ? NINF : sc;
+      bound[g * most + j] = std::isnan(bd) ? NINF : bd;
     }
   }
 #endif
@@ -249,8 +258,9 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
                      terms_data + bh * per_bh);
     }
   });
-  // (items, G, most): every read entry is written
-  std::unique_ptr<float[]> scores(new float[std::max<int64_t>(1, items * G * most)]);
+  // (2, items, G, most): the shrunk box's estimates, then the whole box's; every read entry is written
+  const int64_t per_est = std::max<int64_t>(1, items * G * most);
+  std::unique_ptr<float[]> scores(new float[2 * per_est]);
   at::parallel_for(0, items * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), qa(G * D);
     int64_t loaded = -1;
@@ -265,12 +275,13 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
         loaded = item;
       }
       score_blocks(qf.data(), qa.data(), G, D, terms_data + bh * per_bh, c * CHUNK,
-                   std::min<int64_t>(n, (c + 1) * CHUNK), scores.get() + item * G * most, most);
+                   std::min<int64_t>(n, (c + 1) * CHUNK), scores.get() + item * G * most,
+                   scores.get() + per_est + item * G * most, most);
     }
   });
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {  // a decode step's few tokens: each thread its own
     std::vector<uint32_t> keys;
-    std::vector<float> share, w, ev;
+    std::vector<float> share, whole, w, ev;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = nsc[item], topk = kept(head_topk[(item / NT) % H], n, budget);
       uint64_t* row = sel + item * words;
@@ -280,34 +291,42 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
         for (int64_t j = 0; j < n; ++j) row[j >> 6] |= 1ull << (j & 63);
         continue;
       }
-      // The token's score per block: its estimated attention share summed over the G rows, one fixed order.
-      const float* est = scores.get() + item * G * most;
-      // Per row: exponentials VS blocks at a time (lanes past n: -inf, so 0), their sum by VS lane sums in block
-      // order and one fixed lane tree; the order depends on n alone.
+      // The token's score per block: its estimated attention share summed over the G rows, one fixed order, from
+      // the shrunk box and from the whole box; a block keeps the larger of its two shares. The shrunk box ranks
+      // blocks whose keys spread as the query's attention does; the whole box (an upper bound) keeps a block with
+      // one outlying key that a query attends to sharply (a needle), which the shrunk box ranks low.
       const int64_t padded = (n + VS - 1) / VS * VS;
-      share.assign(padded, 0.f);
       w.resize(padded);
       ev.resize(padded);
-      for (int64_t g = 0; g < G; ++g) {
-        std::copy(est + g * most, est + g * most + n, ev.begin());
-        std::fill(ev.begin() + n, ev.end(), -std::numeric_limits<float>::infinity());
-        Vec vtop(-std::numeric_limits<float>::infinity());
-        for (int64_t j = 0; j < padded; j += VS) vtop = at::vec::maximum(vtop, Vec::loadu(ev.data() + j));
-        const float top = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::maximum(a, c); },
-                                                         vtop);  // max is exact in any order
-        if (!std::isfinite(top)) continue;  // every estimate NaN (-inf) or inf: the row adds nothing
-        const Vec sc(static_cast<float>(scale)), tv(top);
-        Vec zv(0.f);
-        for (int64_t j = 0; j < padded; j += VS) {
-          const Vec x = (sc * (Vec::loadu(ev.data() + j) - tv)).exp();
-          x.store(w.data() + j);
-          zv = zv + x;
+      // Per row: exponentials VS blocks at a time (lanes past n: -inf, so 0), their sum by VS lane sums in block
+      // order and one fixed lane tree; the order depends on n alone.
+      const auto shares = [&](const float* est, std::vector<float>& out) {
+        out.assign(padded, 0.f);
+        for (int64_t g = 0; g < G; ++g) {
+          std::copy(est + g * most, est + g * most + n, ev.begin());
+          std::fill(ev.begin() + n, ev.end(), -std::numeric_limits<float>::infinity());
+          Vec vtop(-std::numeric_limits<float>::infinity());
+          for (int64_t j = 0; j < padded; j += VS) vtop = at::vec::maximum(vtop, Vec::loadu(ev.data() + j));
+          const float top = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::maximum(a, c); },
+                                                           vtop);  // max is exact in any order
+          if (!std::isfinite(top)) continue;  // every estimate NaN (-inf) or inf: the row adds nothing
+          const Vec sc(static_cast<float>(scale)), tv(top);
+          Vec zv(0.f);
+          for (int64_t j = 0; j < padded; j += VS) {
+            const Vec x = (sc * (Vec::loadu(ev.data() + j) - tv)).exp();
+            x.store(w.data() + j);
+            zv = zv + x;
+          }
+          const float z = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, zv);
+          const Vec inv(1.f / z);
+          for (int64_t j = 0; j < padded; j += VS)
+            (Vec::loadu(out.data() + j) + Vec::loadu(w.data() + j) * inv).store(out.data() + j);
         }
-        const float z = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, zv);
-        const Vec inv(1.f / z);
-        for (int64_t j = 0; j < padded; j += VS)
-          (Vec::loadu(share.data() + j) + Vec::loadu(w.data() + j) * inv).store(share.data() + j);
-      }
+      };
+      shares(scores.get() + item * G * most, share);
+      shares(scores.get() + per_est + item * G * most, whole);
+      for (int64_t j = 0; j < padded; j += VS)
+        at::vec::maximum(Vec::loadu(share.data() + j), Vec::loadu(whole.data() + j)).store(share.data() + j);
       keep_top(share.data(), n, topk, keys, row);
     }
   });
