@@ -8,9 +8,10 @@ Per governed layer:
   per-channel min and max of its (decoded) keys: the indexer's summary.
 
 A query at position p attends, in one softmax (kakeya::sparse_attention), to the sinks, its hot range
-hot_lo(p)..p (the last `window` positions extended down to a block boundary) and the `topk` cold blocks below
-hot_lo(p) with the highest bound sum_d max(q_d min_d, q_d max_d), taken over the query heads sharing the KV
-head (kakeya::block_select). Both kernels compute each query alone, so a position's result is the same bits
+hot_lo(p)..p (the last `window` positions extended down to a block boundary) and the max(topk, ceil(budget x
+blocks)) cold blocks below hot_lo(p) with the largest estimated attention share: per query head a softmax over
+the blocks of its logit bound over the block's key min/max box, shrunk about its centre and whole, summed over
+the query heads sharing the KV head, the larger of the two (kakeya::block_select). Both kernels compute each query alone, so a position's result is the same bits
 in a decode step, a chunk or a prompt: sessions stay reproducible turn by turn (INV-3).
 
 Tripwires: a sparse step never falls back to dense or window-only attention. The kernel counts the keys each

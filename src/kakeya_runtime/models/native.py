@@ -196,8 +196,9 @@ def block_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, q_pos:
                  budget: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse policy's indexer: for each token (rows of q (B, Hk, R, D) ordered (group, token)) the cold
     blocks with the largest estimated attention share (per query head a softmax, at `scale` (0: 1/sqrt(D)), of
-    its logit bound over the block's key min/max box (B, Hk, N, D) shrunk about its centre; summed over the
-    heads sharing the KV head), among the n(t) blocks wholly outside its window; it keeps min(n(t), max(topk,
+    its logit bound over the block's key min/max box (B, Hk, N, D), shrunk about its centre and whole; summed
+    over the heads sharing the KV head; the larger of the two shares), among the n(t) blocks wholly outside its
+    window; it keeps min(n(t), max(topk,
     ceil(budget * n(t)))). `topk`: one for every head, or (Hk,) int64 per head (0: a streaming head, which has
     no summaries: kmin/kmax then hold only the heads with topk > 0). Returns (select (B, Hk, T, words) int64
     bitsets, scored (B, Hk, T) int64 = n(t), 0 for streaming heads); raises when a token could select a block
