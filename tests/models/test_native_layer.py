@@ -210,3 +210,54 @@ def test_sink_window_ring_written_natively_after_trim_and_load_same_bits(make_ti
     for layer, (x, y) in enumerate(zip(state, ref_state, strict=True)):
         for name in x:
             assert torch.equal(x[name], y[name]), f"layer {layer} {name}"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("codec", ["identity", "int8", "d4", "d4-oversize"])
+def test_sparse_decode_layer_in_one_call_same_bits(family, codec, make_tiny_model, monkeypatch):
+    """A decode row over a sparse cache in its steady state runs the whole layer in one native call
+    (kakeya::decoder_layer_sparse): the logits and every cache of the layer's Python path, step after step (blocks
+    completing, the defer to the step's end, a D4 tier's decoded cache, and, with one decoded slot, the oversize
+    step); the steps where a block must be encoded first step aside to the split layer."""
+    model = make_tiny_model(family, dtype=torch.bfloat16)
+    engine = Engine(model, prefill_chunk=32)
+    registry = PolicyRegistry()
+    params = {"sink": 2, "window": 16, "block": 8, "topk": 2, "codec": codec.removesuffix("-oversize")}
+    spec = registry.resolve("sparse", params, engine.config, 256)
+    ids = torch.randint(3, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(6))
+    calls = []
+    real = native.decoder_layer_sparse
+
+    def counted(*a, **k):
+        got = real(*a, **k)
+        calls.append(got[3])  # misses: -1 when the oversize step finished the layer
+        return got
+
+    monkeypatch.setattr(native, "decoder_layer_sparse", counted)
+
+    def run(on: bool) -> tuple[list, list]:
+        before = native_layer.set_enabled(on)
+        try:
+            cache = registry.build(engine, spec, 256)
+            if codec == "d4-oversize":  # one slot per head: a step's two blocks never fit
+                for layer in cache.layers:
+                    if hasattr(layer, "decoded_blocks"):
+                        layer.decoded_blocks = 1
+            engine.prefill(cache, ids)
+            logits = [engine.decode_step(cache, torch.tensor([[t]])).logits for t in range(5, 25)]
+            return logits, cache.state()
+        finally:
+            native_layer.set_enabled(before)
+
+    ref, ref_state = run(False)
+    assert not calls
+    model.__dict__.pop("_native_layers", None)
+    got, state = run(True)
+    governed = sum(hasattr(layer, "decoder_layer_step") for layer in registry.build(engine, spec, 256).layers)
+    assert governed > 0 and len(calls) >= 15 * governed, (len(calls), governed)  # most steps, every sparse layer
+    assert (min(calls) < 0) == (codec == "d4-oversize")
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert torch.equal(a, b), f"step {i}"
+    for layer, (x, y) in enumerate(zip(state, ref_state, strict=True)):
+        for name in x:
+            assert torch.equal(x[name], y[name]), f"layer {layer} {name}"

@@ -10,7 +10,8 @@
   q and k (after Gemma's q/k norms), each row in fp32 and rounded once (csrc/rowwise.cpp).
 - `kakeya::decoder_layer`: one decoder layer's decode rows (the ops above, in the Python path's order) in one call,
   or in two around a policy cache's own attention (`decoder_layer_attention_inputs`, `decoder_layer_output`)
-  (models/native_layer.py).
+  (models/native_layer.py); `kakeya::decoder_layer_sparse`: a decode row's layer over a sparse cache, the sparse
+  step between the halves, in one call.
 - `kakeya::sparse_attention` / `kakeya::block_select`: the sparse KV policy's attention over an exact hot set and
   selected cold blocks, and its indexer (kv.sparse), with the same per-query invariance; `kakeya::sparse_step`
   runs both and the step's tripwire in one call.
@@ -257,6 +258,29 @@ def sparse_step_decoded(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, 
     return torch.ops.kakeya.sparse_step_decoded(q, *hot, cold_head, kmin, kmax, n_blocks, topk, q_pos, window, sink,
                                                 block, scale, counters, budget, *maps, step, *codes, rot, *decoded,
                                                 lattice_q, bits, lattice_codes, selected)
+
+
+def decoder_layer_sparse(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_pos: torch.Tensor,
+                         weights: list[torch.Tensor], config: list[int], params: list[float],
+                         state: tuple[torch.Tensor, ...], cold: tuple[torch.Tensor, ...],
+                         index: tuple[torch.Tensor, ...], geometry: tuple[int, ...], budget: float,
+                         decoded: tuple[torch.Tensor, ...], lattice: tuple[int, ...]):
+    """One decode row's decoder layer over a sparse cache in one call (csrc/decoder_layer.cpp): the layer's first half,
+    ring_write, sparse_step (`decoded` empty) or sparse_step_decoded, the second half. Returns (output (1, 1, C),
+    select, hits, misses, q (1, Hk, G, D)); misses -1: the output is empty (the decoded cache could not hold the
+    step's blocks; only the ring was written)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.decoder_layer_sparse(h, cos, sin, q_pos, weights, config, params, list(state), list(cold),
+                                                 list(index), list(geometry), budget, list(decoded), list(lattice))
+
+
+def decoder_layer_output(att: torch.Tensor, h: torch.Tensor, weights: list[torch.Tensor], config: list[int],
+                         params: list[float]) -> torch.Tensor:
+    """The decoder layer from its attention output (N, H * D) on (o_proj, norms, MLP, residuals): (N, 1, C)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.decoder_layer_output(att, h, weights, config, params)
 
 
 def ring_write(k_hot: torch.Tensor, v_hot: torch.Tensor, hot_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -5,7 +5,8 @@ dispatcher: ~8 ms of a 25 ms SmolLM2 step at 1k context (results/engine/eager_st
 caches are preallocated buffers (`append_slot`: kv.cache's full and ring layers, sink_window's identity-codec ring)
 the C++ op runs the same kernels in the same order on the same inputs, so the bits are the Python path's. Where a
 row's cache is another policy (restore, a lossy sink_window: no `append_slot`; sparse: it attends itself) the layer
-runs as two native calls around the Python path's own attention of the rows. A trace, a prefill chunk, many rows on
+runs as two native calls around the Python path's own attention of the rows; a single row over a sparse cache in its
+steady state runs as one (`decoder_layer_step`: kakeya::decoder_layer_sparse, the same kernels in the same order). A trace, a prefill chunk, many rows on
 a quantized layer's dequantizing path, the sdpa backend and torch.compile keep the Python path. The per-layer
 arguments are gathered once (`LayerArgs`) and reused while the layer's projection modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
 """
@@ -108,6 +109,10 @@ class NativeLayers:
         args = self._args(i, block)
         if args is None or h.dtype != args.dtype or h.shape[0] >= args.max_rows or cos.dtype != h.dtype:
             return None
+        if len(caches) == 1 and (step := getattr(caches[0], "decoder_layer_step", None)) is not None:
+            out = step(h, cos, sin, positions, args.weights, args.config, args.params)  # a sparse cache's whole layer
+            if out is not None:
+                return out
         if not all(getattr(kv, "append_slot", None) is not None and not getattr(kv, "owns_attention", False)
                    for kv in caches):
             return self._run_split(args, block, h, positions, cos, sin, caches)

@@ -246,9 +246,10 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
   const size_t terms_n = std::max<int64_t>(1, B * H * per_bh);
   std::unique_ptr<float[]> terms_heap(terms_n * sizeof(float) > kScratchBytes ? new float[terms_n] : nullptr);
   float* const terms_data = terms_heap ? terms_heap.get() : scratch<float>(3, terms_n);
-  // A decode step's few tokens score a few hundred blocks: microseconds of work, less than the three parallel
-  // regions cost on two cores, so such a call runs on its own thread (items are independent: the same bits).
-  const int64_t grain = items * most * G * D < (1 << 18) ? std::numeric_limits<int64_t>::max() / 2 : 1;
+  // Only a call with a few dozen blocks runs on its own thread: inside a decode loop a long history's summaries come
+  // from the last-level cache, and two threads read them faster than one (at 7.7k on SmolLM2 the call fell from
+  // ~68 to ~51 µs); items are independent, so the bits are the same.
+  const int64_t grain = items * most * G * D < (1 << 15) ? std::numeric_limits<int64_t>::max() / 2 : 1;
   at::parallel_for(0, B * H * chunks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
@@ -259,10 +260,15 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
     }
   });
   // (2, items, G, most): the shrunk box's estimates, then the whole box's; every read entry is written
+  // (slot 4 of the per-thread scratch when small: no heap call per decode step)
   const int64_t per_est = std::max<int64_t>(1, items * G * most);
-  std::unique_ptr<float[]> scores(new float[2 * per_est]);
+  const bool small_est = 2 * per_est * sizeof(float) <= kScratchBytes;
+  std::unique_ptr<float[]> scores_heap(small_est ? nullptr : new float[2 * per_est]);
+  float* const scores = small_est ? scratch<float>(4, 2 * per_est) : scores_heap.get();
   at::parallel_for(0, items * chunks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), qa(G * D);
+    thread_local std::vector<float> qf, qa;  // kept across calls: no heap call per step
+    qf.resize(G * D);
+    qa.resize(G * D);
     int64_t loaded = -1;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t item = w / chunks, c = w % chunks, n = nsc[item];
@@ -275,13 +281,13 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
         loaded = item;
       }
       score_blocks(qf.data(), qa.data(), G, D, terms_data + bh * per_bh, c * CHUNK,
-                   std::min<int64_t>(n, (c + 1) * CHUNK), scores.get() + item * G * most,
-                   scores.get() + per_est + item * G * most, most);
+                   std::min<int64_t>(n, (c + 1) * CHUNK), scores + item * G * most,
+                   scores + per_est + item * G * most, most);
     }
   });
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {  // a decode step's few tokens: each thread its own
-    std::vector<uint32_t> keys;
-    std::vector<float> share, whole, w, ev;
+    thread_local std::vector<uint32_t> keys;  // kept across calls: no heap call per step
+    thread_local std::vector<float> share, whole, w, ev;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = nsc[item], topk = kept(head_topk[(item / NT) % H], n, budget);
       uint64_t* row = sel + item * words;
@@ -323,8 +329,8 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
             (Vec::loadu(out.data() + j) + Vec::loadu(w.data() + j) * inv).store(out.data() + j);
         }
       };
-      shares(scores.get() + item * G * most, share);
-      shares(scores.get() + per_est + item * G * most, whole);
+      shares(scores + item * G * most, share);
+      shares(scores + per_est + item * G * most, whole);
       for (int64_t j = 0; j < padded; j += VS)
         at::vec::maximum(Vec::loadu(share.data() + j), Vec::loadu(whole.data() + j)).store(share.data() + j);
       keep_top(share.data(), n, topk, keys, row);
@@ -686,6 +692,36 @@ void ring_write(const at::Tensor& k_hot, const at::Tensor& v_hot, const at::Tens
 }
 
 }  // namespace
+
+namespace kakeya_ops {
+void ring_write(const at::Tensor& k_hot, const at::Tensor& v_hot, const at::Tensor& hot_pos, const at::Tensor& k,
+                const at::Tensor& v, const at::Tensor& positions, int64_t slot) {
+  ::ring_write(k_hot, v_hot, hot_pos, k, v, positions, slot);
+}
+std::tuple<at::Tensor, at::Tensor> sparse_step(
+    const at::Tensor& q, const at::Tensor& hot_k, const at::Tensor& hot_v, const at::Tensor& hot_pos,
+    const at::Tensor& cold_k, const at::Tensor& cold_v, const std::optional<at::Tensor>& cold_k_scale,
+    const std::optional<at::Tensor>& cold_v_scale, const at::Tensor& cold_slot, const at::Tensor& cold_head,
+    const at::Tensor& kmin, const at::Tensor& kmax, int64_t n_blocks, const at::Tensor& head_topk,
+    const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block, double scale, const at::Tensor& counters,
+    double budget) {
+  return ::sparse_step(q, hot_k, hot_v, hot_pos, cold_k, cold_v, cold_k_scale, cold_v_scale, cold_slot, cold_head,
+                       kmin, kmax, n_blocks, head_topk, q_pos, window, sink, block, scale, counters, budget);
+}
+std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> sparse_step_decoded(
+    const at::Tensor& q, const at::Tensor& hot_k, const at::Tensor& hot_v, const at::Tensor& hot_pos,
+    const at::Tensor& cold_head, const at::Tensor& kmin, const at::Tensor& kmax, int64_t n_blocks,
+    const at::Tensor& head_topk, const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block, double scale,
+    const at::Tensor& counters, double budget, const at::Tensor& block_slot, const at::Tensor& slot_block,
+    const at::Tensor& slot_used, int64_t step, const at::Tensor& k_code, const at::Tensor& k_scale,
+    const at::Tensor& v_code, const at::Tensor& v_scale, const at::Tensor& rot, const at::Tensor& dec_k,
+    const at::Tensor& dec_v, int64_t lattice_q, int64_t bits, int64_t codes,
+    const std::optional<at::Tensor>& selected) {
+  return ::sparse_step_decoded(q, hot_k, hot_v, hot_pos, cold_head, kmin, kmax, n_blocks, head_topk, q_pos, window,
+                               sink, block, scale, counters, budget, block_slot, slot_block, slot_used, step, k_code,
+                               k_scale, v_code, v_scale, rot, dec_k, dec_v, lattice_q, bits, codes, selected);
+}
+}  // namespace kakeya_ops
 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.def("block_select(Tensor q, Tensor kmin, Tensor kmax, Tensor q_pos, int window, int sink, int block, "

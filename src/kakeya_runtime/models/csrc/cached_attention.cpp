@@ -924,14 +924,20 @@ struct ColdSource {
   std::vector<int64_t> pos;    // their cold positions
   std::vector<Block> blocks;
   std::vector<int64_t> super_first;
+  std::vector<char> picked;    // per cold block: selected by some token of the tile
   int64_t supers() const { return static_cast<int64_t>(super_first.size()) - 1; }
 
-  ColdSource(const Cold& cold, int64_t B, int64_t H, int64_t NT, int64_t h, int64_t t0, int64_t tn,
+  // Refills this source (its buffers keep their capacity: a decode step's sources cost no heap call).
+  void build(const Cold& cold, int64_t B, int64_t H, int64_t NT, int64_t h, int64_t t0, int64_t tn,
              const int64_t* below, int64_t bk) {
+    order.clear();
+    pos.clear();
+    blocks.clear();
+    super_first.clear();
     const int64_t ch = cold.head[h];
     if (ch >= 0) {
       const int64_t most = *std::max_element(below, below + tn);
-      std::vector<char> picked(most, 0);
+      picked.assign(most, 0);
       for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < tn; ++t) {
           const uint64_t* row = cold.sel + ((b * H + h) * NT + t0 + t) * cold.words;
@@ -943,20 +949,44 @@ struct ColdSource {
             }
         }
       const int64_t lanes = std::count(picked.begin(), picked.end(), 1) * cold.block;
-      order.reserve(lanes);
-      pos.reserve(lanes);
+      order.resize(lanes);
+      pos.resize(lanes);
+      int64_t i0 = 0;
       for (int64_t j = 0; j < most; ++j) {
         if (!picked[j]) continue;
-        const int64_t s = cold.slot_of(ch, j);
+        const int64_t s = cold.slot_of(ch, j) * cold.block, p0 = j * cold.block;
         for (int64_t i = 0; i < cold.block; ++i) {
-          order.push_back(s * cold.block + i);
-          pos.push_back(j * cold.block + i);
+          order[i0 + i] = s + i;
+          pos[i0 + i] = p0 + i;
         }
+        i0 += cold.block;
       }
     }
-    cut_blocks(pos, bk, COLD_SPLIT, blocks, super_first);
+    if (cold.block % bk != 0) {
+      cut_blocks(pos, bk, COLD_SPLIT, blocks, super_first);
+      return;
+    }
+    // Whole cold blocks of a multiple of bk positions, each starting at a multiple of bk: every run of bk lanes is
+    // one block (what cut_blocks gives, without its walk over every lane).
+    int64_t super_end = -1;
+    for (int64_t i = 0; i < static_cast<int64_t>(pos.size()); i += bk) {
+      const int64_t p = pos[i];
+      if (p >= super_end) {
+        super_first.push_back(blocks.size());
+        super_end = (p / COLD_SPLIT + 1) * COLD_SPLIT;
+      }
+      blocks.push_back(Block{i, bk, p, p + bk - 1});
+    }
+    super_first.push_back(blocks.size());
   }
 };
+
+// The calling thread's ColdSources, kept across calls (a reference to them is what work items on other threads read:
+// a thread_local named inside a lambda would be the running thread's own).
+inline std::vector<ColdSource>& thread_cold_sources() {
+  thread_local std::vector<ColdSource> sources;
+  return sources;
+}
 
 // K/V rows of int8 codes, each times its fp16 scale in fp32 and rounded once to T, into dst (rows.size(), D).
 template <typename T, int D>
@@ -1069,7 +1099,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
   std::vector<T> qtile, qtok;
   std::vector<int64_t> nsel;  // (B, H, tn): cold lanes of each token
   std::vector<int64_t> below;  // (tn,): cold blocks wholly below each token's hot range
-  std::vector<ColdSource> csrc;  // cold_amx: per KV head
+  std::vector<ColdSource>& csrc = thread_cold_sources();  // cold_amx: per KV head (kept, rebuilt in place)
   std::vector<int64_t> cfirst;   // cold_amx: (B * H + 1,) the first cold item of each (batch, head)
   std::vector<T> cdeq;           // cold_amx, int8 codes: (B * H, 2, lanes, D) the tile's cold K, V dequantized
   std::vector<int64_t> cdeq_first, lane_seq;  // where each (batch, head)'s rows start there; 0, 1, ...
@@ -1104,8 +1134,8 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
       if (cold_amx) {
         below.resize(tn);
         for (int64_t t = 0; t < tn; ++t) below[t] = cold->blocks_below(qpos[t0 + t], window, sink);
-        csrc.clear();
-        for (int64_t h = 0; h < H; ++h) csrc.emplace_back(*cold, B, H, NT, h, t0, tn, below.data(), COLD_AMX_BLOCK);
+        csrc.resize(H);
+        for (int64_t h = 0; h < H; ++h) csrc[h].build(*cold, B, H, NT, h, t0, tn, below.data(), COLD_AMX_BLOCK);
         cfirst.assign(B * H + 1, 0);
         for (int64_t bh = 0; bh < B * H; ++bh) cfirst[bh + 1] = cfirst[bh] + csrc[bh % H].supers();
         if (cold->k_scale != nullptr) {  // int8 codes: the rows of every (batch, head), in lane order

@@ -19,6 +19,8 @@
 // Rows over a policy cache (its own writes or its own attention, in Python) take the same layer in two calls around
 // that attention: kakeya::decoder_layer_attention_inputs (norm -> QKV -> qkv_rope: q, k_new, v_new) and
 // kakeya::decoder_layer_output (attention output -> o_proj -> ... -> residual add), the very halves decoder_layer runs.
+// A single row over a sparse cache in its steady state runs both halves and the cache's step between them in one
+// call, kakeya::decoder_layer_sparse (below).
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
@@ -116,9 +118,58 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::T
   return layer_output(att.view({N, H * D}), h, weights, config, params);
 }
 
+// One row over a sparse cache in its steady decode state (kv/sparse.py, SparseLayerKV.decoder_layer_step) in one
+// call: the layer's first half, the new K/V into the hot ring (ring_write), the sparse step, the second half; the
+// split path's calls in its order (the same functions on the same inputs: the same bits, the same cache writes).
+// state [k_hot, v_hot, hot_pos, counters]; index [kmin, kmax, head_topk, cold_head]; geometry [slot, n_blocks,
+// window, sink, block]. A cold tier read as stored: cold [cold_k, cold_v, cold_slot] or with int8 scales [cold_k,
+// cold_v, k_scale, v_scale, cold_slot], `decoded` empty (kakeya::sparse_step). A D4 tier: cold [k_code, k_scale,
+// v_code, v_scale, rot], decoded [block_slot, slot_block, slot_used, dec_k, dec_v], lattice [step, q, bits, codes]
+// (kakeya::sparse_step_decoded). Returns (the layer's output (1, 1, C), select, hits, misses, q (1, Hk, G, D)); when
+// the decoded cache cannot hold the step's blocks (misses -1) the output is empty, only the ring was written, and the
+// caller finishes the step from q (its oversize path) and kakeya::decoder_layer_output.
+std::tuple<at::Tensor, at::Tensor, int64_t, int64_t, at::Tensor> decoder_layer_sparse(
+    const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& q_pos, at::TensorList weights,
+    at::IntArrayRef config, at::ArrayRef<double> params, at::TensorList state, at::TensorList cold,
+    at::TensorList index, at::IntArrayRef geometry, double budget, at::TensorList decoded, at::IntArrayRef lattice) {
+  TORCH_CHECK(h.size(0) == 1 && q_pos.numel() == 1, "decoder_layer_sparse: one row, one token");
+  TORCH_CHECK(state.size() == 4 && index.size() == 4 && geometry.size() == 5,
+              "decoder_layer_sparse: state (4), index (4) and geometry (5) as kv/sparse.py packs them");
+  TORCH_CHECK(decoded.empty() ? (cold.size() == 3 || cold.size() == 5) : (cold.size() == 5 && decoded.size() == 5 &&
+                                                                          lattice.size() == 4),
+              "decoder_layer_sparse: cold (3 or 5) for a tier read as stored; cold (5), decoded (5), lattice (4) "
+              "for a D4 tier");
+  const auto [q, k_new, v_new] = attention_inputs(h, cos, sin, weights, config, params);
+  const int64_t H = config[kHeads], Hk = config[kKvHeads], D = config[kHeadDim];
+  const int64_t slot = geometry[0], n_blocks = geometry[1], window = geometry[2], sink = geometry[3],
+                block = geometry[4];
+  const double scale = params[2];
+  kakeya_ops::ring_write(state[0], state[1], state[2], k_new, v_new, q_pos, slot);
+  const auto qg = q.reshape({1, Hk, H / Hk, D}).contiguous();  // rows (group, token), as SparseLayerKV.attend
+  at::Tensor out, select;
+  int64_t hits = 0, misses = 0;
+  if (decoded.empty()) {
+    const bool int8 = cold.size() == 5;
+    std::tie(out, select) = kakeya_ops::sparse_step(
+        qg, state[0], state[1], state[2], cold[0], cold[1], int8 ? std::optional<at::Tensor>(cold[2]) : std::nullopt,
+        int8 ? std::optional<at::Tensor>(cold[3]) : std::nullopt, cold[int8 ? 4 : 2], index[3], index[0], index[1],
+        n_blocks, index[2], q_pos, window, sink, block, scale, state[3], budget);
+  } else {
+    std::tie(out, select, hits, misses) = kakeya_ops::sparse_step_decoded(
+        qg, state[0], state[1], state[2], index[3], index[0], index[1], n_blocks, index[2], q_pos, window, sink, block,
+        scale, state[3], budget, decoded[0], decoded[1], decoded[2], lattice[0], cold[0], cold[1], cold[2], cold[3],
+        cold[4], decoded[3], decoded[4], lattice[1], lattice[2], lattice[3], std::nullopt);
+    if (misses < 0) return {at::empty({0}, h.options()), select, hits, misses, qg};
+  }
+  return {layer_output(out.view({1, H * D}), h, weights, config, params), select, hits, misses, qg};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
+  m.def("decoder_layer_sparse(Tensor h, Tensor cos, Tensor sin, Tensor q_pos, Tensor[] weights, int[] config, "
+        "float[] params, Tensor(a!)[] state, Tensor[] cold, Tensor[] index, int[] geometry, float budget, "
+        "Tensor(b!)[] decoded, int[] lattice) -> (Tensor, Tensor, int, int, Tensor)");
   m.def("decoder_layer(Tensor h, Tensor cos, Tensor sin, Tensor q_pos, Tensor[] weights, int[] config, "
         "float[] params, Tensor(a!)[] k, Tensor(b!)[] v, Tensor(c!)[] k_pos, int[] slot, int[] count, "
         "int[] write_pos, int[] window, int[] sink) -> Tensor");
@@ -131,4 +182,5 @@ TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
   m.impl("decoder_layer", &decoder_layer);
   m.impl("decoder_layer_attention_inputs", &attention_inputs);
   m.impl("decoder_layer_output", &layer_output);
+  m.impl("decoder_layer_sparse", &decoder_layer_sparse);
 }
