@@ -13,7 +13,7 @@ from kakeya_runtime.kv.packed import unpack_bits
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_d4_native_points_equal_the_python_chain(q, head_dim):
     """Unpack, digits, points and scale in C++, then the same rotation: decode's bits exactly (q = 5000: codes of 53
-    bits, past the double-product digits, take the integer division)."""
+    bits)."""
     codec = LatticeCodec("d4", q, head_dim)
     x = torch.randn(513, head_dim, generator=torch.Generator().manual_seed(q)) * 3
     x[0] = 0  # the eps-clamped norm

@@ -26,22 +26,6 @@ at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q
   const at::Half* s = scales.const_data_ptr<at::Half>();
   float* o = out.data_ptr<float>();
   const uint64_t mask = (uint64_t{1} << bits) - 1;
-  // v / m by a double product and one integer correction instead of a 64-bit division (four per code were most of a
-  // decode step's decode): the product is within 1 of v / m for every v below 2^52, which holds when the shifted
-  // code (bits + 1 bits) does; wider codes divide.
-  const double inv_m = 1.0 / static_cast<double>(m);
-  const bool fast = bits + 1 <= 52;
-  const auto divmod = [m, inv_m, fast](int64_t v, int64_t& r) {
-    if (!fast) {
-      r = v % m;
-      return v / m;
-    }
-    int64_t quo = static_cast<int64_t>(static_cast<double>(v) * inv_m);
-    r = v - quo * m;
-    if (r < 0) r += m, --quo;
-    if (r >= m) r -= m, ++quo;
-    return quo;
-  };
   at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const uint8_t* row = c + i * nbytes;
@@ -54,9 +38,8 @@ at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q
         int64_t v = static_cast<int64_t>(static_cast<uint64_t>(acc >> (start % 8)) & mask) << 1;
         float* p = o + i * 4 * codes + 4 * j;
         for (int d = 3; d >= 0; --d) {
-          int64_t r;
-          v = divmod(v, r);
-          p[d] = static_cast<float>(r - q) * scale;
+          p[d] = static_cast<float>(v % m - q) * scale;
+          v /= m;
         }
       }
     }
