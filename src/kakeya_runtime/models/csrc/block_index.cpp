@@ -440,6 +440,11 @@ void sparse_check(const at::Tensor& seen, const at::Tensor& scored, const at::Te
   o[6] = newest, o[7] = B * H * (qp[T - 1] + 1);
 }
 
+}  // namespace
+
+// The fused steps are the ops themselves and what decoder_layer.cpp calls (common.h).
+namespace kakeya_ops {
+
 // One sparse step for a cold tier the attention reads as stored (bf16 or int8 codes): the indexer over the first
 // n_blocks summaries, the attention over the hot set and the selected blocks, and the tripwire with its counters,
 // in one call (no Python between them). Returns the output and the selection bitsets.
@@ -460,6 +465,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_step(
   sparse_check(seen, scored, q_pos, window, sink, block, head_topk, counters, budget);
   return {out, select};
 }
+
+}  // namespace kakeya_ops
+
+namespace {
 
 // The decoded-block cache of a lattice (D4) cold tier: per cold head, `slots` decoded blocks (dec_k, dec_v (B, Hc,
 // slots * block, D)), block_slot (Hc, >= N) block -> slot (-1: not held), slot_block (Hc, slots) slot -> block (-1:
@@ -626,6 +635,10 @@ at::Tensor selectable(const at::Tensor& q, const at::Tensor& q_pos, int64_t wind
   return scored;
 }
 
+}  // namespace
+
+namespace kakeya_ops {
+
 // One sparse step for a D4 cold tier with its decoded-block cache: the indexer, the cache fill (decoded_fill), the
 // attention over the hot set and the cached blocks (block_slot's first n_blocks entries as the per-head slot map)
 // and the tripwire, in one call. Returns the output, the selection bitsets and (hits, misses) (B, Hc) summed; when
@@ -698,36 +711,6 @@ void ring_write(const at::Tensor& k_hot, const at::Tensor& v_hot, const at::Tens
   hot_pos.data_ptr<int64_t>()[slot * hot_pos.stride(0)] = positions.const_data_ptr<int64_t>()[0];
 }
 
-}  // namespace
-
-namespace kakeya_ops {
-void ring_write(const at::Tensor& k_hot, const at::Tensor& v_hot, const at::Tensor& hot_pos, const at::Tensor& k,
-                const at::Tensor& v, const at::Tensor& positions, int64_t slot) {
-  ::ring_write(k_hot, v_hot, hot_pos, k, v, positions, slot);
-}
-std::tuple<at::Tensor, at::Tensor> sparse_step(
-    const at::Tensor& q, const at::Tensor& hot_k, const at::Tensor& hot_v, const at::Tensor& hot_pos,
-    const at::Tensor& cold_k, const at::Tensor& cold_v, const std::optional<at::Tensor>& cold_k_scale,
-    const std::optional<at::Tensor>& cold_v_scale, const at::Tensor& cold_slot, const at::Tensor& cold_head,
-    const at::Tensor& kmin, const at::Tensor& kmax, int64_t n_blocks, const at::Tensor& head_topk,
-    const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block, double scale, const at::Tensor& counters,
-    double budget) {
-  return ::sparse_step(q, hot_k, hot_v, hot_pos, cold_k, cold_v, cold_k_scale, cold_v_scale, cold_slot, cold_head,
-                       kmin, kmax, n_blocks, head_topk, q_pos, window, sink, block, scale, counters, budget);
-}
-std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> sparse_step_decoded(
-    const at::Tensor& q, const at::Tensor& hot_k, const at::Tensor& hot_v, const at::Tensor& hot_pos,
-    const at::Tensor& cold_head, const at::Tensor& kmin, const at::Tensor& kmax, int64_t n_blocks,
-    const at::Tensor& head_topk, const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block, double scale,
-    const at::Tensor& counters, double budget, const at::Tensor& block_slot, const at::Tensor& slot_block,
-    const at::Tensor& slot_used, int64_t step, const at::Tensor& k_code, const at::Tensor& k_scale,
-    const at::Tensor& v_code, const at::Tensor& v_scale, const at::Tensor& rot, const at::Tensor& dec_k,
-    const at::Tensor& dec_v, int64_t lattice_q, int64_t bits, int64_t codes,
-    const std::optional<at::Tensor>& selected) {
-  return ::sparse_step_decoded(q, hot_k, hot_v, hot_pos, cold_head, kmin, kmax, n_blocks, head_topk, q_pos, window,
-                               sink, block, scale, counters, budget, block_slot, slot_block, slot_used, step, k_code,
-                               k_scale, v_code, v_scale, rot, dec_k, dec_v, lattice_q, bits, codes, selected);
-}
 }  // namespace kakeya_ops
 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
@@ -751,7 +734,7 @@ TORCH_LIBRARY_FRAGMENT(kakeya, m) {
 TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
   m.impl("block_select", &block_select);
   m.impl("sparse_check", &sparse_check);
-  m.impl("sparse_step", &sparse_step);
-  m.impl("ring_write", &ring_write);
-  m.impl("sparse_step_decoded", &sparse_step_decoded);
+  m.impl("sparse_step", &kakeya_ops::sparse_step);
+  m.impl("ring_write", &kakeya_ops::ring_write);
+  m.impl("sparse_step_decoded", &kakeya_ops::sparse_step_decoded);
 }
