@@ -476,13 +476,17 @@ class SparseLayerKV:
             self._dec)
         if misses < 0:
             return self._step_oversize(qg, hot, positions, scale, select)
+        self._count_decoded(hits, misses)
+        return out, select
+
+    def _count_decoded(self, hits: int, misses: int) -> None:
+        """A fused D4 step's decoded-block cache use: blocks found, blocks decoded and the bytes they took."""
         self.decoded_hits += hits
         self.decoded_misses += misses
         if misses:
             b, _, _, d = self.k_hot.shape
             self.peak_decoded_bytes = max(self.peak_decoded_bytes,
                                           2 * b * misses * self.block * d * self._dec[0].element_size())
-        return out, select
 
     def _fused_decoded_call(self, qg: Tensor, hot: tuple[Tensor, Tensor, Tensor], positions: Tensor, scale: float,
                             maps: tuple[Tensor, Tensor, Tensor], step: int, decoded: tuple[Tensor, Tensor],
@@ -638,11 +642,7 @@ class SparseLayerKV:
         except RuntimeError as e:  # the kernels' checks, as attend reports them
             raise SparseIndexError(str(e).split("\n")[0]) from None
         if decoded:
-            self.decoded_hits += hits
-            self.decoded_misses += misses
-            if misses:
-                self.peak_decoded_bytes = max(self.peak_decoded_bytes, 2 * misses * self.block * self.k_hot.shape[3]
-                                              * self._dec[0].element_size())
+            self._count_decoded(hits, misses)
         return out
 
     def _measure(self, q: Tensor, k: Tensor, select: Tensor, positions: Tensor, scale: float) -> None:
