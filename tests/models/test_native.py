@@ -115,6 +115,30 @@ def test_key_order_and_unseen_keys_do_not_matter(dtype):
     assert torch.equal(out.reshape(1, 2, 3, 1, 64), whole[:, :, :, t : t + 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("first", [0, 37, 511])
+def test_consecutive_keys_cut_like_any_order(dtype, first):
+    """Keys at consecutive positions in order (a cache's usual keys, cut into blocks by arithmetic) give the bits
+    of the same keys handed in shuffled (cut key by key), for chunk rows and decode rows, from a start on or off a
+    block boundary, with and without a window."""
+    gen = torch.Generator().manual_seed(first)
+    s, hk, g, d = 1300, 2, 3, 64
+    k, v = cache_views(1, hk, s, d, dtype, gen)
+    pos = torch.arange(first, first + s)
+    shuffle = torch.randperm(s, generator=gen)
+    ks, vs, ps = k[:, :, shuffle].contiguous(), v[:, :, shuffle].contiguous(), pos[shuffle].contiguous()
+    for t0, t1, window, sink in [(s - 21, s, 0, 0), (s - 1, s, 0, 0), (s - 1, s, 300, 4), (700, 720, 200, 0)]:
+        q = torch.randn(1, hk, g * (t1 - t0), d, generator=gen).to(dtype)
+        q_pos = pos[t0:t1].clone()
+        ordered = native.cached_attention(q, k, v, q_pos, pos, d**-0.5, window=window, sink=sink)
+        shuffled = native.cached_attention(q, ks, vs, q_pos, ps, d**-0.5, window=window, sink=sink)
+        assert torch.equal(ordered, shuffled), (t0, t1, window)
+    q = torch.randn(1, hk, g, d, generator=gen).to(dtype)
+    last = pos[-1:].clone()
+    rows = native.cached_attention_rows(q, [k], [v], [pos], last, d**-0.5, window=[0], sink=[0])
+    assert torch.equal(rows, native.cached_attention_rows(q, [ks], [vs], [ps], last, d**-0.5, window=[0], sink=[0]))
+
+
 def test_causal_rows_ignore_later_keys():
     """Token t of a chunk must not see keys after itself: changing those keys leaves its row unchanged."""
     gen = torch.Generator().manual_seed(3)

@@ -819,6 +819,25 @@ struct Source {
     if (descents > 1) std::sort(order.begin(), order.end(), by_pos);
     in_order = descents == 0;
     pos.resize(S);
+    if (in_order && S > 0 && SPLIT % bk == 0 && kp[0] >= 0 && kp[S - 1] - kp[0] == S - 1) {
+      // Consecutive positions (a cache's usual keys): the same blocks and superblocks as the loop below gives,
+      // cut by arithmetic at the multiples of bk and SPLIT instead of key by key (a decode step builds one Source
+      // per row and layer).
+      std::copy(kp, kp + S, pos.begin());
+      const int64_t p0 = kp[0], p_end = kp[0] + S;
+      int64_t super_end = -1;
+      for (int64_t p = p0; p < p_end;) {
+        if (p >= super_end) {
+          super_first.push_back(blocks.size());
+          super_end = (p / SPLIT + 1) * SPLIT;
+        }
+        const int64_t end = std::min(p_end, (p / bk + 1) * bk);
+        blocks.push_back(Block{p - p0, end - p, p, end - 1});
+        p = end;
+      }
+      super_first.push_back(blocks.size());
+      return;
+    }
     // The open block's end position and its superblock's (a new block starts at the first key past block_end).
     int64_t block_end = -1, super_end = -1;
     for (int64_t i = 0; i < S; ++i) {
@@ -1543,11 +1562,24 @@ void run_rows(const at::Tensor& q, std::vector<Source>& sources, const int64_t* 
   std::vector<float> state(items * G * W);
   const T* qp = q.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Items handed out largest first (keys in the superblock), each thread taking the next when it finishes one: in
+  // (row, head, superblock) order halved between two threads, a 1k-token row's three heads of two whole superblocks
+  // and a short last one left one thread with twice the other's keys. Only the schedule changes (as run's).
+  std::vector<int64_t> cost(items), schedule(items);
+  for (int64_t item = 0; item < items; ++item) {
+    const Source& src = sources[item_row[item]];
+    const int64_t sp = (item - first[item_row[item]]) % src.supers();
+    for (int64_t b = src.super_first[sp]; b < src.super_first[sp + 1]; ++b) cost[item] += src.blocks[b].count;
+  }
+  std::iota(schedule.begin(), schedule.end(), 0);
+  std::stable_sort(schedule.begin(), schedule.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
 #if defined(KAKEYA_AMX)
     if (use_amx) kakeya_amx::configure();
 #endif
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t k = next.fetch_add(1); k < items; k = next.fetch_add(1)) {
+      const int64_t item = schedule[k];
       const int64_t i = item_row[item], NSP = sources[i].supers(), h = (item - first[i]) / NSP;
       const int64_t sp = (item - first[i]) % NSP;
       const Source& src = sources[i];
