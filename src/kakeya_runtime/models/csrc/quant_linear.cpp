@@ -67,8 +67,8 @@ struct QWeight {
 
   inline int64_t tile_bytes() const { return kTileRows * kTileCols * bits / 8; }
 
-  // Inlined into its callers: as a call, each tile paid the call, the bits test and the unpack constants' reloads, and
-  // a decode step took 7-10% longer (SmolLM2 int4, alternated in process; results/engine/decode_v9_ab).
+  // Inlined into its callers: as a call, each tile paid the call, the bits test and the unpack constants' reloads
+  // (SmolLM2 int4 decode 4-16% slower in the engine bench, trees alternated: results/engine/decode_v9_ab).
   __attribute__((always_inline)) inline void tile(int64_t b, int64_t s, c10::BFloat16* out) const {
     const uint8_t* src = q + (b * (K / kTileCols) + s) * tile_bytes();
     if (bits == 4) {
