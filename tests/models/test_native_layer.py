@@ -261,3 +261,59 @@ def test_sparse_decode_layer_in_one_call_same_bits(family, codec, make_tiny_mode
     for layer, (x, y) in enumerate(zip(state, ref_state, strict=True)):
         for name in x:
             assert torch.equal(x[name], y[name]), f"layer {layer} {name}"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_whole_stack_in_one_call_same_bits(family, fmt, make_tiny_model, monkeypatch):
+    """Decode rows whose caches all take their writes in the kernel (full, sliding rings) run every layer in one
+    call (kakeya.DecoderStack): no per-layer call at all, and the logits and caches of one call per layer; a row over
+    a policy cache sends the step back to the per-layer path."""
+    model = make_tiny_model(family, dtype=torch.float32)
+    quantize_model(model, fmt)
+    engine = Engine(model)
+    gen = torch.Generator().manual_seed(8)
+    histories = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (30, 3, 12)]
+    per_layer = []
+    real_run = native_layer.NativeLayers.run
+
+    def counted(self, *a, **k):
+        per_layer.append(a[0])
+        return real_run(self, *a, **k)
+
+    monkeypatch.setattr(native_layer.NativeLayers, "run", counted)
+    got, got_states = _steps(engine, histories, [4, 9, 6], on=True)
+    assert per_layer == [], "the stack should have served every step"
+    model.__dict__.pop("_native_layers", None)
+    real_all = native_layer.NativeLayers.run_all
+    monkeypatch.setattr(native_layer.NativeLayers, "run_all", lambda *a, **k: None)
+    ref, ref_states = _steps(engine, histories, [4, 9, 6], on=True)
+    assert len(per_layer) == 4 * model.config.num_hidden_layers  # two row steps and two single steps, every layer
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert torch.equal(a, b), f"step {i}: logits differ"
+    for r, (sa, sb) in enumerate(zip(got_states, ref_states, strict=True)):
+        for layer, (x, y) in enumerate(zip(sa, sb, strict=True)):
+            for name in x:
+                assert torch.equal(x[name], y[name]), f"row {r} layer {layer} {name}"
+    monkeypatch.setattr(native_layer.NativeLayers, "run_all", real_all)
+    per_layer.clear()
+    _steps(engine, histories[:2], [4, 9], on=True, policies=[("full", {}), POLICIES[0]])
+    assert len(per_layer) == 2 * model.config.num_hidden_layers  # the two row steps beside a sparse row
+
+
+def test_whole_stack_rejects_bad_arguments(make_tiny_model):
+    """The stack's own checks: per-layer argument counts at build, one cache entry per layer and row per step."""
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    native.load()
+    with pytest.raises(RuntimeError, match="per layer"):
+        torch.classes.kakeya.DecoderStack([torch.empty(0)] * 17, [0] * 10, [0.0] * 3)
+    engine = Engine(model)
+    cache = engine.new_cache(capacity=16)
+    engine.prefill(cache, torch.tensor([[1, 2, 3]]))
+    engine.decode_step(cache, torch.tensor([[4]]))
+    stack = model.native_layers().stack.stack
+    h = torch.zeros(1, 1, model.config.hidden_size, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="one cache entry per layer and row"):
+        n = model.config.num_hidden_layers
+        cos, sin = model.rotary.cos_sin(torch.tensor([4]), torch.bfloat16)
+        stack.step(h, [cos] * n, [sin] * n, torch.tensor([4]), [], [], [], [], [], [], [], [])

@@ -95,7 +95,14 @@ class DecoderModel(nn.Module):
         row = None
         # one decode token: each layer one native call where its cache allows (the same bits as its forward)
         fused = self.native_layers() if cache is not None and input_ids.shape == (1, 1) else None
-        for i in range(num_layers):
+        start = 0
+        if fused is not None and trace_layer is None:
+            ropes = [self.layer_rope(i, rope) for i in range(num_layers)]
+            out = fused.run_all(self.layers, h, positions, [c for c, _ in ropes], [s for _, s in ropes],
+                                [(kv,) for kv in cache])
+            if out is not None:
+                h, start = out, num_layers
+        for i in range(start, num_layers):
             if fused is not None and i != trace_layer:
                 cos, sin = self.layer_rope(i, rope)
                 out = fused.run(i, self.layers[i], h, positions, cos, sin, (cache[i],))
@@ -143,7 +150,14 @@ class DecoderModel(nn.Module):
         h = self.embed(input_ids)  # (B, 1, C)
         rope = self.rope_tables(positions, h.dtype)  # tables (B, D): one position per row
         fused = self.native_layers() if not chunks else None
-        for i in range(num_layers):
+        start = 0
+        if fused is not None:
+            ropes = [self.layer_rope(i, rope) for i in range(num_layers)]
+            out = fused.run_all(self.layers, h, positions, [c for c, _ in ropes], [s for _, s in ropes],
+                                [[c[i] for c in caches] for i in range(num_layers)])
+            if out is not None:
+                h, start = out, num_layers
+        for i in range(start, num_layers):
             layer_caches = [c[i] for c in caches]
             if fused is not None:
                 cos, sin = self.layer_rope(i, rope)

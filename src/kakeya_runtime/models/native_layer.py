@@ -88,13 +88,64 @@ def layer_args(block: nn.Module) -> LayerArgs | None:
     return LayerArgs(weights, config, params, found[0].dtype, max_rows, attn.window, projections)
 
 
-class NativeLayers:
-    """The per-layer arguments of one model, built on first use; `run` is one layer's decode rows or None."""
+@dataclass(slots=True)
+class StackArgs:
+    """Every layer's arguments as one kakeya.DecoderStack (csrc/decoder_layer.cpp), with the dtype, row limit and
+    layer windows of the layers it was built from (`key`: theirs, so a replaced projection rebuilds it)."""
 
-    __slots__ = ("args",)
+    stack: torch.ScriptObject
+    dtype: torch.dtype
+    max_rows: int
+    windows: list[int | None]
+    key: tuple[tuple[nn.Module, ...], ...]
+
+
+class NativeLayers:
+    """The per-layer arguments of one model, built on first use; `run` is one layer's decode rows or None, `run_all`
+    every layer's in one call or None."""
+
+    __slots__ = ("args", "stack")
 
     def __init__(self, num_layers: int) -> None:
         self.args: list[LayerArgs | None | bool] = [False] * num_layers  # False: not built yet
+        self.stack: StackArgs | None | bool = False
+
+    def _stack(self, blocks: Sequence[nn.Module]) -> StackArgs | None:
+        stack = self.stack
+        if stack is False or (stack is not None and stack.key != tuple(_projections(b) for b in blocks)):
+            found = [self._args(i, b) for i, b in enumerate(blocks)]
+            if any(a is None for a in found) or len({a.dtype for a in found}) != 1:
+                stack = None
+            else:
+                stack = StackArgs(
+                    torch.classes.kakeya.DecoderStack([w for a in found for w in a.weights],
+                                                      [c for a in found for c in a.config],
+                                                      [p for a in found for p in a.params]),
+                    found[0].dtype, min(a.max_rows for a in found), [a.window for a in found],
+                    tuple(a.key for a in found))
+            self.stack = stack
+        return stack
+
+    def run_all(self, blocks: Sequence[nn.Module], h: Tensor, positions: Tensor, cos: Sequence[Tensor],
+                sin: Sequence[Tensor], caches: Sequence[Sequence[LayerKV]]) -> Tensor | None:
+        """Every layer over rows h (N, 1, C) in one native call: layer i's rows over caches[i] (cos[i], sin[i] its
+        RoPE rows). None (nothing touched) where any layer must take `run` or the Python path: a row's cache is a
+        policy (no `append_slot`, or it attends itself), or a single row's cache has a sparse step of its own."""
+        stack = self._stack(blocks)
+        if stack is None or h.dtype != stack.dtype or h.shape[0] >= stack.max_rows or cos[0].dtype != h.dtype:
+            return None
+        single = len(caches[0]) == 1
+        for layer in caches:
+            for kv in layer:
+                if (getattr(kv, "append_slot", None) is None or getattr(kv, "owns_attention", False)
+                        or (single and getattr(kv, "decoder_layer_step", None) is not None)):
+                    return None
+        rows = RowKV()
+        for layer, window in zip(caches, stack.windows, strict=True):
+            for kv in layer:
+                rows.add(kv, window)
+        return stack.stack.step(h, list(cos), list(sin), positions, rows.k, rows.v, rows.k_pos, rows.slots,
+                                rows.counts, [int(w) for w in rows.writes], rows.windows, rows.sinks)
 
     def _args(self, i: int, block: nn.Module) -> LayerArgs | None:
         args = self.args[i]

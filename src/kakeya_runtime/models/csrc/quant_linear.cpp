@@ -6,8 +6,9 @@
 // applied to the sums), then multiplied as our bf16 projection kernel (invariant_linear.cpp) multiplies W': y's bits
 // are kakeya::linear(x, W')'s (int8: then times the scales), so a row's result does not depend on the rows beside
 // it (a decode step, a turn, a prefill chunk compute alike).
-// - AMX: calls of fewer than 32 rows (decode) dequantize each 16 x 32 A tile of W' rows into an L1 buffer one step
-//   before its tdpbf16ps (x^T pairs are the B tiles); calls of 32 rows or more (prefill) dequantize each 32-row
+// - AMX: calls of fewer than 32 rows (decode; below 16, on tiles as narrow as the rows) dequantize each 16 x 32 A
+//   tile of W' rows into an L1 buffer one step before its tdpbf16ps (x^T pairs are the B tiles); calls of 32 rows
+//   or more (prefill) dequantize each 32-row
 //   panel of W' once per call into B tiles and run every 32-row block of x (A tiles, in place) against it. The
 //   tdpbf16ps sequence over K (steps of 32, in order, from zeroed tiles) is invariant_linear.cpp's on both paths.
 // - elsewhere (no AMX, or the AVX-512 route): W' dequantized a panel of rows at a time and multiplied by
@@ -201,8 +202,90 @@ inline void store16(__m512 v, const float* scale, const float* bias, c10::BFloat
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// Fewer than 16 rows (a decode step, a few batched rows): B and C tiles M columns wide, so x's pairs load as they
+// lie (one row: x itself; M rows: pairs-major, M to a pair) and no zero columns are packed, multiplied or stored. A
+// C element's tdpbf16ps sequence does not depend on the other columns of its tile, so the bits are amx_block's.
+inline void configure_narrow(int64_t M) {
+  kakeya_amx::TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = t == 4 || t == 5 ? 64 : static_cast<uint16_t>(4 * M);  // A tiles 4, 5 stay 32 bf16 wide
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// amx_block<NN, 1> on narrow tiles: B tile s at xb + 16 M s, rows 4 M bytes apart; c: tile in at c + 16 M in,
+// element [n][m] at n * M + m.
+template <int NN>
+inline void amx_block_narrow(const QWeight& w, int64_t b0, const uint32_t* xb, int64_t M, c10::BFloat16* abuf,
+                             float* c) {
+  _tile_zero(0);
+  if constexpr (NN > 1) _tile_zero(2);
+  const int64_t steps = w.K / 32;
+  w.tile(b0, 0, abuf);
+  if constexpr (NN > 1) w.tile(b0 + 1, 0, abuf + 512);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (s + 1 < steps) {
+      c10::BFloat16* next = abuf + ((s + 1) & 1) * 1024;
+      w.tile(b0, s + 1, next);
+      if constexpr (NN > 1) w.tile(b0 + 1, s + 1, next + 512);
+    }
+    const c10::BFloat16* a = abuf + (s & 1) * 1024;
+    _tile_loadd(4, a, 64);
+    if constexpr (NN > 1) _tile_loadd(5, a + 512, 64);
+    _tile_loadd(6, xb + s * 16 * M, 4 * M);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NN > 1) _tile_dpbf16ps(2, 5, 6);
+  }
+  _tile_stored(0, c, 4 * M);
+  if constexpr (NN > 1) _tile_stored(2, c + 16 * M, 4 * M);
+}
+
+void quant_amx_narrow(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), N = w.N, pairs = w.K / 2;
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.const_data_ptr<c10::BFloat16>());
+  std::vector<uint32_t> packed;
+  const uint32_t* xb = xp;
+  if (M > 1 || x.stride(0) != w.K) {
+    packed.resize(pairs * M);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t p = 0; p < pairs; ++p) packed[p * M + m] = xp[m * (x.stride(0) / 2) + p];
+    xb = packed.data();
+  }
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t items = (N + 31) / 32;
+  const int64_t threads = std::min<int64_t>(items, at::get_num_threads());
+  const int64_t run = std::max<int64_t>(1, items / (8 * threads));  // as quant_amx hands them out
+  std::atomic<int64_t> next{0};
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(M)));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    configure_narrow(M);
+    alignas(64) c10::BFloat16 abuf[2 * 1024];
+    alignas(64) float c[2 * 16 * 16];
+    for (int64_t first = next.fetch_add(run); first < items; first = next.fetch_add(run)) {
+      for (int64_t item = first; item < std::min(items, first + run); ++item) {
+        const int64_t n0 = item * 32;
+        const int nn = N - n0 >= 32 ? 2 : 1;
+        if (nn == 2) amx_block_narrow<2>(w, n0 / 16, xb, M, abuf, c);
+        else amx_block_narrow<1>(w, n0 / 16, xb, M, abuf, c);
+        for (int64_t m = 0; m < M; ++m)
+          for (int in = 0; in < nn; ++in)
+            store16(M == 1 ? _mm512_loadu_ps(c + in * 16) : _mm512_i32gather_ps(column, c + in * 16 * M + m, 4),
+                    scale ? scale + n0 + in * 16 : nullptr, bias ? bias + n0 + in * 16 : nullptr,
+                    yp + m * y.stride(0) + n0 + in * 16);
+      }
+    }
+    _tile_release();
+  });
+}
+
 void quant_amx(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = w.K, N = w.N;
+  if (M < 16) {
+    quant_amx_narrow(x, w, scale, bias, y);
+    return;
+  }
   const int64_t mblocks = (M + 15) / 16, pairs = K / 2;
   kakeya_amx::AlignedBuffer<uint32_t> xt(mblocks * pairs * 16);
   pack_x(reinterpret_cast<const uint32_t*>(x.const_data_ptr<c10::BFloat16>()), x.stride(0) / 2, M, pairs, xt.data);
