@@ -1594,8 +1594,10 @@ void run_rows(const at::Tensor& q, std::vector<Source>& sources, const int64_t* 
 #if defined(KAKEYA_AMX)
       if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
         if (use_amx) {
+          // in order (a full cache's keys): block rows by arithmetic and the next block asked for while staging,
+          // as run's items do (decode rows went without); the same bits either way
           attend_superblock_amx<D>(qrows, kb, vb, src.k->stride(2), src.v->stride(2), G, rule, src.order.data(),
-                                   src.pos.data(), blocks, nblocks, scale, st);
+                                   src.pos.data(), blocks, nblocks, scale, st, src.in_order);
           continue;
         }
       }
