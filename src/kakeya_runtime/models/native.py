@@ -11,7 +11,8 @@
 - `kakeya::decoder_layer`: one decoder layer's decode rows (the ops above, in the Python path's order) in one call,
   or in two around a policy cache's own attention (`decoder_layer_attention_inputs`, `decoder_layer_output`)
   (models/native_layer.py); `kakeya::decoder_layer_sparse`: a decode row's layer over a sparse cache, the sparse
-  step between the halves, in one call.
+  step between the halves, in one call; `kakeya.DecoderStack` (a class built once per model): every layer's
+  decoder_layer of a step in one call.
 - `kakeya::sparse_attention` / `kakeya::block_select`: the sparse KV policy's attention over an exact hot set and
   selected cold blocks, and its indexer (kv.sparse), with the same per-query invariance; `kakeya::sparse_step`
   runs both and the step's tripwire in one call.

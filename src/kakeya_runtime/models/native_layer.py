@@ -9,6 +9,11 @@ runs as two native calls around the Python path's own attention of the rows; a s
 steady state runs as one (`decoder_layer_step`: kakeya::decoder_layer_sparse, the same kernels in the same order). A trace, a prefill chunk, many rows on
 a quantized layer's dequantizing path, the sdpa backend and torch.compile keep the Python path. The per-layer
 arguments are gathered once (`LayerArgs`) and reused while the layer's projection modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
+
+When every row's cache of every layer takes its writes in the kernel, the whole stack runs in one call
+(`run_all`: kakeya.DecoderStack, built once from all layers' arguments, running decoder_layer layer after layer):
+a step then crosses Python and the dispatcher once instead of once per layer, while the second thread waited
+(results/engine/decode_v10_ab).
 """
 
 from __future__ import annotations

@@ -169,7 +169,8 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t, at::Tensor> decoder_layer_s
 // A model's decode layers in one call per step: kakeya.DecoderStack, built once from every layer's arguments (the
 // per-layer weights, config and params decoder_layer takes, concatenated), stepping all rows through all layers with
 // decoder_layer itself, layer after layer. A step crossed Python, the dispatcher's argument boxing and the model's
-// loop once per layer (~1.4 ms of a 12-13 ms SmolLM2 int4 step at 1k, where the second thread waits); now once.
+// loop once per layer while the second thread waited; now once (with the narrow few-row tiles, SmolLM2 int4 decode
+// +27-33% at 1k in the engine bench, trees alternated: results/engine/decode_v10_ab).
 // Per step: h (N, 1, C); cos, sin one (N, D) table per layer; the caches' buffers and slots as decoder_layer takes
 // them, layer-major (layer l's rows at l * N ..).
 struct DecoderStack : torch::CustomClassHolder {
