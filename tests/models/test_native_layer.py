@@ -55,19 +55,24 @@ def _steps(engine: Engine, histories: list[torch.Tensor], tokens: list[int], *, 
         native_layer.set_enabled(before)
 
 
-def check_same_bits(model, histories: list[torch.Tensor], tokens: list[int], policies: list | None = None) -> None:
-    engine = Engine(model)
-    ref_logits, ref_states = _steps(engine, histories, tokens, on=False, policies=policies)
-    model.__dict__.pop("_native_layers", None)
-    logits, states = _steps(engine, histories, tokens, on=True, policies=policies)
-    served = model.native_layers().args
-    assert all(a not in (None, False) for a in served), "every layer should have run natively"
-    for i, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
+def assert_same_steps(got: tuple[list, list], ref: tuple[list, list]) -> None:
+    """Two `_steps` results: every step's logits and every row's final cache, bit for bit."""
+    for i, (a, b) in enumerate(zip(got[0], ref[0], strict=True)):
         assert torch.equal(a, b), f"step {i}: logits differ"
-    for r, (sa, sb) in enumerate(zip(states, ref_states, strict=True)):
+    for r, (sa, sb) in enumerate(zip(got[1], ref[1], strict=True)):
         for layer, (x, y) in enumerate(zip(sa, sb, strict=True)):
             for name in x:
                 assert torch.equal(x[name], y[name]), f"row {r} layer {layer} {name}"
+
+
+def check_same_bits(model, histories: list[torch.Tensor], tokens: list[int], policies: list | None = None) -> None:
+    engine = Engine(model)
+    ref = _steps(engine, histories, tokens, on=False, policies=policies)
+    model.__dict__.pop("_native_layers", None)
+    got = _steps(engine, histories, tokens, on=True, policies=policies)
+    served = model.native_layers().args
+    assert all(a not in (None, False) for a in served), "every layer should have run natively"
+    assert_same_steps(got, ref)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -282,19 +287,14 @@ def test_whole_stack_in_one_call_same_bits(family, fmt, make_tiny_model, monkeyp
         return real_run(self, *a, **k)
 
     monkeypatch.setattr(native_layer.NativeLayers, "run", counted)
-    got, got_states = _steps(engine, histories, [4, 9, 6], on=True)
+    got = _steps(engine, histories, [4, 9, 6], on=True)
     assert per_layer == [], "the stack should have served every step"
     model.__dict__.pop("_native_layers", None)
     real_all = native_layer.NativeLayers.run_all
     monkeypatch.setattr(native_layer.NativeLayers, "run_all", lambda *a, **k: None)
-    ref, ref_states = _steps(engine, histories, [4, 9, 6], on=True)
+    ref = _steps(engine, histories, [4, 9, 6], on=True)
     assert len(per_layer) == 4 * model.config.num_hidden_layers  # two row steps and two single steps, every layer
-    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
-        assert torch.equal(a, b), f"step {i}: logits differ"
-    for r, (sa, sb) in enumerate(zip(got_states, ref_states, strict=True)):
-        for layer, (x, y) in enumerate(zip(sa, sb, strict=True)):
-            for name in x:
-                assert torch.equal(x[name], y[name]), f"row {r} layer {layer} {name}"
+    assert_same_steps(got, ref)
     monkeypatch.setattr(native_layer.NativeLayers, "run_all", real_all)
     per_layer.clear()
     _steps(engine, histories[:2], [4, 9], on=True, policies=[("full", {}), POLICIES[0]])

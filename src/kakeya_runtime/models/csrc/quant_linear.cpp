@@ -159,16 +159,18 @@ constexpr int64_t kRowsMin = 32;  // invariant_linear.cpp's switch to the many-r
 
 // pack_x (common.h): x^T in pairs, as kakeya::linear builds it.
 
-// C^T tiles for NN blocks of 16 W' rows (from block b0) and NM blocks of 16 x rows, over K in steps of 32: each A
-// tile dequantized into `abuf` (two steps' worth, alternating) one step before it is loaded. The tile ops are
-// invariant_linear.cpp's amx_block's, in its order.
+// C^T tiles for NN blocks of 16 W' rows (from block b0) and NM blocks of x rows, over K in steps of 32: each A tile
+// dequantized into `abuf` (two steps' worth, alternating) one step before it is loaded. B tile s of x block im at
+// xb + im * xb_block + s * xb_step, rows xb_stride bytes apart (16-column x^T in pairs, or narrow: below); C tile
+// (in, im) stored at c + (in * NM + im) * c_tile, rows c_stride bytes apart. The tile ops are invariant_linear.cpp's
+// amx_block's, in its order.
 template <int NN, int NM>
-inline void amx_block(const QWeight& w, int64_t b0, const uint32_t* xt, int64_t mb0, c10::BFloat16* abuf, float* c) {
+inline void amx_block(const QWeight& w, int64_t b0, const uint32_t* xb, int64_t xb_block, int64_t xb_step,
+                      int64_t xb_stride, c10::BFloat16* abuf, float* c, int64_t c_tile, int64_t c_stride) {
   _tile_zero(0);
   if constexpr (NM > 1) _tile_zero(1);
   if constexpr (NN > 1) _tile_zero(2);
   if constexpr (NN > 1 && NM > 1) _tile_zero(3);
-  const int64_t pairs = w.K / 2;
   const int64_t steps = w.K / 32;
   w.tile(b0, 0, abuf);
   if constexpr (NN > 1) w.tile(b0 + 1, 0, abuf + 512);
@@ -181,17 +183,17 @@ inline void amx_block(const QWeight& w, int64_t b0, const uint32_t* xt, int64_t 
     const c10::BFloat16* a = abuf + (s & 1) * 1024;
     _tile_loadd(4, a, 64);
     if constexpr (NN > 1) _tile_loadd(5, a + 512, 64);
-    _tile_loadd(6, xt + (mb0 * pairs + s * 16) * 16, 64);
-    if constexpr (NM > 1) _tile_loadd(7, xt + ((mb0 + 1) * pairs + s * 16) * 16, 64);
+    _tile_loadd(6, xb + s * xb_step, xb_stride);
+    if constexpr (NM > 1) _tile_loadd(7, xb + xb_block + s * xb_step, xb_stride);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NM > 1) _tile_dpbf16ps(1, 4, 7);
     if constexpr (NN > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (NN > 1 && NM > 1) _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, c, 64);
-  if constexpr (NM > 1) _tile_stored(1, c + 256, 64);
-  if constexpr (NN > 1) _tile_stored(2, c + NM * 256, 64);
-  if constexpr (NN > 1 && NM > 1) _tile_stored(3, c + 3 * 256, 64);
+  _tile_stored(0, c, c_stride);
+  if constexpr (NM > 1) _tile_stored(1, c + c_tile, c_stride);
+  if constexpr (NN > 1) _tile_stored(2, c + NM * c_tile, c_stride);
+  if constexpr (NN > 1 && NM > 1) _tile_stored(3, c + 3 * c_tile, c_stride);
 }
 
 // One output vector: int8's fp32 sums times the rows' scales plus bias in one fused multiply-add, int4's plus bias;
@@ -212,33 +214,6 @@ inline void configure_narrow(int64_t M) {
     cfg.colsb[t] = t == 4 || t == 5 ? 64 : static_cast<uint16_t>(4 * M);  // A tiles 4, 5 stay 32 bf16 wide
   }
   _tile_loadconfig(&cfg);
-}
-
-// amx_block<NN, 1> on narrow tiles: B tile s at xb + 16 M s, rows 4 M bytes apart; c: tile in at c + 16 M in,
-// element [n][m] at n * M + m.
-template <int NN>
-inline void amx_block_narrow(const QWeight& w, int64_t b0, const uint32_t* xb, int64_t M, c10::BFloat16* abuf,
-                             float* c) {
-  _tile_zero(0);
-  if constexpr (NN > 1) _tile_zero(2);
-  const int64_t steps = w.K / 32;
-  w.tile(b0, 0, abuf);
-  if constexpr (NN > 1) w.tile(b0 + 1, 0, abuf + 512);
-  for (int64_t s = 0; s < steps; ++s) {
-    if (s + 1 < steps) {
-      c10::BFloat16* next = abuf + ((s + 1) & 1) * 1024;
-      w.tile(b0, s + 1, next);
-      if constexpr (NN > 1) w.tile(b0 + 1, s + 1, next + 512);
-    }
-    const c10::BFloat16* a = abuf + (s & 1) * 1024;
-    _tile_loadd(4, a, 64);
-    if constexpr (NN > 1) _tile_loadd(5, a + 512, 64);
-    _tile_loadd(6, xb + s * 16 * M, 4 * M);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NN > 1) _tile_dpbf16ps(2, 5, 6);
-  }
-  _tile_stored(0, c, 4 * M);
-  if constexpr (NN > 1) _tile_stored(2, c + 16 * M, 4 * M);
 }
 
 void quant_amx_narrow(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
@@ -267,8 +242,9 @@ void quant_amx_narrow(const at::Tensor& x, const QWeight& w, const float* scale,
       for (int64_t item = first; item < std::min(items, first + run); ++item) {
         const int64_t n0 = item * 32;
         const int nn = N - n0 >= 32 ? 2 : 1;
-        if (nn == 2) amx_block_narrow<2>(w, n0 / 16, xb, M, abuf, c);
-        else amx_block_narrow<1>(w, n0 / 16, xb, M, abuf, c);
+        // B tile s at xb + 16 M s, rows 4 M bytes apart; C tile in at c + 16 M in, element [n][m] at n * M + m
+        if (nn == 2) amx_block<2, 1>(w, n0 / 16, xb, 0, 16 * M, 4 * M, abuf, c, 16 * M, 4 * M);
+        else amx_block<1, 1>(w, n0 / 16, xb, 0, 16 * M, 4 * M, abuf, c, 16 * M, 4 * M);
         for (int64_t m = 0; m < M; ++m)
           for (int in = 0; in < nn; ++in)
             store16(M == 1 ? _mm512_loadu_ps(c + in * 16) : _mm512_i32gather_ps(column, c + in * 16 * M + m, 4),
@@ -307,10 +283,11 @@ void quant_amx(const at::Tensor& x, const QWeight& w, const float* scale, const 
         const int64_t n0 = (item / m_items) * 32, mb0 = (item % m_items) * 2;
         const int nn = N - n0 >= 32 ? 2 : 1, nm = mblocks - mb0 >= 2 ? 2 : 1;
         const int64_t b0 = n0 / 16;
-        if (nn == 2 && nm == 2) amx_block<2, 2>(w, b0, xt.data, mb0, abuf, c);
-        else if (nn == 2) amx_block<2, 1>(w, b0, xt.data, mb0, abuf, c);
-        else if (nm == 2) amx_block<1, 2>(w, b0, xt.data, mb0, abuf, c);
-        else amx_block<1, 1>(w, b0, xt.data, mb0, abuf, c);
+        const uint32_t* xb = xt.data + mb0 * pairs * 16;  // x^T in pairs: block im at im * pairs * 16
+        if (nn == 2 && nm == 2) amx_block<2, 2>(w, b0, xb, pairs * 16, 256, 64, abuf, c, 256, 64);
+        else if (nn == 2) amx_block<2, 1>(w, b0, xb, pairs * 16, 256, 64, abuf, c, 256, 64);
+        else if (nm == 2) amx_block<1, 2>(w, b0, xb, pairs * 16, 256, 64, abuf, c, 256, 64);
+        else amx_block<1, 1>(w, b0, xb, pairs * 16, 256, 64, abuf, c, 256, 64);
         for (int im = 0; im < nm; ++im) {
           for (int in = 0; in < nn; ++in) transpose16(c + (in * nm + im) * 256, ct + in * 256);  // [m][n] tiles
           for (int mm = 0; mm < 16; ++mm) {
