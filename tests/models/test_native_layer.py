@@ -13,6 +13,7 @@ from kakeya_runtime.engine.generate import Engine
 from kakeya_runtime.engine.weights import quantize_model
 from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.models import native, native_layer
+from kakeya_runtime.models.base import Logits
 from kakeya_runtime.sessions.policy import PolicyRegistry
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="needs the native kernels")
@@ -317,3 +318,99 @@ def test_whole_stack_rejects_bad_arguments(make_tiny_model):
         n = model.config.num_hidden_layers
         cos, sin = model.rotary.cos_sin(torch.tensor([4]), torch.bfloat16)
         stack.step(h, [cos] * n, [sin] * n, torch.tensor([4]), [], [], [], [], [], [], [], [])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_prefill_chunks_riding_a_step_same_bits(family, fmt, make_tiny_model, monkeypatch):
+    """A batched step that carries prefill chunks (Engine.step_chunks) runs each layer's halves natively around the
+    Python path's own attention of its decode rows and chunks: the decode rows' and chunks' logits and every cache
+    are the Python path's, over full caches and a sparse one."""
+    model = make_tiny_model(family, dtype=torch.float32)
+    quantize_model(model, fmt)
+    engine = Engine(model, prefill_chunk=32)
+    registry = PolicyRegistry()
+    gen = torch.Generator().manual_seed(9)
+    histories = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (30, 3, 40, 12)]
+    chunk_ids = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (7, 1)]
+    calls = []
+    real = native_layer.NativeLayers.run_mixed
+
+    def counted(self, *a, **k):
+        calls.append(a[0])
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(native_layer.NativeLayers, "run_mixed", counted)
+
+    def run(on: bool) -> tuple[list, list]:
+        before = native_layer.set_enabled(on)
+        try:
+            caches = []
+            for i, ids in enumerate(histories):
+                if i == 2:  # a sparse row among the decode rows
+                    spec = registry.resolve(*POLICIES[0], engine.config, 256)
+                    cache = registry.build(engine, spec, 256)
+                else:
+                    cache = engine.new_cache(capacity=ids.shape[1] + 16)
+                engine.prefill(cache, ids)
+                caches.append(cache)
+            rows, riding = caches[:2] + caches[2:3], caches[3:]
+            fresh = engine.new_cache(capacity=16)
+            logits, chunk_logits = engine.step_chunks(rows, [4, 9, 6], [(riding[0], chunk_ids[0]), (fresh, chunk_ids[1])])
+            out = [logits, *chunk_logits]
+            logits, chunk_logits = engine.step_chunks(rows[:1], [5], [(riding[0], chunk_ids[1])])
+            out += [logits, *chunk_logits]
+            return out, [c.state() for c in [*caches, fresh]]
+        finally:
+            native_layer.set_enabled(before)
+
+    ref = run(False)
+    assert calls == []
+    model.__dict__.pop("_native_layers", None)
+    got = run(True)
+    assert len(calls) == 2 * model.config.num_hidden_layers, "each mixed step's layers should have run natively"
+    assert_same_steps(got, ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_short_appends_take_the_native_halves_same_bits(family, fmt, make_tiny_model, monkeypatch):
+    """A turn's few new tokens of one sequence (fewer than SEQUENCE_ROWS) run each layer's halves natively around
+    the sequence's own attention: the logits at every position and every cache are the Python path's, over a full
+    cache and over policies (sparse attends itself, sink_window writes through update_and_fetch); a longer chunk
+    keeps the Python path."""
+    model = make_tiny_model(family, dtype=torch.float32)
+    quantize_model(model, fmt)
+    engine = Engine(model, prefill_chunk=64)
+    registry = PolicyRegistry()
+    gen = torch.Generator().manual_seed(10)
+    appends = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (20, 5, 31, 2, 40)]
+    calls = []
+    real = native_layer.NativeLayers.run_sequence
+
+    def counted(self, *a, **k):
+        calls.append(a[2].shape[1])
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(native_layer.NativeLayers, "run_sequence", counted)
+
+    def run(on: bool, policy: tuple[str, dict] | None) -> tuple[list, list]:
+        before = native_layer.set_enabled(on)
+        try:
+            if policy is None:
+                cache = engine.new_cache(capacity=128)
+            else:
+                cache = registry.build(engine, registry.resolve(*policy, engine.config, 256), 256)
+            logits = [engine.prefill(cache, ids, logits=Logits.ALL).logits for ids in appends]
+            return logits, [cache.state()]
+        finally:
+            native_layer.set_enabled(before)
+
+    for policy in (None, POLICIES[0], POLICIES[2]):
+        calls.clear()
+        ref = run(False, policy)
+        assert calls == []
+        model.__dict__.pop("_native_layers", None)
+        got = run(True, policy)
+        assert sorted(set(calls)) == [2, 5, 20, 31], calls  # the 40-token append keeps the Python path
+        assert_same_steps(got, ref)

@@ -102,10 +102,20 @@ class DecoderModel(nn.Module):
                                 [(kv,) for kv in cache])
             if out is not None:
                 h, start = out, num_layers
+        # a short run of new tokens of one sequence (a turn's message): each layer's halves natively around its
+        # own attention (the same bits as its forward)
+        short = (self.native_layers() if cache is not None and input_ids.shape[0] == 1
+                 and 1 < input_ids.shape[1] < native_layer.SEQUENCE_ROWS else None)
         for i in range(start, num_layers):
             if fused is not None and i != trace_layer:
                 cos, sin = self.layer_rope(i, rope)
                 out = fused.run(i, self.layers[i], h, positions, cos, sin, (cache[i],))
+                if out is not None:
+                    h = out
+                    continue
+            if short is not None and i != trace_layer:
+                cos, sin = self.layer_rope(i, rope)
+                out = short.run_sequence(i, self.layers[i], h, positions, cos, sin, cache[i])
                 if out is not None:
                     h = out
                     continue
@@ -149,9 +159,9 @@ class DecoderModel(nn.Module):
             raise ValueError(f"every cache needs {num_layers} layers")
         h = self.embed(input_ids)  # (B, 1, C)
         rope = self.rope_tables(positions, h.dtype)  # tables (B, D): one position per row
-        fused = self.native_layers() if not chunks else None
+        fused = self.native_layers()
         start = 0
-        if fused is not None:
+        if fused is not None and not chunks:
             ropes = [self.layer_rope(i, rope) for i in range(num_layers)]
             out = fused.run_all(self.layers, h, positions, [c for c, _ in ropes], [s for _, s in ropes],
                                 [[c[i] for c in caches] for i in range(num_layers)])
@@ -161,7 +171,10 @@ class DecoderModel(nn.Module):
             layer_caches = [c[i] for c in caches]
             if fused is not None:
                 cos, sin = self.layer_rope(i, rope)
-                out = fused.run(i, self.layers[i], h, positions, cos, sin, layer_caches)
+                if chunks:  # prefill chunks ride the step: the layer's halves natively around its own attention
+                    out = fused.run_mixed(i, self.layers[i], h, positions, cos, sin, RowCaches(layer_caches, chunks))
+                else:
+                    out = fused.run(i, self.layers[i], h, positions, cos, sin, layer_caches)
                 if out is not None:
                     h = out
                     continue

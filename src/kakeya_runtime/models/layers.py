@@ -449,11 +449,34 @@ class Attention(nn.Module):
             a = b
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+    def attend_mixed(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache: RowCaches) -> Tensor:
+        """`_rows` from q (N, H, 1, D), k, v (N, Hk, 1, D) already normed and rotated (models.native_layer's first
+        half): decode rows, then the trailing prefill chunks; attention outputs (N, H*D), each row's the bits its
+        own path gives it (a chunk's rows are its sequence's tokens, as `_sequence` attends them)."""
+        n = q.shape[0]
+        r = n - sum(cache.chunks)
+        outs = []
+        if r:
+            outs.append(self._attend_rows(q[:r], k[:r], v[:r], positions[:r], cache.caches[:r]).reshape(r, -1))
+        a = r
+        for j, c in enumerate(cache.chunks):
+            b = a + c
+            qc, kc, vc = (x[a:b].transpose(0, 2).contiguous() for x in (q, k, v))  # (1, heads, c, D)
+            out, _ = self._attend_sequence(qc, kc, vc, positions[a:b], cache.caches[r + j], False)
+            outs.append(out.view(c, self.q_size))
+            a = b
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     def _sequence(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: LayerKV | None,
                   trace: bool) -> tuple[Tensor, Tensor | None]:
         """New tokens (B, T) of one sequence each: attention outputs (B, T, H*D) before o_proj."""
-        b, t, _ = qkv.shape
         q, k, v = self._split_rope(qkv, cos, sin)
+        return self._attend_sequence(q, k, v, positions, cache, trace)
+
+    def _attend_sequence(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cache: LayerKV | None,
+                         trace: bool) -> tuple[Tensor, Tensor | None]:
+        """`_sequence` after the rotation: q (B, H, T, D), k, v (B, Hk, T, D) -> (B, T, H*D)."""
+        b, t = q.shape[0], q.shape[2]
         if getattr(cache, "owns_attention", False):  # kv.sparse: the cache picks the keys from the queries
             if trace:
                 raise ValueError("attention rows cannot be traced through a cache that attends itself")

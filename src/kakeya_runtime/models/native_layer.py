@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from kakeya_runtime.models import native
-from kakeya_runtime.models.layers import LayerKV, RowKV
+from kakeya_runtime.models.layers import LayerKV, RowCaches, RowKV
 from kakeya_runtime.models.native import GATED_ACTS
 
 ENV = "KAKEYA_NATIVE_LAYER"
@@ -105,6 +105,9 @@ class StackArgs:
     key: tuple[tuple[nn.Module, ...], ...]
 
 
+SEQUENCE_ROWS = 32  # new tokens of one sequence below this take run_sequence; longer chunks keep the Python path
+
+
 class NativeLayers:
     """The per-layer arguments of one model, built on first use; `run` is one layer's decode rows or None, `run_all`
     every layer's in one call or None."""
@@ -178,6 +181,37 @@ class NativeLayers:
         return torch.ops.kakeya.decoder_layer(h, cos, sin, positions, args.weights, args.config, args.params, rows.k,
                                               rows.v, rows.k_pos, rows.slots, rows.counts, rows.writes, rows.windows,
                                               rows.sinks)
+
+    def run_mixed(self, i: int, block: nn.Module, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+                  caches: RowCaches) -> Tensor | None:
+        """Layer i over decode rows and trailing prefill chunks riding the same step (h (N, 1, C), one position and
+        RoPE row per row): the layer's halves in one native call each around the Python path's own attention of
+        the rows (Attention.attend_mixed), as `_run_split` runs a policy cache's rows; None where the Python path
+        must run it."""
+        args = self._args(i, block)
+        if args is None or h.dtype != args.dtype or h.shape[0] >= args.max_rows or cos.dtype != h.dtype:
+            return None
+        q, k, v = torch.ops.kakeya.decoder_layer_attention_inputs(h, cos, sin, args.weights, args.config, args.params)
+        att = block.self_attn.attend_mixed(q, k, v, positions, caches)  # (N, H * D)
+        return torch.ops.kakeya.decoder_layer_output(att, h, args.weights, args.config, args.params)
+
+    def run_sequence(self, i: int, block: nn.Module, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+                     cache: LayerKV) -> Tensor | None:
+        """Layer i over a short run of one sequence's new tokens (h (1, T, C), T < SEQUENCE_ROWS: a session turn's
+        message, a chunk riding a step): its halves in one native call each, the tokens as rows (every op of the
+        halves is row-wise or row-invariant), around the Python path's own attention of the sequence; None where
+        the Python path must run it."""
+        args = self._args(i, block)
+        t = h.shape[1]
+        if args is None or h.dtype != args.dtype or t >= args.max_rows or cos.dtype != h.dtype:
+            return None
+        rows = h.view(t, 1, h.shape[2])
+        q, k, v = torch.ops.kakeya.decoder_layer_attention_inputs(rows, cos, sin, args.weights, args.config,
+                                                                  args.params)
+        q, k, v = (x.transpose(0, 2).contiguous() for x in (q, k, v))  # (1, heads, T, D)
+        att, _ = block.self_attn._attend_sequence(q, k, v, positions, cache, False)  # (1, T, H * D)
+        out = torch.ops.kakeya.decoder_layer_output(att.view(t, -1), rows, args.weights, args.config, args.params)
+        return out.view(1, t, -1)
 
     @staticmethod
     def _run_split(args: LayerArgs, block: nn.Module, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
