@@ -6,8 +6,11 @@ caches are preallocated buffers (`append_slot`: kv.cache's full and ring layers,
 the C++ op runs the same kernels in the same order on the same inputs, so the bits are the Python path's. Where a
 row's cache is another policy (restore, a lossy sink_window: no `append_slot`; sparse: it attends itself) the layer
 runs as two native calls around the Python path's own attention of the rows; a single row over a sparse cache in its
-steady state runs as one (`decoder_layer_step`: kakeya::decoder_layer_sparse, the same kernels in the same order). A trace, a prefill chunk, many rows on
-a quantized layer's dequantizing path, the sdpa backend and torch.compile keep the Python path. The per-layer
+steady state runs as one (`decoder_layer_step`: kakeya::decoder_layer_sparse, the same kernels in the same order).
+Prefill chunks riding a batched step (`run_mixed`) and a short run of one sequence's new tokens (`run_sequence`, under
+SEQUENCE_ROWS: a turn's message, a speculative verify) take the two halves around the Python path's own attention
+too, the tokens as rows. A trace, a longer prefill chunk, many rows on a quantized layer's dequantizing path, the
+sdpa backend and torch.compile keep the Python path. The per-layer
 arguments are gathered once (`LayerArgs`) and reused while the layer's projection modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
 
 When every row's cache of every layer takes its writes in the kernel, the whole stack runs in one call
