@@ -337,7 +337,8 @@ def test_prefill_chunks_riding_a_step_same_bits(family, fmt, make_tiny_model, mo
     real = native_layer.NativeLayers.run_mixed
 
     def counted(self, *a, **k):
-        calls.append(a[0])
+        if a[2].shape[0] > sum(a[-1].chunks):  # a step with decode rows (short prefills take run_mixed too)
+            calls.append(a[0])
         return real(self, *a, **k)
 
     monkeypatch.setattr(native_layer.NativeLayers, "run_mixed", counted)

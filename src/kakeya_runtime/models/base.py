@@ -93,8 +93,12 @@ class DecoderModel(nn.Module):
         h = self.embed(input_ids)  # (B, T, C)
         rope = self.rope_tables(positions, h.dtype)
         row = None
-        # one decode token: each layer one native call where its cache allows (the same bits as its forward)
-        fused = self.native_layers() if cache is not None and input_ids.shape == (1, 1) else None
+        # one decode token: each layer one native call where its cache allows (the same bits as its forward); a
+        # short run of new tokens of one sequence (a turn's message): each layer's halves natively around its own
+        # attention (the same bits too)
+        native = self.native_layers() if cache is not None and input_ids.shape[0] == 1 else None
+        fused = native if input_ids.shape[1] == 1 else None
+        short = native if 1 < input_ids.shape[1] < native_layer.SEQUENCE_ROWS else None
         start = 0
         if fused is not None and trace_layer is None:
             ropes = [self.layer_rope(i, rope) for i in range(num_layers)]
@@ -102,10 +106,6 @@ class DecoderModel(nn.Module):
                                 [(kv,) for kv in cache])
             if out is not None:
                 h, start = out, num_layers
-        # a short run of new tokens of one sequence (a turn's message): each layer's halves natively around its
-        # own attention (the same bits as its forward)
-        short = (self.native_layers() if cache is not None and input_ids.shape[0] == 1
-                 and 1 < input_ids.shape[1] < native_layer.SEQUENCE_ROWS else None)
         for i in range(start, num_layers):
             if fused is not None and i != trace_layer:
                 cos, sin = self.layer_rope(i, rope)

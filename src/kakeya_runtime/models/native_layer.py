@@ -201,20 +201,11 @@ class NativeLayers:
     def run_sequence(self, i: int, block: nn.Module, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
                      cache: LayerKV) -> Tensor | None:
         """Layer i over a short run of one sequence's new tokens (h (1, T, C), T < SEQUENCE_ROWS: a session turn's
-        message, a chunk riding a step): its halves in one native call each, the tokens as rows (every op of the
-        halves is row-wise or row-invariant), around the Python path's own attention of the sequence; None where
-        the Python path must run it."""
-        args = self._args(i, block)
+        message, a speculative verify): `run_mixed` with the run as its one chunk and no decode rows (the tokens as
+        rows: every op of the halves is row-wise or row-invariant); None where the Python path must run it."""
         t = h.shape[1]
-        if args is None or h.dtype != args.dtype or t >= args.max_rows or cos.dtype != h.dtype:
-            return None
-        rows = h.view(t, 1, h.shape[2])
-        q, k, v = torch.ops.kakeya.decoder_layer_attention_inputs(rows, cos, sin, args.weights, args.config,
-                                                                  args.params)
-        q, k, v = (x.transpose(0, 2).contiguous() for x in (q, k, v))  # (1, heads, T, D)
-        att, _ = block.self_attn._attend_sequence(q, k, v, positions, cache, False)  # (1, T, H * D)
-        out = torch.ops.kakeya.decoder_layer_output(att.view(t, -1), rows, args.weights, args.config, args.params)
-        return out.view(1, t, -1)
+        out = self.run_mixed(i, block, h.view(t, 1, h.shape[2]), positions, cos, sin, RowCaches([cache], (t,)))
+        return None if out is None else out.view(1, t, -1)
 
     @staticmethod
     def _run_split(args: LayerArgs, block: nn.Module, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
