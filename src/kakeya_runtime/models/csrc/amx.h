@@ -41,10 +41,12 @@ inline std::atomic<bool> attention_on{true};
 inline std::atomic<bool> linear_on{true};
 
 // Every tile 16 rows x 64 bytes: C (16 x 16 fp32), A (16 rows x 32 bf16), B (16 pair-rows x 16 columns).
-inline void configure() {
+// `rows` < 16: tiles 0-4 (C tiles and the A tile of the attention kernel) that many rows, for a few query rows: a
+// tdpbf16ps costs about one pass per row of A, and a tile store a line per row; B tiles (5-7) keep their 16.
+inline void configure(int rows = 16) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
+    cfg.rows[t] = t < 5 ? static_cast<uint8_t>(rows) : 16;
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);

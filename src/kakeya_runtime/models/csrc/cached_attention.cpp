@@ -438,14 +438,19 @@ inline __m512 reduce_rows16(__m512* r, Op op) {
 // p = 2^(s * scale log2 e - m_new log2 e) by one FMA and exp2_masked, the lanes summed by a fixed pairwise tree and
 // then _mm512_reduce_add_ps's tree, l = fma(l, alpha, sum). The horizontal max and sum of the 16 rows run together
 // (reduce_rows16), so rows do not wait on each other's reduction chains; a row's bits depend on its own scores and
-// visibility only, never on the other rows of its tile.
+// visibility only, never on the other rows of its tile. Rows from `live` on are not in the tile (a narrow tile of a
+// few rows): they see nothing, and their S and P rows are neither read nor written.
 inline void tile_softmax_bf16(const float* s, const uint32_t (*vis)[BKA / 32], float scale, float* m, float* l,
-                              float* n, c10::BFloat16* pout, float* alpha) {
+                              float* n, c10::BFloat16* pout, float* alpha, int live = 16) {
   constexpr int NV = BKA / 16;
   constexpr float kLog2e = 1.4426950408889634f;
   __m512 rows[16];
   __mmask16 active = 0;
   for (int i = 0; i < 16; ++i) {
+    if (i >= live) {
+      rows[i] = _mm512_set1_ps(NEG_INF);
+      continue;
+    }
     __m512 mx[NV];
     int seen = 0;
     for (int v = 0; v < NV; ++v) {
@@ -475,7 +480,7 @@ inline void tile_softmax_bf16(const float* s, const uint32_t (*vis)[BKA / 32], f
     if (!((active >> i) & 1u)) {
       alpha[i] = -1.f;
       rows[i] = _mm512_setzero_ps();
-      std::memset(po, 0, BKA * sizeof(c10::BFloat16));  // 0 for rows with nothing here
+      if (i < live) std::memset(po, 0, BKA * sizeof(c10::BFloat16));  // 0 for rows with nothing here
       continue;
     }
     alpha[i] = mn[i] == mo[i] ? 1.f : std::exp(mo[i] - mn[i]);  // exp(0) is 1: no libm call when the max holds
@@ -566,7 +571,9 @@ __attribute__((flatten)) inline void stage_keys(const c10::BFloat16* const* krow
 // tdpbf16ps per 32 dims from a zeroed tile (Q rows in place as A, the block's keys staged once as K^T in pairs as
 // B); p . V of a block as P . V, four tdpbf16ps (32 keys each, in order) from a zeroed tile, then
 // acc = alpha * acc + that in fp32. Each element's sequence depends only on its own query row, so a decode row
-// (in a 16-row tile with zero rows) and a prompt row compute alike.
+// (in a 16-row tile with zero rows) and a prompt row compute alike. Fewer than 16 rows (decode: a KV head's query
+// heads) run on tiles as narrow as the rows (the A and C tiles; kakeya_amx::configure(R)): each row's elements are
+// computed by the same tile instructions, so the bits are the same, at a fraction of the tile work.
 template <int D, int NB = BKA>
 void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_row,
                            int64_t v_row, int64_t R, const Rule& rule, const int64_t* order, const int64_t* pos,
@@ -581,6 +588,8 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   std::fill(st.l, st.l + R, 0.f);
   std::fill(st.n, st.n + R, 0.f);
   const int64_t RB = (R + 15) / 16;  // 16-row tiles
+  const bool narrow = R < 16;
+  if (narrow) kakeya_amx::configure(static_cast<int>(R));
   // Q rows as A tiles: in place, but the last tile of a row count that is not a multiple of 16 is padded with zeros.
   const int64_t full_rows = R / 16 * 16;
   // Staging buffers from per-thread scratch (slots 0-5 of their types; one item runs at a time on a thread).
@@ -749,7 +758,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
       bool tiled = false;  // the tile's 16 rows together (BKA blocks, scale > 0); the same bits per row as below
       if constexpr (NB == BKA) {
         if (scale > 0.f) {  // rows rn.. of a short tile see nothing (vis 0): their m, l, n stay as they are
-          tile_softmax_bf16(sb, vis, scale, st.m + r0, st.l + r0, st.n + r0, pb, alpha);
+          tile_softmax_bf16(sb, vis, scale, st.m + r0, st.l + r0, st.n + r0, pb, alpha, narrow ? static_cast<int>(R) : 16);
           tiled = true;
         }
       }
@@ -782,6 +791,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     }
   }
   if (pending.on) run_pv(pending);
+  if (narrow) kakeya_amx::configure();  // the callers' 16-row tiles again
 }
 #endif
 
