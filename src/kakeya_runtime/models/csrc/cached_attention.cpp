@@ -512,20 +512,28 @@ inline void block_rows(const BFT* k, const BFT* v, int64_t k_row, int64_t v_row,
                        const int64_t* pos, const Block& blk, int64_t base, bool in_order, const BFT** krow,
                        const BFT** vrow, uint32_t* present) {
   constexpr int WORDS = NB / 32;
-  std::fill(krow, krow + NB, nullptr);
-  std::fill(vrow, vrow + NB, nullptr);
-  std::fill(present, present + WORDS, 0u);
-  if (in_order && blk.max_pos - blk.min_pos == blk.count - 1) {
-    const int64_t lane0 = blk.min_pos - base;
+  if (in_order && blk.max_pos - blk.min_pos == blk.count - 1) {  // lanes [lane0, end) in order; only the rest cleared
+    const int64_t lane0 = blk.min_pos - base, end = lane0 + blk.count;
     const BFT* kr = k + blk.first * k_row;
     const BFT* vr = v + blk.first * v_row;
+    std::fill(krow, krow + lane0, nullptr);
+    std::fill(vrow, vrow + lane0, nullptr);
+    std::fill(krow + end, krow + NB, nullptr);
+    std::fill(vrow + end, vrow + NB, nullptr);
     for (int64_t i = 0; i < blk.count; ++i) {
       krow[lane0 + i] = kr + i * k_row;
       vrow[lane0 + i] = vr + i * v_row;
     }
-    for (int64_t lane = lane0; lane < lane0 + blk.count; ++lane) present[lane / 32] |= 1u << (lane % 32);
+    for (int w = 0; w < WORDS; ++w) {  // bits [lane0, end) of word w
+      const int64_t lo = std::clamp<int64_t>(lane0 - 32 * w, 0, 32), hi = std::clamp<int64_t>(end - 32 * w, 0, 32);
+      const uint64_t upto_hi = (uint64_t{1} << hi) - 1, upto_lo = (uint64_t{1} << lo) - 1;
+      present[w] = static_cast<uint32_t>(upto_hi & ~upto_lo);
+    }
     return;
   }
+  std::fill(krow, krow + NB, nullptr);
+  std::fill(vrow, vrow + NB, nullptr);
+  std::fill(present, present + WORDS, 0u);
   for (int64_t i = 0; i < blk.count; ++i) {
     const int64_t j = order[blk.first + i], lane = pos[blk.first + i] - base;
     present[lane / 32] |= 1u << (lane % 32);
