@@ -40,6 +40,13 @@ inline bool permitted() {
 inline std::atomic<bool> attention_on{true};
 inline std::atomic<bool> linear_on{true};
 
+// ldtilecfg from `cfg`. The barrier makes the stores that filled it happen first: GCC does not see the instruction
+// read the struct, and once dropped them (configure() with a row count built a zeroed configuration: SIGSEGV).
+inline void load_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
 // Every tile 16 rows x 64 bytes: C (16 x 16 fp32), A (16 rows x 32 bf16), B (16 pair-rows x 16 columns).
 // `rows` < 16: tiles 0-4 (C tiles and the A tile of the attention kernel) that many rows, for a few query rows: a
 // tdpbf16ps costs about one pass per row of A, and a tile store a line per row; B tiles (5-7) keep their 16.
@@ -49,7 +56,7 @@ inline void configure(int rows = 16) {
     cfg.rows[t] = t < 5 ? static_cast<uint8_t>(rows) : 16;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 // Tile rows are 64 bytes: buffers that tiles load from start on a cache line, so no row straddles two.

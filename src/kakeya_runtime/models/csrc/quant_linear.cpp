@@ -233,7 +233,7 @@ inline void configure_narrow(int64_t M) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = t == 4 || t == 5 ? 64 : static_cast<uint16_t>(4 * M);  // A tiles 4, 5 stay 32 bf16 wide
   }
-  _tile_loadconfig(&cfg);
+  kakeya_amx::load_config(cfg);
 }
 
 void quant_amx_narrow(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
