@@ -96,6 +96,31 @@ def test_a_query_gets_the_same_bits_in_any_call(dtype, d, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("attention_amx", [False, True])
+@pytest.mark.parametrize("g", [1, 2, 5, 7, 8, 15, 16])
+def test_few_rows_on_narrow_tiles_keep_the_bits(g, attention_amx):
+    """A call of fewer than 16 query rows runs on tiles as narrow as its rows (AMX): every row count from 1 to 16
+    (a decode step of g query heads, or of 1-2 tokens) gives each row the bits it gets among a prompt's 3 * g * 40."""
+    kept = native.routes()
+    try:
+        native.set_routes(attention_amx, kept.linear_amx)
+        gen = torch.Generator().manual_seed(100 + g)
+        s, hk, d = 700, 1, 64
+        k, v = cache_views(1, hk, s, d, torch.bfloat16, gen)
+        q_all = torch.randn(1, hk, g, s, d, generator=gen).to(torch.bfloat16)
+        pos = torch.arange(s)
+        t0 = s - 40
+        whole = native.cached_attention(grouped(q_all, t0, s), k, v, pos[t0:].clone(), pos, 0.125)
+        whole = whole.reshape(1, hk, g, 40, d)
+        for t in (t0, s - 2):  # one token (g rows), two tokens (2g rows)
+            n = 1 if t == t0 else 2
+            part = native.cached_attention(grouped(q_all, t, t + n), k[:, :, : t + n], v[:, :, : t + n],
+                                           pos[t : t + n].clone(), pos[: t + n], 0.125)
+            assert torch.equal(part.reshape(1, hk, g, n, d), whole[:, :, :, t - t0 : t - t0 + n]), (g, n)
+    finally:
+        native.set_routes(kept.attention_amx, kept.linear_amx)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_key_order_and_unseen_keys_do_not_matter(dtype):
     """A ring cache hands keys back rotated, a sink + window cache with gaps: the same keys seen give the same
