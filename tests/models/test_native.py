@@ -100,7 +100,8 @@ def test_a_query_gets_the_same_bits_in_any_call(dtype, d, threads):
 @pytest.mark.parametrize("g", [1, 2, 5, 7, 8, 15, 16])
 def test_few_rows_on_narrow_tiles_keep_the_bits(g, attention_amx):
     """A call of fewer than 16 query rows runs on tiles as narrow as its rows (AMX): every row count from 1 to 16
-    (a decode step of g query heads, or of 1-2 tokens) gives each row the bits it gets among a prompt's 3 * g * 40."""
+    (a decode step of g query heads, one or two tokens) gives each row the bits it gets among a 40-token prompt's
+    40 * g rows."""
     kept = native.routes()
     try:
         native.set_routes(attention_amx, kept.linear_amx)

@@ -49,7 +49,7 @@ inline void load_config(const TileConfig& cfg) {
 
 // Every tile 16 rows x 64 bytes: C (16 x 16 fp32), A (16 rows x 32 bf16), B (16 pair-rows x 16 columns).
 // `rows` < 16: tiles 0-4 (C tiles and the A tile of the attention kernel) that many rows, for a few query rows: a
-// tdpbf16ps costs about one pass per row of A, and a tile store a line per row; B tiles (5-7) keep their 16.
+// tdpbf16ps costs about one pass per row of A, and a tile store a line per row; tiles 5-7 (its B tiles 6, 7) keep 16.
 inline void configure(int rows = 16) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {

@@ -38,9 +38,9 @@ namespace {
 
 constexpr int64_t kTileRows = 16, kTileCols = 32;
 // How many K steps ahead amx_block asks for the codes and scales it will read (timing only). A decode step's
-// weights come from DRAM; the hardware prefetcher alone left it at ~13 GB/s. 24 steps (6 KB of int4 codes per
-// stream) took 30 layers' SmolLM2 int4 projections from 5.9 to 4.9 ms with the caches flushed, a 1k decode step from
-// 9.0 to 7.8 ms; 12 helped less, 48 and 96 no more (results/engine/decode_v12_ab).
+// weights come from DRAM; the hardware prefetcher alone left them at ~13 GB/s. 24 steps (6 KB of int4 codes per
+// stream): 30 layers' SmolLM2 int4 projections 5.9 -> 4.9 ms with the caches flushed (throwaway script; 12 steps
+// helped less, 48 and 96 no more); SmolLM2 int4 decode +4-15% at 1k in the engine bench (results/engine/decode_v12_ab).
 constexpr int64_t kPrefetchSteps = 24;
 
 inline float bf16_bits(uint32_t b) {
