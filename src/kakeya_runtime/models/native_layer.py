@@ -10,8 +10,8 @@ steady state runs as one (`decoder_layer_step`: kakeya::decoder_layer_sparse, th
 Prefill chunks riding a batched step (`run_mixed`) and a short run of one sequence's new tokens (`run_sequence`, under
 SEQUENCE_ROWS: a turn's message, a speculative verify) take the two halves around the Python path's own attention
 too, the tokens as rows. A trace, a longer prefill chunk, many rows on a quantized layer's dequantizing path, the
-sdpa backend and torch.compile keep the Python path. The per-layer
-arguments are gathered once (`LayerArgs`) and reused while the layer's projection modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
+sdpa backend and torch.compile keep the Python path. The per-layer arguments are gathered once (`LayerArgs`) and
+reused while the layer's projection modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
 
 When every row's cache of every layer takes its writes in the kernel, the whole stack runs in one call
 (`run_all`: kakeya.DecoderStack, built once from all layers' arguments, running decoder_layer layer after layer):

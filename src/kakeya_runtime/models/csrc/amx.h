@@ -41,7 +41,8 @@ inline std::atomic<bool> attention_on{true};
 inline std::atomic<bool> linear_on{true};
 
 // ldtilecfg from `cfg`. The barrier makes the stores that filled it happen first: GCC does not see the instruction
-// read the struct, and once dropped them (configure() with a row count built a zeroed configuration: SIGSEGV).
+// read the struct, and dropped them in a variant of configure() that skipped unchanged configurations (a zeroed
+// configuration: SIGSEGV); nothing kept the shipped version from the same fate.
 inline void load_config(const TileConfig& cfg) {
   asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
