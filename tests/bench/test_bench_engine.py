@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import json
 
+import torch
 from typer.testing import CliRunner
 
-from kakeya_runtime.bench.engine import SCHEMA, SCHEMA_VERSION, EngineBenchSpec, plan_jobs, summarize
+from kakeya_runtime.bench.engine import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    EngineBenchSpec,
+    kv_read_bytes,
+    plan_jobs,
+    streamed_weight_bytes,
+    summarize,
+)
+from kakeya_runtime.bench.machine import memory_read_gb_s
 from kakeya_runtime.cli import app
+from kakeya_runtime.engine.weights import quantize_model
+from kakeya_runtime.kv.cache import make_cache
 
 
 def test_bench_engine_cli_on_tiny_model_writes_valid_json(tmp_path):
@@ -21,7 +33,7 @@ def test_bench_engine_cli_on_tiny_model_writes_valid_json(tmp_path):
     run = json.loads(out.read_text())
     assert run["schema"] == SCHEMA and run["schema_version"] == SCHEMA_VERSION
     assert run["command_line"].startswith("kakeya bench engine")
-    for key in ("cpu_model", "logical_cpus", "torch_threads", "torch", "ram_bytes"):
+    for key in ("cpu_model", "logical_cpus", "torch_threads", "torch", "ram_bytes", "memory_read_gb_s"):
         assert run["machine"][key]
     errors = [r for r in run["jobs"] if "error" in r]
     assert not errors, errors
@@ -33,8 +45,16 @@ def test_bench_engine_cli_on_tiny_model_writes_valid_json(tmp_path):
         if r["job"]["kind"] == "ours":
             assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["ttft_s"] > 0
             assert r["decode_steps"] == 4 and r["peak_rss_process"] >= r["peak_rss_run"] > 0
-            assert r["weight_bytes"] > 0
+            assert r["weight_bytes"] > 0 and r["memory_read_gb_s_before"] > 0
+            assert r["decode_weight_bytes"] > 0 and r["decode_kv_bytes"] > 0
     (row,) = run["summary"]["rows"]
+    # every decode's share of the machine's read speed, from its own bytes and rate
+    for fmt, v in row["formats"].items():
+        r = next(r for r in run["jobs"] if r["job"]["kind"] == "ours" and (r["job"]["fmt"] == fmt.split("@")[0])
+                 and (r["kernels"] == "sdpa") == fmt.endswith("@sdpa"))
+        want = ((r["decode_weight_bytes"] + r["decode_kv_bytes"]) * r["decode_tok_s"]
+                / (r["memory_read_gb_s_before"] * 1e9))
+        assert v["decode_roofline_share"] == round(want, 3) > 0
     assert set(row["formats"]) == {"bf16", "int4", "bf16@sdpa"} and row["peers"] == {}
     ratios = row["invariant_vs_previous"]["bf16"]
     assert ratios["prefill"] > 0 and ratios["decode"] > 0
@@ -93,3 +113,41 @@ def test_llamacpp_peer_is_its_best_setting_per_metric():
     assert set(row["peers"]) == {"llama.cpp", "llama.cpp fa=on", "llama.cpp fa=off"}
     assert abs(row["formats"]["int4"]["vs"]["llama.cpp"]["decode"] - 60.0 / 42.4) < 1e-3
     assert abs(row["formats"]["int4"]["vs"]["llama.cpp"]["prefill"] - 1000.0 / 239.0) < 1e-3
+
+
+def test_roofline_shares_are_bytes_times_rate_over_read_speed():
+    """Ours: its weights and K/V; llama.cpp: its GGUF and the same K/V; each against the read speed before its job."""
+    run = {"jobs": [
+        {"job": {"kind": "ours", "model": "m", "fmt": "int4", "ctx": 1024}, "prefill_tok_s": 3000.0,
+         "decode_tok_s": 100.0, "ttft_s": 0.3, "decode_weight_bytes": 100_000_000, "decode_kv_bytes": 25_000_000,
+         "memory_read_gb_s_before": 25.0},
+        {"job": {"kind": "llamacpp", "model": "m", "ctx": 1024, "flash_attn": False}, "prefill_tok_s": 300.0,
+         "decode_tok_s": 70.0, "ttft_s": 3.4, "gguf_bytes": 95_000_000, "memory_read_gb_s_before": 20.0},
+    ]}
+    (row,) = summarize(run)["rows"]
+    assert row["formats"]["int4"]["decode_roofline_share"] == 0.5  # 125 MB x 100 / 25 GB/s
+    assert row["peers"]["llama.cpp fa=off"]["decode_roofline_share"] == 0.42  # 120 MB x 70 / 20 GB/s
+    assert row["peers"]["llama.cpp"]["decode_roofline_share"] == 0.42
+
+
+def test_streamed_bytes_count_each_weight_once_and_the_kv_in_view(make_tiny_model):
+    model = make_tiny_model("gemma3", dtype=torch.bfloat16)  # a tied head; sliding layers with a window of 8
+    cfg = model.config
+    c, v, ffn, layers = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.num_hidden_layers
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = c * (q + 2 * kv) + q * c + c * 2 * ffn + ffn * c  # qkv, o, gate/up, down
+    quantize_model(model, "bf16")
+    assert streamed_weight_bytes(model) == 2 * (layers * per_layer + v * c)  # the head is the embedding, once
+    quantized = make_tiny_model("gemma3")
+    quantize_model(quantized, "int4", head="int8")
+    assert streamed_weight_bytes(quantized) < 2 * (layers * per_layer + v * c) * 0.6
+    cache = make_cache(cfg, capacity=64, dtype=torch.bfloat16)
+    one = 2 * kv * 2  # K and V of one position, bf16
+    windows = [getattr(layer, "window", None) for layer in cache]
+    assert None in windows and 8 in windows
+    assert kv_read_bytes(cache, 40) == sum(one * (40 if w is None else 8) for w in windows)
+    assert kv_read_bytes(cache, 5) == len(windows) * one * 5
+
+
+def test_memory_read_speed_is_measured():
+    assert 0.1 < memory_read_gb_s(mib=16, repeats=2) < 10_000

@@ -108,7 +108,7 @@ def run_engine_bench(spec: EngineBenchSpec, *, command_line: str | None = None,
     """Run every job in its own subprocess; returns the evidence dict (see `SCHEMA`)."""
     import tempfile
 
-    from kakeya_runtime.bench.machine import machine_info
+    from kakeya_runtime.bench.machine import machine_info, memory_read_gb_s
 
     jobs = plan_jobs(spec)
     started = time.time()
@@ -118,8 +118,9 @@ def run_engine_bench(spec: EngineBenchSpec, *, command_line: str | None = None,
             if on_job:
                 on_job(i, len(jobs), job)
             busy = wait_for_idle(spec.idle_wait_s)
+            read = memory_read_gb_s()  # the machine's pace now: decode speed follows it
             res = run_job(job, workdir=Path(tmp), timeout_s=spec.job_timeout_s)
-            res["cpu_busy_before"] = busy
+            res["cpu_busy_before"], res["memory_read_gb_s_before"] = busy, read
             results.append(res)
             if partial is not None:  # what is done so far survives an interrupted run
                 partial.write_text(json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
@@ -187,7 +188,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             ours[(job["model"], job["ctx"], job["fmt"] if kernels == "native" else f"{job['fmt']}@{kernels}")] = r
         elif job["kind"] == "transformers":
             for ctx, m in r["contexts"].items():
-                peers[(job["model"], int(ctx), "transformers")] = {**m, "cpu_busy_before": r.get("cpu_busy_before")}
+                peers[(job["model"], int(ctx), "transformers")] = {
+                    **m, "cpu_busy_before": r.get("cpu_busy_before"),
+                    "memory_read_gb_s_before": r.get("memory_read_gb_s_before")}
             fidelity.setdefault(job["model"], {})["transformers"] = r.get("fidelity")
         elif job["kind"] == "llamacpp":
             if r.get("skipped"):
@@ -202,6 +205,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             long_prefill.append({k: r[k] for k in ("tokens", "chunk", "prefill_s", "prefill_tok_s", "kv_bytes",
                                                    "rss_before", "peak_rss_prefill", "prefill_peak_over_before")}
                                 | {"model": job["model"]})
+    _roofline(ours, peers)
     for (m, c) in {(k[0], k[1]) for k in peers if k[2].startswith("llama.cpp fa=")}:
         peers[(m, c, "llama.cpp")] = _best_of({k[2]: v for k, v in peers.items() if k[:2] == (m, c)
                                                and k[2].startswith("llama.cpp fa=")})
@@ -228,11 +232,32 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows, "fidelity": fidelity, "long_prefill": long_prefill, "targets": targets}
 
 
+def _roofline(ours: dict[tuple, dict], peers: dict[tuple, dict]) -> None:
+    """Each decode's share of the machine's memory roofline: the bytes a step reads times steps per second, over
+    the read speed measured just before its job. Ours: its weights and K/V (job_ours); llama.cpp's: its GGUF and
+    the same K/V as ours at that context (its f16 cache has our bf16 cache's shape)."""
+    def share(r: dict[str, Any], nbytes: int | None) -> float | None:
+        bw, tok_s = r.get("memory_read_gb_s_before"), r.get("decode_tok_s")
+        return round(nbytes * tok_s / (bw * 1e9), 3) if nbytes and bw and tok_s else None
+
+    kv: dict[tuple, int] = {}
+    for (m, c, _), r in ours.items():
+        if r.get("decode_weight_bytes"):
+            r["decode_bytes"] = r["decode_weight_bytes"] + r["decode_kv_bytes"]
+            r["decode_roofline_share"] = share(r, r["decode_bytes"])
+            kv[(m, c)] = min(kv.get((m, c), r["decode_kv_bytes"]), r["decode_kv_bytes"])  # 2-byte K/V if any
+    for (m, c, name), r in peers.items():
+        if name.startswith("llama.cpp") and r.get("gguf_bytes") and (m, c) in kv:
+            r["decode_bytes"] = r["gguf_bytes"] + kv[(m, c)]
+            r["decode_roofline_share"] = share(r, r["decode_bytes"])
+
+
 def _best_of(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One peer from several settings of it: the best value of each metric, and which setting gave it."""
     out: dict[str, Any] = {"best_of": {}}
     for key, better in (("prefill_tok_s", max), ("decode_tok_s", max), ("decode_tok_s_median", max),
-                        ("ttft_s", min), ("peak_rss_process", min), ("peak_rss_run", min)):
+                        ("ttft_s", min), ("peak_rss_process", min), ("peak_rss_run", min),
+                        ("decode_roofline_share", max)):
         have = {name: r[key] for name, r in runs.items() if r.get(key) is not None}
         if have:
             name = better(have, key=have.__getitem__)
@@ -244,7 +269,8 @@ def _best_of(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def _speed(r: dict[str, Any]) -> dict[str, Any]:
     keys = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_median", "ttft_s", "peak_rss_process", "peak_rss_run",
-            "weight_bytes", "cpu_busy_before", "compile_s", "load_s", "best_of", "flash_attn")
+            "weight_bytes", "cpu_busy_before", "compile_s", "load_s", "best_of", "flash_attn",
+            "memory_read_gb_s_before", "decode_bytes", "decode_roofline_share")
     return {k: r.get(k) for k in keys if r.get(k) is not None}
 
 
@@ -291,10 +317,12 @@ def render_markdown(run: dict[str, Any]) -> str:
              f"llama-cpp-python {m.get('llama_cpp')}, transformers {m.get('transformers')}.", "",
              "## Speed (tok/s; ratio = ours / peer)", "",
              "Decode: mean over the steps (median step in brackets). CPU busy: share of both cores in use by "
-             "other processes just before the job started (the machine is shared).", "",
-             "| model | ctx | engine | prefill tok/s | decode tok/s | TTFT s | peak RSS MiB | CPU busy | "
-             "vs transformers (decode) | vs llama.cpp (prefill / decode) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "other processes just before the job started (the machine is shared). Read GB/s: how fast the machine "
+             "read memory just before the job. Roofline: the bytes a decode step reads (weights and K/V; "
+             "llama.cpp: its GGUF and the same K/V) times the decode rate, over that read speed.", "",
+             "| model | ctx | engine | prefill tok/s | decode tok/s | TTFT s | peak RSS MiB | CPU busy | read GB/s | "
+             "decode MB/step | roofline | vs transformers (decode) | vs llama.cpp (prefill / decode) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in s["rows"]:
         for name, v in [*row["formats"].items(), *row["peers"].items()]:
             vs = v.get("vs", {})
@@ -305,7 +333,9 @@ def render_markdown(run: dict[str, Any]) -> str:
                 f"| {row['model']} | {row['ctx']} | {name} | {_f(v.get('prefill_tok_s'), 0)} | "
                 f"{_f(v.get('decode_tok_s'), 1)}{f' ({med:.1f})' if med else ''} | {_f(v.get('ttft_s'), 2)} | "
                 f"{_mib(v.get('peak_rss_process'))} | {_f(v.get('cpu_busy_before'), 2)} | "
-                f"{_x(tf)} | {_x(lc.get('prefill'))} / {_x(lc.get('decode'))} |")
+                f"{_f(v.get('memory_read_gb_s_before'), 1)} | {_f((v.get('decode_bytes') or 0) / 1e6 or None, 0)} | "
+                f"{_pct(v.get('decode_roofline_share'))} | {_x(tf)} | "
+                f"{_x(lc.get('prefill'))} / {_x(lc.get('decode'))} |")
     lines += ["", "## Fidelity vs our bf16 (next-token KL, top-1 agreement)", "",
               "| model | format | KL (nats) | top-1 agree |", "|---|---|---|---|"]
     for model, fm in s["fidelity"].items():
@@ -340,6 +370,10 @@ def render_markdown(run: dict[str, Any]) -> str:
 
 def _f(x, nd):
     return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _pct(x):
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def _x(x):
@@ -482,11 +516,44 @@ def job_ours(job: dict[str, Any]) -> dict[str, Any]:
         "decode_tok_s": decode_steps / res.decode_s if res.decode_s > 0 else None,
         **_step_stats(stamps),
         "kv_bytes": cache.nbytes,
+        # what one decode step reads from memory, on average over the run's steps: the projections' and the head's
+        # weights, and every layer's K/V in view (the roofline below divides it by the machine's read speed)
+        "decode_weight_bytes": streamed_weight_bytes(bm.model),
+        "decode_kv_bytes": kv_read_bytes(cache, ctx + decode_steps // 2),
         "rss_ready": rss_ready,
         "peak_rss_run": peak_rss_bytes(),  # since reset: prefill + decode
         "peak_rss_process": _ru_maxrss(),  # the whole process, loading included
         "first_tokens": res.token_ids[0][:16],
     }
+
+
+def streamed_weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads whole: every projection and the LM head (a tied head: the
+    embedding it shares), each storage once; the embedding lookup (one row), norms and RoPE tables left out."""
+    from torch import nn
+
+    from kakeya_runtime.engine.weights import DenseLinear, QuantLinear
+
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear | DenseLinear | QuantLinear):
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                if t is not None:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    if getattr(model, "lm_head", None) is None:  # tied, unquantized: the embedding is the head
+        w = model.embed_tokens.weight
+        seen[w.untyped_storage().data_ptr()] = w.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def kv_read_bytes(cache, positions: int) -> int:
+    """K/V bytes a decode step at `positions` tokens reads: each layer's positions in view (a sliding layer's
+    window at most), K and V."""
+    total = 0
+    for kv in cache:
+        per_position = 2 * kv.k[:, :, :1].nbytes  # K and V of one position, every batch row and KV head
+        total += per_position * min(positions, getattr(kv, "window", positions))
+    return total
 
 
 def _routes_json(native) -> dict[str, Any]:
@@ -665,6 +732,7 @@ def job_llamacpp(job: dict[str, Any]) -> dict[str, Any]:
     decode_s = stamps[-1] - stamps[0]
     result: dict[str, Any] = {
         "threads": threads, "load_s": round(load_s, 2), "llama_cpp_version": llama_cpp.__version__, "flash_attn": flash,
+        "gguf_bytes": gguf.stat().st_size,  # its weights (a tied model's output is its token embedding, read whole)
         "prefill_s": prefill_s, "prefill_tok_s": ctx / prefill_s, "ttft_s": ttft,
         "decode_s": decode_s, "decode_tok_s": steps / decode_s, **_step_stats(stamps),
         "peak_rss_run": peak_rss_bytes(), "peak_rss_process": _ru_maxrss(),

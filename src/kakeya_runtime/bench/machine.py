@@ -7,6 +7,7 @@ import platform
 import re
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def cpu_flags() -> set[str]:
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU, cores, threads torch uses, RAM, and library versions."""
+    """CPU, cores, threads torch uses, RAM, how fast memory reads now, and library versions."""
     import psutil
     import torch
 
@@ -52,10 +53,27 @@ def machine_info() -> dict[str, Any]:
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "nice": os.nice(0),
         "autogroup": _read("/proc/self/autogroup"),  # Linux groups a session's processes; its nice applies
+        "memory_read_gb_s": memory_read_gb_s(),
     }
     for pkg in ("transformers", "llama_cpp"):
         info[pkg] = package_version(pkg)
     return info
+
+
+def memory_read_gb_s(mib: int = 256, repeats: int = 5) -> float:
+    """How fast this machine reads memory right now, GB/s: the best of `repeats` sums of a `mib` MiB fp32 tensor
+    (far larger than any cache here), on torch's threads. A decode step streams its weights and K/V, so its speed
+    follows this number, which a neighbour's memory traffic lowers while the CPU still reads idle."""
+    import torch
+
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()  # pages touched, threads up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return round(x.nbytes / best / 1e9, 2)
 
 
 def _read(path: str) -> str | None:
