@@ -126,6 +126,7 @@ class SparseLayerKV:
         # own (without SparseKV) must leave it off: nothing would encode them.
         self.defer_encode = defer_encode
         self._deferred = 0  # blocks complete up to here wait for flush_blocks (above n_blocks)
+        self._stack_deferred = 0  # _deferred before a whole-stack step (stack_step), for stack_abort
         self.ring = window + block + spare
         self.max_positions = max_positions
         self.codec, self.dtype = codec, dtype
@@ -609,33 +610,14 @@ class SparseLayerKV:
         otherwise: models.native_layer then runs the layer split around `attend`. The same kernels on the same
         inputs in `attend`'s order, so the same bits and cache writes, without the Python between them (~80 µs a
         layer at 7.7k on SmolLM2)."""
-        start, end = self.length, self.length + 1
-        if (not self.fused or not self._ring_full or self.probe is not None or end > self.max_positions
-                or h.shape[0] != 1 or self.k_hot.shape[0] != 1 or not self.k_hot.is_cpu or h.dtype != self.dtype):
+        kind = self._steady(h, fits=False)
+        if kind is None:
             return None
-        target = max(0, end - self.sink) // self.block
-        defer = target > self.n_blocks
-        if defer and not (self.defer_encode and self.cold_heads
-                          and max(0, end - self.window - self.sink) // self.block <= self.n_blocks):
-            return None  # a block to encode from the ring before the attention: attend's path
-        if self.codec.direct or not self.cold_heads:
-            cold, decoded, lattice = self._decode_blocks(None), (), ()
-        elif self._fused_decoded and self._grow_decoded() > 0 and self._dec is not None:
-            lat = self.codec.lattice
-            cold = (self.cold_k["code"], self.cold_k["scale"], self.cold_v["code"], self.cold_v["scale"], lat.h)
-            decoded = (self._block_slot, self._slot_block, self._slot_used, *self._dec)
-            self._dec_step += 1
-            lattice = (self._dec_step, lat.q, lat.bits, lat.num_blocks)
-        else:
-            return None
-        if defer:
-            self._deferred = target  # encoded at the model's end of step (flush_blocks), as attend defers it
-        self.length = end
+        state, cold, index, geometry, budget, decoded, lattice = self.stack_step(kind)
         try:
             out, select, hits, misses, qg = native.decoder_layer_sparse(
-                h, cos, sin, positions, weights, config, params, (*self._hot_all, self._counts), cold,
-                (self.kmin, self.kmax, self._topk_t, self._cold_head_t),
-                (self.slot(start), self.n_blocks, self.window, self.sink, self.block), self.budget, decoded, lattice)
+                h, cos, sin, positions, weights, config, params, state, cold, index, geometry, budget, decoded,
+                lattice)
             if misses < 0:  # more blocks than the decoded cache holds: attend's oversize step, then the second half
                 att, _ = self._step_oversize(qg, self._hot_all, positions, params[2], select)
                 return native.decoder_layer_output(att.reshape(1, -1), h, weights, config, params)
@@ -644,6 +626,68 @@ class SparseLayerKV:
         if decoded:
             self._count_decoded(hits, misses)
         return out
+
+    def stack_kind(self, h: Tensor) -> int | None:
+        """This layer's part in a whole-stack decode call (kakeya.DecoderStack.step_sparse): 1 (a cold tier read as
+        stored) or 2 (a D4 tier) in the steady state `decoder_layer_step` runs, when the step's selection fits the
+        decoded-block cache (so the call never has to stop for `_step_oversize`); None otherwise. Changes nothing
+        but the decoded-block cache's size (`_grow_decoded`, as the step itself would)."""
+        kind = self._steady(h, fits=True)
+        return None if kind is None else 1 if kind == "direct" else 2
+
+    def _steady(self, h: Tensor, *, fits: bool) -> str | None:
+        """"direct" or "decoded" where the next decode row's step can run in one native call, else None."""
+        end = self.length + 1
+        if (not self.fused or not self._ring_full or self.probe is not None or end > self.max_positions
+                or h.shape[0] != 1 or self.k_hot.shape[0] != 1 or not self.k_hot.is_cpu or h.dtype != self.dtype):
+            return None
+        target = max(0, end - self.sink) // self.block
+        if target > self.n_blocks and not (self.defer_encode and self.cold_heads
+                                           and max(0, end - self.window - self.sink) // self.block <= self.n_blocks):
+            return None  # a block to encode from the ring before the attention: attend's path
+        if self.codec.direct or not self.cold_heads:
+            return "direct"
+        if self._fused_decoded and (slots := self._grow_decoded()) > 0 and self._dec is not None:
+            # one token keeps at most kept(n_blocks) blocks per head (kept grows with n)
+            most = max(int(self._topk_t.max()), self.topk)
+            share = math.ceil(self.budget * self.n_blocks) if self.budget > 0 else 0
+            return "decoded" if not fits or slots >= min(self.n_blocks, max(most, share)) else None
+        return None
+
+    def stack_step(self, kind: str | int) -> tuple:
+        """Begin the steady decode step `_steady` allowed (kind "direct"/1 or "decoded"/2): the position taken,
+        a block to encode deferred to the end of the step; returns kakeya::decoder_layer_sparse's cache arguments
+        (state, cold, index, geometry, budget, decoded, lattice)."""
+        start, end = self.length, self.length + 1
+        target = max(0, end - self.sink) // self.block
+        self._stack_deferred = self._deferred
+        if target > self.n_blocks:
+            self._deferred = target  # encoded at the model's end of step (flush_blocks), as attend defers it
+        if kind in ("direct", 1):
+            cold, decoded, lattice = self._decode_blocks(None), (), ()
+        else:
+            lat = self.codec.lattice
+            cold = (self.cold_k["code"], self.cold_k["scale"], self.cold_v["code"], self.cold_v["scale"], lat.h)
+            decoded = (self._block_slot, self._slot_block, self._slot_used, *self._dec)
+            self._dec_step += 1
+            lattice = (self._dec_step, lat.q, lat.bits, lat.num_blocks)
+        self.length = end
+        return ((*self._hot_all, self._counts), cold, (self.kmin, self.kmax, self._topk_t, self._cold_head_t),
+                (self.slot(start), self.n_blocks, self.window, self.sink, self.block), self.budget, decoded, lattice)
+
+    def stack_done(self, hits: int, misses: int) -> None:
+        """A D4 layer's decoded-block counts from a whole-stack call."""
+        self._count_decoded(hits, misses)
+
+    def stack_abort(self) -> None:
+        """The whole-stack call failed: no block is left for the end of the step to encode (a later layer's ring
+        never got the step's K/V), so the error reaching the caller is the call's own; the rollback trims the rest."""
+        self._deferred = self._stack_deferred
+
+    @staticmethod
+    def stack_error(error: RuntimeError) -> SparseIndexError:
+        """A whole-stack call's kernel check, as the sparse step reports it."""
+        return SparseIndexError(str(error).split("\n")[0])
 
     def _measure(self, q: Tensor, k: Tensor, select: Tensor, positions: Tensor, scale: float) -> None:
         """OracleProbe: the full fp32 attention of the step's newest query, its mass on the attended set."""

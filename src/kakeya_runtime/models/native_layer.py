@@ -16,7 +16,8 @@ reused while the layer's projection modules stay the same objects. `KAKEYA_NATIV
 When every row's cache of every layer takes its writes in the kernel, the whole stack runs in one call
 (`run_all`: kakeya.DecoderStack, built once from all layers' arguments, running decoder_layer layer after layer):
 a step then crosses Python and the dispatcher once instead of once per layer, while the second thread waited
-(results/engine/decode_v10_ab).
+(results/engine/decode_v10_ab). So does a single row whose sparse layers are in their steady state
+(DecoderStack.step_sparse: those layers as decoder_layer_sparse, the others as decoder_layer).
 """
 
 from __future__ import annotations
@@ -140,12 +141,15 @@ class NativeLayers:
     def run_all(self, blocks: Sequence[nn.Module], h: Tensor, positions: Tensor, cos: Sequence[Tensor],
                 sin: Sequence[Tensor], caches: Sequence[Sequence[LayerKV]]) -> Tensor | None:
         """Every layer over rows h (N, 1, C) in one native call: layer i's rows over caches[i] (cos[i], sin[i] its
-        RoPE rows). None (nothing touched) where any layer must take `run` or the Python path: a row's cache is a
-        policy (no `append_slot`, or it attends itself), or a single row's cache has a sparse step of its own."""
+        RoPE rows). A single row whose sparse layers are in their steady decode state takes them in the same call
+        (`_run_sparse`). None (nothing touched) where any layer must take `run` or the Python path: a row's cache
+        is a policy (no `append_slot`, or it attends itself) or a sparse cache outside that state."""
         stack = self._stack(blocks)
         if stack is None or h.dtype != stack.dtype or h.shape[0] >= stack.max_rows or cos[0].dtype != h.dtype:
             return None
         single = len(caches[0]) == 1
+        if single and any(getattr(layer[0], "stack_kind", None) is not None for layer in caches):
+            return self._run_sparse(stack, h, positions, cos, sin, [layer[0] for layer in caches])
         for layer in caches:
             for kv in layer:
                 if (getattr(kv, "append_slot", None) is None or getattr(kv, "owns_attention", False)
@@ -157,6 +161,50 @@ class NativeLayers:
                 rows.add(kv, window)
         return stack.stack.step(h, list(cos), list(sin), positions, rows.k, rows.v, rows.k_pos, rows.slots,
                                 rows.counts, [int(w) for w in rows.writes], rows.windows, rows.sinks)
+
+    @staticmethod
+    def _run_sparse(stack: StackArgs, h: Tensor, positions: Tensor, cos: Sequence[Tensor], sin: Sequence[Tensor],
+                    caches: Sequence[LayerKV]) -> Tensor | None:
+        """One row over layers that are preallocated caches or sparse ones in their steady decode state
+        (kv/sparse.py's stack_kind, stack_step), as kakeya.DecoderStack.step_sparse: each layer as
+        decoder_layer or decoder_layer_sparse runs it, so the bits and cache writes of one call per layer. None,
+        with nothing touched, where any layer is neither."""
+        kinds = []
+        for kv in caches:
+            kind = kv.stack_kind(h) if getattr(kv, "stack_kind", None) is not None else None
+            if kind is None and (getattr(kv, "append_slot", None) is None or getattr(kv, "owns_attention", False)
+                                 or getattr(kv, "decoder_layer_step", None) is not None):
+                return None
+            kinds.append(kind or 0)
+        rows = RowKV()
+        state, cold, cold_n, index, geometry, budget, decoded, lattice = [], [], [], [], [], [], [], []
+        sparse = [kv for kv, kind in zip(caches, kinds, strict=True) if kind]
+        for kv, kind, window in zip(caches, kinds, stack.windows, strict=True):
+            if not kind:
+                rows.add(kv, window)
+                continue
+            st, cd, ix, geo, bud, dec, lat = kv.stack_step(kind)
+            state += st
+            cold += cd
+            cold_n.append(len(cd))
+            index += ix
+            geometry += geo
+            budget.append(bud)
+            decoded += dec
+            lattice += lat
+        try:
+            out, hits, misses = stack.stack.step_sparse(
+                h, list(cos), list(sin), positions, kinds, rows.k, rows.v, rows.k_pos, rows.slots, rows.counts,
+                [int(w) for w in rows.writes], rows.windows, rows.sinks, state, cold, cold_n, index, geometry, budget,
+                decoded, lattice)
+        except RuntimeError as e:  # the kernels' checks, reported as the sparse step reports them
+            for kv in sparse:
+                kv.stack_abort()
+            raise sparse[0].stack_error(e) from None
+        for kv, hit, miss in zip([kv for kv, kind in zip(caches, kinds, strict=True) if kind == 2], hits, misses,
+                                 strict=True):
+            kv.stack_done(hit, miss)
+        return out
 
     def _args(self, i: int, block: nn.Module) -> LayerArgs | None:
         args = self.args[i]

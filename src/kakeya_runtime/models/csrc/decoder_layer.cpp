@@ -211,6 +211,78 @@ struct DecoderStack : torch::CustomClassHolder {
     }
     return h;
   }
+
+  // One row whose layers hold either a preallocated cache (as `step` takes them) or a sparse cache in its steady
+  // decode state (kv/sparse.py, SparseLayerKV.stack_step): each layer as decoder_layer or decoder_layer_sparse runs
+  // it, layer after layer, in one call (a sparse step crossed Python and the dispatcher once per layer). kinds[l]:
+  // 0 a preallocated cache (its entry in k .. sink, in order among those layers), 1 a sparse layer whose cold tier
+  // is read as stored, 2 one with a D4 tier (entries in state, cold (cold_n[i] each), index, geometry, budget and,
+  // for 2, decoded and lattice, in order among the sparse layers). A steady step's selection always fits its
+  // decoded-block cache (stack_step checks it), so a refusal (misses -1) raises. Returns (h, hits, misses), the
+  // D4 layers' decoded-block counts in order.
+  std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> step_sparse(
+      at::Tensor h, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor q_pos,
+      std::vector<int64_t> kinds, std::vector<at::Tensor> k, std::vector<at::Tensor> v,
+      std::vector<at::Tensor> k_pos, std::vector<int64_t> slot, std::vector<int64_t> count,
+      std::vector<int64_t> write_pos, std::vector<int64_t> window, std::vector<int64_t> sink,
+      std::vector<at::Tensor> state, std::vector<at::Tensor> cold, std::vector<int64_t> cold_n,
+      std::vector<at::Tensor> index, std::vector<int64_t> geometry, std::vector<double> budget,
+      std::vector<at::Tensor> decoded, std::vector<int64_t> lattice) {
+    TORCH_CHECK(h.size(0) == 1, "DecoderStack.step_sparse: one row");
+    TORCH_CHECK(int64_t(cos.size()) == layers && int64_t(sin.size()) == layers && int64_t(kinds.size()) == layers,
+                "DecoderStack.step_sparse: one cos, sin and kind per layer");
+    int64_t rings = 0, sparse = 0, d4 = 0, cold_total = 0;
+    for (const int64_t kind : kinds) {
+      TORCH_CHECK(kind >= 0 && kind <= 2, "DecoderStack.step_sparse: kinds are 0, 1 or 2");
+      rings += kind == 0, sparse += kind != 0, d4 += kind == 2;
+    }
+    TORCH_CHECK(int64_t(cold_n.size()) == sparse, "DecoderStack.step_sparse: one cold count per sparse layer");
+    for (const int64_t n : cold_n) cold_total += n;
+    TORCH_CHECK(int64_t(k.size()) == rings && int64_t(v.size()) == rings && int64_t(k_pos.size()) == rings &&
+                    int64_t(slot.size()) == rings && int64_t(count.size()) == rings &&
+                    int64_t(write_pos.size()) == rings && int64_t(window.size()) == rings &&
+                    int64_t(sink.size()) == rings,
+                "DecoderStack.step_sparse: one cache entry per preallocated layer");
+    TORCH_CHECK(int64_t(state.size()) == 4 * sparse && int64_t(index.size()) == 4 * sparse &&
+                    int64_t(geometry.size()) == 5 * sparse && int64_t(budget.size()) == sparse &&
+                    int64_t(cold.size()) == cold_total && int64_t(decoded.size()) == 5 * d4 &&
+                    int64_t(lattice.size()) == 4 * d4,
+                "DecoderStack.step_sparse: state (4), index (4), geometry (5), a budget per sparse layer, their cold "
+                "tensors, and decoded (5), lattice (4) per D4 layer");
+    std::vector<int64_t> hits, misses;
+    int64_t r = 0, s = 0, c = 0, d = 0;
+    for (int64_t l = 0; l < layers; ++l) {
+      const auto w = at::TensorList(weights).slice(l * kWeights, kWeights);
+      const auto cf = at::IntArrayRef(config).slice(l * kConfig, kConfig);
+      const auto pm = at::ArrayRef<double>(params).slice(l * kParams, kParams);
+      if (kinds[l] == 0) {
+        h = decoder_layer(h, cos[l], sin[l], q_pos, w, cf, pm, at::TensorList(k).slice(r, 1),
+                          at::TensorList(v).slice(r, 1), at::TensorList(k_pos).slice(r, 1),
+                          at::IntArrayRef(slot).slice(r, 1), at::IntArrayRef(count).slice(r, 1),
+                          at::IntArrayRef(write_pos).slice(r, 1), at::IntArrayRef(window).slice(r, 1),
+                          at::IntArrayRef(sink).slice(r, 1));
+        ++r;
+        continue;
+      }
+      const bool lattice_tier = kinds[l] == 2;
+      auto [out, select, hit, miss, q] = decoder_layer_sparse(
+          h, cos[l], sin[l], q_pos, w, cf, pm, at::TensorList(state).slice(4 * s, 4),
+          at::TensorList(cold).slice(c, cold_n[s]), at::TensorList(index).slice(4 * s, 4),
+          at::IntArrayRef(geometry).slice(5 * s, 5), budget[s],
+          lattice_tier ? at::TensorList(decoded).slice(5 * d, 5) : at::TensorList(),
+          lattice_tier ? at::IntArrayRef(lattice).slice(4 * d, 4) : at::IntArrayRef());
+      TORCH_CHECK(miss >= 0, "DecoderStack.step_sparse: layer ", l, "'s decoded-block cache could not hold its step's ",
+                  "blocks");
+      if (lattice_tier) {
+        hits.push_back(hit), misses.push_back(miss);
+        ++d;
+      }
+      h = out;
+      c += cold_n[s];
+      ++s;
+    }
+    return {h, hits, misses};
+  }
 };
 
 }  // namespace
@@ -218,7 +290,8 @@ struct DecoderStack : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
-      .def("step", &DecoderStack::step);
+      .def("step", &DecoderStack::step)
+      .def("step_sparse", &DecoderStack::step_sparse);
   m.def("decoder_layer_sparse(Tensor h, Tensor cos, Tensor sin, Tensor q_pos, Tensor[] weights, int[] config, "
         "float[] params, Tensor(a!)[] state, Tensor[] cold, Tensor[] index, int[] geometry, float budget, "
         "Tensor(b!)[] decoded, int[] lattice) -> (Tensor, Tensor, int, int, Tensor)");
