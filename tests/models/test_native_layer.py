@@ -285,6 +285,50 @@ def test_sparse_decode_layer_in_one_call_same_bits(family, codec, make_tiny_mode
             assert torch.equal(x[name], y[name]), f"layer {layer} {name}"
 
 
+@pytest.mark.parametrize("codec", ["identity", "d4"])
+def test_sparse_stack_serves_a_ring_that_is_still_filling_same_bits(codec, make_tiny_model, monkeypatch):
+    """From a short prompt, the decode steps before the hot ring first fills take the whole-stack call too (the ring
+    read as its first slots, as attend reads it), with the Python path's logits and caches, through the fill."""
+    model = make_tiny_model("gemma3", dtype=torch.bfloat16)
+    engine = Engine(model, prefill_chunk=32)
+    registry = PolicyRegistry()
+    spec = registry.resolve("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2, "codec": codec},
+                            engine.config, 256)
+    stacked = []
+    real = native_layer.NativeLayers._run_sparse
+
+    def counted(*a, **k):
+        got = real(*a, **k)
+        stacked.append(got is not None)
+        return got
+
+    monkeypatch.setattr(native_layer.NativeLayers, "_run_sparse", staticmethod(counted))
+
+    def run(on: bool) -> tuple[list, list, int]:
+        before = native_layer.set_enabled(on)
+        try:
+            cache = registry.build(engine, spec, 256)
+            engine.prefill(cache, torch.tensor([[3, 4, 5]]))
+            layer = next(kv for kv in cache.layers if hasattr(kv, "stack_kind"))
+            ring = layer.hot_pos.shape[0]
+            logits = [engine.decode_step(cache, torch.tensor([[t % 50 + 3]])).logits for t in range(ring + 6)]
+            return logits, cache.state(), ring
+        finally:
+            native_layer.set_enabled(before)
+
+    ref, ref_state, ring = run(False)
+    assert not stacked
+    model.__dict__.pop("_native_layers", None)
+    got, state, _ = run(True)
+    # the steps while the ring fills (a few encode a block first; a D4 tier joins once it holds a block)
+    assert sum(stacked[: ring - 4]) >= (ring - 8 if codec == "identity" else ring // 2), stacked
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert torch.equal(a, b), f"step {i}"
+    for layer, (x, y) in enumerate(zip(state, ref_state, strict=True)):
+        for name in x:
+            assert torch.equal(x[name], y[name]), f"layer {layer} {name}"
+
+
 def test_sparse_stack_call_reports_a_broken_step_as_the_sparse_step_does(make_tiny_model, monkeypatch):
     """A kernel check failing inside the whole-stack call (a ring slot no longer holding its position) raises the
     sparse step's own typed error, from that call."""

@@ -606,7 +606,8 @@ class SparseLayerKV:
                            config: list[int], params: list[float]) -> Tensor | None:
         """One decode row's whole decoder layer in one native call (kakeya::decoder_layer_sparse: the layer's first
         half, the ring write, the fused sparse step, the second half), in the steady state only: the fused path,
-        the ring full, no block to encode before the step's attention, no probe. None, with nothing touched,
+        the ring full or not yet wrapped, no block to encode before the step's attention, no probe. None, with
+        nothing touched,
         otherwise: models.native_layer then runs the layer split around `attend`. The same kernels on the same
         inputs in `attend`'s order, so the same bits and cache writes, without the Python between them (~80 µs a
         layer at 7.7k on SmolLM2)."""
@@ -619,7 +620,7 @@ class SparseLayerKV:
                 h, cos, sin, positions, weights, config, params, state, cold, index, geometry, budget, decoded,
                 lattice)
             if misses < 0:  # more blocks than the decoded cache holds: attend's oversize step, then the second half
-                att, _ = self._step_oversize(qg, self._hot_all, positions, params[2], select)
+                att, _ = self._step_oversize(qg, tuple(state[:3]), positions, params[2], select)
                 return native.decoder_layer_output(att.reshape(1, -1), h, weights, config, params)
         except RuntimeError as e:  # the kernels' checks, as attend reports them
             raise SparseIndexError(str(e).split("\n")[0]) from None
@@ -638,8 +639,10 @@ class SparseLayerKV:
     def _steady(self, h: Tensor, *, fits: bool) -> str | None:
         """"direct" or "decoded" where the next decode row's step can run in one native call, else None."""
         end = self.length + 1
-        if (not self.fused or not self._ring_full or self.probe is not None or end > self.max_positions
-                or h.shape[0] != 1 or self.k_hot.shape[0] != 1 or not self.k_hot.is_cpu or h.dtype != self.dtype):
+        # a ring not yet full is read as its first `end` slots, as attend reads it (positions 0.. in slots 0..)
+        if (not self.fused or (not self._ring_full and end >= self.hot_pos.shape[0]) or self.probe is not None
+                or end > self.max_positions or h.shape[0] != 1 or self.k_hot.shape[0] != 1 or not self.k_hot.is_cpu
+                or h.dtype != self.dtype):
             return None
         target = max(0, end - self.sink) // self.block
         if target > self.n_blocks and not (self.defer_encode and self.cold_heads
@@ -672,7 +675,9 @@ class SparseLayerKV:
             self._dec_step += 1
             lattice = (self._dec_step, lat.q, lat.bits, lat.num_blocks)
         self.length = end
-        return ((*self._hot_all, self._counts), cold, (self.kmin, self.kmax, self._topk_t, self._cold_head_t),
+        hot = self._hot_all if self._ring_full else (self.k_hot[:, :, :end], self.v_hot[:, :, :end],
+                                                     self.hot_pos[:end])
+        return ((*hot, self._counts), cold, (self.kmin, self.kmax, self._topk_t, self._cold_head_t),
                 (self.slot(start), self.n_blocks, self.window, self.sink, self.block), self.budget, decoded, lattice)
 
     def stack_done(self, hits: int, misses: int) -> None:
