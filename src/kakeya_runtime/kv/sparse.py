@@ -607,10 +607,10 @@ class SparseLayerKV:
         """One decode row's whole decoder layer in one native call (kakeya::decoder_layer_sparse: the layer's first
         half, the ring write, the fused sparse step, the second half), in the steady state only: the fused path,
         the ring full or not yet wrapped, no block to encode before the step's attention, no probe. None, with
-        nothing touched,
-        otherwise: models.native_layer then runs the layer split around `attend`. The same kernels on the same
-        inputs in `attend`'s order, so the same bits and cache writes, without the Python between them (~80 µs a
-        layer at 7.7k on SmolLM2)."""
+        nothing touched, otherwise: models.native_layer then runs the layer split around `attend`. The same kernels
+        on the same inputs in `attend`'s order, so the same bits and cache writes, without the Python between them
+        (~80 µs a layer at 7.7k on SmolLM2). A single row's whole stack takes these steps in one call
+        (`stack_kind`, `stack_step`: models/native_layer.py's run_all)."""
         kind = self._steady(h, fits=False)
         if kind is None:
             return None
