@@ -219,6 +219,22 @@ def test_sink_window_ring_written_natively_after_trim_and_load_same_bits(make_ti
             assert torch.equal(x[name], y[name]), f"layer {layer} {name}"
 
 
+def _stack_calls(monkeypatch) -> list[bool]:
+    """One entry per whole-stack sparse call (NativeLayers._run_sparse), in order: whether it served its step (False
+    for one that declined or raised)."""
+    served = []
+    real = native_layer.NativeLayers._run_sparse
+
+    def counted(*a, **k):
+        served.append(False)
+        got = real(*a, **k)
+        served[-1] = got is not None
+        return got
+
+    monkeypatch.setattr(native_layer.NativeLayers, "_run_sparse", staticmethod(counted))
+    return served
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("codec", ["identity", "int8", "d4", "d4-oversize"])
 def test_sparse_decode_layer_in_one_call_same_bits(family, codec, make_tiny_model, monkeypatch):
@@ -243,15 +259,7 @@ def test_sparse_decode_layer_in_one_call_same_bits(family, codec, make_tiny_mode
         return got
 
     monkeypatch.setattr(native, "decoder_layer_sparse", counted)
-    stacked = []
-    real_sparse = native_layer.NativeLayers._run_sparse
-
-    def counted_stack(*a, **k):
-        got = real_sparse(*a, **k)
-        stacked.append(got is not None)
-        return got
-
-    monkeypatch.setattr(native_layer.NativeLayers, "_run_sparse", staticmethod(counted_stack))
+    stacked = _stack_calls(monkeypatch)
 
     def run(on: bool) -> tuple[list, list]:
         before = native_layer.set_enabled(on)
@@ -294,15 +302,7 @@ def test_sparse_stack_serves_a_ring_that_is_still_filling_same_bits(codec, make_
     registry = PolicyRegistry()
     spec = registry.resolve("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2, "codec": codec},
                             engine.config, 256)
-    stacked = []
-    real = native_layer.NativeLayers._run_sparse
-
-    def counted(*a, **k):
-        got = real(*a, **k)
-        stacked.append(got is not None)
-        return got
-
-    monkeypatch.setattr(native_layer.NativeLayers, "_run_sparse", staticmethod(counted))
+    stacked = _stack_calls(monkeypatch)
 
     def run(on: bool) -> tuple[list, list, int]:
         before = native_layer.set_enabled(on)
@@ -345,20 +345,12 @@ def test_sparse_stack_call_reports_a_broken_step_as_the_sparse_step_does(make_ti
         engine.decode_step(cache, torch.tensor([[5 + t]]))
     while layer.stack_kind(h) is None:  # to a step the stack runs (no block to encode first)
         engine.decode_step(cache, torch.tensor([[8]]))
-    stacked = []
-    real = native_layer.NativeLayers._run_sparse
-
-    def counted(*a, **k):
-        stacked.append(True)
-        return real(*a, **k)
-
-    monkeypatch.setattr(native_layer.NativeLayers, "_run_sparse", staticmethod(counted))
+    stacked = _stack_calls(monkeypatch)
     newest = int(layer.hot_pos.max())
     layer.hot_pos[layer.hot_pos == newest - 10] = 10_000  # a ring slot no longer holds its position (in view)
     with pytest.raises(SparseIndexError, match="hot range"):
         engine.decode_step(cache, torch.tensor([[9]]))
-    assert stacked
-
+    assert stacked == [False]  # the stack call ran, and raised
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
