@@ -24,3 +24,23 @@ def test_d4_native_points_equal_the_python_chain(q, head_dim):
         assert torch.equal(codec.decode(code, scales, dtype), ref.to(dtype))
     lead = codec.decode(code.view(9, 57, -1), scales.view(9, 57, 2), torch.bfloat16)  # any leading shape
     assert torch.equal(lead.reshape(513, head_dim), ref.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("q", [1, 7, 38, 181, 5000])
+def test_d4_native_points_of_any_bit_pattern_equal_the_digits(q):
+    """Every code a field of `bits` bits can hold, not only those encode writes (the largest too, whose digits
+    overflow the four): the native digits, taken by multiplying instead of dividing where exact, are the Python
+    digits' (q = 5000: 53-bit codes, the dividing path)."""
+    from kakeya_runtime.models import native
+
+    codec = LatticeCodec("d4", q, 64)
+    g = torch.Generator().manual_seed(q)
+    code = torch.randint(0, 256, (600, codec.code_bytes), dtype=torch.uint8, generator=g)
+    code[0] = 255  # every code at its largest
+    code[1] = 0
+    scales = (torch.rand(600, 2, generator=g) * 4 + 0.01).half()
+    got = native.d4_points(code, scales, q=q, bits=codec.bits, codes=codec.num_blocks)
+    idx = unpack_bits(code, codec.num_blocks, codec.bits)
+    scale = scales[:, 1].float().unsqueeze(1) / float(q)
+    want = (codec.point(idx) * scale.unsqueeze(-1)).reshape(600, -1)
+    assert torch.equal(got, want)
