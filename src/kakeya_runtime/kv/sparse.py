@@ -652,7 +652,7 @@ class SparseLayerKV:
             return "direct"
         if self._fused_decoded and (slots := self._grow_decoded()) > 0 and self._dec is not None:
             # one token keeps at most kept(n_blocks) blocks per head (kept grows with n)
-            most = max(int(self._topk_t.max()), self.topk)
+            most = max(*self.head_topk, self.topk)
             share = math.ceil(self.budget * self.n_blocks) if self.budget > 0 else 0
             return "decoded" if not fits or slots >= min(self.n_blocks, max(most, share)) else None
         return None
