@@ -213,13 +213,13 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
   // One row whose layers hold either a preallocated cache (as `step` takes them) or a sparse cache in its steady
-  // decode state (kv/sparse.py, SparseLayerKV.stack_step): each layer as decoder_layer or decoder_layer_sparse runs
-  // it, layer after layer, in one call (a sparse step crossed Python and the dispatcher once per layer). kinds[l]:
-  // 0 a preallocated cache (its entry in k .. sink, in order among those layers), 1 a sparse layer whose cold tier
-  // is read as stored, 2 one with a D4 tier (entries in state, cold (cold_n[i] each), index, geometry, budget and,
-  // for 2, decoded and lattice, in order among the sparse layers). A steady step's selection always fits its
-  // decoded-block cache (stack_step checks it), so a refusal (misses -1) raises. Returns (h, hits, misses), the
-  // D4 layers' decoded-block counts in order.
+  // decode state (kv/sparse.py, SparseLayerKV.stack_kind, stack_step): each layer as decoder_layer or
+  // decoder_layer_sparse runs it, layer after layer, in one call (a sparse step crossed Python and the dispatcher
+  // once per layer). kinds[l]: 0 a preallocated cache (its entry in k .. sink, in order among those layers), 1 a
+  // sparse layer whose cold tier is read as stored, 2 one with a D4 tier (entries in state, cold (cold_n[i] each),
+  // index, geometry, budget and, for 2, decoded and lattice, in order among the sparse layers). A steady step's
+  // selection always fits its decoded-block cache (stack_kind checks it), so a refusal (misses -1) raises. Returns
+  // (h, hits, misses), the D4 layers' decoded-block counts in order.
   std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> step_sparse(
       at::Tensor h, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor q_pos,
       std::vector<int64_t> kinds, std::vector<at::Tensor> k, std::vector<at::Tensor> v,
