@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kakeya_runtime.models import native
+
 
 class SamplingError(ValueError):
     """Invalid sampling parameters."""
@@ -66,7 +68,7 @@ def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
 def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     """The distribution a sampled token is drawn from, (B, V); one-hot argmax when greedy."""
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+        return torch.nn.functional.one_hot(greedy(logits), logits.shape[-1]).to(logits.dtype)
     return torch.softmax(filter_logits(logits, params), dim=-1)
 
 
@@ -80,5 +82,9 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
 
 def greedy(logits: Tensor) -> Tensor:
     """(N, V) -> (N,): each row's first highest logit, what `sample` gives a greedy row, whatever rows share the call
-    (a batched step picks all its greedy rows in one argmax)."""
+    (a batched step picks all its greedy rows in one argmax). With our kernels, fp32 CPU logits take
+    kakeya::argmax_rows (the same answer; PyTorch's argmax reads a row one element at a time)."""
+    if (logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_cpu and logits.shape[1] > 0
+            and logits.stride(1) == 1 and native.enabled()):
+        return native.argmax_rows(logits)
     return logits.argmax(dim=-1)

@@ -49,7 +49,7 @@ from kakeya_runtime.engine.generate import (
     GenerationError,
     GenerationResult,
 )
-from kakeya_runtime.engine.sampling import SamplingParams, probs_from_logits, sample
+from kakeya_runtime.engine.sampling import SamplingParams, greedy, probs_from_logits, sample
 from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.models.base import Logits
 
@@ -83,7 +83,7 @@ class SpecStats:
 
 def verify_greedy(logits: Tensor, draft: Sequence[int]) -> list[int]:
     """logits (k+1, V) fp32 at [x, d_1..d_k]; the emitted tokens: the accepted drafts, then the target's argmax."""
-    best = logits.argmax(dim=-1).tolist()
+    best = greedy(logits).tolist()
     n = 0
     while n < len(draft) and best[n] == draft[n]:
         n += 1

@@ -53,7 +53,7 @@ import torch
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp",
                              "lattice_points.cpp", "threads.cpp", "rowwise.cpp", "quant_linear.cpp",
-                              "decoder_layer.cpp"))
+                             "decoder_layer.cpp", "argmax.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head sizes
@@ -365,6 +365,14 @@ def gated_act(x: torch.Tensor, act: str) -> torch.Tensor:
     if _loaded is None:
         load()
     return torch.ops.kakeya.gated_act(x, GATED_ACTS[act])
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (N, V) float32 -> (N,) int64: each row's first highest value, its first NaN if it has one (torch.argmax's
+    answer, read VS lanes at a time: csrc/argmax.cpp)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.argmax_rows(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
