@@ -38,16 +38,29 @@ void scale_row(float* h, int64_t n, float r, const float* w) {
   }
 }
 
-// The norm's scale in fp32: w, or 1 + w where the checkpoint stores an offset (Gemma).
-std::vector<float> norm_scale(const at::Tensor& w, int64_t n, bool unit_offset) {
+// The norm's scale in fp32: w, or 1 + w where the checkpoint stores an offset (Gemma); the same values as
+// converting w and adding 1 in fp32. In the calling thread's buffer `slot` (0, 1: a call's q and k norms), kept
+// across calls: a decode step's ~100 norms each converted the weight as a tensor op and allocated twice.
+const float* norm_scale(const at::Tensor& w, int64_t n, bool unit_offset, int slot = 0) {
   TORCH_CHECK(w.dim() == 1 && w.size(0) == n, "norm weight must be (", n, ",)");
-  const at::Tensor w32 = w.to(at::kFloat).contiguous();
-  const float* p = w32.const_data_ptr<float>();
-  std::vector<float> out(p, p + n);
+  thread_local std::vector<float> bufs[2];
+  std::vector<float>& out = bufs[slot];
+  out.resize(n);
+  const int64_t stride = w.stride(0);
+  if (w.scalar_type() == at::kBFloat16) {
+    const c10::BFloat16* p = w.const_data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i * stride]);
+  } else if (w.scalar_type() == at::kFloat) {
+    const float* p = w.const_data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) out[i] = p[i * stride];
+  } else {
+    const at::Tensor w32 = w.to(at::kFloat).contiguous();
+    std::copy(w32.const_data_ptr<float>(), w32.const_data_ptr<float>() + n, out.begin());
+  }
   if (unit_offset) {
     for (auto& v : out) v = 1.f + v;
   }
-  return out;
+  return out.data();
 }
 
 // y = norm(s) for rows s = x (+ r, rounded to T and written to sp when r is given).
@@ -55,7 +68,9 @@ template <typename T>
 void norm_rows(const T* xp, int64_t x_row, const T* rp, int64_t r_row, T* sp, T* yp, const float* w, int64_t C,
                int64_t M, float eps) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(C), r(rp ? C : 0);
+    thread_local std::vector<float> h, r;  // kept across calls: no heap call per norm
+    h.resize(C);
+    r.resize(rp ? C : 0);
     for (int64_t m = begin; m < end; ++m) {
       convert_row(xp + m * x_row, h.data(), C);
       if (rp) {
@@ -84,13 +99,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   const int64_t M = x.size(0), C = x.size(1);
   auto y = at::empty({M, C}, x.options());
   if (M == 0 || C == 0) return y;
-  const auto w = norm_scale(weight, C, unit_offset);
+  const float* w = norm_scale(weight, C, unit_offset);
   if (x.scalar_type() == at::kFloat) {
-    norm_rows<float>(x.const_data_ptr<float>(), x.stride(0), nullptr, 0, nullptr, y.data_ptr<float>(), w.data(), C,
-                     M, static_cast<float>(eps));
+    norm_rows<float>(x.const_data_ptr<float>(), x.stride(0), nullptr, 0, nullptr, y.data_ptr<float>(), w, C, M,
+                     static_cast<float>(eps));
   } else {
     norm_rows<c10::BFloat16>(x.const_data_ptr<c10::BFloat16>(), x.stride(0), nullptr, 0, nullptr,
-                             y.data_ptr<c10::BFloat16>(), w.data(), C, M, static_cast<float>(eps));
+                             y.data_ptr<c10::BFloat16>(), w, C, M, static_cast<float>(eps));
   }
   return y;
 }
@@ -105,14 +120,14 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   auto s = at::empty({M, C}, x.options());
   auto y = at::empty({M, C}, x.options());
   if (M == 0 || C == 0) return {s, y};
-  const auto w = norm_scale(weight, C, unit_offset);
+  const float* w = norm_scale(weight, C, unit_offset);
   if (x.scalar_type() == at::kFloat) {
     norm_rows<float>(x.const_data_ptr<float>(), x.stride(0), residual.const_data_ptr<float>(), residual.stride(0),
-                     s.data_ptr<float>(), y.data_ptr<float>(), w.data(), C, M, static_cast<float>(eps));
+                     s.data_ptr<float>(), y.data_ptr<float>(), w, C, M, static_cast<float>(eps));
   } else {
     norm_rows<c10::BFloat16>(x.const_data_ptr<c10::BFloat16>(), x.stride(0),
                              residual.const_data_ptr<c10::BFloat16>(), residual.stride(0),
-                             s.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), w.data(), C, M,
+                             s.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), w, C, M,
                              static_cast<float>(eps));
   }
   return {s, y};
@@ -125,7 +140,8 @@ void rope_rows(const T* xp, int64_t xb, int64_t xt, const T* cp, const T* sp, in
                int64_t B, int64_t Tn, int64_t H, int64_t Hk, int64_t D, const float* qw, const float* kw, float eps) {
   const int64_t half = D / 2;
   at::parallel_for(0, B * Tn, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(D), s(D), h(D), o(D);
+    thread_local std::vector<float> c, s, h, o;  // kept across calls: no heap call per step
+    c.resize(D), s.resize(D), h.resize(D), o.resize(D);
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / Tn, t = bt % Tn;
       convert_row(cp + b * cb + t * ct, c.data(), D);
@@ -168,13 +184,8 @@ std::tuple<at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Ten
   auto q = at::empty({B, heads, Tn, D}, qkv.options());
   auto k = at::empty({B, kv_heads, Tn, D}, qkv.options());
   if (q.numel() == 0 && k.numel() == 0) return {q, k};
-  std::vector<float> qw, kw;
-  if (q_norm.has_value()) {
-    qw = norm_scale(*q_norm, D, unit_offset);
-    kw = norm_scale(*k_norm, D, unit_offset);
-  }
-  const float* qwp = qw.empty() ? nullptr : qw.data();
-  const float* kwp = kw.empty() ? nullptr : kw.data();
+  const float* qwp = q_norm.has_value() ? norm_scale(*q_norm, D, unit_offset, 0) : nullptr;
+  const float* kwp = k_norm.has_value() ? norm_scale(*k_norm, D, unit_offset, 1) : nullptr;
   if (qkv.scalar_type() == at::kFloat) {
     rope_rows<float>(qkv.const_data_ptr<float>(), qkv.stride(0), qkv.stride(1), cos.const_data_ptr<float>(),
                      sin.const_data_ptr<float>(), cos.stride(0), cos.stride(1), q.data_ptr<float>(),
