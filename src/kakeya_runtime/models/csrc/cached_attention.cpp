@@ -820,10 +820,19 @@ struct Source {
   std::vector<int64_t> super_first;  // index of each superblock's first block, plus an end marker
   bool in_order = false;             // keys stored in position order (order is the identity)
 
+  Source() = default;
   // The first `S` keys of k_ / v_ / k_pos (all of them when S < 0).
   Source(const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& k_pos, Kind kind_, int64_t bk,
-         int64_t S = -1)
-      : k(&k_), v(&v_), kind(kind_) {
+         int64_t S = -1) {
+    build(k_, v_, k_pos, kind_, bk, S);
+  }
+
+  // (Re)builds this source in place, keeping its buffers (a decode step's rows reuse them: row_sources).
+  void build(const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& k_pos, Kind kind_, int64_t bk,
+             int64_t S = -1) {
+    k = &k_, v = &v_, kind = kind_;
+    blocks.clear();
+    super_first.clear();
     const int64_t* kp = k_pos.const_data_ptr<int64_t>();
     if (S < 0) S = k_.size(2);
     order.resize(S);
@@ -1570,20 +1579,28 @@ void run_rows(const at::Tensor& q, std::vector<Source>& sources, const int64_t* 
   const int64_t N = q.size(0), H = q.size(1), G = q.size(2);
   const bool use_amx = amx_enabled<T>() && D % 32 == 0;
   // Work items in (row, head, superblock) order: the first item of each row, its superblocks.
-  std::vector<int64_t> first(N + 1, 0), item_row;
+  // The calling thread's buffers, kept across calls (no heap call per layer of a decode step); bound to references,
+  // which the lambdas below capture (a thread_local named in a lambda would be the running thread's own).
+  thread_local std::vector<int64_t> kept_first, kept_item_row, kept_cost, kept_schedule;
+  thread_local std::vector<float> kept_state;
+  std::vector<int64_t>&first = kept_first, &item_row = kept_item_row, &cost = kept_cost, &schedule = kept_schedule;
+  std::vector<float>& state = kept_state;
+  first.assign(N + 1, 0);
+  item_row.clear();
   for (int64_t i = 0; i < N; ++i) {
     first[i + 1] = first[i] + H * sources[i].supers();
     item_row.insert(item_row.end(), H * sources[i].supers(), i);
   }
   const int64_t items = first[N];
   constexpr int64_t W = D + 3;  // per query row: acc (D), m, l, n
-  std::vector<float> state(items * G * W);
+  state.resize(items * G * W);  // every item writes its whole state
   const T* qp = q.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   // Items handed out largest first (keys in the superblock), each thread taking the next when it finishes one: in
   // (row, head, superblock) order halved between two threads, a 1k-token row's three heads of two whole superblocks
   // and a short last one left one thread with twice the other's keys. Only the schedule changes (as run's).
-  std::vector<int64_t> cost(items), schedule(items);
+  cost.assign(items, 0);
+  schedule.resize(items);
   for (int64_t item = 0; item < items; ++item) {
     const Source& src = sources[item_row[item]];
     const int64_t sp = (item - first[item_row[item]]) % src.supers();
@@ -1695,18 +1712,25 @@ at::Tensor attend_rows(const at::Tensor& q, std::vector<Source>& sources, const 
   TORCH_CHECK(false, "cached_attention_rows: head_dim ", q.size(3), " not in {16, 32, 64, 96, 128, 256}");
 }
 
+// The rows' sources for a call, built in place in the calling thread's kept list (their buffers reused: a decode
+// step builds one per row and layer); entries past the call's rows are stale and never read.
+std::vector<Source>& row_sources(int64_t n) {
+  thread_local std::vector<Source> pool;
+  if (static_cast<int64_t>(pool.size()) < n) pool.resize(n);
+  return pool;
+}
+
 at::Tensor cached_attention_rows(const at::Tensor& q, at::TensorList k, at::TensorList v, at::TensorList k_pos,
                                  const at::Tensor& q_pos, at::IntArrayRef window, at::IntArrayRef sink,
                                  double scale) {
   check_rows_query(q, q_pos, k.size(), v.size(), k_pos.size(), window.size(), sink.size());
   const int64_t N = q.size(0);
-  std::vector<Source> sources;
-  sources.reserve(N);
+  std::vector<Source>& sources = row_sources(N);
   for (int64_t i = 0; i < N; ++i) {
     TORCH_CHECK(k[i].dim() == 4 && k[i].size(0) == 1, "cached_attention_rows: k[", i, "] must be (1, Hk, S, D)");
     check_source(q.narrow(0, i, 1), k[i], v[i], k_pos[i]);
     TORCH_CHECK(window[i] >= 0 && sink[i] >= 0, "cached_attention_rows: window and sink must be >= 0");
-    sources.emplace_back(k[i], v[i], k_pos[i], Kind::Plain, path_block(q));
+    sources[i].build(k[i], v[i], k_pos[i], Kind::Plain, path_block(q));
   }
   return attend_rows(q, sources, q_pos, window, sink, scale);
 }
@@ -1739,8 +1763,7 @@ at::Tensor cached_attention_rows_append(const at::Tensor& q, const at::Tensor& k
   const size_t row_bytes = D * q.element_size();
   const char* kn = static_cast<const char*>(k_new.const_data_ptr());
   const char* vn = static_cast<const char*>(v_new.const_data_ptr());
-  std::vector<Source> sources;
-  sources.reserve(N);
+  std::vector<Source>& sources = row_sources(N);
   for (int64_t i = 0; i < N; ++i) {
     TORCH_CHECK(k[i].dim() == 4 && k[i].size(0) == 1, "cached_attention_rows_append: k[", i,
                 "] must be (1, Hk, S, D)");
@@ -1762,7 +1785,7 @@ at::Tensor cached_attention_rows_append(const at::Tensor& q, const at::Tensor& k
       }
       if (write_pos[i]) k_pos[i].data_ptr<int64_t>()[slot[i]] = qp[i];
     }
-    sources.emplace_back(k[i], v[i], k_pos[i], Kind::Plain, path_block(q), n);
+    sources[i].build(k[i], v[i], k_pos[i], Kind::Plain, path_block(q), n);
   }
   return attend_rows(q, sources, q_pos, window, sink, scale);
 }

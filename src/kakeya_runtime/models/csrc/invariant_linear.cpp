@@ -417,7 +417,8 @@ void gated_rows(const T* xp, int64_t x_row, T* yp, int64_t I, int64_t M, int64_t
   using Vec = at::vec::Vectorized<float>;
   constexpr int VS = Vec::size();
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(I), u(I);
+    thread_local std::vector<float> g, u;  // kept across calls: no heap call per step
+    g.resize(I), u.resize(I);
     for (int64_t m = begin; m < end; ++m) {
       const T* row = xp + m * x_row;
       convert_row(row, g.data(), I);
