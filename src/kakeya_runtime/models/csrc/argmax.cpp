@@ -14,7 +14,7 @@ constexpr int64_t kSlice = 1 << 15;  // elements a thread takes at a time
 struct Best {
   float value;
   int64_t index;
-  bool nan;       // value is the slice's first NaN
+  bool nan;  // value is the slice's first NaN
 };
 
 // x[lo, hi)'s first highest value, or its first NaN. Each lane keeps its first highest (a strictly greater value
