@@ -36,13 +36,17 @@ test: setup
 test-ts: setup
 	cd sdks/typescript && npm ci --no-audit --no-fund && KAKEYA_PYTHON="$(abspath $(PY))" npm test
 
-# llama.cpp's default build crashes here (AMX path); these flags build a working CPU backend.
+# llama.cpp's default build crashes on the Xeon (AMX path); these flags build a working CPU backend. Each
+# instruction set is switched on only where this CPU has it: AVX-VNNI (VEX) is on the Xeon, not on the EPYC, whose
+# llama.cpp built with it died of SIGILL. pip's wheel cache would hand back another CPU's build: --no-cache-dir.
+cpu_has = $(if $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo y),ON,OFF)
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
-	-DGGML_AVX512_BF16=ON
+	-DGGML_BMI2=ON -DGGML_AVX_VNNI=$(call cpu_has,avx_vnni) -DGGML_AVX512=$(call cpu_has,avx512f) \
+	-DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
+	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16)
 
 bench-deps: setup
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q -e ".[bench]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q --no-cache-dir -e ".[bench]"
 
 # The engine evidence: ours (every weight format) against transformers and llama.cpp, same run.
 bench: bench-deps

@@ -191,3 +191,22 @@ def test_few_rows_keep_the_reference_bits(n, k, bits, threads, route):
                 assert torch.equal(got, want[bias][off : off + m]), (m, off, bias)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (576, 576), (80, 96)])
+def test_non_finite_rows_get_the_same_bits_in_any_call(n, k, bits, route):
+    """Rows holding NaN and ±inf: every prefix of a 40-row call (the few-row path up to 16 rows off AMX, below 32 on
+    it) gives the 40-row call's bits, compared raw (NaN's payload too: each path rounds a column as the other does)."""
+    q, sz, _, _ = plain_weights(n, k, bits, seed=n + 5 * k)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    x[2, 5] = float("nan")
+    x[7, 0] = float("inf")
+    x[11, 3], x[11, 9] = float("inf"), float("-inf")
+    b = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
+    for bias in (None, b):
+        whole = native.quant_linear(x, q, sz, bits, bias).view(torch.int16)
+        assert whole[2].eq(whole[2]).all()  # the NaN row is in the comparison (as bits)
+        for m in range(1, 41):
+            got = native.quant_linear(x[:m], q, sz, bits, bias)
+            assert torch.equal(got.view(torch.int16), whole[:m]), (m, bias is None)

@@ -218,6 +218,7 @@ template <>
 struct Chunk<float> {
   static constexpr int size = 16;
   static inline __m512i load(const float* p, __mmask16 mask) { return _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, p)); }
+  static inline __mmask16 tail(int64_t left) { return static_cast<__mmask16>((1u << left) - 1); }
   static inline __m512 fma(__m512 acc, __m512i a, __m512i b) {
     return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
   }
@@ -227,10 +228,19 @@ template <>
 struct Chunk<c10::BFloat16> {
   static constexpr int size = 32;
   static inline __m512i load(const c10::BFloat16* p, __mmask32 mask) { return _mm512_maskz_loadu_epi16(mask, p); }
+  static inline __mmask32 tail(int64_t left) { return static_cast<__mmask32>((1ull << left) - 1); }
 #if defined(__AVX512BF16__)
   static inline __m512 fma(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 #endif
 };
+
+// One chunk of K at p: all of it (mask std::nullopt), or the lanes of a tail mask, the rest zero (the same values a
+// full mask gives: zeros add exactly nothing to a partial sum).
+template <typename C, typename T, typename Mask>
+inline __m512i load_chunk(const T* p, const Mask& mask) {
+  if constexpr (std::is_same_v<Mask, std::nullopt_t>) return _mm512_loadu_si512(p);
+  else return C::load(p, *mask);
+}
 
 // RM rows of x against NJ rows of W (RM * NJ == 16 partial-sum vectors), reduced once at the end.
 template <typename T, int RM, int NJ>
@@ -238,20 +248,44 @@ inline void dot_tile(const T* x, int64_t x_row, const T* w, int64_t K, float* ou
   using C = Chunk<T>;
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += C::size) {
-    const int64_t left = std::min<int64_t>(C::size, K - k0);
-    const auto mask = static_cast<std::conditional_t<C::size == 16, __mmask16, __mmask32>>(
-        left == C::size ? ~0ull : ((1ull << left) - 1));
+  // One chunk: every load masked to `mask`, or none (plain loads in the loop over whole chunks: with a mask computed
+  // in the loop, GCC kept the accumulators on the stack, a store each per chunk, at a third of the speed).
+  const auto step = [&](int64_t k0, auto mask) {
     __m512i xv[RM], wv[NJ];
-    for (int r = 0; r < RM; ++r) xv[r] = C::load(x + r * x_row + k0, mask);
-    for (int j = 0; j < NJ; ++j) wv[j] = C::load(w + j * K + k0, mask);
+    for (int r = 0; r < RM; ++r) xv[r] = load_chunk<C>(x + r * x_row + k0, mask);
+    for (int j = 0; j < NJ; ++j) wv[j] = load_chunk<C>(w + j * K + k0, mask);
     for (int r = 0; r < RM; ++r)
       for (int j = 0; j < NJ; ++j) acc[r * NJ + j] = C::fma(acc[r * NJ + j], xv[r], wv[j]);
-  }
+  };
+  const int64_t whole = K / C::size * C::size;
+  for (int64_t k0 = 0; k0 < whole; k0 += C::size) step(k0, std::nullopt);
+  if (whole < K) step(whole, std::optional(C::tail(K - whole)));
   alignas(64) float sums[16];
   _mm512_store_ps(sums, reduce16(acc));
   for (int r = 0; r < RM; ++r)
     for (int j = 0; j < NJ; ++j) out[r * out_row + j] = sums[r * NJ + j];
+}
+
+// One row of x against `count` (<= 16) rows of W: each product's chain as dot_tile's, reduced by the same tree.
+template <typename T>
+inline void dot_row16(const T* x, const T* w, int64_t K, int64_t count, float* out) {
+  using C = Chunk<T>;
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  // Always 16 chains (rows past `count` repeat the last row, their sums dropped): a loop bound known at compile time
+  // keeps the accumulators in registers.
+  const T* wr[16];
+  for (int j = 0; j < 16; ++j) wr[j] = w + std::min<int64_t>(j, count - 1) * K;
+  const auto step = [&](int64_t k0, auto mask) {
+    const __m512i xv = load_chunk<C>(x + k0, mask);
+    for (int j = 0; j < 16; ++j) acc[j] = C::fma(acc[j], xv, load_chunk<C>(wr[j] + k0, mask));
+  };
+  const int64_t whole = K / C::size * C::size;
+  for (int64_t k0 = 0; k0 < whole; k0 += C::size) step(k0, std::nullopt);
+  if (whole < K) step(whole, std::optional(C::tail(K - whole)));
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(acc));
+  std::copy(sums, sums + count, out);
 }
 
 template <typename T, typename O>
@@ -269,16 +303,17 @@ void linear_dot(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n0 = (item / m_items) * NB, m0 = (item % m_items) * MB;
       const int64_t nn = std::min(NB, N - n0), mm = std::min(MB, M - m0);
-      for (int64_t j = 0; j < nn; j += 4) {
-        int64_t r = 0;
-        if (j + 4 <= nn) {
-          for (; r + 4 <= mm; r += 4)
-            dot_tile<T, 4, 4>(xp + (m0 + r) * x_row, x_row, wp + (n0 + j) * K, K, acc.data() + r * NB + j, NB);
-        }
-        for (; r < mm; ++r) {  // one row against up to 4 W rows (as 1 x 16 with the extra W rows repeated)
-          for (int64_t jj = j; jj < std::min(j + 4, nn); ++jj)
-            dot_tile<T, 1, 1>(xp + (m0 + r) * x_row, x_row, wp + (n0 + jj) * K, K, acc.data() + r * NB + jj, NB);
-        }
+      const int64_t full = nn / 4 * 4, rows4 = mm / 4 * 4;
+      for (int64_t j = 0; j < full; j += 4)
+        for (int64_t r = 0; r < rows4; r += 4)
+          dot_tile<T, 4, 4>(xp + (m0 + r) * x_row, x_row, wp + (n0 + j) * K, K, acc.data() + r * NB + j, NB);
+      // The rest one row at a time: rows past the last four against every W row, the first rows against W's last
+      // few; 16 W rows to a call (one independent chain each: a single chain waited on each product's latency).
+      for (int64_t r = 0; r < mm; ++r) {
+        const int64_t j_from = r < rows4 ? full : 0;
+        for (int64_t j = j_from; j < nn; j += 16)
+          dot_row16<T>(xp + (m0 + r) * x_row, wp + (n0 + j) * K, K, std::min<int64_t>(16, nn - j),
+                       acc.data() + r * NB + j);
       }
       for (int64_t r = 0; r < mm; ++r)
         store_row(acc.data() + r * NB, bias ? bias + n0 : nullptr, yp + (m0 + r) * y.stride(0) + n0, nn);

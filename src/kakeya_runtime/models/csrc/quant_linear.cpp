@@ -12,7 +12,8 @@
 //   panel of W' once per call into B tiles and run every 32-row block of x (A tiles, in place) against it. The
 //   tdpbf16ps sequence over K (steps of 32, in order, from zeroed tiles) is invariant_linear.cpp's on both paths.
 // - elsewhere (no AMX, or the AVX-512 route): W' dequantized a panel of rows at a time and multiplied by
-//   kakeya::linear (AVX-512 BF16 dot products or at::vec), whose result per element does not depend on M or N.
+//   kakeya::linear (AVX-512 BF16 dot products or at::vec), whose result per element does not depend on M or N;
+//   calls of few rows (decode) run the same dot products on blocks of 16 W' rows dequantized once per call.
 //
 // Layouts (engine/weights.py packs them): codes in tiles of 16 rows x 32 columns (one int4 group), tile (b, s) =
 // rows 16b.., columns 32s.. at byte (b * K/32 + s) * 16 * bytes_per_row_of_tile:
@@ -415,6 +416,90 @@ void quant_panels(const at::Tensor& x, const QWeight& w, const float* scale, con
   }
 }
 
+#if defined(KAKEYA_QUANT_VECTOR)
+// Off AMX, calls of at most kDotRowsMax rows (decode, a few batched rows): quant_panels' numbers without its panel
+// round trip and its two parallel regions per 256 rows. A work item dequantizes a block of 16 W' rows (all K) into a
+// per-thread buffer once and runs every x row against it: per (x row, W' row) one vdpbf16ps chain over K in steps
+// of 32 from zero, then reduce16's tree, then bias or scale and one rounding — kakeya::linear's dot_tile sequence
+// and quant_panels' epilogue, so the bits are quant_panels' (tests/models/test_quant_linear.py compares them).
+constexpr int64_t kDotRowsMax = 16;
+
+void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = w.K, N = w.N, steps = K / kTileCols, blocks = N / kTileRows;
+  const auto* xp = x.const_data_ptr<c10::BFloat16>();
+  const int64_t x_row = x.stride(0);
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  // A few blocks per item at least: a step's small projections (N = 576: 36 blocks) still split over the threads.
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    c10::BFloat16* const wb = scratch<c10::BFloat16>(0, kTileRows * K);  // tile s of the block at wb + s * 512
+    alignas(64) float sums[kTileRows];
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t s = 0; s < steps; ++s) w.tile(b, s, wb + s * kTileRows * kTileCols);
+      const int64_t n0 = b * kTileRows;
+      // Whether quant_panels rounds these 16 columns by at::vec's 32-wide conversion or by its scalar tail (they
+      // differ on NaN only): kakeya::linear's items are 64 columns, converted 32 at a time, the rest one by one.
+      const bool wide = n0 % 64 < std::min<int64_t>(64, N - n0 / 64 * 64) / 32 * 32;
+      // x row m's 16 sums against the block's W' rows to y, rounded as quant_panels rounds them.
+      const auto store = [&](int64_t m, float* sum) {
+        c10::BFloat16* dst = yp + m * N + n0;
+        if (scale) {
+          for (int64_t i = 0; i < kTileRows; ++i)
+            dst[i] = c10::BFloat16(std::fma(sum[i], scale[n0 + i], bias ? bias[n0 + i] : 0.f));
+          return;
+        }
+        if (bias)
+          for (int64_t i = 0; i < kTileRows; ++i) sum[i] += bias[n0 + i];
+        if (wide) {
+          alignas(64) float pad[32] = {};
+          alignas(64) c10::BFloat16 out[32];
+          std::memcpy(pad, sum, kTileRows * sizeof(float));
+          convert_row(pad, out, 32);
+          std::memcpy(dst, out, kTileRows * sizeof(c10::BFloat16));
+        } else {
+          for (int64_t i = 0; i < kTileRows; ++i) dst[i] = c10::BFloat16(sum[i]);
+        }
+      };
+      int64_t m = 0;
+      // Four x rows against four W' rows at a time (8 loads for 16 products), while four rows are left.
+      for (; m + 4 <= M; m += 4) {
+        alignas(64) float rows4[4][kTileRows];
+        for (int64_t j0 = 0; j0 < kTileRows; j0 += 4) {
+          __m512 acc[16];
+          for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+          for (int64_t s = 0; s < steps; ++s) {
+            const c10::BFloat16* t = wb + s * kTileRows * kTileCols + j0 * kTileCols;
+            __m512i xv[4], wv[4];
+            for (int r = 0; r < 4; ++r) xv[r] = _mm512_loadu_si512(xp + (m + r) * x_row + s * kTileCols);
+            for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(t + j * kTileCols);
+            for (int r = 0; r < 4; ++r)
+              for (int j = 0; j < 4; ++j)
+                acc[r * 4 + j] = _mm512_dpbf16_ps(acc[r * 4 + j], (__m512bh)xv[r], (__m512bh)wv[j]);
+          }
+          _mm512_store_ps(sums, reduce16(acc));
+          for (int r = 0; r < 4; ++r)
+            for (int j = 0; j < 4; ++j) rows4[r][j0 + j] = sums[r * 4 + j];
+        }
+        for (int r = 0; r < 4; ++r) store(m + r, rows4[r]);
+      }
+      for (; m < M; ++m) {  // one x row against the block's 16 W' rows
+        const c10::BFloat16* xr = xp + m * x_row;
+        __m512 acc[kTileRows];
+        for (int i = 0; i < kTileRows; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < steps; ++s) {
+          const __m512i xv = _mm512_loadu_si512(xr + s * kTileCols);
+          const c10::BFloat16* t = wb + s * kTileRows * kTileCols;
+#pragma GCC unroll 16
+          for (int i = 0; i < kTileRows; ++i)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)xv, (__m512bh)_mm512_loadu_si512(t + i * kTileCols));
+        }
+        _mm512_store_ps(sums, reduce16(acc));
+        store(m, sums);
+      }
+    }
+  });
+}
+#endif
+
 QWeight check_weight(const at::Tensor& q, const at::Tensor& sz, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous(),
@@ -451,6 +536,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   const float* bp = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
   const float* sp = bits == 8 ? s32.const_data_ptr<float>() : nullptr;
   if (!kAmx || !on_amx()) {
+#if defined(KAKEYA_QUANT_VECTOR)
+    if (M <= kDotRowsMax) {
+      quant_dot_rows(x, w, sp, bp, y);
+      return y;
+    }
+#endif
     quant_panels(x, w, sp, bp, bias, y);
     return y;
   }
