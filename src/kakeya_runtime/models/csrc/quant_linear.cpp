@@ -103,7 +103,8 @@ struct QWeight {
   // Two rows' groups (codes at src, src + 16; sz = scale, zero of the first row, then of the second): one table of
   // 32 entries, the first row's 16 values then the second's (one conversion for both), each row's codes looking up
   // its half (index bit 4 cleared, or set). The entries are group4's, so the bits are too, in fewer operations.
-  __attribute__((always_inline)) static inline void group4_pair(const uint8_t* src, const float* sz, c10::BFloat16* out) {
+  __attribute__((always_inline)) static inline void group4_pair_regs(const uint8_t* src, const float* sz, __m512i& row0,
+                                                                     __m512i& row1) {
     const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512 first = _mm512_fmadd_ps(codes, _mm512_set1_ps(sz[0]), _mm512_set1_ps(sz[1]));
     const __m512 second = _mm512_fmadd_ps(codes, _mm512_set1_ps(sz[2]), _mm512_set1_ps(sz[3]));
@@ -111,16 +112,41 @@ struct QWeight {
     const __m512i bit4 = _mm512_set1_epi16(16);
     const __m512i a = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
-    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(
-                                 _mm512_andnot_si512(bit4, _mm512_multishift_epi64_epi8(kInt4Shift, a)), table));
-    _mm512_storeu_si512(out + kTileCols, _mm512_permutexvar_epi16(
-                                             _mm512_or_si512(bit4, _mm512_multishift_epi64_epi8(kInt4Shift, b)), table));
+    row0 = _mm512_permutexvar_epi16(_mm512_andnot_si512(bit4, _mm512_multishift_epi64_epi8(kInt4Shift, a)), table);
+    row1 = _mm512_permutexvar_epi16(_mm512_or_si512(bit4, _mm512_multishift_epi64_epi8(kInt4Shift, b)), table);
+  }
+  __attribute__((always_inline)) static inline void group4_pair(const uint8_t* src, const float* sz, c10::BFloat16* out) {
+    __m512i row0, row1;
+    group4_pair_regs(src, sz, row0, row1);
+    _mm512_storeu_si512(out, row0);
+    _mm512_storeu_si512(out + kTileCols, row1);
   }
   // int8 codes as bf16, exactly (|q| <= 127 has 7 significant bits); the row's scale comes after the sum
-  __attribute__((always_inline)) static inline void group8(const int8_t* src, c10::BFloat16* out) {
+  __attribute__((always_inline)) static inline __m512i group8_regs(const int8_t* src) {
     const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
-    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(w), _mm512_cvtepi32_ps(v)));
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(w), _mm512_cvtepi32_ps(v));
+  }
+  __attribute__((always_inline)) static inline void group8(const int8_t* src, c10::BFloat16* out) {
+    _mm512_storeu_si512(out, group8_regs(src));
+  }
+  // tile()'s 16 rows in registers, row r to f(r, row): the same values, for a caller that uses them at once.
+  template <typename F>
+  __attribute__((always_inline)) inline void tile_regs(int64_t b, int64_t s, F&& f) const {
+    const uint8_t* src = q + (b * (K / kTileCols) + s) * tile_bytes();
+    if (bits == 4) {
+      const float* sz_rows = static_cast<const float*>(sz) + (b * (K / kTileCols) + s) * kTileRows * 2;
+#pragma GCC unroll 8
+      for (int r = 0; r < kTileRows; r += 2) {
+        __m512i row0, row1;
+        group4_pair_regs(src + r * 16, sz_rows + 2 * r, row0, row1);
+        f(r, row0);
+        f(r + 1, row1);
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) f(r, group8_regs(reinterpret_cast<const int8_t*>(src) + r * 32));
+    }
   }
 #else
   // The same arithmetic element by element: std::fma is the fused multiply-add the vector path uses, and c10's
@@ -433,8 +459,20 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     c10::BFloat16* const wb = scratch<c10::BFloat16>(0, kTileRows * K);  // tile s of the block at wb + s * 512
     alignas(64) float sums[kTileRows];
+    const int64_t tb = w.tile_bytes();
     for (int64_t b = begin; b < end; ++b) {
-      for (int64_t s = 0; s < steps; ++s) w.tile(b, s, wb + s * kTileRows * kTileCols);
+      // The thread's blocks lie one after another: ask for the codes and int4's scales kPrefetchSteps tiles ahead
+      // (the hardware prefetcher alone leaves a decode's weights well below the read speed; timing only, and past
+      // the end is harmless).
+      const char* pf_code = reinterpret_cast<const char*>(w.q) + (b * steps + kPrefetchSteps) * tb;
+      const char* pf_sz = static_cast<const char*>(w.sz) + (b * steps + kPrefetchSteps) * 128;
+      const auto prefetch = [&](int64_t s) {
+        for (int64_t c = 0; c < tb; c += 64) _mm_prefetch(pf_code + s * tb + c, _MM_HINT_T0);
+        if (w.bits == 4) {
+          _mm_prefetch(pf_sz + s * 128, _MM_HINT_T0);
+          _mm_prefetch(pf_sz + s * 128 + 64, _MM_HINT_T0);
+        }
+      };
       const int64_t n0 = b * kTileRows;
       // Whether quant_panels rounds these 16 columns by at::vec's 32-wide conversion or by its scalar tail (they
       // differ on NaN only): kakeya::linear's items are 64 columns, converted 32 at a time, the rest one by one.
@@ -459,6 +497,24 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
           for (int64_t i = 0; i < kTileRows; ++i) dst[i] = c10::BFloat16(sum[i]);
         }
       };
+      if (M == 1) {  // one row: each tile's rows go from the unpacking straight into the products, never stored
+        __m512 acc[kTileRows];
+        for (int i = 0; i < kTileRows; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < steps; ++s) {
+          prefetch(s);
+          const __m512i xv = _mm512_loadu_si512(xp + s * kTileCols);
+          w.tile_regs(b, s, [&](int r, __m512i row) {
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)xv, (__m512bh)row);
+          });
+        }
+        _mm512_store_ps(sums, reduce16(acc));
+        store(0, sums);
+        continue;
+      }
+      for (int64_t s = 0; s < steps; ++s) {
+        prefetch(s);
+        w.tile(b, s, wb + s * kTileRows * kTileCols);
+      }
       int64_t m = 0;
       // Four x rows against four W' rows at a time (8 loads for 16 products), while four rows are left.
       for (; m + 4 <= M; m += 4) {
