@@ -12,7 +12,6 @@ Text is CPython's bundled language reference (`pydoc_data.topics`): real English
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -434,8 +433,11 @@ def _set_threads(n: int | None) -> int:
 
 
 def _trim_heap() -> None:
-    """Return freed heap to the OS so RSS after load reflects what is held, not what was freed."""
-    gc.collect()
+    """Return freed heap to the OS so RSS after load reflects what is held, not what was freed; and freeze what is
+    alive out of the garbage collector's walks, as `kakeya serve` does once it has loaded (engine.heap)."""
+    from kakeya_runtime.engine.heap import freeze_heap
+
+    freeze_heap()
     try:
         import ctypes
 

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from kakeya_runtime.engine.dtypes import DTYPE_HELP, dtype_name
+from kakeya_runtime.engine.heap import freeze_heap
 from kakeya_runtime.server.ports import Listen, port_problem
 from kakeya_runtime.sessions.batch import DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOKENS
 
@@ -327,6 +328,7 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, r
         console.print("[yellow]note:[/] --compile: decode steps may round differently from an eager prefill of the "
                       "same tokens, so a session built turn by turn can differ from one built in one shot (INV-3 is "
                       "not guaranteed; invariant_numerics is reported false)", soft_wrap=True)
+    freeze_heap()  # the loaded model out of the collector's walks, as it will be while serving
     with console.status("Measuring the served decode step…", spinner="dots"):
         choice.decode_tok_s = serving.measure_speed(engine, ids, steps=16).decode_tok_s
     return choice, compiled
@@ -340,6 +342,7 @@ def _listens(config: Any, no_metrics: bool) -> list[Listen]:
 
 
 async def _serve_forever(server: Any, console: Console) -> None:
+    freeze_heap()  # everything built so far lives as long as the process: never walked by the collector again
     await server.start()
     cfg = server.config
     console.print(f"Kakeya serving [bold]{server.served.name}[/] on [bold cyan]{server.address}[/] "
