@@ -286,7 +286,7 @@ inline bool amx_enabled() {
 template <typename T, int D>
 void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_t v_row, int64_t R,
                        const Rule& rule, const int64_t* order, const int64_t* pos,
-                       const Block* blocks, int64_t nblocks, float scale, Partial st) {
+                       const Block* blocks, int64_t nblocks, float scale, Partial st, bool in_order = false) {
   std::fill(st.acc, st.acc + R * D, 0.f);
   std::fill(st.m, st.m + R, NEG_INF);
   std::fill(st.l, st.l + R, 0.f);
@@ -301,11 +301,22 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
     std::fill(krow, krow + BK, nullptr);
     std::fill(vrow, vrow + BK, nullptr);
     uint32_t present = 0u;
-    for (int64_t i = 0; i < blk.count; ++i) {
-      const int64_t j = order[blk.first + i], lane = pos[blk.first + i] - base;
-      krow[lane] = k + j * k_row;
-      vrow[lane] = v + j * v_row;
-      present |= 1u << lane;
+    if (in_order && blk.max_pos - blk.min_pos == blk.count - 1) {  // consecutive keys stored in order: by address
+      const int64_t lane0 = blk.min_pos - base;
+      const T* kr = k + blk.first * k_row;
+      const T* vr = v + blk.first * v_row;
+      for (int64_t i = 0; i < blk.count; ++i) {
+        krow[lane0 + i] = kr + i * k_row;
+        vrow[lane0 + i] = vr + i * v_row;
+      }
+      present = (blk.count >= 32 ? 0xFFFFFFFFu : (1u << blk.count) - 1) << lane0;
+    } else {
+      for (int64_t i = 0; i < blk.count; ++i) {
+        const int64_t j = order[blk.first + i], lane = pos[blk.first + i] - base;
+        krow[lane] = k + j * k_row;
+        vrow[lane] = v + j * v_row;
+        present |= 1u << lane;
+      }
     }
     bool interleaved = false;
     for (int64_t r = 0; r < R; ++r) {
@@ -1353,7 +1364,8 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           }
         }
 #endif
-        attend_superblock<T, D>(qrows, kb, vb, k_row, v_row, R_item, rule, order, pos, blocks, nblocks, scale, st);
+        attend_superblock<T, D>(qrows, kb, vb, k_row, v_row, R_item, rule, order, pos, blocks, nblocks, scale, st,
+                                in_order);
       }
 #if defined(KAKEYA_AMX)
       if (use_amx) _tile_release();
@@ -1638,7 +1650,7 @@ void run_rows(const at::Tensor& q, std::vector<Source>& sources, const int64_t* 
       }
 #endif
       attend_superblock<T, D>(qrows, kb, vb, src.k->stride(2), src.v->stride(2), G, rule, src.order.data(),
-                              src.pos.data(), blocks, nblocks, scale, st);
+                              src.pos.data(), blocks, nblocks, scale, st, src.in_order);
     }
 #if defined(KAKEYA_AMX)
     if (use_amx) _tile_release();
