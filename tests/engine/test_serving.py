@@ -136,6 +136,38 @@ def test_calibrate_measures_once_then_reads_the_cache(tmp_path, make_tiny_model)
     assert loads == ["bf16"]
 
 
+def test_calibrate_keeps_each_format_s_best_of_two_interleaved_rounds(tmp_path, make_tiny_model, monkeypatch):
+    """Speeds are measured in two rounds, the second in reverse order, and each format keeps its best: a format
+    measured while the machine ran slow is not cached as slow (int4 first measured slower than bf16 here)."""
+    from kakeya_runtime.server.testing import TINY_VOCAB
+
+    order: list[str] = []
+    scripted = {"bf16": [(100.0, 60.0), (90.0, 50.0)], "int4": [(80.0, 40.0), (95.0, 130.0)]}
+
+    def load(fmt):
+        model = make_tiny_model("llama", vocab_size=TINY_VOCAB, max_position_embeddings=1024)
+        model.fmt_for_test = fmt
+        return serving.apply_format(model.to(serving.load_dtype(fmt)), fmt)
+
+    def fake_speed(engine, ids, *, steps=serving.SPEED_DECODE_STEPS):
+        fmt = engine.model.fmt_for_test
+        order.append(fmt)
+        prefill, decode = scripted[fmt].pop(0)
+        return serving.Speed(prefill_tok_s=prefill, decode_tok_s=decode)
+
+    monkeypatch.setattr(serving, "measure_speed", fake_speed)
+    monkeypatch.setattr(serving, "compare", lambda ref, other: Fidelity(256, 0.0, 0.0, 1.0))  # both faithful here
+    encode = lambda text: [b + 3 for b in text.encode()]  # noqa: E731 - a byte tokenizer for the tiny vocab
+    path = tmp_path / "calibration.json"
+    got = {c.fmt: c for c in serving.calibrate(load, encode, "tiny", ("bf16", "int4"),
+                                               calibration=serving.Calibration(path))}
+    assert order == ["bf16", "int4", "int4", "bf16"]
+    assert got["bf16"].speed == serving.Speed(100.0, 60.0) and got["int4"].speed == serving.Speed(95.0, 130.0)
+    assert serving.pick(list(got.values())).fmt == "int4"  # one round would have picked bf16
+    cached = serving.calibrate(load, encode, "tiny", ("bf16", "int4"), calibration=serving.Calibration(path))
+    assert [c.speed for c in cached] == [got["bf16"].speed, got["int4"].speed] and order == ["bf16", "int4", "int4", "bf16"]
+
+
 def test_compiled_step_probe_passes_an_exact_step_and_catches_an_inexact_one(make_tiny_model):
     from kakeya_runtime.engine.compiled import CompiledDecode
 

@@ -13,7 +13,8 @@ build and the CPU: `kernel_rows_invariant` checks it on this machine, and a form
   and the format only, so it is measured once per model file and format and cached;
 - invariant on this machine (above),
 the one that serves REFERENCE_TURN (a turn's new tokens prefilled, then its reply decoded) fastest, from
-prefill and decode rates measured on this machine (eager; cached per machine: CPU, threads, torch, kernels).
+prefill and decode rates measured on this machine (each format's best of two rounds, the second in reverse order;
+eager; cached per machine: CPU, threads, torch, kernels).
 Both caches live in one JSON file under the kakeya cache dir; `recalibrate` measures again.
 """
 
@@ -341,6 +342,7 @@ def calibrate(load: Callable[[str], nn.Module], encode: Callable[[str], list[int
     need_ref = any(f != "bf16" and (recalibrate or cal.fidelity(model, f) is None) for f in todo)
     ref: torch.Tensor | None = None
     out: list[Candidate] = []
+    measured: list[Candidate] = []  # speeds measured in this call (the rest came from the cache)
     for fmt in sorted(todo, key=lambda f: f != "bf16"):  # bf16 first: it is the reference
         invariant = kernel_rows_invariant(fmt)
         fidelity = None if fmt == "bf16" or recalibrate else cal.fidelity(model, fmt)
@@ -367,10 +369,22 @@ def calibrate(load: Callable[[str], nn.Module], encode: Callable[[str], list[int
                 ref = next_token_logprobs(m, fid_ids)
             say(f"{fmt}: speed")
             cand.speed = measure_speed(Engine(m), speed_ids)
-            cal.put_speed(machine, model, fmt, cand.speed)
+            measured.append(cand)
         del m
         out.append(cand)
         say(f"{fmt}: done")
+    # A second round in reverse order, each format keeping its best: a format measured while the machine ran slow
+    # (a job ending beside it) is measured again beside the others. One round once cached int4 at 47 tok/s against
+    # bf16's 71 on the EPYC, where both measured on the idle machine give 137 and 51 (docs/evidence.md, concurrent).
+    if len(measured) > 1:
+        for cand in reversed(measured):
+            say(f"{cand.fmt}: speed again")
+            again = measure_speed(Engine(load(cand.fmt)), speed_ids)
+            first = cand.speed
+            assert first is not None
+            cand.speed = Speed(max(first.prefill_tok_s, again.prefill_tok_s), max(first.decode_tok_s, again.decode_tok_s))
+    for cand in measured:
+        cal.put_speed(machine, model, cand.fmt, cand.speed)
     cal.save()
     return out
 
