@@ -142,9 +142,11 @@ def test_calibrate_keeps_each_format_s_best_of_two_interleaved_rounds(tmp_path, 
     from kakeya_runtime.server.testing import TINY_VOCAB
 
     order: list[str] = []
+    loads: list[str] = []
     scripted = {"bf16": [(100.0, 60.0), (90.0, 50.0)], "int4": [(80.0, 40.0), (95.0, 130.0)]}
 
     def load(fmt):
+        loads.append(fmt)
         model = make_tiny_model("llama", vocab_size=TINY_VOCAB, max_position_embeddings=1024)
         model.fmt_for_test = fmt
         return serving.apply_format(model.to(serving.load_dtype(fmt)), fmt)
@@ -162,6 +164,7 @@ def test_calibrate_keeps_each_format_s_best_of_two_interleaved_rounds(tmp_path, 
     got = {c.fmt: c for c in serving.calibrate(load, encode, "tiny", ("bf16", "int4"),
                                                calibration=serving.Calibration(path))}
     assert order == ["bf16", "int4", "int4", "bf16"]
+    assert loads.count("int4") == 1  # the last format's model is measured again without a reload
     assert got["bf16"].speed == serving.Speed(100.0, 60.0) and got["int4"].speed == serving.Speed(95.0, 130.0)
     assert serving.pick(list(got.values())).fmt == "int4"  # one round would have picked bf16
     cached = serving.calibrate(load, encode, "tiny", ("bf16", "int4"), calibration=serving.Calibration(path))
