@@ -459,20 +459,7 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     c10::BFloat16* const wb = scratch<c10::BFloat16>(0, kTileRows * K);  // tile s of the block at wb + s * 512
     alignas(64) float sums[kTileRows];
-    const int64_t tb = w.tile_bytes();
     for (int64_t b = begin; b < end; ++b) {
-      // The thread's blocks lie one after another: ask for the codes and int4's scales kPrefetchSteps tiles ahead
-      // (the hardware prefetcher alone leaves a decode's weights well below the read speed; timing only, and past
-      // the end is harmless).
-      const char* pf_code = reinterpret_cast<const char*>(w.q) + (b * steps + kPrefetchSteps) * tb;
-      const char* pf_sz = static_cast<const char*>(w.sz) + (b * steps + kPrefetchSteps) * 128;
-      const auto prefetch = [&](int64_t s) {
-        for (int64_t c = 0; c < tb; c += 64) _mm_prefetch(pf_code + s * tb + c, _MM_HINT_T0);
-        if (w.bits == 4) {
-          _mm_prefetch(pf_sz + s * 128, _MM_HINT_T0);
-          _mm_prefetch(pf_sz + s * 128 + 64, _MM_HINT_T0);
-        }
-      };
       const int64_t n0 = b * kTileRows;
       // Whether quant_panels rounds these 16 columns by at::vec's 32-wide conversion or by its scalar tail (they
       // differ on NaN only): kakeya::linear's items are 64 columns, converted 32 at a time, the rest one by one.
@@ -501,7 +488,6 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
         __m512 acc[kTileRows];
         for (int i = 0; i < kTileRows; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t s = 0; s < steps; ++s) {
-          prefetch(s);
           const __m512i xv = _mm512_loadu_si512(xp + s * kTileCols);
           w.tile_regs(b, s, [&](int r, __m512i row) {
             acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)xv, (__m512bh)row);
@@ -511,9 +497,18 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
         store(0, sums);
         continue;
       }
-      for (int64_t s = 0; s < steps; ++s) {
-        prefetch(s);
-        w.tile(b, s, wb + s * kTileRows * kTileCols);
+      for (int64_t s = 0; s < steps; ++s) w.tile(b, s, wb + s * kTileRows * kTileCols);
+      // The next block's codes and scales asked for into L2 while this block's products run (timing only): several
+      // rows' products take longer than the read, which then stops stalling the unpacking (the EPYC's int8 head at 4
+      // rows: 1.5-2.0 ms, was 2.2-3.0). A lone row is bound by the read itself, and asking ahead slowed it.
+      if (b + 1 < end) {
+        const int64_t tb = w.tile_bytes();
+        const char* codes = reinterpret_cast<const char*>(w.q) + (b + 1) * steps * tb;
+        for (int64_t c = 0; c < steps * tb; c += 64) prefetch_l2(codes + c);
+        if (w.bits == 4) {
+          const char* sz = static_cast<const char*>(w.sz) + (b + 1) * steps * 128;
+          for (int64_t c = 0; c < steps * 128; c += 64) prefetch_l2(sz + c);
+        }
       }
       int64_t m = 0;
       // Four x rows against four W' rows at a time (8 loads for 16 products), while four rows are left.
