@@ -500,7 +500,7 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
       for (int64_t s = 0; s < steps; ++s) w.tile(b, s, wb + s * kTileRows * kTileCols);
       // The next block's codes and scales asked for into L2 while this block's products run (timing only): several
       // rows' products take longer than the read, which then stops stalling the unpacking (the EPYC's int8 head at 4
-      // rows: 1.5-2.0 ms, was 2.2-3.0). A lone row is bound by the read itself, and asking ahead slowed it.
+      // rows: 1.8-2.0 ms, was 2.2-3.0). A lone row is bound by the read itself, and asking ahead slowed it.
       if (b + 1 < end) {
         const int64_t tb = w.tile_bytes();
         const char* codes = reinterpret_cast<const char*>(w.q) + (b + 1) * steps * tb;
