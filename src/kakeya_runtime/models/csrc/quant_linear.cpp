@@ -130,22 +130,23 @@ struct QWeight {
   __attribute__((always_inline)) static inline void group8(const int8_t* src, c10::BFloat16* out) {
     _mm512_storeu_si512(out, group8_regs(src));
   }
-  // tile()'s 16 rows in registers, row r to f(r, row): the same values, for a caller that uses them at once.
-  template <typename F>
-  __attribute__((always_inline)) inline void tile_regs(int64_t b, int64_t s, F&& f) const {
+  // tile()'s rows r0..r0+RN (RN even, r0 too) in registers, row r to f(r - r0, row): the same values, for a caller
+  // that uses them at once.
+  template <int RN = kTileRows, typename F>
+  __attribute__((always_inline)) inline void tile_regs(int64_t b, int64_t s, F&& f, int r0 = 0) const {
     const uint8_t* src = q + (b * (K / kTileCols) + s) * tile_bytes();
     if (bits == 4) {
       const float* sz_rows = static_cast<const float*>(sz) + (b * (K / kTileCols) + s) * kTileRows * 2;
 #pragma GCC unroll 8
-      for (int r = 0; r < kTileRows; r += 2) {
+      for (int r = 0; r < RN; r += 2) {
         __m512i row0, row1;
-        group4_pair_regs(src + r * 16, sz_rows + 2 * r, row0, row1);
+        group4_pair_regs(src + (r0 + r) * 16, sz_rows + 2 * (r0 + r), row0, row1);
         f(r, row0);
         f(r + 1, row1);
       }
     } else {
 #pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r) f(r, group8_regs(reinterpret_cast<const int8_t*>(src) + r * 32));
+      for (int r = 0; r < RN; ++r) f(r, group8_regs(reinterpret_cast<const int8_t*>(src) + (r0 + r) * 32));
     }
   }
 #else
@@ -443,6 +444,35 @@ void quant_panels(const at::Tensor& x, const QWeight& w, const float* scale, con
 }
 
 #if defined(KAKEYA_QUANT_VECTOR)
+// M (2 or 3) x rows against block b's 16 W' rows, as one row runs: each tile's rows from the unpacking straight into
+// the products, never stored, RN W' rows at a time so the M x RN chains stay in registers (the tiles' codes are read
+// again from L1 for the next RN). Each (x row, W' row) chain and reduce16's tree (per W' row, whatever the others)
+// are the block path's, so the bits are too. sums: M x 16, row m's at sums + 16 m.
+template <int M, int RN>
+inline void few_rows_block(const QWeight& w, int64_t b, const c10::BFloat16* xp, int64_t x_row, float* sums) {
+  const int64_t steps = w.K / kTileCols;
+  alignas(64) float chains[M][kTileRows][16];
+  for (int r0 = 0; r0 < kTileRows; r0 += RN) {
+    __m512 acc[M][RN];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < RN; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < steps; ++s) {
+      __m512i xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(xp + m * x_row + s * kTileCols);
+      w.tile_regs<RN>(b, s, [&](int r, __m512i row) {
+        for (int m = 0; m < M; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv[m], (__m512bh)row);
+      }, r0);
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < RN; ++r) _mm512_store_ps(chains[m][r0 + r], acc[m][r]);
+  }
+  for (int m = 0; m < M; ++m) {
+    __m512 a[kTileRows];
+    for (int r = 0; r < kTileRows; ++r) a[r] = _mm512_load_ps(chains[m][r]);
+    _mm512_store_ps(sums + 16 * m, reduce16(a));
+  }
+}
+
 // Off AMX, calls of at most kDotRowsMax rows (decode, a few batched rows): quant_panels' numbers without its panel
 // round trip and its two parallel regions per 256 rows. A work item dequantizes a block of 16 W' rows (all K) into a
 // per-thread buffer once and runs every x row against it: per (x row, W' row) one vdpbf16ps chain over K in steps
@@ -495,6 +525,16 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
         }
         _mm512_store_ps(sums, reduce16(acc));
         store(0, sums);
+        continue;
+      }
+      // Two or three rows (a small batch, a short verify): the same way, eight W' rows at a time. The block path
+      // below stored and reloaded each block first: SmolLM2 int4-mixed's 2-row step 10.3-11.2 -> 8.6-9.1 ms on the
+      // EPYC (results/concurrent/epyc_few_rows_ab). From four rows on it stays ahead (4 x 4 chains at a time).
+      if (M == 2 || M == 3) {
+        alignas(64) float few[3 * kTileRows];
+        if (M == 2) few_rows_block<2, 8>(w, b, xp, x_row, few);
+        else few_rows_block<3, 8>(w, b, xp, x_row, few);
+        for (int64_t m = 0; m < M; ++m) store(m, few + m * kTileRows);
         continue;
       }
       for (int64_t s = 0; s < steps; ++s) w.tile(b, s, wb + s * kTileRows * kTileCols);
