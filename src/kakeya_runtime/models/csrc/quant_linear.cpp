@@ -130,7 +130,7 @@ struct QWeight {
   __attribute__((always_inline)) static inline void group8(const int8_t* src, c10::BFloat16* out) {
     _mm512_storeu_si512(out, group8_regs(src));
   }
-  // tile()'s rows r0..r0+RN (RN even, r0 too) in registers, row r to f(r - r0, row): the same values, for a caller
+  // tile()'s rows r0..r0+RN (RN and r0 even) in registers, row r0 + r to f(r, row): the same values, for a caller
   // that uses them at once.
   template <int RN = kTileRows, typename F>
   __attribute__((always_inline)) inline void tile_regs(int64_t b, int64_t s, F&& f, int r0 = 0) const {
