@@ -444,8 +444,8 @@ void quant_panels(const at::Tensor& x, const QWeight& w, const float* scale, con
 }
 
 #if defined(KAKEYA_QUANT_VECTOR)
-// M (2 or 3) x rows against block b's 16 W' rows, as one row runs: each tile's rows from the unpacking straight into
-// the products, never stored, RN W' rows at a time so the M x RN chains stay in registers (the tiles' codes are read
+// M (1 to 3) x rows against block b's 16 W' rows: each tile's rows from the unpacking straight into the products,
+// never stored, RN W' rows at a time so the M x RN chains stay in registers (for RN < 16 the tiles' codes are read
 // again from L1 for the next RN). Each (x row, W' row) chain and reduce16's tree (per W' row, whatever the others)
 // are the block path's, so the bits are too. sums: M x 16, row m's at sums + 16 m.
 template <int M, int RN>
@@ -462,6 +462,10 @@ inline void few_rows_block(const QWeight& w, int64_t b, const c10::BFloat16* xp,
       w.tile_regs<RN>(b, s, [&](int r, __m512i row) {
         for (int m = 0; m < M; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv[m], (__m512bh)row);
       }, r0);
+    }
+    if constexpr (RN == kTileRows) {  // one pass: the chains go to the tree from registers
+      for (int m = 0; m < M; ++m) _mm512_store_ps(sums + 16 * m, reduce16(acc[m]));
+      return;
     }
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < RN; ++r) _mm512_store_ps(chains[m][r0 + r], acc[m][r]);
@@ -514,25 +518,14 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
           for (int64_t i = 0; i < kTileRows; ++i) dst[i] = c10::BFloat16(sum[i]);
         }
       };
-      if (M == 1) {  // one row: each tile's rows go from the unpacking straight into the products, never stored
-        __m512 acc[kTileRows];
-        for (int i = 0; i < kTileRows; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t s = 0; s < steps; ++s) {
-          const __m512i xv = _mm512_loadu_si512(xp + s * kTileCols);
-          w.tile_regs(b, s, [&](int r, __m512i row) {
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)xv, (__m512bh)row);
-          });
-        }
-        _mm512_store_ps(sums, reduce16(acc));
-        store(0, sums);
-        continue;
-      }
-      // Two or three rows (a small batch, a short verify): the same way, eight W' rows at a time. The block path
-      // below stored and reloaded each block first: SmolLM2 int4-mixed's 2-row step 10.3-11.2 -> 8.6-9.1 ms on the
-      // EPYC (results/concurrent/epyc_few_rows_ab). From four rows on it stays ahead (4 x 4 chains at a time).
-      if (M == 2 || M == 3) {
+      // One to three rows (decode, a small batch, a short verify): from the unpacking straight into the products, a
+      // lone row's 16 chains at once, two or three rows' eight W' rows at a time. The block path below stores and
+      // reloads each block first (SmolLM2 int4-mixed's 2-row step took 10.3-11.2 ms that way on the EPYC, 8.6-9.1
+      // this way: results/concurrent/epyc_few_rows_ab); from four rows on it stays ahead (4 x 4 chains at a time).
+      if (M <= 3) {
         alignas(64) float few[3 * kTileRows];
-        if (M == 2) few_rows_block<2, 8>(w, b, xp, x_row, few);
+        if (M == 1) few_rows_block<1, kTileRows>(w, b, xp, x_row, few);
+        else if (M == 2) few_rows_block<2, 8>(w, b, xp, x_row, few);
         else few_rows_block<3, 8>(w, b, xp, x_row, few);
         for (int64_t m = 0; m < M; ++m) store(m, few + m * kTileRows);
         continue;
