@@ -478,8 +478,9 @@ inline void few_rows_block(const QWeight& w, int64_t b, const c10::BFloat16* xp,
 }
 
 // Off AMX, calls of at most kDotRowsMax rows (decode, a few batched rows): quant_panels' numbers without its panel
-// round trip and its two parallel regions per 256 rows. A work item dequantizes a block of 16 W' rows (all K) into a
-// per-thread buffer once and runs every x row against it: per (x row, W' row) one vdpbf16ps chain over K in steps
+// round trip and its two parallel regions per 256 rows. A work item takes a block of 16 W' rows (all K): one to three
+// x rows straight from the unpacking (few_rows_block), more from the block dequantized once into a per-thread
+// buffer. Either way, per (x row, W' row) one vdpbf16ps chain over K in steps
 // of 32 from zero, then reduce16's tree, then bias or scale and one rounding — kakeya::linear's dot_tile sequence
 // and quant_panels' epilogue, so the bits are quant_panels' (tests/models/test_quant_linear.py compares them).
 constexpr int64_t kDotRowsMax = 16;
