@@ -4,6 +4,7 @@ S cached keys, per 30 layers; or, with --dump/--compare, the outputs of 117 shap
 with sinks) saved to / compared bit for bit against a file, to check a kernel change keeps the bits.
 
 PYTHONPATH=src:sdks/python/src python scripts/attention_layers_ab.py --keys 7168 --tokens 1,21 --reps 30
+PYTHONPATH=src python scripts/attention_layers_ab.py --keys 4096 --tokens 1 --distinct 1 --out r.json  # K/V in cache
 PYTHONPATH=src:sdks/python/src python scripts/attention_layers_ab.py --dump /tmp/ref.pt   # before the change
 PYTHONPATH=src:sdks/python/src python scripts/attention_layers_ab.py --compare /tmp/ref.pt  # after
 """
@@ -11,8 +12,11 @@ PYTHONPATH=src:sdks/python/src python scripts/attention_layers_ab.py --compare /
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,6 +48,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--dump")
     ap.add_argument("--compare")
+    ap.add_argument("--distinct", type=int, default=LAYERS,
+                    help="distinct layers' K/V cycled through (30: read from memory as in a decode loop; 1: cached)")
+    ap.add_argument("--out", type=Path, help="append the timings to this JSON list")
     args = ap.parse_args()
     if args.dump or args.compare:
         outs = {str(c): one_call(*c[:2], i, *c[2:]) for i, c in enumerate(shapes())}
@@ -56,8 +63,8 @@ def main() -> None:
             print(f"shapes {len(ref)} differing {len(bad)} {bad[:10]}")
         return
     cap = args.keys + 64
-    ks = [torch.randn(1, H, cap, D).bfloat16() for _ in range(LAYERS)]
-    vs = [torch.randn(1, H, cap, D).bfloat16() for _ in range(LAYERS)]
+    ks = [torch.randn(1, H, cap, D).bfloat16() for _ in range(args.distinct)]
+    vs = [torch.randn(1, H, cap, D).bfloat16() for _ in range(args.distinct)]
     kpos = torch.arange(args.keys)
     for tokens in (int(x) for x in args.tokens.split(",")):
         q = torch.randn(1, H, G * tokens, D).bfloat16()
@@ -66,10 +73,18 @@ def main() -> None:
         for _ in range(args.reps):
             t0 = time.perf_counter()
             for layer in range(LAYERS):
-                native.cached_attention(q, ks[layer][:, :, :args.keys], vs[layer][:, :, :args.keys], qpos, kpos, 0.125)
+                i = layer % args.distinct
+                native.cached_attention(q, ks[i][:, :, :args.keys], vs[i][:, :, :args.keys], qpos, kpos, 0.125)
             times.append(time.perf_counter() - t0)
-        print(f"keys={args.keys} tokens={tokens} {LAYERS} layers: median {statistics.median(times) * 1e3:.2f} ms"
-              f"  min {min(times) * 1e3:.2f} ms")
+        print(f"keys={args.keys} tokens={tokens} {LAYERS} layers ({args.distinct} distinct): median "
+              f"{statistics.median(times) * 1e3:.2f} ms  min {min(times) * 1e3:.2f} ms")
+        if args.out:
+            rows = json.loads(args.out.read_text()) if args.out.exists() else []
+            rows.append({"command": " ".join(sys.argv), "keys": args.keys, "tokens": tokens,
+                         "distinct_layers": args.distinct, "reps": args.reps, "threads": torch.get_num_threads(),
+                         "ms_per_30_layers_median": round(statistics.median(times) * 1e3, 3),
+                         "ms_per_30_layers_min": round(min(times) * 1e3, 3)})
+            args.out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

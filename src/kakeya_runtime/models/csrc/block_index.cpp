@@ -23,6 +23,7 @@
 
 #include "common.h"
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 
@@ -32,6 +33,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int VS = Vec::size();
 
 constexpr int64_t CHUNK = 64;  // blocks per scoring work item
+constexpr int64_t TG = 64;     // tokens per scoring work item (a prompt's chunk spreads over the threads)
 constexpr float BOX = 0.5f;  // the summary box's shrink about its centre (1: Quest's upper bound)
 constexpr float HALF = 0.5f * BOX;  // half = HALF * (kmax - kmin)
 constexpr int64_t LANES = 16;  // blocks per vector of terms
@@ -232,108 +234,127 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
     const int64_t n = nsc[item] = selectable_blocks(topk, qp[item % NT], window, sink, block);
     if (n > kept(topk, n, budget)) most = std::max(most, n);
   }
-  // Scoring: work items of CHUNK blocks of one token (a decode step's few tokens still spread over the threads).
-  const int64_t chunks = (most + CHUNK - 1) / CHUNK;
-  // The terms of the blocks some token scores, (B, H, groups, 2, D, LANES), once for the call's tokens; only the
-  // (batch, head)s that score anything.
+  // Estimating: work items of CHUNK blocks of one (batch, head) for up to TG of its tokens. Only the (batch,
+  // head)s that score anything.
+  const int64_t chunks = (most + CHUNK - 1) / CHUNK, tgroups = (NT + TG - 1) / TG;
   std::vector<char> scores_any(B * H, 0);
   for (int64_t item = 0; item < items; ++item) {
     const int64_t n = nsc[item];
     if (n > kept(head_topk[(item / NT) % H], n, budget)) scores_any[item / NT] = 1;
   }
-  // (from per-thread scratch up to kScratchBytes, slot 3: a decode step's hundreds of KB without a heap call)
-  const int64_t groups = (most + LANES - 1) / LANES, per_bh = groups * 2 * D * LANES;
-  const size_t terms_n = std::max<int64_t>(1, B * H * per_bh);
-  std::unique_ptr<float[]> terms_heap(terms_n * sizeof(float) > kScratchBytes ? new float[terms_n] : nullptr);
-  float* const terms_data = terms_heap ? terms_heap.get() : scratch<float>(3, terms_n);
-  // Only a call with a few dozen blocks runs on its own thread: inside a decode loop a long history's summaries come
-  // from the last-level cache, and two threads read them faster than one (at 7.7k on SmolLM2 the call fell from
-  // ~68 to ~51 µs); items are independent, so the bits are the same.
-  const int64_t grain = items * most * G * D < (1 << 15) ? std::numeric_limits<int64_t>::max() / 2 : 1;
-  at::parallel_for(0, B * H * chunks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
-      if (!scores_any[bh]) continue;
-      const int64_t off = b * kmin.stride(0) + cold_head[h] * kmin.stride(1);
-      block_terms<T>(mn + off, mx + off, kmin.stride(2), D, c * CHUNK, std::min<int64_t>(most, (c + 1) * CHUNK),
-                     terms_data + bh * per_bh);
-    }
-  });
   // (2, items, G, most): the shrunk box's estimates, then the whole box's; every read entry is written
   // (slot 4 of the per-thread scratch when small: no heap call per decode step)
   const int64_t per_est = std::max<int64_t>(1, items * G * most);
   const bool small_est = 2 * per_est * sizeof(float) <= kScratchBytes;
   std::unique_ptr<float[]> scores_heap(small_est ? nullptr : new float[2 * per_est]);
   float* const scores = small_est ? scratch<float>(4, 2 * per_est) : scores_heap.get();
-  at::parallel_for(0, items * chunks, grain, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> qf, qa;  // kept across calls: no heap call per step
-    qf.resize(G * D);
-    qa.resize(G * D);
-    int64_t loaded = -1;
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t item = w / chunks, c = w % chunks, n = nsc[item];
-      const int64_t bh = item / NT, t = item % NT, b = bh / H, h = bh % H;
-      if (n <= kept(head_topk[h], n, budget) || c * CHUNK >= n) continue;
-      if (loaded != item) {
-        for (int64_t g = 0; g < G; ++g)
-          widen(qd + b * q.stride(0) + h * q.stride(1) + (g * NT + t) * q.stride(2), qf.data() + g * D, D);
-        for (int64_t i = 0; i < G * D; ++i) qa[i] = std::fabs(qf[i]);
-        loaded = item;
+
+  // Work item (bh, c, tg): the terms of chunk c of (batch, head) bh (the same values for every item that computes
+  // them, kept in L1 by the thread), then the estimates of group tg's tokens against them.
+  const auto estimate = [&](int64_t bh, int64_t c, int64_t tg) {
+    thread_local std::vector<float> qf, qa, terms;  // kept across calls: no heap call per step
+    if (!scores_any[bh]) return;
+    const int64_t b = bh / H, h = bh % H, j0 = c * CHUNK;
+    bool have_terms = false;
+    for (int64_t t = tg * TG; t < std::min(NT, (tg + 1) * TG); ++t) {
+      const int64_t item = bh * NT + t, n = nsc[item];
+      if (n <= kept(head_topk[h], n, budget) || j0 >= n) continue;
+      if (!have_terms) {
+        const int64_t off = b * kmin.stride(0) + cold_head[h] * kmin.stride(1) + j0 * kmin.stride(2);
+        terms.resize(CHUNK / LANES * 2 * D * LANES);
+        block_terms<T>(mn + off, mx + off, kmin.stride(2), D, 0, std::min<int64_t>(most, j0 + CHUNK) - j0,
+                       terms.data());
+        qf.resize(G * D);
+        qa.resize(G * D);
+        have_terms = true;
       }
-      score_blocks(qf.data(), qa.data(), G, D, terms_data + bh * per_bh, c * CHUNK,
-                   std::min<int64_t>(n, (c + 1) * CHUNK), scores + item * G * most,
-                   scores + per_est + item * G * most, most);
+      for (int64_t g = 0; g < G; ++g)
+        widen(qd + b * q.stride(0) + h * q.stride(1) + (g * NT + t) * q.stride(2), qf.data() + g * D, D);
+      for (int64_t i = 0; i < G * D; ++i) qa[i] = std::fabs(qf[i]);
+      score_blocks(qf.data(), qa.data(), G, D, terms.data(), 0, std::min<int64_t>(n, j0 + CHUNK) - j0,
+                   scores + item * G * most + j0, scores + per_est + item * G * most + j0, most);
     }
-  });
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {  // a decode step's few tokens: each thread its own
+  };
+  // Work item `item` (batch, head, token): its kept blocks from the estimates of every chunk.
+  const auto choose = [&](int64_t item) {
     thread_local std::vector<uint32_t> keys;  // kept across calls: no heap call per step
     thread_local std::vector<float> share, whole, w, ev;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = nsc[item], topk = kept(head_topk[(item / NT) % H], n, budget);
-      uint64_t* row = sel + item * words;
-      std::fill(row, row + words, 0ull);
-      if (n == 0) continue;
-      if (n <= topk) {  // every block: no scores needed
-        for (int64_t j = 0; j < n; ++j) row[j >> 6] |= 1ull << (j & 63);
+    const int64_t n = nsc[item], topk = kept(head_topk[(item / NT) % H], n, budget);
+    uint64_t* row = sel + item * words;
+    std::fill(row, row + words, 0ull);
+    if (n == 0) return;
+    if (n <= topk) {  // every block: no scores needed
+      for (int64_t j = 0; j < n; ++j) row[j >> 6] |= 1ull << (j & 63);
+      return;
+    }
+    // The token's score per block: its estimated attention share summed over the G rows, one fixed order, from
+    // the shrunk box and from the whole box; a block keeps the larger of its two shares. The shrunk box ranks
+    // blocks whose keys spread as the query's attention does; the whole box (an upper bound) keeps a block with
+    // one outlying key that a query attends to sharply (a needle), which the shrunk box ranks low.
+    const int64_t padded = (n + VS - 1) / VS * VS;
+    w.resize(padded);
+    ev.resize(padded);
+    // Per row: exponentials VS blocks at a time (lanes past n: -inf, so 0), their sum by VS lane sums in block
+    // order and one fixed lane tree; the order depends on n alone.
+    const auto shares = [&](const float* est, std::vector<float>& out) {
+      out.assign(padded, 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        std::copy(est + g * most, est + g * most + n, ev.begin());
+        std::fill(ev.begin() + n, ev.end(), -std::numeric_limits<float>::infinity());
+        Vec vtop(-std::numeric_limits<float>::infinity());
+        for (int64_t j = 0; j < padded; j += VS) vtop = at::vec::maximum(vtop, Vec::loadu(ev.data() + j));
+        const float top = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::maximum(a, c); },
+                                                         vtop);  // max is exact in any order
+        if (!std::isfinite(top)) continue;  // every estimate NaN (-inf) or inf: the row adds nothing
+        const Vec sc(static_cast<float>(scale)), tv(top);
+        Vec zv(0.f);
+        for (int64_t j = 0; j < padded; j += VS) {
+          const Vec x = (sc * (Vec::loadu(ev.data() + j) - tv)).exp();
+          x.store(w.data() + j);
+          zv = zv + x;
+        }
+        const float z = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, zv);
+        const Vec inv(1.f / z);
+        for (int64_t j = 0; j < padded; j += VS)
+          (Vec::loadu(out.data() + j) + Vec::loadu(w.data() + j) * inv).store(out.data() + j);
+      }
+    };
+    shares(scores + item * G * most, share);
+    shares(scores + per_est + item * G * most, whole);
+    for (int64_t j = 0; j < padded; j += VS)
+      at::vec::maximum(Vec::loadu(share.data() + j), Vec::loadu(whole.data() + j)).store(share.data() + j);
+    keep_top(share.data(), n, topk, keys, row);
+  };
+  // The estimating items, then the choosing ones, from one queue in one parallel region: a token's choice waits
+  // for its (batch, head)'s chunks (every one already taken by a running thread, so the wait ends), with no
+  // barrier between the stages and the threads sharing both (a decode step's 3 heads on 2 threads). Only a call
+  // with a few dozen blocks runs on its own thread: inside a decode loop a long history's summaries come from
+  // the last-level cache, and two threads read them faster than one. Each item's work is the same whichever
+  // thread does it, so the bits are the same.
+  const int64_t per_head = chunks * tgroups, n_est = B * H * per_head, n_items = n_est + items;
+  const auto estimate_item = [&](int64_t i) { estimate(i / per_head, i / tgroups % chunks, i % tgroups); };
+  if (items * most * G * D < (1 << 15) || at::get_num_threads() == 1) {
+    for (int64_t i = 0; i < n_est; ++i) estimate_item(i);
+    for (int64_t item = 0; item < items; ++item) choose(item);
+    return;
+  }
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[B * H]);
+  for (int64_t bh = 0; bh < B * H; ++bh) done[bh].store(0, std::memory_order_relaxed);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+      if (i < n_est) {
+        estimate_item(i);
+        done[i / per_head].fetch_add(1, std::memory_order_release);
         continue;
       }
-      // The token's score per block: its estimated attention share summed over the G rows, one fixed order, from
-      // the shrunk box and from the whole box; a block keeps the larger of its two shares. The shrunk box ranks
-      // blocks whose keys spread as the query's attention does; the whole box (an upper bound) keeps a block with
-      // one outlying key that a query attends to sharply (a needle), which the shrunk box ranks low.
-      const int64_t padded = (n + VS - 1) / VS * VS;
-      w.resize(padded);
-      ev.resize(padded);
-      // Per row: exponentials VS blocks at a time (lanes past n: -inf, so 0), their sum by VS lane sums in block
-      // order and one fixed lane tree; the order depends on n alone.
-      const auto shares = [&](const float* est, std::vector<float>& out) {
-        out.assign(padded, 0.f);
-        for (int64_t g = 0; g < G; ++g) {
-          std::copy(est + g * most, est + g * most + n, ev.begin());
-          std::fill(ev.begin() + n, ev.end(), -std::numeric_limits<float>::infinity());
-          Vec vtop(-std::numeric_limits<float>::infinity());
-          for (int64_t j = 0; j < padded; j += VS) vtop = at::vec::maximum(vtop, Vec::loadu(ev.data() + j));
-          const float top = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::maximum(a, c); },
-                                                           vtop);  // max is exact in any order
-          if (!std::isfinite(top)) continue;  // every estimate NaN (-inf) or inf: the row adds nothing
-          const Vec sc(static_cast<float>(scale)), tv(top);
-          Vec zv(0.f);
-          for (int64_t j = 0; j < padded; j += VS) {
-            const Vec x = (sc * (Vec::loadu(ev.data() + j) - tv)).exp();
-            x.store(w.data() + j);
-            zv = zv + x;
-          }
-          const float z = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, zv);
-          const Vec inv(1.f / z);
-          for (int64_t j = 0; j < padded; j += VS)
-            (Vec::loadu(out.data() + j) + Vec::loadu(w.data() + j) * inv).store(out.data() + j);
-        }
-      };
-      shares(scores + item * G * most, share);
-      shares(scores + per_est + item * G * most, whole);
-      for (int64_t j = 0; j < padded; j += VS)
-        at::vec::maximum(Vec::loadu(share.data() + j), Vec::loadu(whole.data() + j)).store(share.data() + j);
-      keep_top(share.data(), n, topk, keys, row);
+      const int64_t item = i - n_est;
+      while (done[item / NT].load(std::memory_order_acquire) < per_head) {
+#if defined(__x86_64__)
+        _mm_pause();
+#endif
+      }
+      choose(item);
     }
   });
 }

@@ -115,10 +115,24 @@ struct Partial {
 };
 
 
-// Scores of one query row against the BK lanes of a block (empty lanes: nullptr, score 0, masked later); `pf`
-// (optional): the next block's key rows, asked for into L2 one per key (timing only).
+// Rows to ask the cache for (into L2) while other work runs (timing only: a prefetch never faults): row i's
+// `bytes` at base + (idx ? idx[i] : i) * stride bytes, for i < count.
+struct Ahead {
+  const char* base = nullptr;
+  int64_t stride = 0, bytes = 0;
+  const int64_t* idx = nullptr;
+  int64_t count = 0;
+  inline void ask(int64_t i) const {
+    if (i >= count) return;
+    const char* p = base + (idx != nullptr ? idx[i] : i) * stride;
+    for (int64_t c = 0; c < bytes; c += 64) prefetch_l2(p + c);
+  }
+};
+
+// Scores of one query row against the BK lanes of a block (empty lanes: nullptr, score 0, masked later); `ahead`:
+// rows asked for, one per key (the next block's keys).
 template <typename T, int D>
-inline void block_scores(const T* q, const T* const* krow, float* s, const T* const* pf = nullptr) {
+inline void block_scores(const T* q, const T* const* krow, float* s, const Ahead& ahead = Ahead{}) {
 #if defined(__AVX512F__)
   constexpr bool pairs = kPairs<T, D>;
   if constexpr (pairs || (std::is_same_v<T, float> && D % 16 == 0)) {
@@ -129,10 +143,8 @@ inline void block_scores(const T* q, const T* const* krow, float* s, const T* co
     for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_si512(q + c * CH);
     for (int j0 = 0; j0 < BK; j0 += 16) {
       __m512 acc[16];
+      for (int j = 0; j < 16; ++j) ahead.ask(j0 + j);  // before the 16 accumulators are live (no spills)
       for (int j = 0; j < 16; ++j) {
-        if (pf != nullptr && pf[j0 + j] != nullptr)
-          for (int c = 0; c < D * static_cast<int>(sizeof(T)); c += 64)
-            prefetch_l2(reinterpret_cast<const char*>(pf[j0 + j]) + c);
         acc[j] = _mm512_setzero_ps();
         const T* kr = krow[j0 + j];
         if (kr == nullptr) continue;
@@ -255,10 +267,10 @@ inline void block_pv(const float* p, const T* const* vrow, const uint32_t* vt2, 
 #if defined(__AVX512BF16__)
 // V of a block of NL lanes interleaved by lane pairs, vt2 (NL/2, D) of (v[2i][d], v[2i+1][d]); empty lanes are zero.
 // `pf` (optional): NL rows, `pf_row` bytes apart, to ask the cache for, two per lane pair, spread over the work so
-// the requests overlap it instead of stalling it in one burst (timing only); `pfr` the same for rows by pointer.
+// the requests overlap it instead of stalling it in one burst (timing only); `ahead` likewise, rows by index.
 template <int D, int NL = BK>
 inline void interleave_values(const c10::BFloat16* const* vrow, uint32_t* vt2, const char* pf = nullptr,
-                              int64_t pf_row = 0, const c10::BFloat16* const* pfr = nullptr) {
+                              int64_t pf_row = 0, const Ahead& ahead = Ahead{}) {
   static const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                              39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   static const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
@@ -267,10 +279,8 @@ inline void interleave_values(const c10::BFloat16* const* vrow, uint32_t* vt2, c
     if (pf != nullptr)
       for (int i = 0; i < 2; ++i)
         for (int c = 0; c < LINES; ++c) _mm_prefetch(pf + (j + i) * pf_row + 64 * c, _MM_HINT_T1);
-    if (pfr != nullptr)
-      for (int i = 0; i < 2; ++i)
-        if (pfr[j + i] != nullptr)
-          for (int c = 0; c < LINES; ++c) prefetch_l2(reinterpret_cast<const char*>(pfr[j + i]) + 64 * c);
+    ahead.ask(j);
+    ahead.ask(j + 1);
     for (int c = 0; c < D / 32; ++c) {
       const __m512i va = vrow[j] ? _mm512_loadu_si512(vrow[j] + c * 32) : _mm512_setzero_si512();
       const __m512i vb = vrow[j + 1] ? _mm512_loadu_si512(vrow[j + 1] + c * 32) : _mm512_setzero_si512();
@@ -299,17 +309,13 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
   std::fill(st.m, st.m + R, NEG_INF);
   std::fill(st.l, st.l + R, 0.f);
   std::fill(st.n, st.n + R, 0.f);
-  // Rows of this block and of the next, in lane order (nullptr where absent). The next block's K and V are asked
-  // for into L2 while this one computes (bf16 pairs path): a long cache's keys come from memory, and without it
-  // the loads stalled the loop (30 layers of a decode row over 4,096 keys: ~7.9 -> ~6.1 ms; timing only).
-  const T* rows[2][2][BK];  // [this block, the next][K, V][lane]
-  uint32_t present_of[2];
-  int64_t base_of[2];
-  const auto gather = [&](int64_t bi, int w) {
+  const T* krow[BK];
+  const T* vrow[BK];
+  alignas(64) float s[BK];
+  alignas(64) uint32_t vt2[BK / 2 * D];
+  for (int64_t bi = 0; bi < nblocks; ++bi) {
     const Block& blk = blocks[bi];
     const int64_t base = blk.min_pos / BK * BK;
-    const T** krow = rows[w][0];
-    const T** vrow = rows[w][1];
     std::fill(krow, krow + BK, nullptr);
     std::fill(vrow, vrow + BK, nullptr);
     uint32_t present = 0u;
@@ -330,30 +336,30 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
         present |= 1u << lane;
       }
     }
-    present_of[w] = present;
-    base_of[w] = base;
-  };
-  alignas(64) float s[BK];
-  alignas(64) uint32_t vt2[BK / 2 * D];
-  if (nblocks > 0) gather(0, 0);
-  for (int64_t bi = 0; bi < nblocks; ++bi) {
-    const int cur = bi & 1, nxt = cur ^ 1;
-    const bool ahead = bi + 1 < nblocks;
-    if (ahead) gather(bi + 1, nxt);
-    const T* const* krow = rows[cur][0];
-    const T* const* vrow = rows[cur][1];
-    const uint32_t present = present_of[cur];
-    const int64_t base = base_of[cur];
+    // The next block's K and V, asked for while this one computes (its first visible row's scores, the V
+    // interleave): a long cache's keys come from memory, and the loads stalled the loop without it (30 layers of
+    // a decode row over 4,096 keys: ~6.4-7.2 -> ~5.5-6.5 ms, in one process; timing only).
+    Ahead next_k, next_v;
+    if (bi + 1 < nblocks) {
+      const Block& nb = blocks[bi + 1];
+      const bool by_address = in_order && nb.max_pos - nb.min_pos == nb.count - 1;
+      const int64_t* idx = by_address ? nullptr : order + nb.first;
+      const int64_t row0 = by_address ? nb.first : 0;
+      next_k = Ahead{reinterpret_cast<const char*>(k + row0 * k_row), k_row * static_cast<int64_t>(sizeof(T)),
+                     D * static_cast<int64_t>(sizeof(T)), idx, nb.count};
+      next_v = Ahead{reinterpret_cast<const char*>(v + row0 * v_row), v_row * static_cast<int64_t>(sizeof(T)),
+                     D * static_cast<int64_t>(sizeof(T)), idx, nb.count};
+    }
     bool interleaved = false;
     for (int64_t r = 0; r < R; ++r) {
       const uint32_t vis = rule.lanes(rule.token(r), base, present);
       if (vis == 0u) continue;
       st.n[r] += static_cast<float>(__builtin_popcount(vis));
-      block_scores<T, D>(q + r * D, krow, s, !interleaved && ahead ? rows[nxt][0] : nullptr);
+      block_scores<T, D>(q + r * D, krow, s, interleaved ? Ahead{} : next_k);
       const float alpha = block_softmax(s, vis, scale, st.m[r], st.l[r]);
       if constexpr (kPairs<T, D>) {
 #if defined(__AVX512BF16__)
-        if (!interleaved) interleave_values<D>(vrow, vt2, nullptr, 0, ahead ? rows[nxt][1] : nullptr);
+        if (!interleaved) interleave_values<D>(vrow, vt2, nullptr, 0, next_v);
 #endif
       }
       interleaved = true;
