@@ -344,8 +344,12 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
   at::parallel_for(0, std::min<int64_t>(n_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
       if (i < n_est) {
+        // counted even if the item throws, so no thread waits for it forever (parallel_for rethrows the error)
+        struct Count {
+          std::atomic<int64_t>& n;
+          ~Count() { n.fetch_add(1, std::memory_order_release); }
+        } count{done[i / per_head]};
         estimate_item(i);
-        done[i / per_head].fetch_add(1, std::memory_order_release);
         continue;
       }
       const int64_t item = i - n_est;
