@@ -266,19 +266,14 @@ inline void block_pv(const float* p, const T* const* vrow, const uint32_t* vt2, 
 
 #if defined(__AVX512BF16__)
 // V of a block of NL lanes interleaved by lane pairs, vt2 (NL/2, D) of (v[2i][d], v[2i+1][d]); empty lanes are zero.
-// `pf` (optional): NL rows, `pf_row` bytes apart, to ask the cache for, two per lane pair, spread over the work so
-// the requests overlap it instead of stalling it in one burst (timing only); `ahead` likewise, rows by index.
+// `ahead` (optional): rows to ask the cache for, two per lane pair, spread over the work so the requests overlap it
+// instead of stalling it in one burst (timing only).
 template <int D, int NL = BK>
-inline void interleave_values(const c10::BFloat16* const* vrow, uint32_t* vt2, const char* pf = nullptr,
-                              int64_t pf_row = 0, const Ahead& ahead = Ahead{}) {
+inline void interleave_values(const c10::BFloat16* const* vrow, uint32_t* vt2, const Ahead& ahead = Ahead{}) {
   static const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                              39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   static const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  constexpr int LINES = D * 2 / 64;
   for (int j = 0; j < NL; j += 2) {
-    if (pf != nullptr)
-      for (int i = 0; i < 2; ++i)
-        for (int c = 0; c < LINES; ++c) _mm_prefetch(pf + (j + i) * pf_row + 64 * c, _MM_HINT_T1);
     ahead.ask(j);
     ahead.ask(j + 1);
     for (int c = 0; c < D / 32; ++c) {
@@ -359,7 +354,7 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
       const float alpha = block_softmax(s, vis, scale, st.m[r], st.l[r]);
       if constexpr (kPairs<T, D>) {
 #if defined(__AVX512BF16__)
-        if (!interleaved) interleave_values<D>(vrow, vt2, nullptr, 0, next_v);
+        if (!interleaved) interleave_values<D>(vrow, vt2, next_v);
 #endif
       }
       interleaved = true;
@@ -740,7 +735,8 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     block_rows<BF, NB>(k, v, k_row, v_row, order, pos, blocks[bi], blocks[bi].min_pos / NB * NB, in_order,
                    krows[sb_i], vrows[sb_i], presents[sb_i]);
     stage_keys<D, NB>(krows[sb_i], kt2s + sb_i * (D / 2 * NB), kpf, k_row * 2);
-    interleave_values<D, NB>(vrows[sb_i], vt2s + sb_i * (NB / 2 * D), vpf, v_row * 2);
+    interleave_values<D, NB>(vrows[sb_i], vt2s + sb_i * (NB / 2 * D),
+                             vpf != nullptr ? Ahead{vpf, v_row * 2, D * 2, nullptr, NB} : Ahead{});
   };
   if (packed && nblocks > 1)  // the second block's rows (stage(0) asks for the third)
     for (int64_t i = 0; i < blocks[1].count; ++i)
