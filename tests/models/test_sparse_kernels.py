@@ -351,6 +351,33 @@ def test_block_select_row_invariant_and_missing_summaries():
                             block=16, topk=8)
 
 
+def test_block_select_same_blocks_per_token_across_chunks_and_token_groups():
+    """A prompt's tokens (several token groups) over several chunks of blocks and KV heads with grouped query
+    rows choose what each token alone chooses, whatever the work split (2 threads and 1)."""
+    torch.manual_seed(5)
+    h, g, d, n, t_n = 3, 3, 64, 170, 130  # up to 160 selectable blocks: three chunks of 64
+    kmin = torch.randn(1, h, n, d).bfloat16()
+    kmax = kmin + torch.rand(1, h, n, d).bfloat16()
+    q_pos = torch.arange(2500, 2500 + t_n)
+    q = torch.randn(1, h, g, t_n, d).bfloat16()  # rows ordered (group, token)
+    args = dict(window=64, sink=4, block=16, topk=torch.tensor([8, 0, 12]), budget=0.05)
+    hot = kmin[:, [0, 2]].contiguous(), kmax[:, [0, 2]].contiguous()  # summaries of the cold heads only
+    threads = torch.get_num_threads()
+    try:
+        for nt in (2, 1):
+            torch.set_num_threads(nt)
+            whole, scored = native.block_select(q.reshape(1, h, g * t_n, d), *hot, q_pos, **args)
+            assert (scored[0, 1] == 0).all() and (scored[0, 0] == (q_pos + 1 - 64 - 4) // 16).all()
+            for t in range(0, t_n, 9):
+                one, _ = native.block_select(q[:, :, :, t].contiguous(), *hot, q_pos[t : t + 1].contiguous(), **args)
+                assert torch.equal(one[:, :, 0], whole[:, :, t])
+    finally:
+        torch.set_num_threads(threads)
+    bits = [[sum(bin(int(w) & (2**64 - 1)).count("1") for w in whole[0, head, t]) for t in (0, t_n - 1)]
+            for head in range(h)]
+    assert bits == [[8, 8], [0, 0], [12, 12]]  # max(topk, ceil(0.05 n)) of n = 152 .. 160; none for streaming
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_attention_reads_int8_codes_as_their_decoded_values(dtype):
     """int8 cold codes read in the kernel give the same bits as the same blocks decoded beforehand."""
