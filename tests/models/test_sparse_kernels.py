@@ -361,15 +361,15 @@ def test_block_select_same_blocks_per_token_across_chunks_and_token_groups():
     q_pos = torch.arange(2500, 2500 + t_n)
     q = torch.randn(1, h, g, t_n, d).bfloat16()  # rows ordered (group, token)
     args = dict(window=64, sink=4, block=16, topk=torch.tensor([8, 0, 12]), budget=0.05)
-    hot = kmin[:, [0, 2]].contiguous(), kmax[:, [0, 2]].contiguous()  # summaries of the cold heads only
+    cold = kmin[:, [0, 2]].contiguous(), kmax[:, [0, 2]].contiguous()  # summaries of the cold heads only
     threads = torch.get_num_threads()
     try:
         for nt in (2, 1):
             torch.set_num_threads(nt)
-            whole, scored = native.block_select(q.reshape(1, h, g * t_n, d), *hot, q_pos, **args)
+            whole, scored = native.block_select(q.reshape(1, h, g * t_n, d), *cold, q_pos, **args)
             assert (scored[0, 1] == 0).all() and (scored[0, 0] == (q_pos + 1 - 64 - 4) // 16).all()
             for t in range(0, t_n, 9):
-                one, _ = native.block_select(q[:, :, :, t].contiguous(), *hot, q_pos[t : t + 1].contiguous(), **args)
+                one, _ = native.block_select(q[:, :, :, t].contiguous(), *cold, q_pos[t : t + 1].contiguous(), **args)
                 assert torch.equal(one[:, :, 0], whole[:, :, t])
     finally:
         torch.set_num_threads(threads)
