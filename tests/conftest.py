@@ -270,6 +270,27 @@ def tiny_gguf(tmp_path: Path) -> Callable[..., TinyGGUF]:
     return make
 
 
+@pytest.fixture(scope="session")
+def gguf_parsed_once():
+    """transformers parses a GGUF file anew for each of its config, weights and tokenizer: ~20 s each for Gemma 3's
+    262k-token vocabulary, three or four times a session. The real parser's result, kept per file for the session
+    (transformers only reads it), so each bundled file is parsed once."""
+    gguf = pytest.importorskip("gguf")
+    parse = gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode: str = "r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    yield
+    gguf.GGUFReader = parse
+    readers.clear()
+
+
 @pytest.fixture
 def single_thread():
     """Long CPU-bound real-model tests run on one thread: this 2-core machine is usually shared, and with

@@ -90,12 +90,12 @@ def _hf_tokenizer(loaded):
 
 
 @pytest.fixture(scope="module")
-def smollm2_pair(smollm2_bf16):
+def smollm2_pair(smollm2_bf16, gguf_parsed_once):
     return smollm2_bf16.tokenizer, _hf_tokenizer(smollm2_bf16)
 
 
 @pytest.fixture(scope="module")
-def gemma3_pair(gemma3_bf16):
+def gemma3_pair(gemma3_bf16, gguf_parsed_once):
     return gemma3_bf16.tokenizer, _hf_tokenizer(gemma3_bf16)
 
 
