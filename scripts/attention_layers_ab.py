@@ -5,6 +5,7 @@ with sinks) saved to / compared bit for bit against a file, to check a kernel ch
 
 PYTHONPATH=src:sdks/python/src python scripts/attention_layers_ab.py --keys 7168 --tokens 1,21 --reps 30
 PYTHONPATH=src python scripts/attention_layers_ab.py --keys 4096 --tokens 1 --distinct 1 --out r.json  # K/V in cache
+PYTHONPATH=src python scripts/attention_layers_ab.py --keys 4096 --tokens 1 --library OLD.so --out r.json  # a build
 PYTHONPATH=src:sdks/python/src python scripts/attention_layers_ab.py --dump /tmp/ref.pt   # before the change
 PYTHONPATH=src:sdks/python/src python scripts/attention_layers_ab.py --compare /tmp/ref.pt  # after
 """
@@ -51,7 +52,10 @@ def main() -> None:
     ap.add_argument("--distinct", type=int, default=LAYERS,
                     help="distinct layers' K/V cycled through (30: read from memory as in a decode loop; 1: cached)")
     ap.add_argument("--out", type=Path, help="append the timings to this JSON list")
+    ap.add_argument("--library", type=Path, help="a built cached_attention.so to load instead of this checkout's")
     args = ap.parse_args()
+    if args.library:
+        native.library_path = lambda: args.library  # this process's kernels: that build (read at the first call)
     if args.dump or args.compare:
         outs = {str(c): one_call(*c[:2], i, *c[2:]) for i, c in enumerate(shapes())}
         if args.dump:
@@ -80,7 +84,7 @@ def main() -> None:
               f"{statistics.median(times) * 1e3:.2f} ms  min {min(times) * 1e3:.2f} ms")
         if args.out:
             rows = json.loads(args.out.read_text()) if args.out.exists() else []
-            rows.append({"command": " ".join(sys.argv), "keys": args.keys, "tokens": tokens,
+            rows.append({"command": " ".join(sys.argv), "library": str(native.library_path()), "keys": args.keys, "tokens": tokens,
                          "distinct_layers": args.distinct, "reps": args.reps, "threads": torch.get_num_threads(),
                          "ms_per_30_layers_median": round(statistics.median(times) * 1e3, 3),
                          "ms_per_30_layers_min": round(min(times) * 1e3, 3)})

@@ -6,7 +6,7 @@ build (a kernels/<key>/cached_attention.so from the cache dir, AMX routes) inste
 builds can be timed alternately.
 
 PYTHONPATH=src:sdks/python/src python scripts/prefill_attention_ab.py --reps 15
-PYTHONPATH=src:sdks/python/src python scripts/prefill_attention_ab.py --library OLD.so --reps 15
+PYTHONPATH=src:sdks/python/src python scripts/prefill_attention_ab.py --library OLD.so --reps 15 --out ab.json
 PYTHONPATH=src:sdks/python/src python scripts/prefill_attention_ab.py --dump /tmp/ref.pt   # before the change
 PYTHONPATH=src:sdks/python/src python scripts/prefill_attention_ab.py --compare /tmp/ref.pt  # after
 """
@@ -14,7 +14,11 @@ PYTHONPATH=src:sdks/python/src python scripts/prefill_attention_ab.py --compare 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +61,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--dump", default="", help="save the outputs of the bit-check calls here")
     ap.add_argument("--compare", default="", help="compare the bit-check calls against this file")
+    ap.add_argument("--out", type=Path, help="append the timings to this JSON list")
     args = ap.parse_args()
     if args.library:
         torch.ops.load_library(args.library)
@@ -76,16 +81,28 @@ def main() -> None:
         return
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, n, T, D, generator=gen).bfloat16() for n in (H, HK, HK))
-    prefill_layer(q, k, v)
-    ours = sorted(prefill_layer(q, k, v) for _ in range(args.reps))
-    flash = []
-    for _ in range(args.reps + 1):
+    def flash_layer() -> float:
         t0 = time.perf_counter()
         F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
-        flash.append(time.perf_counter() - t0)
-    flash = sorted(flash[1:])
-    print(f"{args.library or native.library_path()}: ours best {ours[0] * 1e3:.2f} median {ours[len(ours) // 2] * 1e3:.2f}"
-          f" ms per layer; SDPA flash best {flash[0] * 1e3:.2f} median {flash[len(flash) // 2] * 1e3:.2f} ms")
+        return time.perf_counter() - t0
+
+    prefill_layer(q, k, v), flash_layer()
+    ours, flash = [], []
+    for _ in range(args.reps):  # alternated, so both see the same machine (this VM's speed drifts by tens of %)
+        ours.append(prefill_layer(q, k, v))
+        flash.append(flash_layer())
+    ratio = statistics.median(a / b for a, b in zip(ours, flash, strict=True))
+    library = args.library or str(native.library_path())
+    print(f"{library}: ours best {min(ours) * 1e3:.2f} median {statistics.median(ours) * 1e3:.2f}"
+          f" ms per layer; SDPA flash best {min(flash) * 1e3:.2f} median {statistics.median(flash) * 1e3:.2f} ms;"
+          f" ours / SDPA median of the pairs {ratio:.3f}")
+    if args.out:
+        rows = json.loads(args.out.read_text()) if args.out.exists() else []
+        rows.append({"command": " ".join(sys.argv), "library": library, "threads": torch.get_num_threads(),
+                     "reps": args.reps, "ours_ms": [round(x * 1e3, 2) for x in ours],
+                     "sdpa_ms": [round(x * 1e3, 2) for x in flash],
+                     "ours_over_sdpa_median": round(ratio, 4)})
+        args.out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
