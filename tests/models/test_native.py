@@ -96,6 +96,23 @@ def test_a_query_gets_the_same_bits_in_any_call(dtype, d, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_windowed_query_gets_the_same_bits_in_any_call(dtype):
+    """With a window and sinks, the rows of a call that see a block are any subset of a row tile's (the window drops
+    a block for later tokens, causality for earlier ones): each token's output is the bits it gets alone."""
+    gen = torch.Generator().manual_seed(3)
+    s, hk, g, d, window, sink = 700, 2, 3, 64, 45, 4
+    k, v = cache_views(1, hk, s, d, dtype, gen)
+    q_all = torch.randn(1, hk, g, s, d, generator=gen).to(dtype)
+    pos = torch.arange(s)
+    whole = native.cached_attention(grouped(q_all, 0, s), k, v, pos, pos, 0.125, window=window, sink=sink)
+    whole = whole.reshape(1, hk, g, s, d)
+    for t0, t1 in [(0, 1), (3, 4), (40, 90), (47, 48), (300, 333), (s - 1, s)]:
+        part = native.cached_attention(grouped(q_all, t0, t1), k[:, :, :t1], v[:, :, :t1], pos[t0:t1].clone(),
+                                       pos[:t1], 0.125, window=window, sink=sink)
+        assert torch.equal(part.reshape(1, hk, g, t1 - t0, d), whole[:, :, :, t0:t1]), (t0, t1)
+
+
 @pytest.mark.parametrize("attention_amx", [False, True])
 @pytest.mark.parametrize("g", [1, 2, 5, 7, 8, 15, 16])
 def test_few_rows_on_narrow_tiles_keep_the_bits(g, attention_amx):
