@@ -30,6 +30,25 @@ def test_matches_fp64_reference(n, k, dtype, bias):
     torch.testing.assert_close(y.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (100, 70), (192, 64)])
+def test_nan_and_inf_rows_get_the_same_bits_in_any_call(n, k):
+    """Rows whose outputs are NaN or infinite (a NaN input, an infinite weight) round to the same bf16 bits in a
+    decode call of 1-3 rows as in a 512-row call: few-row calls split the outputs differently over the threads, and
+    the vector and scalar roundings to bf16 differ on NaN."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(512, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+    x[5, 3] = float("nan")
+    x[6, 0] = float("inf")
+    w[17, 2] = float("-inf")  # output column 17: -inf, or NaN where a row's x[:, 2] is 0 or the row holds an inf
+    y = native.linear(x, w)
+    assert torch.isnan(y[5]).all() and torch.isinf(y[6]).any()
+    whole = y.view(torch.int16)
+    for m in (1, 2, 3, 4):
+        for off in (0, 4, 5, 6):
+            assert torch.equal(native.linear(x[off : off + m], w).view(torch.int16), whole[off : off + m]), (m, off)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (3072, 576), (100, 70), (1536, 640)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
