@@ -290,29 +290,20 @@ inline void dot_row16(const T* x, const T* w, int64_t K, int64_t count, float* o
 
 // One to three rows (decode): work items of 16 W rows instead of 64, so the threads share a small projection evenly
 // (576 outputs: 36 items, 18 a thread, where 9 items of 64 split 5 : 4). Each element is the chain dot_row16 gives it
-// in a 64-row item, and is rounded as that item rounds its column: at::vec's conversion takes a row's columns 32 at a
-// time and the rest one by one, and the two differ on NaN only.
+// in a 64-row item, rounded as that item rounds its column (round16_as_linear).
 template <typename T, typename O>
 void linear_dot_few(const T* xp, int64_t x_row, int64_t M, const T* wp, int64_t K, int64_t N, const float* bias,
                     O* yp, int64_t y_row) {
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[32];
-    alignas(64) O out[32];
+    alignas(64) float acc[16];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * 16, nn = std::min<int64_t>(16, N - n0);
-      const bool wide = n0 % 64 < std::min<int64_t>(64, N - n0 / 64 * 64) / 32 * 32;  // so nn == 16
+      const bool wide = linear_rounds_wide(n0, N);
       for (int64_t m = 0; m < M; ++m) {
         dot_row16<T>(xp + m * x_row, wp + n0 * K, K, nn, acc);
         if (bias)
           for (int64_t j = 0; j < nn; ++j) acc[j] += bias[n0 + j];
-        O* dst = yp + m * y_row + n0;
-        if (wide) {
-          std::fill(acc + 16, acc + 32, 0.f);
-          convert_row(acc, out, 32);
-          std::copy(out, out + 16, dst);
-        } else {
-          for (int64_t j = 0; j < nn; ++j) dst[j] = static_cast<O>(acc[j]);
-        }
+        round16_as_linear(acc, yp + m * y_row + n0, nn, wide);
       }
     }
   });

@@ -496,9 +496,9 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
     alignas(64) float sums[kTileRows];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kTileRows;
-      // Whether quant_panels rounds these 16 columns by at::vec's 32-wide conversion or by its scalar tail (they
-      // differ on NaN only): kakeya::linear's items are 64 columns, converted 32 at a time, the rest one by one.
-      const bool wide = n0 % 64 < std::min<int64_t>(64, N - n0 / 64 * 64) / 32 * 32;
+      // Whether quant_panels rounds these 16 columns by at::vec's 32-wide conversion or one by one, as
+      // kakeya::linear's items do (they differ on NaN only).
+      const bool wide = linear_rounds_wide(n0, N);
       // x row m's 16 sums against the block's W' rows to y, rounded as quant_panels rounds them.
       const auto store = [&](int64_t m, float* sum) {
         c10::BFloat16* dst = yp + m * N + n0;
@@ -509,15 +509,7 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
         }
         if (bias)
           for (int64_t i = 0; i < kTileRows; ++i) sum[i] += bias[n0 + i];
-        if (wide) {
-          alignas(64) float pad[32] = {};
-          alignas(64) c10::BFloat16 out[32];
-          std::memcpy(pad, sum, kTileRows * sizeof(float));
-          convert_row(pad, out, 32);
-          std::memcpy(dst, out, kTileRows * sizeof(c10::BFloat16));
-        } else {
-          for (int64_t i = 0; i < kTileRows; ++i) dst[i] = c10::BFloat16(sum[i]);
-        }
+        round16_as_linear(sum, dst, kTileRows, wide);
       };
       // One to three rows (decode, a small batch, a short verify): from the unpacking straight into the products, a
       // lone row's 16 chains at once, two or three rows' eight W' rows at a time. The block path below stores and
