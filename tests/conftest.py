@@ -3,8 +3,9 @@ models (loaded once per dtype for the whole session)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,21 +274,29 @@ def tiny_gguf(tmp_path: Path) -> Callable[..., TinyGGUF]:
 @pytest.fixture(scope="session")
 def gguf_parsed_once():
     """transformers parses a GGUF file anew for each of its config, weights and tokenizer: ~20 s each for Gemma 3's
-    262k-token vocabulary, three or four times a session. The real parser's result, kept per file for the session
-    (transformers only reads it), so each bundled file is parsed once."""
+    262k-token vocabulary, three or four times a session. A context manager under which `gguf.GGUFReader` hands back
+    the session's parse of a file (the real parser's, per path, size and mtime; transformers only reads it), so each
+    bundled file is parsed once. Only the transformers calls run under it: other tests parse what they wrote."""
     gguf = pytest.importorskip("gguf")
     parse = gguf.GGUFReader
-    readers: dict[tuple[str, str], object] = {}
+    readers: dict[tuple, object] = {}
 
     def reader(path, mode: str = "r"):
-        key = (str(Path(path).resolve()), mode)
+        stat = Path(path).stat()
+        key = (str(Path(path).resolve()), mode, stat.st_size, stat.st_mtime_ns)
         if key not in readers:
             readers[key] = parse(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = reader
-    yield
-    gguf.GGUFReader = parse
+    @contextlib.contextmanager
+    def parsed_once() -> Iterator[None]:
+        gguf.GGUFReader = reader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = parse
+
+    yield parsed_once
     readers.clear()
 
 

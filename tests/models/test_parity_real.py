@@ -22,17 +22,18 @@ from kakeya_runtime.models.base import Logits
 MAX_ABS = 2e-3
 MAX_KL = 1e-5
 
-pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("single_thread", "gguf_parsed_once")]
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("single_thread")]
 
 
-def _transformers_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
+def _transformers_logits(loaded, ids: torch.Tensor, parsed_once) -> torch.Tensor:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
     path = loaded.source
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    with parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
     assert next(model.parameters()).dtype == torch.float32
     with torch.inference_mode():
         logits = model(ids).logits[0].float()  # (T, V)
@@ -41,11 +42,11 @@ def _transformers_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _check(loaded, text: str, min_tokens: int) -> dict[str, float]:
+def _check(loaded, text: str, min_tokens: int, parsed_once) -> dict[str, float]:
     ids = torch.tensor([loaded.tokenizer.encode(text).ids])  # Gemma: <bos> first, as the model expects
     assert ids.shape[1] >= min_tokens
     ours = loaded.model(ids, torch.arange(ids.shape[1]), None, logits=Logits.ALL).logits[0]  # (T, V)
-    ref = _transformers_logits(loaded, ids)
+    ref = _transformers_logits(loaded, ids, parsed_once)
     assert ours.shape == ref.shape
     log_ours, log_ref = F.log_softmax(ours, -1), F.log_softmax(ref, -1)
     kl = (log_ref.exp() * (log_ref - log_ours)).sum(-1)  # (T,)
@@ -59,9 +60,9 @@ def _check(loaded, text: str, min_tokens: int) -> dict[str, float]:
     return stats
 
 
-def test_smollm2_matches_transformers(smollm2_fp32, english_text):
-    _check(smollm2_fp32, english_text, min_tokens=300)
+def test_smollm2_matches_transformers(smollm2_fp32, english_text, gguf_parsed_once):
+    _check(smollm2_fp32, english_text, min_tokens=300, parsed_once=gguf_parsed_once)
 
 
-def test_gemma3_matches_transformers(gemma3_fp32, english_text):
-    _check(gemma3_fp32, english_text, min_tokens=600)  # > the 512-token sliding window
+def test_gemma3_matches_transformers(gemma3_fp32, english_text, gguf_parsed_once):
+    _check(gemma3_fp32, english_text, min_tokens=600, parsed_once=gguf_parsed_once)  # > the 512-token sliding window

@@ -81,22 +81,23 @@ def test_unsupported_tokenizers():
 # Real models against transformers
 
 
-def _hf_tokenizer(loaded):
+def _hf_tokenizer(loaded, parsed_once):
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
     path = loaded.source
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with parsed_once():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.fixture(scope="module")
 def smollm2_pair(smollm2_bf16, gguf_parsed_once):
-    return smollm2_bf16.tokenizer, _hf_tokenizer(smollm2_bf16)
+    return smollm2_bf16.tokenizer, _hf_tokenizer(smollm2_bf16, gguf_parsed_once)
 
 
 @pytest.fixture(scope="module")
 def gemma3_pair(gemma3_bf16, gguf_parsed_once):
-    return gemma3_bf16.tokenizer, _hf_tokenizer(gemma3_bf16)
+    return gemma3_bf16.tokenizer, _hf_tokenizer(gemma3_bf16, gguf_parsed_once)
 
 
 def _compare(ours, theirs, texts):
