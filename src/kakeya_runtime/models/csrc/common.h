@@ -130,11 +130,14 @@ inline void convert_row(const S* src, D* dst, int64_t n) {
   }
 }
 
-// kakeya::linear rounds a row's output in items of 64 columns, at::vec's conversion taking them 32 at a time and the
-// rest one by one (the two differ on NaN only). Kernels that produce the same elements 16 columns at a time round
-// them alike: whether columns n0 .. n0 + 15 (n0 a multiple of 16) of N fall in a 32-wide step (then all 16 exist)...
+// kakeya::linear rounds a row's output in items of kLinearItemCols columns, at::vec's conversion taking them 32 at a
+// time and the rest one by one (the two differ on NaN only). Kernels that produce the same elements 16 columns at a
+// time round them alike: whether columns n0 .. n0 + 15 (n0 a multiple of 16) of N fall in a 32-wide step (then all
+// 16 exist)...
+constexpr int64_t kLinearItemCols = 64;
 inline bool linear_rounds_wide(int64_t n0, int64_t N) {
-  return n0 % 64 < std::min<int64_t>(64, N - n0 / 64 * 64) / 32 * 32;
+  const int64_t item0 = n0 / kLinearItemCols * kLinearItemCols;
+  return n0 - item0 < std::min<int64_t>(kLinearItemCols, N - item0) / 32 * 32;
 }
 
 // ... and their rounding: the 16 sums through the 32-wide conversion (wide), or the first n one by one.

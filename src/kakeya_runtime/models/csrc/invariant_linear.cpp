@@ -317,7 +317,7 @@ void linear_dot(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
   O* yp = y.data_ptr<O>();
   const int64_t x_row = x.stride(0);
   if (M < 4) return linear_dot_few<T, O>(xp, x_row, M, wp, K, N, bias, yp, y.stride(0));
-  constexpr int64_t NB = 64;  // W rows per work item
+  constexpr int64_t NB = kLinearItemCols;  // W rows per work item (output columns rounded together)
   constexpr int64_t MB = 32;  // x rows per work item
   const int64_t n_items = (N + NB - 1) / NB, m_items = (M + MB - 1) / MB;
   at::parallel_for(0, n_items * m_items, 1, [&](int64_t begin, int64_t end) {
