@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kakeya_runtime.engine.generate import Engine
-from kakeya_runtime.engine.weights import quantize_model
+from kakeya_runtime.engine.weights import DenseLinear, quantize_model
 from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.kv.sparse import SparseIndexError
 from kakeya_runtime.models import native, native_layer
@@ -383,6 +383,38 @@ def test_whole_stack_in_one_call_same_bits(family, fmt, make_tiny_model, monkeyp
     per_layer.clear()
     _steps(engine, histories[:2], [4, 9], on=True, policies=[("full", {}), POLICIES[0]])
     assert len(per_layer) == 2 * model.config.num_hidden_layers  # the two row steps beside a sparse row
+
+
+def test_whole_stack_follows_a_replaced_projection(make_tiny_model):
+    """The stack is rebuilt when a projection is replaced after it was built, and only then: a step with no module
+    assigned anywhere since reuses it without comparing the layers."""
+    model = make_tiny_model("llama", dtype=torch.float32)
+    quantize_model(model, "bf16")
+    engine = Engine(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+
+    def step() -> torch.Tensor:
+        cache = engine.new_cache(capacity=16)
+        engine.prefill(cache, ids)
+        return engine.decode_step(cache, torch.tensor([[5]])).logits
+
+    step()
+    built = model.native_layers().stack
+    assert step() is not None and model.native_layers().stack is built
+    old = model.layers[1].mlp.down_proj
+    model.layers[1].mlp.down_proj = DenseLinear(old.weight.detach() * 2, None)
+    got = step()
+    rebuilt = model.native_layers().stack
+    assert rebuilt is not built and rebuilt.key[1][3] is model.layers[1].mlp.down_proj
+    before = native_layer.set_enabled(False)
+    try:
+        assert torch.equal(got, step()), "the rebuilt stack gives the changed model's Python-path logits"
+    finally:
+        native_layer.set_enabled(before)
+    # a module assigned elsewhere (an unrelated model built) is checked once, found current, and kept
+    make_tiny_model("llama", dtype=torch.float32)
+    step()
+    assert model.native_layers().stack is rebuilt and rebuilt.checked == native_layer._assignments
 
 
 def test_whole_stack_rejects_bad_arguments(make_tiny_model):
