@@ -417,6 +417,61 @@ def test_whole_stack_follows_a_replaced_projection(make_tiny_model):
     assert model.native_layers().stack is rebuilt and rebuilt.checked == native_layer._assignments
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_a_warm_stack_step_allocates_nothing_in_its_layers(family, fmt, make_tiny_model):
+    """Inside the stack's step each op's small output is kept by its call site and handed out again once nothing
+    holds it (common.h's reusable_empty): after a few steps, a decode step's layers call the allocator not once (the
+    profiler sees every aten::empty under the step's scope; the step's one copy of its result is an aten::clone).
+    The first steps do allocate."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = make_tiny_model(family, dtype=torch.float32)
+    quantize_model(model, fmt)
+    engine = Engine(model)
+    cache = engine.new_cache(capacity=32)
+    engine.prefill(cache, torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]))
+
+    def layer_allocations() -> int:
+        token = torch.tensor([[5]])
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            engine.decode_step(cache, token)
+        steps = [e for e in prof.events() if e.name == "kakeya::DecoderStack.step"]
+        assert len(steps) == 1
+
+        def in_layers(e) -> bool:  # under the step's scope, not under the copy of its result
+            while e.cpu_parent is not None and e.cpu_parent.name != "aten::clone":
+                e = e.cpu_parent
+                if e.name == "kakeya::DecoderStack.step":
+                    return True
+            return False
+
+        return sum(e.name == "aten::empty" and in_layers(e) for e in prof.events())
+
+    first = layer_allocations()
+    for _ in range(3):
+        engine.decode_step(cache, torch.tensor([[7]]))
+    assert first > 0 and layer_allocations() == 0
+
+
+def test_ops_called_from_python_hand_out_fresh_outputs():
+    """Outside a stack step an op allocates its output (one handed to Python stays referenced by its Python object):
+    an output still held, or a view of it, is never written by a later call."""
+    native.load()
+    w = torch.ones(64, dtype=torch.bfloat16)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    y1 = torch.ops.kakeya.rms_norm(x, w, 1e-6, False)
+    want1 = y1.clone()
+    view = torch.ops.kakeya.rms_norm(x * 2, w, 1e-6, False)[1]  # only a view of this one is held
+    want_view = view.clone()
+    outs = [torch.ops.kakeya.rms_norm(x * (3 + i), w, 1e-6, False) for i in range(6)]
+    ptrs = {y1.untyped_storage().data_ptr(), view.untyped_storage().data_ptr()}
+    assert len(ptrs | {o.untyped_storage().data_ptr() for o in outs}) == 2 + len(outs)
+    assert torch.equal(y1, want1) and torch.equal(view, want_view)
+    for i, o in enumerate(outs):
+        assert torch.equal(o, torch.ops.kakeya.rms_norm(x * (3 + i), w, 1e-6, False))
+
+
 def test_whole_stack_rejects_bad_arguments(make_tiny_model):
     """The stack's own checks: per-layer argument counts at build, one cache entry per layer and row per step."""
     model = make_tiny_model("llama", dtype=torch.bfloat16)

@@ -1745,7 +1745,8 @@ void check_rows_query(const at::Tensor& q, const at::Tensor& q_pos, int64_t n_k,
 // The rows' attention over their sources (one per row), as cached_attention_rows documents.
 at::Tensor attend_rows(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_pos,
                        at::IntArrayRef window, at::IntArrayRef sink, double scale) {
-  auto out = at::empty(q.sizes(), q.options());
+  thread_local Reusable site;
+  auto out = reusable_empty(site, q.sizes(), q.options());
   if (q.numel() == 0) return out;
   const int64_t* qp = q_pos.const_data_ptr<int64_t>();
   const float s = static_cast<float>(scale);

@@ -24,6 +24,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
+#include <ATen/record_function.h>
 
 #include <torch/custom_class.h>
 
@@ -105,7 +106,9 @@ at::Tensor layer_output(const at::Tensor& att, const at::Tensor& h, at::TensorLi
   const auto gate_up = project(normed, weights, config, kGateUp);
   auto m = project(kakeya_ops::gated_act(gate_up, config[kAct]), weights, config, kDown);
   if (gemma) m = kakeya_ops::rms_norm(m, weights[kPostFfNorm], eps, true);
-  return at::add(s, m).view({N, 1, C});
+  thread_local Reusable site;
+  auto out = reusable_empty(site, {N, C}, h.options());
+  return at::add_out(out, s, m).view({N, 1, C});
 }
 
 at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& q_pos,
@@ -199,6 +202,8 @@ struct DecoderStack : torch::CustomClassHolder {
                     int64_t(write_pos.size()) == rows && int64_t(window.size()) == rows &&
                     int64_t(sink.size()) == rows,
                 "DecoderStack.step: one cache entry per layer and row, layer-major");
+    RECORD_FUNCTION("kakeya::DecoderStack.step", std::vector<c10::IValue>());  // a scope for the profiler
+    const ReuseScope reuse;  // the layers' outputs come from their call sites' kept ones (common.h)
     for (int64_t l = 0; l < layers; ++l) {
       const int64_t r = l * N;
       h = decoder_layer(h, cos[l], sin[l], q_pos, at::TensorList(weights).slice(l * kWeights, kWeights),
@@ -209,7 +214,7 @@ struct DecoderStack : torch::CustomClassHolder {
                         at::IntArrayRef(write_pos).slice(r, N), at::IntArrayRef(window).slice(r, N),
                         at::IntArrayRef(sink).slice(r, N));
     }
-    return h;
+    return h.clone();  // the step's one allocation: the caller's own copy, so the kept one stays in the step
   }
 
   // One row whose layers hold either a preallocated cache (as `step` takes them) or a sparse cache in its steady
@@ -251,6 +256,8 @@ struct DecoderStack : torch::CustomClassHolder {
                 "tensors, and decoded (5), lattice (4) per D4 layer");
     std::vector<int64_t> hits, misses;
     int64_t r = 0, s = 0, c = 0, d = 0;
+    RECORD_FUNCTION("kakeya::DecoderStack.step_sparse", std::vector<c10::IValue>());
+    const ReuseScope reuse;
     for (int64_t l = 0; l < layers; ++l) {
       const auto w = at::TensorList(weights).slice(l * kWeights, kWeights);
       const auto cf = at::IntArrayRef(config).slice(l * kConfig, kConfig);
@@ -281,7 +288,7 @@ struct DecoderStack : torch::CustomClassHolder {
       c += cold_n[s];
       ++s;
     }
-    return {h, hits, misses};
+    return {h.clone(), hits, misses};
   }
 };
 

@@ -418,7 +418,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "linear: rows of x and w must be contiguous");
   const int64_t M = x.size(0), N = w.size(0);
   const bool fp32 = out_fp32 || x.scalar_type() == at::kFloat;
-  auto y = at::empty({M, N}, x.options().dtype(fp32 ? at::kFloat : x.scalar_type()));
+  thread_local Reusable out;
+  auto y = reusable_empty(out, {M, N}, x.options().dtype(fp32 ? at::kFloat : x.scalar_type()));
   if (M == 0 || N == 0) return y;
   at::Tensor b32;
   if (bias.has_value()) {
@@ -503,7 +504,8 @@ at::Tensor gated_act(const at::Tensor& x, int64_t act) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1, "gated_act: x (M, 2I) with contiguous rows");
   TORCH_CHECK(act == 0 || act == 1, "gated_act: act 0 (silu) or 1 (gelu tanh)");
   const int64_t M = x.size(0), I = x.size(1) / 2;
-  auto y = at::empty({M, I}, x.options());
+  thread_local Reusable out;
+  auto y = reusable_empty(out, {M, I}, x.options());
   if (M == 0 || I == 0) return y;
   if (x.scalar_type() == at::kFloat) {
     gated_rows<float>(x.const_data_ptr<float>(), x.stride(0), y.data_ptr<float>(), I, M, act);

@@ -602,7 +602,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
               "quant_linear: x must be (M, K) bf16");
   TORCH_CHECK(x.stride(1) == 1, "quant_linear: rows of x must be contiguous");
   const int64_t M = x.size(0);
-  auto y = at::empty({M, w.N}, x.options());
+  thread_local Reusable out;
+  auto y = reusable_empty(out, {M, w.N}, x.options());
   if (M == 0) return y;
   at::Tensor b32, s32;
   if (bias.has_value()) {

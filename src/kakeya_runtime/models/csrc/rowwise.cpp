@@ -97,7 +97,8 @@ void check_rows(const at::Tensor& x, const char* what) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
   check_rows(x, "rms_norm");
   const int64_t M = x.size(0), C = x.size(1);
-  auto y = at::empty({M, C}, x.options());
+  thread_local Reusable out;
+  auto y = reusable_empty(out, {M, C}, x.options());
   if (M == 0 || C == 0) return y;
   const float* w = norm_scale(weight, C, unit_offset);
   if (x.scalar_type() == at::kFloat) {
@@ -117,8 +118,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "add_rms_norm: residual must match x");
   const int64_t M = x.size(0), C = x.size(1);
-  auto s = at::empty({M, C}, x.options());
-  auto y = at::empty({M, C}, x.options());
+  thread_local Reusable sum_out, out;
+  auto s = reusable_empty(sum_out, {M, C}, x.options());
+  auto y = reusable_empty(out, {M, C}, x.options());
   if (M == 0 || C == 0) return {s, y};
   const float* w = norm_scale(weight, C, unit_offset);
   if (x.scalar_type() == at::kFloat) {
@@ -181,8 +183,9 @@ std::tuple<at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Ten
   TORCH_CHECK(D % 2 == 0 && qkv.size(2) >= (heads + 2 * kv_heads) * D, "qkv_rope: qkv holds (H + 2 Hk) heads of ",
               "even size D");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "qkv_rope: q and k norms together");
-  auto q = at::empty({B, heads, Tn, D}, qkv.options());
-  auto k = at::empty({B, kv_heads, Tn, D}, qkv.options());
+  thread_local Reusable q_out, k_out;
+  auto q = reusable_empty(q_out, {B, heads, Tn, D}, qkv.options());
+  auto k = reusable_empty(k_out, {B, kv_heads, Tn, D}, qkv.options());
   if (q.numel() == 0 && k.numel() == 0) return {q, k};
   const float* qwp = q_norm.has_value() ? norm_scale(*q_norm, D, unit_offset, 0) : nullptr;
   const float* kwp = k_norm.has_value() ? norm_scale(*k_norm, D, unit_offset, 1) : nullptr;
