@@ -126,7 +126,7 @@ constexpr size_t kScratchBytes = 1 << 20;  // a call's buffers up to this size c
 // Inside a whole decode step in one native call (kakeya.DecoderStack), an op's output is kept by its call site
 // (thread_local) and handed out again once nothing else holds it or a view of it: the step's outputs (a few rows of
 // a projection's width) then cost no allocator call (posix_memalign, free and heap consolidation were ~3% of a
-// SmolLM2 int4 step's main thread: 366 allocations a step, now none in its layers). Only there: a tensor handed to
+// SmolLM2 int4 step's main thread: 336 allocations a step, now none in its layers). Only there: a tensor handed to
 // Python stays referenced by its Python object once dropped (PyTorch's preservation), so ops called from Python
 // allocate as before. Only small outputs are kept, so no call site keeps megabytes alive. The caller gets a tensor
 // no one else can see, as from at::empty: its contents are unspecified.
