@@ -147,7 +147,7 @@ class QuantLinear(nn.Module):
         if isinstance(self, Int4Linear):
             return DecodeArgs(4, self.packed, self.scales_zeros.view(torch.float32), self.bias, torch.bfloat16,
                               max_rows)
-        return DecodeArgs(8, self.qweight, self.scales, self.bias, torch.bfloat16, max_rows)
+        return DecodeArgs(8, self.qweight, self.kernel_scales.view(torch.float32), self.bias, torch.bfloat16, max_rows)
 
     def dequantize(self) -> Tensor:
         """The weight this module computes with, (N, K) bf16."""
@@ -191,10 +191,13 @@ class Int8Linear(QuantLinear):
         self.native = native_quant(n, k)
         self.register_buffer("qweight", pack_tiles(q, 8) if self.native else q)  # (N, K): 16 x 32 tiles, or int8
         self.register_buffer("scales", scales)  # (N,) bf16
+        # What the kernel multiplies by: the same scales widened to fp32 once (it would widen them every call), kept
+        # as their bits so a model-wide .to(bfloat16) leaves them whole; derived, so not in the state dict.
+        self.register_buffer("kernel_scales", scales.float().view(torch.int32), persistent=False)
 
     def kernel_mm(self, x: Tensor) -> Tensor:
         if self.native:
-            return native.quant_linear(x, self.qweight, self.scales, 8)
+            return native.quant_linear(x, self.qweight, self.kernel_scales.view(torch.float32), 8)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def dequantize(self) -> Tensor:

@@ -577,7 +577,10 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
 }
 #endif
 
-QWeight check_weight(const at::Tensor& q, const at::Tensor& sz, int64_t bits) {
+// fp32_scales: an int8 weight's scales may also come as fp32 (N,), the exact widening of its bf16 ones, which the
+// kernels read as they are (bf16 ones are widened into a fresh tensor every call: ~45 allocations a Gemma 3
+// int4-mixed decode step, the head's 1 MB among them).
+QWeight check_weight(const at::Tensor& q, const at::Tensor& sz, int64_t bits, bool fp32_scales = false) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous(),
               "quant_linear: q must be contiguous (N, K * bits / 8) uint8");
@@ -589,15 +592,16 @@ QWeight check_weight(const at::Tensor& q, const at::Tensor& sz, int64_t bits) {
                     sz.size(2) == 16 && sz.size(3) == 2,
                 "quant_linear: int4 sz must be (N/16, K/32, 16, 2) fp32 (engine/weights.py's pack_scales)");
   } else {
-    TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 1 && sz.size(0) == N,
-                "quant_linear: int8 sz must be (N,) bf16");
+    TORCH_CHECK((sz.scalar_type() == at::kBFloat16 || (fp32_scales && sz.scalar_type() == at::kFloat)) &&
+                    sz.dim() == 1 && sz.size(0) == N,
+                "quant_linear: int8 sz must be (N,) bf16", fp32_scales ? " or fp32" : "");
   }
   return QWeight{q.const_data_ptr<uint8_t>(), sz.const_data_ptr(), bits, N, K};
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sz, int64_t bits,
                         const std::optional<at::Tensor>& bias) {
-  const QWeight w = check_weight(q, sz, bits);
+  const QWeight w = check_weight(q, sz, bits, /*fp32_scales=*/true);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == w.K && x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be (M, K) bf16");
   TORCH_CHECK(x.stride(1) == 1, "quant_linear: rows of x must be contiguous");
@@ -610,7 +614,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.N, "quant_linear: bias must be (N,)");
     b32 = bias->to(at::kFloat).contiguous();
   }
-  if (bits == 8) s32 = sz.to(at::kFloat).contiguous();
+  if (bits == 8) s32 = sz.scalar_type() == at::kFloat ? sz : sz.to(at::kFloat);
   const float* bp = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
   const float* sp = bits == 8 ? s32.const_data_ptr<float>() : nullptr;
   if (!kAmx || !on_amx()) {
