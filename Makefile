@@ -19,7 +19,8 @@ setup: $(STAMP) proto kernel
 proto: $(STAMP)
 	$(PY) -m kakeya_runtime.protogen
 
-# Our attention kernel, compiled for this CPU (~10 s once; later runs find it in the kakeya cache dir).
+# Our kernels, compiled for this CPU (one compiler per core, ~50 s once on 2 cores; later runs find them in the kakeya
+# cache dir).
 kernel: $(STAMP)
 	$(PY) -m kakeya_runtime.models.native
 

@@ -307,6 +307,19 @@ def test_build_is_keyed_by_source_and_machine():
     assert path.parent.parent.name == "kernels" and len(path.parent.name) == 16
 
 
+def test_a_failed_build_says_why_and_leaves_no_library(tmp_path, monkeypatch):
+    """Every source compiles as its own job; a compiler that is missing or fails answers with a typed error naming
+    the way around it, and nothing is left where the library would be."""
+    target = tmp_path / "kernels" / "cached_attention.so"
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(native.NativeKernelError, match="no C\\+\\+ compiler"):
+        native.build(target)
+    monkeypatch.setenv("CXX", "false")  # runs, compiles nothing, exits 1
+    with pytest.raises(native.NativeKernelError, match=r"building the kernels failed \(exit 1\).*KAKEYA_ATTENTION=sdpa"):
+        native.build(target)
+    assert not target.exists() and [p.name for p in target.parent.iterdir()] == ["build.lock"]
+
+
 def test_routes_are_measured_once_per_build_and_cached(tmp_path):
     """The real calibration: both invariant paths timed on this machine (AMX where usable), the faster kept per
     kernel, written once beside the library and read back by later processes without measuring again."""
