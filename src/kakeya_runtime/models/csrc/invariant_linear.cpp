@@ -474,7 +474,7 @@ template <typename T>
 void gated_rows(const T* xp, int64_t x_row, T* yp, int64_t I, int64_t M, int64_t act) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int VS = Vec::size();
-  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, row_grain(2 * I), [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> g, u;  // kept across calls: no heap call per step
     g.resize(I), u.resize(I);
     for (int64_t m = begin; m < end; ++m) {

@@ -67,7 +67,7 @@ const float* norm_scale(const at::Tensor& w, int64_t n, bool unit_offset, int sl
 template <typename T>
 void norm_rows(const T* xp, int64_t x_row, const T* rp, int64_t r_row, T* sp, T* yp, const float* w, int64_t C,
                int64_t M, float eps) {
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, row_grain(C), [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> h, r;  // kept across calls: no heap call per norm
     h.resize(C);
     r.resize(rp ? C : 0);
@@ -141,7 +141,7 @@ template <typename T>
 void rope_rows(const T* xp, int64_t xb, int64_t xt, const T* cp, const T* sp, int64_t cb, int64_t ct, T* qp, T* kp,
                int64_t B, int64_t Tn, int64_t H, int64_t Hk, int64_t D, const float* qw, const float* kw, float eps) {
   const int64_t half = D / 2;
-  at::parallel_for(0, B * Tn, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * Tn, row_grain((H + Hk) * D), [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> c, s, h, o;  // kept across calls: no heap call per step
     c.resize(D), s.resize(D), h.resize(D), o.resize(D);
     for (int64_t bt = begin; bt < end; ++bt) {
