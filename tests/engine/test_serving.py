@@ -108,6 +108,30 @@ def test_fidelity_thresholds_are_the_issue_s():
     assert not Fidelity(256, 0.001, 0.05, 0.949).faithful
 
 
+def test_fidelity_compared_chunk_by_chunk_is_the_whole_text_s(make_tiny_model):
+    """KL (mean, max) and top-1 agreement from chunks of the text are what the whole text's logits at once give; a
+    model against itself agrees exactly."""
+    from kakeya_runtime.models.base import Logits
+
+    ref = serving.apply_format(make_tiny_model("llama").to(serving.load_dtype("bf16")), "bf16")
+    other = serving.apply_format(make_tiny_model("llama").to(serving.load_dtype("int4")), "int4")
+    ids = torch.randint(0, ref.config.vocab_size, (50,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def logprobs(model) -> torch.Tensor:
+        engine = Engine(model, prefill_chunk=64)
+        out = engine.prefill(engine.new_cache(capacity=64), torch.tensor([ids]), logits=Logits.ALL)
+        return out.logits[0].float().log_softmax(-1)
+
+    a, b = logprobs(ref), logprobs(other)
+    kl = (a.exp() * (a - b)).sum(-1).clamp(min=0)
+    got = serving.measure_fidelity(ref, other, ids, chunk=16)
+    assert got.positions == 50 and got.kl_mean > 0
+    assert got.kl_mean == pytest.approx(float(kl.mean()), rel=1e-5) and got.kl_max == float(kl.max())
+    assert got.top1_agree == int((a.argmax(-1) == b.argmax(-1)).sum()) / 50
+    same = serving.measure_fidelity(ref, ref, ids, chunk=16)
+    assert same.kl_mean == 0.0 and same.top1_agree == 1.0
+
+
 def test_calibrate_measures_once_then_reads_the_cache(tmp_path, make_tiny_model):
     from kakeya_runtime.server.testing import TINY_VOCAB
 
@@ -158,7 +182,7 @@ def test_calibrate_keeps_each_format_s_best_of_two_interleaved_rounds(tmp_path, 
         return serving.Speed(prefill_tok_s=prefill, decode_tok_s=decode)
 
     monkeypatch.setattr(serving, "measure_speed", fake_speed)
-    monkeypatch.setattr(serving, "compare", lambda ref, other: Fidelity(256, 0.0, 0.0, 1.0))  # both faithful here
+    monkeypatch.setattr(serving, "measure_fidelity", lambda ref, model, ids: Fidelity(1024, 0.0, 0.0, 1.0))  # both faithful
     encode = lambda text: [b + 3 for b in text.encode()]  # noqa: E731 - a byte tokenizer for the tiny vocab
     path = tmp_path / "calibration.json"
     got = {c.fmt: c for c in serving.calibrate(load, encode, "tiny", ("bf16", "int4"),
