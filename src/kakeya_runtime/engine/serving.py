@@ -9,8 +9,8 @@ build and the CPU: `kernel_rows_invariant` checks it on this machine, and a form
 
 `--weights auto` (the default) picks, among the formats that are
 - faithful: next-token KL vs our bf16 <= FIDELITY_KL_MAX and top-1 agreement >= FIDELITY_TOP1_MIN over
-  FIDELITY_POSITIONS positions of the bench text (CPython's language reference). This depends on the model
-  and the format only, so it is measured once per model file and format and cached;
+  FIDELITY_POSITIONS positions of the bench text (CPython's language reference). It depends on the model,
+  the format and the kernels' numerics, so it is measured once per model file, format and kernel build and cached;
 - invariant on this machine (above),
 the one that serves REFERENCE_TURN (a turn's new tokens prefilled, then its reply decoded) fastest, from
 prefill and decode rates measured on this machine (each format's best of two rounds, the second in reverse order;
@@ -251,20 +251,28 @@ def calibration_path() -> Path:
     return cache_root() / "serve" / "calibration.json"
 
 
-def machine_key() -> str:
-    """What a speed measurement depends on besides the model and format: the CPU, the threads, torch, our kernels."""
+def kernels_key() -> str:
+    """The kernels a measurement ran on: the attention backend and, for ours, their build (source, flags, torch,
+    compiler, CPU: models.native.library_path's key). A new build can move last bits, and with them a few top-1 picks
+    (the engine bench's Gemma 3 int4-mixed over 256 positions: 0.961 on an earlier tree, 0.938 on this one), and
+    speeds: both are measured again."""
     from kakeya_runtime.models import native
 
+    kernels = native.backend()
+    if kernels == "native":
+        kernels += ("+amx" if native.bf16_amx() else "") + "@" + native.library_path().parent.name
+    return kernels
+
+
+def machine_key() -> str:
+    """What a speed measurement depends on besides the model and format: the CPU, the threads, torch, our kernels."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    kernels = native.backend()
-    if kernels == "native":
-        kernels += "+amx" if native.bf16_amx() else ""
-    return f"{cpu}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{kernels}"
+    return f"{cpu}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{kernels_key()}"
 
 
 def model_key(source: str | Path | None, name: str) -> str:
@@ -280,7 +288,7 @@ def model_key(source: str | Path | None, name: str) -> str:
 
 
 class Calibration:
-    """Fidelity per (model, format) and speed per (machine, model, format), kept in one JSON file."""
+    """Fidelity per (model, format, kernels) and speed per (machine, model, format), kept in one JSON file."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -298,7 +306,7 @@ class Calibration:
         return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:24]
 
     def fidelity(self, model: str, fmt: str) -> Fidelity | None:
-        d = self.data["fidelity"].get(self._key(model, fmt, torch.__version__))
+        d = self.data["fidelity"].get(self._key(model, fmt, torch.__version__, kernels_key()))
         return None if d is None else Fidelity(d["positions"], d["kl_mean"], d["kl_max"], d["top1_agree"])
 
     def speed(self, machine: str, model: str, fmt: str) -> Speed | None:
@@ -306,7 +314,8 @@ class Calibration:
         return None if d is None else Speed(d["prefill_tok_s"], d["decode_tok_s"])
 
     def put_fidelity(self, model: str, fmt: str, value: Fidelity) -> None:
-        self.data["fidelity"][self._key(model, fmt, torch.__version__)] = asdict(value) | {"model": model, "fmt": fmt}
+        self.data["fidelity"][self._key(model, fmt, torch.__version__, kernels_key())] = asdict(value) | {
+            "model": model, "fmt": fmt, "kernels": kernels_key()}
 
     def put_speed(self, machine: str, model: str, fmt: str, value: Speed) -> None:
         self.data["speed"][self._key(machine, model, fmt)] = asdict(value) | {"machine": machine, "model": model,
