@@ -20,6 +20,7 @@ Both caches live in one JSON file under the kakeya cache dir; `recalibrate` meas
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -260,8 +261,15 @@ def kernels_key() -> str:
 
     kernels = native.backend()
     if kernels == "native":
-        kernels += ("+amx" if native.bf16_amx() else "") + "@" + native.library_path().parent.name
+        kernels += ("+amx" if native.bf16_amx() else "") + "@" + _native_build()
     return kernels
+
+
+@functools.cache
+def _native_build() -> str:  # hashes the kernel sources and asks the compiler its version: once a process
+    from kakeya_runtime.models import native
+
+    return native.library_path().parent.name
 
 
 def machine_key() -> str:
