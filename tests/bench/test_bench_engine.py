@@ -54,7 +54,7 @@ def test_bench_engine_cli_on_tiny_model_writes_valid_json(tmp_path):
                  and (r["kernels"] == "sdpa") == fmt.endswith("@sdpa"))
         want = ((r["decode_weight_bytes"] + r["decode_kv_bytes"]) * r["decode_tok_s"]
                 / (r["memory_read_gb_s_before"] * 1e9))
-        assert v["decode_roofline_share"] == round(want, 3) > 0
+        assert v["decode_roofline_share"] == round(want, 3) and want > 0  # a tiny model's share can round to 0.000
     assert set(row["formats"]) == {"bf16", "int4", "bf16@sdpa"} and row["peers"] == {}
     ratios = row["invariant_vs_previous"]["bf16"]
     assert ratios["prefill"] > 0 and ratios["decode"] > 0
