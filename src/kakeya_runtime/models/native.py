@@ -337,8 +337,8 @@ def quant_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bits: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W'^T (+ b) for x (M, K) bf16 and W' the bf16 weights `quant_dequant(q, sz, bits)` gives: int4 codes
     (bits 4: q (N, K/2) uint8, sz (N/16, K/32, 16, 2) fp32 scale, zero) or int8 (bits 8: q (N, K), sz (N,) bf16
-    scales, or their fp32 widening, read without a copy), in 16 x 32 tiles (csrc/quant_linear.cpp; engine/weights.py's pack_tiles and pack_scales). The bits
-    of `linear(x, W')`, whatever M is."""
+    scales, or their fp32 widening, read without a copy), in 16 x 32 tiles (csrc/quant_linear.cpp;
+    engine/weights.py's pack_tiles and pack_scales). The bits of `linear(x, W')`, whatever M is."""
     if _loaded is None:
         load()
     return torch.ops.kakeya.quant_linear(x, q, sz, bits, bias)
@@ -591,8 +591,8 @@ def build(path: Path, *, jobs: int | None = None) -> Path:
                     steps = list(pool.map(compile_one, largest_first))
                 failed = [(cmd, done) for cmd, done in steps if done.returncode != 0]
                 if not failed:
-                    steps.append((link, subprocess.run(link, capture_output=True, text=True)))
-                    failed = [(link, steps[-1][1])] if steps[-1][1].returncode != 0 else []
+                    linked = subprocess.run(link, capture_output=True, text=True)
+                    failed = [(link, linked)] if linked.returncode != 0 else []
             except FileNotFoundError as e:
                 raise NativeKernelError(f"no C++ compiler ({e.filename}); install g++ or set {BACKEND_ENV}=sdpa") from None
             if failed:
