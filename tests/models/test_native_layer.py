@@ -453,6 +453,61 @@ def test_a_warm_stack_step_allocates_nothing_in_its_layers(family, fmt, make_tin
     assert layer_allocations() == 0
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("codec", ["identity", "int8", "d4"])
+def test_a_warm_sparse_stack_step_allocates_nothing_in_its_layers(family, codec, make_tiny_model):
+    """A decode step over sparse caches in their steady state (kakeya.DecoderStack.step_sparse) takes no tensor from
+    the allocator either: the indexer's bitsets and counts, the sparse attention's output and its per-row key
+    counts come from their call sites' kept ones, as the other ops' outputs do, and a D4 tier's slot map from a kept
+    buffer (the profiler sees every aten::empty and aten::empty_strided under the step's scope). Only a D4 step that
+    decodes blocks its cache misses allocates, for that decode."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = make_tiny_model(family, dtype=torch.bfloat16)
+    engine = Engine(model, prefill_chunk=32)
+    registry = PolicyRegistry()
+    spec = registry.resolve("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2, "codec": codec},
+                            engine.config, 256)
+    cache = registry.build(engine, spec, 256)
+    for kv in cache.layers:  # a D4 cache that holds every block: once warm, steps that decode nothing
+        if hasattr(kv, "decoded_blocks"):
+            kv.decoded_blocks = 32
+    engine.prefill(cache, torch.randint(3, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(3)))
+    layer = next(kv for kv in cache.layers if hasattr(kv, "stack_kind"))
+    h = torch.zeros(1, 1, model.config.hidden_size, dtype=torch.bfloat16)
+
+    def steady_step(token: int, profiled: bool) -> tuple[int, int]:
+        """A step the stack runs (after the steps that encode a block first): its allocations and decoded misses."""
+        while layer.stack_kind(h) is None:
+            engine.decode_step(cache, torch.tensor([[8]]))
+        misses = cache.decoded_counts()[1]
+        if not profiled:
+            engine.decode_step(cache, torch.tensor([[token]]))
+            return 0, cache.decoded_counts()[1] - misses
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            engine.decode_step(cache, torch.tensor([[token]]))
+        misses = cache.decoded_counts()[1] - misses
+        steps = [e for e in prof.events() if e.name == "kakeya::DecoderStack.step_sparse"]
+        assert len(steps) == 1
+
+        def in_layers(e) -> bool:  # under the step's scope, not under the copy of its result
+            while e.cpu_parent is not None and e.cpu_parent.name != "aten::clone":
+                e = e.cpu_parent
+                if e.name == "kakeya::DecoderStack.step_sparse":
+                    return True
+            return False
+
+        return sum(e.name in ("aten::empty", "aten::empty_strided") and in_layers(e) for e in prof.events()), misses
+
+    for t in range(3):  # a call site's first outputs are allocated (unless an earlier test's step made them)
+        steady_step(5 + t, profiled=False)
+    steps = [steady_step(9 + t, profiled=True) for t in range(10)]
+    hit_steps = [allocated for allocated, misses in steps if misses == 0]
+    assert hit_steps and set(hit_steps) == {0}, steps
+    if codec != "d4":
+        assert len(hit_steps) == len(steps)
+
+
 def test_ops_called_from_python_hand_out_fresh_outputs():
     """Outside a stack step an op allocates its output (one handed to Python stays referenced by its Python object):
     an output still held, or a view of it, is never written by a later call."""

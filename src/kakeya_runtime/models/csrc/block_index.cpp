@@ -237,7 +237,11 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
   // Estimating: work items of CHUNK blocks of one (batch, head) for up to TG of its tokens. Only the (batch,
   // head)s that score anything.
   const int64_t chunks = (most + CHUNK - 1) / CHUNK, tgroups = (NT + TG - 1) / TG;
-  std::vector<char> scores_any(B * H, 0);
+  // the call's buffers, kept by the calling thread (no heap call per step; the items read them through these)
+  thread_local std::vector<char> kept_any;
+  thread_local std::vector<std::atomic<int64_t>> kept_done;
+  std::vector<char>& scores_any = kept_any;
+  scores_any.assign(B * H, 0);
   for (int64_t item = 0; item < items; ++item) {
     const int64_t n = nsc[item];
     if (n > kept(head_topk[(item / NT) % H], n, budget)) scores_any[item / NT] = 1;
@@ -338,7 +342,8 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
     for (int64_t item = 0; item < items; ++item) choose(item);
     return;
   }
-  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[B * H]);
+  if (static_cast<int64_t>(kept_done.size()) < B * H) kept_done = std::vector<std::atomic<int64_t>>(B * H);
+  std::atomic<int64_t>* const done = kept_done.data();
   for (int64_t bh = 0; bh < B * H; ++bh) done[bh].store(0, std::memory_order_relaxed);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -376,7 +381,9 @@ std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::T
                   head_topk.is_contiguous(),
               "block_select: head_topk must be contiguous int64 (Hk,)");
   const int64_t* tk = head_topk.const_data_ptr<int64_t>();
-  std::vector<int64_t> topks(tk, tk + q.size(1)), cold_head;
+  thread_local std::vector<int64_t> topks, cold_head;  // kept: no heap call per step
+  topks.assign(tk, tk + q.size(1));
+  cold_head.clear();
   int64_t hc = 0;
   for (const int64_t k : topks) {
     TORCH_CHECK(k >= 0, "block_select: head_topk must be >= 0");
@@ -400,8 +407,10 @@ std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::T
   TORCH_CHECK(hc == 0 || most <= kmin.size(2), "block_select: a query may select among ", most,
               " cold blocks but only ", kmin.size(2), " have summaries");
   const int64_t words = std::max<int64_t>(1, (most + 63) / 64);
-  auto select = at::empty({q.size(0), q.size(1), q_pos.size(0), words}, q.options().dtype(at::kLong));
-  auto scored = at::empty({q.size(0), q.size(1), q_pos.size(0)}, q.options().dtype(at::kLong));
+  // inside a stack step, the outputs its call site kept (common.h's reusable_empty)
+  thread_local Reusable select_site, scored_site;
+  auto select = reusable_empty(select_site, {q.size(0), q.size(1), q_pos.size(0), words}, q.options().dtype(at::kLong));
+  auto scored = reusable_empty(scored_site, {q.size(0), q.size(1), q_pos.size(0)}, q.options().dtype(at::kLong));
   if (q.scalar_type() == at::kFloat) {
     run<float>(q, kmin, kmax, q_pos, window, sink, block, topks, cold_head, scale, budget, select, scored);
   } else {
@@ -512,7 +521,8 @@ void store_decoded(const at::Tensor& y, const at::Half* sc, const at::Tensor& de
   // Vectors of 16 (the same fp32 product per element, rounded by at::vec::convert to nearest even as the scalar cast
   // rounds); a decode step's few blocks on one thread (two split ~300 rows slower than one runs them).
   at::parallel_for(0, rows, 2048, [&](int64_t lo, int64_t hi) {
-    std::vector<float> row(D);
+    thread_local std::vector<float> row;  // this thread's, kept
+    row.resize(D);
     const int64_t vd = D / VS * VS;
     for (int64_t r = lo; r < hi; ++r) {
       const float norm = static_cast<float>(sc[2 * r]);
@@ -566,8 +576,13 @@ std::pair<int64_t, int64_t> decoded_fill(const at::Tensor& select, const at::Ten
   int64_t* sb = slot_block.data_ptr<int64_t>();
   int64_t* su = slot_used.data_ptr<int64_t>();
   const int64_t bsr = block_slot.size(1), nw = std::min(W, (n_blocks + 63) / 64);
-  std::vector<std::vector<int64_t>> chosen(Hc);
-  std::vector<uint64_t> words(nw);
+  // the call's buffers, kept by the calling thread (no heap call per step)
+  thread_local std::vector<std::vector<int64_t>> chosen;
+  thread_local std::vector<uint64_t> words;
+  thread_local std::vector<int64_t> mh, mj, ms, order, dst;  // the misses: cold head, block, slot; slot order
+  if (static_cast<int64_t>(chosen.size()) < Hc) chosen.resize(Hc);
+  for (int64_t c = 0; c < Hc; ++c) chosen[c].clear();
+  words.resize(nw);
   for (int64_t h = 0; h < H; ++h) {
     const int64_t c = ch[h];
     if (c < 0) continue;
@@ -584,8 +599,8 @@ std::pair<int64_t, int64_t> decoded_fill(const at::Tensor& select, const at::Ten
     if (static_cast<int64_t>(chosen[c].size()) > C) return {0, -1};
   }
   int64_t hits = 0;
-  std::vector<int64_t> mh, mj, ms;  // the misses: cold head, block, slot
-  std::vector<int64_t> order(C);
+  mh.clear(), mj.clear(), ms.clear();
+  order.resize(C);
   for (int64_t c = 0; c < Hc; ++c) {
     const size_t first = mj.size();
     for (const int64_t j : chosen[c]) {
@@ -616,7 +631,7 @@ std::pair<int64_t, int64_t> decoded_fill(const at::Tensor& select, const at::Ten
   // The misses' codes, K then V, gathered (2, B, m, block) -> rows, decoded in one d4_points and one linear call
   // (each row's bits do not depend on the rows beside it), and written into their slots.
   const int64_t rows = B * m * blk;
-  std::vector<int64_t> dst(B * m);
+  dst.resize(B * m);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < m; ++i) dst[b * m + i] = ((b * Hc + mh[i]) * C + ms[i]) * blk * D;
   auto code = at::empty({2 * rows, nbytes}, k_code.options());
@@ -698,7 +713,15 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> sparse_step_decoded(
                                            k_code, k_scale, v_code, v_scale, rot, dec_k, dec_v, lattice_q, bits,
                                            codes);
   if (misses < 0) return {at::empty({0}, q.options()), select, hits, misses};
-  const auto slot = block_slot.narrow(1, 0, n_blocks).contiguous();
+  // block_slot's first n_blocks columns as one contiguous map, in the calling thread's kept buffer (a fresh copy
+  // every step otherwise); read by this call only
+  thread_local at::Tensor slot_buf;
+  const int64_t Hc = block_slot.size(0);
+  if (!slot_buf.defined() || slot_buf.numel() < Hc * n_blocks ||
+      slot_buf.is_inference() != c10::InferenceMode::is_enabled())  // written here, so made in the caller's mode
+    slot_buf = at::empty({std::max<int64_t>(64, 2 * Hc * n_blocks)}, block_slot.options());
+  const auto slot = slot_buf.narrow(0, 0, Hc * n_blocks).view({Hc, n_blocks});
+  slot.copy_(block_slot.narrow(1, 0, n_blocks));
   auto [out, seen] = kakeya_ops::sparse_attention(q, hot_k, hot_v, hot_pos, dec_k, dec_v, std::nullopt, std::nullopt,
                                                   slot, cold_head, select, q_pos, window, sink, block, scale);
   sparse_check(seen, scored, q_pos, window, sink, block, head_topk, counters, budget);

@@ -895,7 +895,12 @@ struct Source {
     for (int64_t j = 1; j < S && descents < 2; ++j)
       if (kp[j] <= kp[j - 1]) ++descents, cut = j;
     const auto by_pos = [kp](int64_t a, int64_t b) { return kp[a] < kp[b]; };
-    if (descents == 1) std::inplace_merge(order.begin(), order.begin() + cut, order.end(), by_pos);
+    if (descents == 1) {  // std::inplace_merge's order, through the thread's kept buffer (it took a heap buffer)
+      thread_local std::vector<int64_t> merged;
+      merged.resize(S);
+      std::merge(order.begin(), order.begin() + cut, order.begin() + cut, order.end(), merged.begin(), by_pos);
+      std::copy(merged.begin(), merged.end(), order.begin());
+    }
     if (descents > 1) std::sort(order.begin(), order.end(), by_pos);
     in_order = descents == 0;
     pos.resize(S);
@@ -1143,22 +1148,25 @@ inline int64_t popcount_below(const uint64_t* row, int64_t n) {
 // Threads take the next item when they finish one, so the short items (a chunk's diagonal superblock) fill in at
 // the end instead of a fixed split leaving one thread idle. Only the schedule changes: each item computes its own
 // partial state, merged per row in a fixed order after.
-inline std::vector<int64_t> item_schedule(const std::vector<Source>& sources,
-                                          const std::vector<std::pair<int64_t, int64_t>>& supers, int64_t BH,
-                                          const int64_t* qpos, int64_t tn, int64_t items, int64_t splits) {
+inline void item_schedule(const std::vector<Source>& sources, const std::vector<std::pair<int64_t, int64_t>>& supers,
+                          int64_t BH, const int64_t* qpos, int64_t tn, int64_t items, int64_t splits,
+                          std::vector<int64_t>& order) {
   const int64_t NSP = static_cast<int64_t>(supers.size()), hot_items = BH * NSP * splits;
-  std::vector<int64_t> cost(NSP, 0);
+  thread_local std::vector<int64_t> cost;  // kept: no heap call per step
+  cost.assign(NSP, 0);
   for (int64_t i = 0; i < NSP; ++i) {
     const Source& src = sources[supers[i].first];
     const int64_t first = src.super_first[supers[i].second], last = src.super_first[supers[i].second + 1] - 1;
     const int64_t lo = src.blocks[first].min_pos, hi = src.blocks[last].max_pos;
     for (int64_t t = 0; t < tn; ++t) cost[i] += std::clamp<int64_t>(qpos[t] - lo + 1, 0, hi - lo + 1);
   }
-  std::vector<int64_t> order(items);
+  order.resize(items);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.begin() + hot_items,
-                   [&](int64_t a, int64_t b) { return cost[a / splits % NSP] > cost[b / splits % NSP]; });
-  return order;
+  // stable_sort's order (ties by item) from std::sort, which takes no heap buffer
+  std::sort(order.begin(), order.begin() + hot_items, [&](int64_t a, int64_t b) {
+    const int64_t ca = cost[a / splits % NSP], cb = cost[b / splits % NSP];
+    return ca > cb || (ca == cb && a < b);
+  });
 }
 
 // Attention of q over every source (and the cold blocks, if any), one softmax: each (batch, head, source
@@ -1178,7 +1186,14 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
   // On a machine whose attention runs on AMX the cold side shares the tiles too (ColdSource), in every call alike
   // (a decode step as a chunk); int8 codes are dequantized first, to the values they decode to.
   const bool cold_amx = use_amx && cold != nullptr;
-  std::vector<std::pair<int64_t, int64_t>> supers;  // (source, superblock) in merge order
+  // The call's buffers, kept by the calling thread across calls (no heap call per step; work items on other threads
+  // read them through these references).
+  thread_local std::vector<std::pair<int64_t, int64_t>> kept_supers;
+  thread_local std::vector<float> kept_cstate;
+  thread_local std::vector<T> kept_qtile, kept_qtok, kept_cdeq;
+  thread_local std::vector<int64_t> kept_nsel, kept_below, kept_cfirst, kept_cdeq_first, kept_lane_seq, kept_schedule;
+  std::vector<std::pair<int64_t, int64_t>>& supers = kept_supers;  // (source, superblock) in merge order
+  supers.clear();
   for (int64_t s = 0; s < NS; ++s)
     for (int64_t sp = 0; sp < sources[s].supers(); ++sp) supers.emplace_back(s, sp);
   const int64_t NSP = static_cast<int64_t>(supers.size());
@@ -1194,14 +1209,15 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
   const T* qp = q.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   constexpr int64_t W = D + 3;  // per row: acc (D), m, l, n
-  std::vector<float> cstate;
-  std::vector<T> qtile, qtok;
-  std::vector<int64_t> nsel;  // (B, H, tn): cold lanes of each token
-  std::vector<int64_t> below;  // (tn,): cold blocks wholly below each token's hot range
+  std::vector<float>& cstate = kept_cstate;
+  std::vector<T>&qtile = kept_qtile, &qtok = kept_qtok;
+  std::vector<int64_t>& nsel = kept_nsel;    // (B, H, tn): cold lanes of each token
+  std::vector<int64_t>& below = kept_below;  // (tn,): cold blocks wholly below each token's hot range
   std::vector<ColdSource>& csrc = thread_cold_sources();  // cold_amx: per KV head (kept, rebuilt in place)
-  std::vector<int64_t> cfirst;   // cold_amx: (B * H + 1,) the first cold item of each (batch, head)
-  std::vector<T> cdeq;           // cold_amx, int8 codes: (B * H, 2, lanes, D) the tile's cold K, V dequantized
-  std::vector<int64_t> cdeq_first, lane_seq;  // where each (batch, head)'s rows start there; 0, 1, ...
+  std::vector<int64_t>& cfirst = kept_cfirst;  // cold_amx: (B * H + 1,) the first cold item of each (batch, head)
+  std::vector<T>& cdeq = kept_cdeq;  // cold_amx, int8 codes: (B * H, 2, lanes, D) the tile's cold K, V dequantized
+  // where each (batch, head)'s rows start there; 0, 1, ...
+  std::vector<int64_t>&cdeq_first = kept_cdeq_first, &lane_seq = kept_lane_seq;
   for (int64_t t0 = 0; t0 < NT; t0 += ROW_TILE) {
     const int64_t tn = std::min(ROW_TILE, NT - t0), Rt = G * tn;
     // This tile's rows, (B, H, G * tn, D) ordered (group, token) like q.
@@ -1285,15 +1301,18 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
     at::Tensor state_buf = small_state ? at::Tensor() : at::empty({state_n}, at::kFloat);
     float* const state_data = small_state ? scratch<float>(2, state_n) : state_buf.data_ptr<float>();
     cstate.resize(cold_items * (cold_amx ? Rt : G) * W);
-    const std::vector<int64_t> schedule = item_schedule(sources, supers, B * H, qpos + t0, tn, items, splits);
+    std::vector<int64_t>& schedule = kept_schedule;
+    item_schedule(sources, supers, B * H, qpos + t0, tn, items, splits, schedule);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
 #if defined(KAKEYA_AMX)
       if (use_amx) kakeya_amx::configure();
 #endif
-      std::vector<int64_t> rows;
-      std::vector<Block> cblocks;
-      std::vector<T> kscr, vscr;  // int8 cold rows, dequantized
+      // this thread's own buffers, kept across calls (they grew by push_back in every region: ~15 heap calls a
+      // sparse layer's decode step on each thread)
+      thread_local std::vector<int64_t> rows;
+      thread_local std::vector<Block> cblocks;
+      thread_local std::vector<T> kscr, vscr;  // int8 cold rows, dequantized
       for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
         const int64_t item = schedule[i];
         const T* qrows;
@@ -1531,6 +1550,13 @@ int64_t path_block(const at::Tensor& q) {
   return q.scalar_type() == at::kBFloat16 && q.size(3) % 32 == 0 ? block_size<c10::BFloat16>() : BK;
 }
 
+// A call's one source, built in place in the calling thread's kept list (its buffers reused across calls: a
+// sparse decode step built a fresh one per layer, a dozen heap calls each).
+std::vector<Source>& one_source() {
+  thread_local std::vector<Source> pool(1);
+  return pool;
+}
+
 at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
                             const at::Tensor& k_pos, int64_t window, int64_t sink, double scale) {
   check_query(q, q_pos);
@@ -1538,8 +1564,8 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto out = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return out;
   if (k.size(2) == 0) return out.zero_();
-  std::vector<Source> sources;
-  sources.emplace_back(k, v, k_pos, Kind::Plain, path_block(q));
+  std::vector<Source>& sources = one_source();
+  sources[0].build(k, v, k_pos, Kind::Plain, path_block(q));
   dispatch(q, sources, q_pos, window, sink, nullptr, scale, out, nullptr);
   return out;
 }
@@ -1602,12 +1628,14 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
   const int64_t nslot = cold_slot.size(-1);
   for (int64_t j = 0; j < cold_slot.numel(); ++j)
     TORCH_CHECK(sl[j] < units, "sparse_attention: cold block ", j % nslot, " at slot ", sl[j], " of ", units);
-  auto out = at::empty(q.sizes(), q.options());
-  auto seen = at::empty({q.size(0), q.size(1), q.size(2), 2}, q.options().dtype(at::kLong));
+  // inside a stack step, the outputs its call site kept (common.h's reusable_empty)
+  thread_local Reusable out_site, seen_site;
+  auto out = reusable_empty(out_site, q.sizes(), q.options());
+  auto seen = reusable_empty(seen_site, {q.size(0), q.size(1), q.size(2), 2}, q.options().dtype(at::kLong));
   seen.zero_();
   if (q.numel() == 0) return {out, seen};
-  std::vector<Source> sources;
-  sources.emplace_back(hot_k, hot_v, hot_pos, Kind::Hot, path_block(q));
+  std::vector<Source>& sources = one_source();
+  sources[0].build(hot_k, hot_v, hot_pos, Kind::Hot, path_block(q));
   const Cold cold{&cold_k, &cold_v, int8 ? &*cold_k_scale : nullptr, int8 ? &*cold_v_scale : nullptr, sl, ch,
                   nslot, block,
                   reinterpret_cast<const uint64_t*>(select.const_data_ptr<int64_t>()), select.size(3),
@@ -1661,7 +1689,9 @@ void run_rows(const at::Tensor& q, std::vector<Source>& sources, const int64_t* 
     for (int64_t b = src.super_first[sp]; b < src.super_first[sp + 1]; ++b) cost[item] += src.blocks[b].count;
   }
   std::iota(schedule.begin(), schedule.end(), 0);
-  std::stable_sort(schedule.begin(), schedule.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  // stable_sort's order (ties by item) from std::sort, which takes no heap buffer
+  std::sort(schedule.begin(), schedule.end(),
+            [&](int64_t a, int64_t b) { return cost[a] > cost[b] || (cost[a] == cost[b] && a < b); });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
 #if defined(KAKEYA_AMX)
