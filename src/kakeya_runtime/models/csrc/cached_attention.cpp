@@ -900,6 +900,7 @@ struct Source {
       merged.resize(S);
       std::merge(order.begin(), order.begin() + cut, order.begin() + cut, order.end(), merged.begin(), by_pos);
       std::copy(merged.begin(), merged.end(), order.begin());
+      release_if_large(merged);
     }
     if (descents > 1) std::sort(order.begin(), order.end(), by_pos);
     in_order = descents == 0;
@@ -943,6 +944,10 @@ struct Source {
     super_first.push_back(blocks.size());
   }
   int64_t supers() const { return static_cast<int64_t>(super_first.size()) - 1; }
+  // A kept source lets a long prompt's buffers go after its call (common.h's release_if_large).
+  void release_buffers() {
+    release_if_large(order), release_if_large(pos), release_if_large(blocks), release_if_large(super_first);
+  }
 };
 
 // The cold side of a sparse call: decoded blocks of `block` positions stacked in K/V (B, Hc, U * block, D) for
@@ -1217,7 +1222,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
   std::vector<int64_t>& cfirst = kept_cfirst;  // cold_amx: (B * H + 1,) the first cold item of each (batch, head)
   std::vector<T>& cdeq = kept_cdeq;  // cold_amx, int8 codes: (B * H, 2, lanes, D) the tile's cold K, V dequantized
   // where each (batch, head)'s rows start there; 0, 1, ...
-  std::vector<int64_t>&cdeq_first = kept_cdeq_first, &lane_seq = kept_lane_seq;
+  std::vector<int64_t>&cdeq_first = kept_cdeq_first, &lane_seq = kept_lane_seq, &schedule = kept_schedule;
   for (int64_t t0 = 0; t0 < NT; t0 += ROW_TILE) {
     const int64_t tn = std::min(ROW_TILE, NT - t0), Rt = G * tn;
     // This tile's rows, (B, H, G * tn, D) ordered (group, token) like q.
@@ -1301,7 +1306,6 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
     at::Tensor state_buf = small_state ? at::Tensor() : at::empty({state_n}, at::kFloat);
     float* const state_data = small_state ? scratch<float>(2, state_n) : state_buf.data_ptr<float>();
     cstate.resize(cold_items * (cold_amx ? Rt : G) * W);
-    std::vector<int64_t>& schedule = kept_schedule;
     item_schedule(sources, supers, B * H, qpos + t0, tn, items, splits, schedule);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -1481,6 +1485,9 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
       }
     });
   }
+  // a prompt's buffers are let go, a decode step's kept
+  release_if_large(cstate), release_if_large(qtile), release_if_large(qtok), release_if_large(cdeq);
+  release_if_large(nsel), release_if_large(cdeq_first), release_if_large(lane_seq), release_if_large(schedule);
 }
 
 template <typename T>
@@ -1567,6 +1574,7 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::
   std::vector<Source>& sources = one_source();
   sources[0].build(k, v, k_pos, Kind::Plain, path_block(q));
   dispatch(q, sources, q_pos, window, sink, nullptr, scale, out, nullptr);
+  sources[0].release_buffers();
   return out;
 }
 
@@ -1641,6 +1649,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
                   reinterpret_cast<const uint64_t*>(select.const_data_ptr<int64_t>()), select.size(3),
                   cold_slot.dim() == 2 ? nslot : 0};
   dispatch(q, sources, q_pos, window, sink, &cold, scale, out, seen.data_ptr<int64_t>());
+  sources[0].release_buffers();
   return {out, seen};
 }
 

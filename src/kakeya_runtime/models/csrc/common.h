@@ -130,6 +130,13 @@ inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 2048 / std
 
 constexpr size_t kScratchBytes = 1 << 20;  // a call's buffers up to this size come from scratch, larger ones not
 
+// A buffer a thread keeps across calls (so a decode step calls no allocator) is let go after a call that grew it past
+// kScratchBytes: a long prompt's buffers are not held for the thread's life.
+template <typename V>
+inline void release_if_large(V& v) {
+  if (v.capacity() * sizeof(typename V::value_type) > kScratchBytes) V().swap(v);
+}
+
 // Inside a whole decode step in one native call (kakeya.DecoderStack), an op's output is kept by its call site
 // (thread_local) and handed out again once nothing else holds it or a view of it: the step's outputs (a few rows of
 // a projection's width) then cost no allocator call (posix_memalign, free and heap consolidation were ~3% of a
