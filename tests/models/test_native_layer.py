@@ -417,6 +417,21 @@ def test_whole_stack_follows_a_replaced_projection(make_tiny_model):
     assert model.native_layers().stack is rebuilt and rebuilt.checked == native_layer._assignments
 
 
+def _allocations_under(prof, scope: str) -> int:
+    """aten::empty and aten::empty_strided calls the profiler saw under the one `scope` event (a stack step), not
+    under the copy of its result (an aten::clone)."""
+    assert len([e for e in prof.events() if e.name == scope]) == 1
+
+    def in_scope(e) -> bool:
+        while e.cpu_parent is not None and e.cpu_parent.name != "aten::clone":
+            e = e.cpu_parent
+            if e.name == scope:
+                return True
+        return False
+
+    return sum(e.name in ("aten::empty", "aten::empty_strided") and in_scope(e) for e in prof.events())
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "int8"])
 def test_a_warm_stack_step_allocates_nothing_in_its_layers(family, fmt, make_tiny_model):
@@ -436,17 +451,7 @@ def test_a_warm_stack_step_allocates_nothing_in_its_layers(family, fmt, make_tin
         token = torch.tensor([[5]])
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             engine.decode_step(cache, token)
-        steps = [e for e in prof.events() if e.name == "kakeya::DecoderStack.step"]
-        assert len(steps) == 1
-
-        def in_layers(e) -> bool:  # under the step's scope, not under the copy of its result
-            while e.cpu_parent is not None and e.cpu_parent.name != "aten::clone":
-                e = e.cpu_parent
-                if e.name == "kakeya::DecoderStack.step":
-                    return True
-            return False
-
-        return sum(e.name in ("aten::empty", "aten::empty_strided") and in_layers(e) for e in prof.events())
+        return _allocations_under(prof, "kakeya::DecoderStack.step")
 
     for _ in range(3):  # a call site's first outputs are allocated (unless an earlier test's step made them)
         engine.decode_step(cache, torch.tensor([[7]]))
@@ -487,17 +492,7 @@ def test_a_warm_sparse_stack_step_allocates_nothing_in_its_layers(family, codec,
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             engine.decode_step(cache, torch.tensor([[token]]))
         misses = cache.decoded_counts()[1] - misses
-        steps = [e for e in prof.events() if e.name == "kakeya::DecoderStack.step_sparse"]
-        assert len(steps) == 1
-
-        def in_layers(e) -> bool:  # under the step's scope, not under the copy of its result
-            while e.cpu_parent is not None and e.cpu_parent.name != "aten::clone":
-                e = e.cpu_parent
-                if e.name == "kakeya::DecoderStack.step_sparse":
-                    return True
-            return False
-
-        return sum(e.name in ("aten::empty", "aten::empty_strided") and in_layers(e) for e in prof.events()), misses
+        return _allocations_under(prof, "kakeya::DecoderStack.step_sparse"), misses
 
     for t in range(3):  # a call site's first outputs are allocated (unless an earlier test's step made them)
         steady_step(5 + t, profiled=False)
