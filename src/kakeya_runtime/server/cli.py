@@ -185,6 +185,8 @@ def serve(
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(1) from None
     console.print(f"Numerics: {kernel}")
+    if draft_head is not None:  # the model's sizes are known now: a wrong head is refused before any calibration
+        _load_draft_head(loaded.model, draft_head, console)
     try:
         choice, decode_forward = choose_serving(loaded, model, weights, compile_decode, recalibrate, console)
     except ValueError as e:  # ServingError: a format that cannot be served here
@@ -192,14 +194,8 @@ def serve(
         raise typer.Exit(2) from None
     console.print(f"Serving: {choice.describe()}", soft_wrap=True)
     head = None
-    if draft_head is not None:
-        from kakeya_runtime.engine.self_draft import DraftHead, DraftHeadError
-
-        try:
-            head = DraftHead.from_file(loaded.model, draft_head)
-        except DraftHeadError as e:  # the wrong model's head, a truncated file: say so, serve nothing
-            console.print(f"[red]error:[/] {e}", soft_wrap=True)
-            raise typer.Exit(2) from None
+    if draft_head is not None:  # on the served model: the chosen format may have loaded another one
+        head = _load_draft_head(loaded.model, draft_head, console)
         console.print(f"Draft head: {draft_head}")
     from kakeya_runtime.sessions.journal import StateDirError
 
@@ -220,6 +216,17 @@ def serve(
         console.print(f"State dir {state_dir} (fsync {fsync}): recovered {r.sessions} session(s), {r.tokens} tokens, "
                       f"{r.snapshots} KV snapshot(s)" + (f"; cut {r.dropped_bytes} torn bytes" if r.dropped_bytes else ""))
     asyncio.run(_serve_forever(server, console))
+
+
+def _load_draft_head(model: Any, path: str, console: Console) -> Any:
+    """The --draft-head weights on `model`; the wrong model's head or a truncated file exits with its message."""
+    from kakeya_runtime.engine.self_draft import DraftHead, DraftHeadError
+
+    try:
+        return DraftHead.from_file(model, path)
+    except DraftHeadError as e:
+        console.print(f"[red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 def resolve_weights(weights: str, dtype: str | None) -> str:
