@@ -1,9 +1,11 @@
 """`kakeya bench ...`: the evidence commands. Each writes JSON (with a schema version) the README cites.
 
 To add a command, define it on `bench_app` below (keep heavy imports inside the function, so
-`kakeya --help` stays fast), e.g.:
+`kakeya --help` stays fast; lists through `options`, and `answers_bad_input` so the runtime's typed errors are
+answered as errors, not tracebacks), e.g.:
 
     @bench_app.command("session")
+    @answers_bad_input
     def session_cmd(...): ...
 """
 
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import typer
 
+from kakeya_runtime.bench.options import answers_bad_input, csv, floats_in, positive_ints
 from kakeya_runtime.kv.spec import SPARSE_BUDGET
 
 bench_app = typer.Typer(help="Benchmarks that write evidence JSON under results/.", no_args_is_help=True)
@@ -25,26 +28,16 @@ def register(app: typer.Typer) -> None:
     app.add_typer(calibrate_app, name="calibrate")
 
 
-def _csv(value: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in value.split(",") if v.strip())
-
-
-def _ints(value: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in _csv(value))
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {value!r}") from None
-
-
 @bench_app.command("compiled-step")
+@answers_bad_input
 def compiled_step_cmd(
     model: str = typer.Option("smollm2", help="smollm2, gemma3-270m, a .gguf path, or tiny / tiny-gemma."),
     weights: str = typer.Option("bf16", help="Served weight format (engine.serving): bf16, fp32, int8, int4, "
                                 "int4-mixed."),
-    context: int = typer.Option(1024, help="Tokens prefilled before the timed decode steps."),
-    steps: int = typer.Option(64, help="Timed decode steps per variant."),
+    context: int = typer.Option(1024, min=1, help="Tokens prefilled before the timed decode steps."),
+    steps: int = typer.Option(64, min=1, help="Timed decode steps per variant."),
     profile_steps: int = typer.Option(16, min=1, help="Further steps under the profiler (guard time per step)."),
-    threads: int = typer.Option(0, help="Torch threads (0: torch's default)."),
+    threads: int = typer.Option(0, min=0, help="Torch threads (0: torch's default)."),
     out: str = typer.Option("results/engine/compiled_step.json", help="Output JSON."),
 ) -> None:
     """One decode step eager, compiled over the cache object, and compiled over tensors: step time and Dynamo's
@@ -74,6 +67,7 @@ def compiled_step_cmd(
 
 
 @bench_app.command("engine")
+@answers_bad_input
 def engine_cmd(
     models: str = typer.Option("smollm2,gemma3-270m", help="Comma-separated: smollm2, gemma3-270m, a .gguf path, "
                                "or tiny / tiny-gemma (random weights, for smoke tests)."),
@@ -81,18 +75,18 @@ def engine_cmd(
     formats: str = typer.Option("bf16,fp32,int8,int4,int4-mixed", help="Weight formats of our engine."),
     compile: bool = typer.Option(True, "--compile/--no-compile", help="Compiled decode step (torch.compile)."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also run transformers and llama.cpp."),
-    decode_steps: int = typer.Option(64, help="Decode steps timed per configuration."),
-    fidelity_positions: int = typer.Option(256, help="Positions of real text for KL / top-1 vs bf16."),
+    decode_steps: int = typer.Option(64, min=1, help="Decode steps timed per configuration."),
+    fidelity_positions: int = typer.Option(256, min=1, help="Positions of real text for KL / top-1 vs bf16."),
     long_prefill: str = typer.Option("1024,4096,16384,30000", help="Long-prefill peak-RSS lengths ('' to skip)."),
     long_prefill_model: str = typer.Option("gemma3-270m", help="Model for the long-prefill memory runs."),
     long_prefill_chunks: str = typer.Option("512,2048", help="Prefill chunk sizes for the long-prefill runs "
                                             "(the larger ones only at the two shortest lengths)."),
-    prefill_chunk: int = typer.Option(512, help="Our engine's prefill chunk (tokens per forward)."),
+    prefill_chunk: int = typer.Option(512, min=1, help="Our engine's prefill chunk (tokens per forward)."),
     prefill_mode: str = typer.Option("dequant", help="How int formats prefill: dequant (bf16 matmul on weights "
                                      "dequantized per call), copy (keep a bf16 copy), kernel (int kernel)."),
     head: str = typer.Option("int8", help="LM head format for the int formats: int8 or int4."),
-    threads: int = typer.Option(0, help="Threads for every engine (0: torch's default)."),
-    idle_wait: float = typer.Option(90.0, help="Seconds to wait for an idle CPU before each job."),
+    threads: int = typer.Option(0, min=0, help="Threads for every engine (0: torch's default)."),
+    idle_wait: float = typer.Option(90.0, min=0.0, help="Seconds to wait for an idle CPU before each job."),
     previous: str = typer.Option("bf16,fp32", help="Formats also run on PyTorch's kernels (not invariant) as the "
                                  "peer of our invariant ones ('' to skip)."),
     out: str = typer.Option("", help="Output JSON (default results/engine/engine_<machine>.json)."),
@@ -107,15 +101,15 @@ def engine_cmd(
         raise typer.BadParameter(f"--head must be int8 or int4, got {head!r}")
     if prefill_mode not in ("dequant", "copy", "kernel"):
         raise typer.BadParameter(f"--prefill-mode must be dequant, copy or kernel, got {prefill_mode!r}")
-    fmts = _csv(formats)
+    fmts = csv(formats)
     bad = [f for f in fmts if f not in ALL_FORMATS]
     if bad:
         raise typer.BadParameter(f"unknown formats {bad} (choose from {', '.join(ALL_FORMATS)})")
     spec = EngineBenchSpec(
-        models=_csv(models), contexts=_ints(contexts), formats=fmts, compile=compile, peers=peers,
-        decode_steps=decode_steps, fidelity_positions=fidelity_positions, long_prefill=_ints(long_prefill),
-        long_prefill_model=long_prefill_model or None, long_prefill_chunks=_ints(long_prefill_chunks),
-        threads=threads or None, idle_wait_s=idle_wait, prefill_chunk=prefill_chunk, previous_formats=_csv(previous),
+        models=csv(models), contexts=positive_ints(contexts, "--contexts"), formats=fmts, compile=compile, peers=peers,
+        decode_steps=decode_steps, fidelity_positions=fidelity_positions, long_prefill=positive_ints(long_prefill, "--long-prefill"),
+        long_prefill_model=long_prefill_model or None, long_prefill_chunks=positive_ints(long_prefill_chunks, "--long-prefill-chunks"),
+        threads=threads or None, idle_wait_s=idle_wait, prefill_chunk=prefill_chunk, previous_formats=csv(previous),
         extra_ours={**({} if prefill_mode == "dequant" else {"prefill": prefill_mode}),
                     **({} if head == "int8" else {"head": head})},
     )
@@ -150,11 +144,12 @@ def engine_cmd(
 
 
 @bench_app.command("session")
+@answers_bad_input
 def session_cmd(
     model: str = typer.Option("smollm2", help="Bundled model name or path."),
-    turns: int = typer.Option(300, help="Agent turns on one session (size to fit the model's context)."),
-    reply_tokens: int = typer.Option(4, help="Tokens generated per turn."),
-    baseline_every: int = typer.Option(5, help="Run the stateless re-prefill baseline every N turns (0: never)."),
+    turns: int = typer.Option(300, min=1, help="Agent turns on one session (size to fit the model's context)."),
+    reply_tokens: int = typer.Option(4, min=1, help="Tokens generated per turn."),
+    baseline_every: int = typer.Option(5, min=0, help="Run the stateless re-prefill baseline every N turns (0: never)."),
     policies: str = typer.Option("full", help="';'-separated policies, e.g. 'full;sink_window:sink=4,window=64'."),
     weights: str = typer.Option("auto", help="As `kakeya serve --weights`: auto (its default: the format it serves "
                                 "on this machine), bf16, fp32, int8, int4 or int4-mixed."),
@@ -177,15 +172,16 @@ def session_cmd(
 
 
 @bench_app.command("soak")
+@answers_bad_input
 def soak_cmd(
     model: str = typer.Option("smollm2", help="Bundled model name or path, served by a child `kakeya serve`."),
-    requests: int = typer.Option(10_000, help="Requests in all (half before the kill -9, half after)."),
-    max_seconds: float = typer.Option(900.0, help="Stop (and fail) past this wall time."),
-    keys: int = typer.Option(3, help="API keys, one client thread each."),
-    context: int = typer.Option(1024, help="The server's per-session context (small: limits are reached)."),
+    requests: int = typer.Option(10_000, min=2, help="Requests in all (half before the kill -9, half after)."),
+    max_seconds: float = typer.Option(900.0, min=1.0, help="Stop (and fail) past this wall time."),
+    keys: int = typer.Option(3, min=1, help="API keys, one client thread each."),
+    context: int = typer.Option(1024, min=64, help="The server's per-session context (small: limits are reached)."),
     seed: int = typer.Option(0),
     kill: bool = typer.Option(True, "--kill/--no-kill", help="SIGKILL and restart the server halfway."),
-    max_rss_gib: float = typer.Option(6.0, help="Fail if the server's RSS goes above this."),
+    max_rss_gib: float = typer.Option(6.0, min=0.1, help="Fail if the server's RSS goes above this."),
     out: str = typer.Option("results/soak", help="Output directory for the JSON."),
 ) -> None:
     """Randomized valid and invalid requests from several keys, cancellations, evictions, idle compression and a
@@ -199,22 +195,25 @@ def soak_cmd(
 
 
 @bench_app.command("attention")
+@answers_bad_input
 def attention_cmd(
     lengths: str = typer.Option("1024,4096,7168", help="Cache lengths (keys)."),
     chunks: str = typer.Option("1,21,128", help="New tokens per call (1: decode)."),
     dtypes: str = typer.Option("bfloat16,float32", help="K/V and query dtypes."),
     prompts: str = typer.Option("512", help="Fresh prompt lengths (causal attention over themselves; '' to skip)."),
-    threads: int = typer.Option(0, help="Threads (0: torch's default)."),
+    threads: int = typer.Option(0, min=0, help="Threads (0: torch's default)."),
     out: str = typer.Option("results/attention/attention.json", help="Output JSON."),
 ) -> None:
     """Per-layer attention: our invariant kernel vs PyTorch's SDPA path, SmolLM2 shapes, same run."""
     from kakeya_runtime.bench.attention import command
 
-    command(lengths=_ints(lengths), chunks=_ints(chunks), dtypes=_csv(dtypes), prompts=_ints(prompts),
+    command(lengths=positive_ints(lengths, "--lengths"), chunks=positive_ints(chunks, "--chunks"), dtypes=csv(dtypes),
+            prompts=positive_ints(prompts, "--prompts"),
             threads=threads or None, out=Path(out))
 
 
 @bench_app.command("sparse")
+@answers_bad_input
 def sparse_cmd(
     model: str = typer.Option("smollm2", help="Bundled model: smollm2 or gemma3-270m."),
     lengths: str = typer.Option("2048,4096,7680", help="Context lengths (tokens of real text)."),
@@ -228,13 +227,13 @@ def sparse_cmd(
                                          "timed in the same run (one row per length and codec)."),
     q: int = typer.Option(38, help="Lattice range of the codec."),
     heads: str = typer.Option("all", help="all (every head sparse) or profile (the model's head profile)."),
-    oracle_steps: int = typer.Option(8, help="Decode steps whose full attention is measured (oracle mass)."),
-    decode_tokens: int = typer.Option(32, help="Tokens decoded per policy for the speed columns."),
-    threads: int = typer.Option(0, help="Threads (0: torch's default)."),
+    oracle_steps: int = typer.Option(8, min=1, help="Decode steps whose full attention is measured (oracle mass)."),
+    decode_tokens: int = typer.Option(32, min=1, help="Tokens decoded per policy for the speed columns."),
+    threads: int = typer.Option(0, min=0, help="Threads (0: torch's default)."),
     out: str = typer.Option("results/sparse/latest", help="Output directory."),
-    decoded_per_topk: float = typer.Option(0.0, help="Lattice codes: decoded blocks kept per KV head, in multiples "
+    decoded_per_topk: float = typer.Option(0.0, min=0.0, help="Lattice codes: decoded blocks kept per KV head, in multiples "
                                                      "of the blocks a query keeps (0: the policy's default)."),
-    repeats: int = typer.Option(1, help="Rounds in which every policy decodes --decode-tokens in turn (the median "
+    repeats: int = typer.Option(1, min=1, help="Rounds in which every policy decodes --decode-tokens in turn (the median "
                                         "round is reported)."),
 ) -> None:
     """The sparse KV policy against full attention: oracle attention mass, agreement, decode speed, memory."""
@@ -242,45 +241,48 @@ def sparse_cmd(
 
     params = {"sink": sink, "window": window, "block": block, "topk": topk, "budget": budget, "codec": codec, "q": q,
               "heads": heads}
-    command(model, _ints(lengths), dtype, params, oracle_steps, decode_tokens, threads or None, Path(out),
+    command(model, positive_ints(lengths, "--lengths"), dtype, params, oracle_steps, decode_tokens, threads or None, Path(out),
             decoded_per_topk or None, repeats)
 
 
 @bench_app.command("spec")
+@answers_bad_input
 def spec_cmd(
     model: str = typer.Option("smollm2", help="Bundled model (smollm2: chat prompts; others: completion prompts)."),
     dtype: str = typer.Option("bf16", help="bf16 or fp32."),
     proposers: str = typer.Option("history,self,draft_head", help="Draft proposers."),
     ks: str = typer.Option("1,2,4,auto", help="Max draft tokens per verifier step (auto: the adaptive setting)."),
     temperatures: str = typer.Option("0,0.7", help="Sampling temperatures."),
-    max_tokens: int = typer.Option(128, help="Tokens generated per run (fewer when the model ends its reply)."),
+    max_tokens: int = typer.Option(128, min=1, help="Tokens generated per run (fewer when the model ends its reply)."),
     workloads: str = typer.Option("quote_tool_output,reemit_file_one_change,reformat_json,chat_explain,chat_story",
                                   help="Workloads (bench/spec.py)."),
     prompts: str = typer.Option("", help="Prompt style: chat or completion (default: chat for smollm2)."),
-    repeats: int = typer.Option(2, help="Alternating plain/speculative runs per setting (each keeps its fastest)."),
-    threads: int = typer.Option(0, help="Threads (0: torch's default)."),
+    repeats: int = typer.Option(2, min=1, help="Alternating plain/speculative runs per setting (each keeps its fastest)."),
+    threads: int = typer.Option(0, min=0, help="Threads (0: torch's default)."),
     merge: bool = typer.Option(False, "--merge", help="Keep the output JSON's records of other workloads."),
     out: str = typer.Option("results/spec/latest", help="Output directory."),
 ) -> None:
     """Speculative decoding vs plain decode: acceptance at each K, mean accepted length, wall time per token."""
     from kakeya_runtime.bench.spec import command
 
-    k_values = tuple(0 if k.strip().lower() == "auto" else int(k) for k in _csv(ks))
-    command(model, dtype, _csv(proposers), k_values, tuple(float(t) for t in _csv(temperatures)), max_tokens,
-            _csv(workloads), threads or None, Path(out), repeats, prompts or None, merge)
+    k_values = tuple(0 if k.lower() == "auto" else positive_ints(k, "--ks")[0] for k in csv(ks))  # 0: auto
+    command(model, dtype, csv(proposers), k_values, floats_in(temperatures, "--temperatures", 0.0, 100.0), max_tokens,
+            csv(workloads), threads or None, Path(out), repeats, prompts or None, merge)
 
 
 @bench_app.command("concurrent")
+@answers_bad_input
 def concurrent_cmd(
     model: str = typer.Option("smollm2", help="Model `kakeya serve` loads."),
     sessions: str = typer.Option("1,2,4,8", help="Concurrent sessions per phase."),
-    turns: int = typer.Option(2, help="Agent turns per session per phase."),
-    reply_tokens: int = typer.Option(48, help="Tokens generated per turn (greedy, EOS ignored)."),
-    long_prompt: int = typer.Option(4096, help="Tokens of the prompt arriving while others decode (0: skip)."),
-    long_decoders: int = typer.Option(4, help="Sessions decoding while the long prompt arrives."),
-    long_reply_tokens: int = typer.Option(400, help="Tokens each of those decodes (enough to cover the prompt's read)."),
-    max_batch: int = typer.Option(8, help="--max-batch of the batching server."),
-    step_tokens: int = typer.Option(16, help="--step-tokens of both servers."),
+    turns: int = typer.Option(2, min=1, help="Agent turns per session per phase."),
+    reply_tokens: int = typer.Option(48, min=1, help="Tokens generated per turn (greedy, EOS ignored)."),
+    long_prompt: int = typer.Option(4096, min=0, help="Tokens of the prompt arriving while others decode (0: skip)."),
+    long_decoders: int = typer.Option(4, min=1, help="Sessions decoding while the long prompt arrives."),
+    long_reply_tokens: int = typer.Option(400, min=1, help="Tokens each of those decodes (enough to cover the "
+                                          "prompt's read)."),
+    max_batch: int = typer.Option(8, min=1, help="--max-batch of the batching server."),
+    step_tokens: int = typer.Option(16, min=1, help="--step-tokens of both servers."),
     schedulers: str = typer.Option("batch,serial", help="batch (--max-batch N) and/or serial (--max-batch 1)."),
     out: str = typer.Option("results/concurrent", help="Output directory (concurrent.json)."),
 ) -> None:
@@ -289,13 +291,13 @@ def concurrent_cmd(
 
     from kakeya_runtime.bench.concurrent import ConcurrentConfig, run_concurrent
 
-    bad = [s for s in _csv(schedulers) if s not in ("batch", "serial")]
+    bad = [s for s in csv(schedulers) if s not in ("batch", "serial")]
     if bad:
         raise typer.BadParameter(f"unknown schedulers {bad} (batch, serial)")
-    config = ConcurrentConfig(model=model, sessions=_ints(sessions), turns=turns, reply_tokens=reply_tokens,
+    config = ConcurrentConfig(model=model, sessions=positive_ints(sessions, "--sessions"), turns=turns, reply_tokens=reply_tokens,
                               long_prompt=long_prompt, long_decoders=long_decoders,
                               long_reply_tokens=long_reply_tokens, max_batch=max_batch, step_tokens=step_tokens,
-                              schedulers=_csv(schedulers), out=Path(out))
+                              schedulers=csv(schedulers), out=Path(out))
     result = run_concurrent(config, command_line="kakeya " + shlex.join(sys.argv[1:]))
     typer.echo(json.dumps(result["targets"], indent=2))
     typer.echo(f"wrote {result['path']}")
@@ -305,14 +307,15 @@ calibrate_app = typer.Typer(help="Per-model measurements the runtime loads (head
 
 
 @calibrate_app.command("heads")
+@answers_bad_input
 def calibrate_heads_cmd(
     model: str = typer.Option("smollm2", help="Bundled model: smollm2 or gemma3-270m."),
     dtype: str = typer.Option("bf16", help="bf16 or fp32."),
     lengths: str = typer.Option("2048,4096", help="Passkey prompt lengths (tokens)."),
     depths: str = typer.Option("0.1,0.5,0.9", help="Needle depths."),
-    window: int = typer.Option(512, help="Hot window the profile is measured for."),
-    block: int = typer.Option(32, help="Positions per cold block."),
-    topk: int = typer.Option(32, help="Cold blocks a sparse head attends to."),
+    window: int = typer.Option(512, min=1, help="Hot window the profile is measured for."),
+    block: int = typer.Option(32, min=1, help="Positions per cold block."),
+    topk: int = typer.Option(32, min=1, help="Cold blocks a sparse head attends to."),
     target: float = typer.Option(0.99, help="Attention mass a head's mode must keep (mean over steps)."),
     out: str = typer.Option("", help="Profile path (default: the user's cache dir, where the policy looks)."),
 ) -> None:
@@ -325,7 +328,8 @@ def calibrate_heads_cmd(
         raise typer.BadParameter(f"--dtype must be bf16 or fp32, got {dtype!r}")
     if not 0 < target <= 1:
         raise typer.BadParameter(f"--target is a share of attention mass in (0, 1], got {target}")
-    r = calibrate_heads(model, dtype=dtype, lengths=_ints(lengths), depths=tuple(float(x) for x in _csv(depths)),
+    r = calibrate_heads(model, dtype=dtype, lengths=positive_ints(lengths, "--lengths"),
+                        depths=floats_in(depths, "--depths", 0.0, 1.0),
                         window=window, block=block, topk=topk, target=target, out=out or None,
                         command="kakeya " + " ".join(sys.argv[1:]))
     s = r["summary"]

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kakeya_runtime.kv.spec import PolicyError, PolicySpec
+
 SCHEMA_VERSION = 1
 
 # Filler for tool outputs: log lines, JSON fragments and file listings, as agents see them.
@@ -211,6 +213,10 @@ def write_evidence(results: dict[str, SessionBenchResult], out: Path, meta: dict
     return doc
 
 
+class SessionBenchError(ValueError):
+    """A bench request it cannot run (an unknown attention backend)."""
+
+
 def parse_policy(text: str) -> dict[str, Any]:
     """"full" or "sink_window:sink=4,window=64" -> {"name": ..., "params": {...}} (numbers parsed)."""
     name, _, rest = text.partition(":")
@@ -218,7 +224,7 @@ def parse_policy(text: str) -> dict[str, Any]:
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
-            raise ValueError(f"policy parameter {item!r} is not key=value")
+            raise PolicyError(f"policy parameter {item!r} is not key=value")
         try:
             params[key] = int(value)
         except ValueError:
@@ -265,6 +271,12 @@ def command(
 
     console = Console(stderr=True)
     backends = [b.strip() for b in attention.split(",") if b.strip()]
+    texts = [p.strip() for p in policies.split(";") if p.strip()]
+    for text in texts:  # each policy checked before the model loads: PolicyError names what is wrong
+        PolicySpec.parse(**parse_policy(text))
+    unknown = [b for b in backends if b not in native.BACKENDS]
+    if unknown or not backends:
+        raise SessionBenchError(f"attention backends {unknown or attention!r}: expected some of {native.BACKENDS}")
     served = load_served(model, weights, dtype, console)
     # What `kakeya serve` runs (its defaults), on loopback, with /metrics so violations are read where they are kept.
     server = RuntimeServer(served, ServerConfig(port=0, metrics_port=0))
@@ -275,7 +287,7 @@ def command(
         serving = served_format(running.address)
         for backend in backends:
             native.set_backend(backend)  # process-wide: the server's engine thread reads it per call
-            for text in filter(None, (p.strip() for p in policies.split(";"))):
+            for text in texts:
                 name = text if len(backends) == 1 else f"{text} @{backend}"
                 task = bar.add_task(name, total=turns)
                 results[name] = run_session_bench(

@@ -345,7 +345,7 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
     keys = list(configs) if configs else list(table)
     unknown = [k for k in keys if k not in table]
     if unknown:
-        raise ValueError(f"unknown NIAH configuration(s) {unknown} (known: {list(table)})")
+        raise NiahConfigError(f"unknown NIAH configuration(s) {unknown} (known: {list(table)})")
     if "full" in keys:
         keys.remove("full")
         keys.insert(0, "full")  # first: everything is compared against it
@@ -622,6 +622,10 @@ def _progress(enabled: bool):
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
 
 
+class NiahConfigError(ValueError):
+    """A configuration name the ladder does not know."""
+
+
 # -- CLI ------------------------------------------------------------------------------------------------
 
 
@@ -629,12 +633,15 @@ def register_niah(bench_app) -> None:
     """Add `niah` to a typer app (the lead wires it as `kakeya bench niah`)."""
     import typer
 
+    from kakeya_runtime.bench.options import answers_bad_input, csv, floats_in, positive_ints
+
     @bench_app.command("niah")
+    @answers_bad_input
     def niah(
         model: str = typer.Option("smollm2", help="bundled model: smollm2 (chat) or gemma3-270m (completion)"),
         lengths: str = typer.Option("1024,2048,4096,7680", help="comma-separated context lengths (tokens)"),
         depths: str = typer.Option("0.1,0.5,0.9", help="comma-separated needle depths in [0, 1]"),
-        samples: int = typer.Option(2, help="samples per (length, depth) cell"),
+        samples: int = typer.Option(2, min=1, help="samples per (length, depth) cell"),
         configs: str = typer.Option("", help="comma-separated configurations (default: all)"),
         sink: int = typer.Option(4), window: int = typer.Option(64),
         sparse_window: int = typer.Option(SPARSE["window"], help="the sparse columns' hot window"),
@@ -642,10 +649,10 @@ def register_niah(bench_app) -> None:
         topk: int = typer.Option(SPARSE["topk"], help="the sparse columns' selected blocks per query (at least)"),
         budget: float = typer.Option(SPARSE["budget"], help="the sparse columns' share of the selectable blocks"),
         qs: str = typer.Option("38,10", help="lattice ranges Q for the packed-lattice configurations"),
-        seed: int = typer.Option(42), max_new_tokens: int = typer.Option(10),
+        seed: int = typer.Option(42), max_new_tokens: int = typer.Option(10, min=1),
         dtype: str = typer.Option("fp32", help="fp32 (restore == full bit-exact) or bf16"),
-        threads: int = typer.Option(0, help="torch threads (0: leave torch's default)"),
-        per_step_max_length: int = typer.Option(0, help="skip restore per_step above this length (0: never)"),
+        threads: int = typer.Option(0, min=0, help="torch threads (0: leave torch's default)"),
+        per_step_max_length: int = typer.Option(0, min=0, help="skip restore per_step above this length (0: never)"),
         memory: bool = typer.Option(False, "--memory", help="pin malloc so peak RSS is exact (slower timings)"),
         small: bool = typer.Option(False, "--small", help="the CI ladder: one short cell, every configuration"),
         out: str = typer.Option(DEFAULT_OUT, help="output directory"),
@@ -653,9 +660,9 @@ def register_niah(bench_app) -> None:
         """Needle-in-a-haystack recall of each KV policy against the full-attention oracle."""
         out_dir = Path(out)
         result = run_niah(
-            model, lengths=[int(x) for x in lengths.split(",") if x], depths=[float(x) for x in depths.split(",") if x],
-            samples=samples, configs=[c for c in configs.split(",") if c] or None, sink=sink, window=window,
-            qs=[int(x) for x in qs.split(",") if x], seed=seed, max_new_tokens=max_new_tokens, dtype=dtype,
+            model, lengths=list(positive_ints(lengths, "--lengths")), depths=list(floats_in(depths, "--depths", 0.0, 1.0)),
+            samples=samples, configs=list(csv(configs)) or None, sink=sink, window=window,
+            qs=list(positive_ints(qs, "--qs")), seed=seed, max_new_tokens=max_new_tokens, dtype=dtype,
             threads=threads or None, per_step_max_length=per_step_max_length or None, small=small, out_dir=out_dir,
             memory=memory, sparse={"window": sparse_window, "block": block, "topk": topk, "budget": budget})
         typer.echo((out_dir / "summary.md").read_text())
