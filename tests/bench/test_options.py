@@ -54,6 +54,10 @@ def test_only_the_runtimes_typed_errors_count_as_bad_input():
     (["bench", "niah", "--lengths", "0"], "--lengths: every value must be at least 1"),
     (["bench", "niah", "--depths", "0.5,2"], r"--depths: every value must lie in [0, 1]"),
     (["bench", "niah", "--configs", "full,bogus"], "unknown NIAH configuration(s) ['bogus']"),
+    (["bench", "niah", "--lengths", "1024,9000", "--configs", "full"],  # past SmolLM2's 8,192: refused, not shortened
+     "length 9000 does not fit smollm2's context of 8192 positions with 10 new tokens: at most 8174"),
+    (["bench", "sparse", "--lengths", "9000", "--decode-tokens", "4"],
+     "length 9000 does not fit smollm2's context of 8192 positions with these decode steps: at most 8178"),
     (["bench", "concurrent", "--sessions", "0,8"], "--sessions: every value must be at least 1, got 0"),
     (["bench", "concurrent", "--turns", "0"], "--turns"),
     (["bench", "attention", "--lengths", "-5"], "--lengths: every value must be at least 1, got -5"),

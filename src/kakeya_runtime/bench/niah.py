@@ -332,25 +332,28 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
     malloc_pinned = pin_malloc() if memory else False
     from kakeya_runtime.bench.sparse import cpu_busy
 
-    busy = cpu_busy()  # other work on the machine skews the timing columns
-    if loaded is None:
-        from kakeya_runtime.models.loader import load_model
-
-        loaded = load_model(model, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
-    style = MODELS.get(model, "chat" if loaded.chat_template else "completion")
     sparse = {**SPARSE, **(sparse or {})}
     if small:  # the CI cell is short: a sparse window that still leaves cold blocks to select
         sparse = {"window": 64, "block": 16, "topk": 4}
     table = standard_configs(sink, window, qs, sparse)
     keys = list(configs) if configs else list(table)
     unknown = [k for k in keys if k not in table]
-    if unknown:
+    if unknown:  # before the model loads
         raise NiahConfigError(f"unknown NIAH configuration(s) {unknown} (known: {list(table)})")
+    busy = cpu_busy()  # other work on the machine skews the timing columns
+    if loaded is None:
+        from kakeya_runtime.models.loader import load_model
+
+        loaded = load_model(model, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    style = MODELS.get(model, "chat" if loaded.chat_template else "completion")
     if "full" in keys:
         keys.remove("full")
         keys.insert(0, "full")  # first: everything is compared against it
     limit = loaded.config.max_position_embeddings - max_new_tokens - 8
-    lengths = [min(n, limit) for n in lengths]
+    if max(lengths, default=0) > limit:
+        raise NiahConfigError(f"length {max(lengths)} does not fit {model}'s context of "
+                              f"{loaded.config.max_position_embeddings} positions with {max_new_tokens} new tokens: at "
+                              f"most {limit}")
     builder = PromptBuilder(loaded.tokenizer, style, loaded.bos_id)
     runner = NiahRunner(loaded, max_new_tokens=max_new_tokens)
     records: list[dict[str, Any]] = []

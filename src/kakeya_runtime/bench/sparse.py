@@ -52,6 +52,10 @@ def cpu_busy(seconds: float = 1.0) -> float:
     return 1.0 - (i1 - i0) / max(1, t1 - t0)
 
 
+class SparseBenchError(ValueError):
+    """A length the model's context cannot hold with the bench's own decode steps."""
+
+
 def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048, 4096, 7680), dtype: str = "bf16",
                      params: dict[str, Any] | None = None, sink_window: dict[str, Any] | None = None,
                      oracle_steps: int = 8, decode_tokens: int = 32, prefill_chunk: int = 512,
@@ -78,8 +82,11 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
     started = time.time()
     rows = []
     governed = 0
+    most = cfg.max_position_embeddings - repeats * decode_tokens - oracle_steps - 2  # the steps decoded after it
+    if max(lengths, default=0) > most:
+        raise SparseBenchError(f"length {max(lengths)} does not fit {model}'s context of {cfg.max_position_embeddings} "
+                               f"positions with these decode steps: at most {most}")
     for n in lengths:
-        n = min(n, cfg.max_position_embeddings - repeats * decode_tokens - oracle_steps - 2)
         ids = torch.tensor([text[:n]], dtype=torch.long)
         # oracle mass and agreement: full and sparse decode greedily from the same prompt
         full_tokens = _generate(engine, cfg, PolicySpec.parse("full"), ids, oracle_steps)
