@@ -7,11 +7,13 @@ import torch
 
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
 from kakeya_runtime.engine.sampling import (
+    NUCLEUS_GUESS,
     SamplingError,
     SamplingParams,
-    filter_logits,
+    draw,
     probs_from_logits,
     sample,
+    support,
 )
 
 # Tiny models: per-op work is far too small to split across threads, and on a shared 2-core machine a
@@ -42,8 +44,8 @@ def test_top_k_restricts_support():
     logits = torch.tensor([[3.0, 2.9, 2.8, 2.7, 2.6, 0.0, -1.0, 2.5]])
     params = SamplingParams(temperature=1.0, top_k=3, seed=0)
     assert _draws(logits, params) == {0, 1, 2}
-    filtered = filter_logits(logits, params)
-    assert torch.isinf(filtered[0, 3:]).all() and torch.isfinite(filtered[0, :3]).all()
+    kept = probs_from_logits(logits, params)
+    assert (kept[0, 3:] == 0).all() and (kept[0, :3] > 0).all()
     assert _draws(logits, SamplingParams(temperature=1.0, top_k=0, seed=0)) >= {0, 1, 2, 3, 4, 7}  # 0 = off
 
 
@@ -81,3 +83,95 @@ def test_invalid_parameters_raise(kwargs, message):
     with pytest.raises(SamplingError, match=message) as info:
         SamplingParams(**kwargs)
     assert isinstance(info.value, ValueError)
+
+
+def _reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The textbook transform, over the whole sorted vocabulary in float64: temperature, top-k (ties with the k-th
+    kept), top-p (a token goes once the mass before it reaches top_p), renormalised. (V,) -> (V,)."""
+    x = logits.double()
+    z = (x - x.max()) / params.temperature
+    if params.top_k and params.top_k < x.numel():
+        z = z.masked_fill(x < torch.topk(x, params.top_k).values[-1], float("-inf"))
+    p = torch.softmax(z, 0)
+    if params.top_p is not None and params.top_p < 1.0:
+        order = sorted(range(x.numel()), key=lambda i: (-float(p[i]), i))
+        before = 0.0
+        for rank, i in enumerate(order):
+            if rank and before >= params.top_p:
+                p[i] = 0.0
+            before += float(torch.softmax(z, 0)[i])
+        p = p / p.sum()
+    return p
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(0.7), SamplingParams(1.3, top_k=5), SamplingParams(0.9, top_p=0.8),
+    SamplingParams(0.6, top_k=12, top_p=0.7), SamplingParams(2.0, top_p=0.999), SamplingParams(0.05, top_p=0.5),
+])
+def test_the_support_is_the_textbook_transform(params):
+    """Candidates only, not a sort of the vocabulary: the same tokens and (to float rounding) the same probabilities
+    as the whole-vocabulary reference, each row alone whatever rows share the call."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 40, generator=g) * 2.5
+    got = probs_from_logits(logits, params)
+    for b in range(3):
+        want = _reference(logits[b], params)
+        assert torch.equal(got[b] > 0, want > 0), (b, got[b], want)
+        torch.testing.assert_close(got[b].double(), want, atol=1e-6, rtol=1e-5)
+        assert torch.equal(probs_from_logits(logits[b : b + 1], params)[0], got[b])  # the row alone: the same bits
+
+
+def test_ties_at_the_boundaries():
+    """top-k keeps every logit tied with the k-th; top-p orders ties by the lower id, so of two tied tokens at its
+    boundary the lower id stays."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]])
+    assert probs_from_logits(logits, SamplingParams(1.0, top_k=2))[0].gt(0).tolist() == [True, True, True, True, False]
+    even = torch.tensor([[0.0, 0.0, 0.0, 0.0]]).log_softmax(-1)  # four tokens of 0.25
+    ids, w = support(even[0], SamplingParams(1.0, top_p=0.5))
+    assert ids.tolist() == [0, 1] and torch.allclose(w, torch.tensor([0.25, 0.25], dtype=torch.float64))
+
+
+def test_a_nucleus_larger_than_the_first_guess():
+    """A flat distribution over a large vocabulary: the nucleus holds far more than NUCLEUS_GUESS tokens, and the
+    candidates grow until they hold it (the same support as the reference)."""
+    vocab = 8 * NUCLEUS_GUESS
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 0.1
+    params = SamplingParams(1.0, top_p=0.9)
+    got = probs_from_logits(logits, params)[0]
+    assert int((got > 0).sum()) > 4 * NUCLEUS_GUESS
+    p = torch.softmax(logits[0].double(), 0)
+    sorted_p, order = torch.sort(p, descending=True, stable=True)
+    keep = int(((sorted_p.cumsum(0) - sorted_p) < 0.9).sum())
+    assert set(torch.nonzero(got).flatten().tolist()) == set(order[:keep].tolist())
+
+
+def test_draws_follow_the_support():
+    """Draws from `sample` match `probs_from_logits` (chi-square over 8k draws), and the same counts reject the
+    distribution at a 10% higher temperature (power)."""
+    logits = torch.randn(1, 24, generator=torch.Generator().manual_seed(5)) * 2.0
+    params = SamplingParams(0.9, top_k=10, top_p=0.95)
+    g = torch.Generator().manual_seed(6)
+    counts = torch.zeros(24)
+    for _ in range(8000):
+        counts[int(sample(logits, params, g)[0])] += 1
+
+    def z(p: torch.Tensor) -> float:
+        e = p.double() * 8000
+        keep = e > 0
+        assert counts[~keep].sum() == 0
+        dof = int(keep.sum()) - 1
+        return float((((counts.double()[keep] - e[keep]) ** 2) / e[keep]).sum() - dof) / (2 * dof) ** 0.5
+
+    assert z(probs_from_logits(logits, params)[0]) < 5.0
+    assert z(probs_from_logits(logits, SamplingParams(0.99, top_k=10, top_p=0.95))[0]) > 5.0
+
+
+def test_draw_never_picks_a_zero_weight_and_refuses_bad_weights():
+    g = torch.Generator().manual_seed(0)
+    w = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.0])
+    assert {draw(w, g) for _ in range(400)} == {1, 3}
+    for bad in (torch.zeros(3), torch.tensor([1.0, float("nan")]), torch.tensor([float("inf"), 1.0])):
+        with pytest.raises(RuntimeError, match="sampling"):
+            draw(bad, g)
+    with pytest.raises(RuntimeError, match="maximum"):
+        sample(torch.full((1, 4), float("nan")), SamplingParams(1.0), g)

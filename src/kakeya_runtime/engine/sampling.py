@@ -44,40 +44,94 @@ class SamplingParams:
         return g
 
 
-def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Temperature, then top-k, then top-p over (B, V) fp32 logits; removed entries become -inf.
+# When only top_p limits the support, the candidates first looked at: the most likely tokens, doubled until they hold
+# the nucleus's mass (a sort of the whole vocabulary costs ~22 ms at Gemma 3's 262,144 tokens; the nucleus is small).
+NUCLEUS_GUESS = 1024
 
-    The max is subtracted before dividing by the temperature, so any temperature in (0, 100] is exact and
-    finite: the best logit maps to 0 and the rest to at most 0 (-inf when a tiny temperature underflows them),
-    where dividing first overflows to inf - inf = NaN below ~1e-37."""
-    x = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
-    vocab = x.shape[-1]
-    if params.top_k and params.top_k < vocab:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
-        # Drop a token when the mass before it already reaches top_p (the top token always stays).
-        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return x
+
+def support(row: Tensor, params: SamplingParams) -> tuple[Tensor | None, Tensor]:
+    """The tokens one sampled row may draw and their weights (proportional to the probabilities): ids (n,) int64 in
+    descending probability (ties: the lower id first) and w (n,), or ids None and w over the whole vocabulary in id
+    order (nothing filtered).
+
+    Temperature, then top-k, then top-p, over the row's (V,) fp32 logits x:
+    - e = exp((x - max x) / temperature) in fp32 (the max is subtracted before dividing, so any temperature in
+      (0, 100] is exact and finite: dividing first overflows to inf - inf = NaN below ~1e-37);
+    - top-k keeps the k highest logits and every logit equal to the k-th;
+    - top-p drops a token once the mass before it (its probability among the tokens kept so far, in float64, in the
+      order above) reaches top_p; the first always stays.
+    Only candidates are ordered: the k of top-k, or for top-p alone the most likely NUCLEUS_GUESS tokens and
+    everything tied with the last of them, doubled until they hold top_p of the mass (every token past them has at
+    least that much before it). A function of the row alone: the same bits whatever rows share a step."""
+    x = row.float()
+    vocab = x.numel()
+    peak = x.max()
+    if not torch.isfinite(peak):
+        raise RuntimeError(f"sampling: the logits' maximum is {float(peak)}")
+    top_k = params.top_k if params.top_k and params.top_k < vocab else 0
+    top_p = params.top_p if params.top_p is not None and params.top_p < 1.0 else None
+    if top_k:
+        ids = (x >= torch.topk(x, top_k).values[-1]).nonzero().flatten()
+        e = x[ids].sub_(peak).div_(params.temperature).exp_()
+        total = e.sum(dtype=torch.float64)
+    else:
+        e_all = x.sub(peak).div_(params.temperature).exp_()
+        if top_p is None:
+            return None, e_all
+        total = e_all.sum(dtype=torch.float64)
+        guess = min(vocab, NUCLEUS_GUESS)
+        while True:
+            ids = (e_all >= torch.topk(e_all, guess, sorted=False).values.min()).nonzero().flatten()
+            if guess == vocab or e_all[ids].sum(dtype=torch.float64) >= top_p * total:
+                break
+            guess = min(vocab, 4 * guess)
+        e = e_all[ids]
+    if top_p is None:
+        return ids, e
+    p, order = torch.sort(e.double().div_(total), descending=True, stable=True)  # ids ascending: ties, lower id first
+    before = p.cumsum(0) - p
+    keep = max(1, int((before < top_p).sum()))  # `before` rises with the order: the kept ones are a prefix
+    return ids[order[:keep]], p[:keep]
+
+
+def draw(probs: Tensor, generator: torch.Generator | None) -> int:
+    """One index drawn from nonnegative weights (n,) (any float dtype, not normalised): the first whose running sum
+    passes u * total, u uniform in [0, 1) from `generator` in float64 (a zero weight is never drawn)."""
+    cdf = probs.double().cumsum(0)
+    total = cdf[-1]
+    if not (torch.isfinite(total) and total > 0):
+        raise RuntimeError(f"sampling: the weights sum to {float(total)}")
+    u = torch.rand((), dtype=torch.float64, generator=generator)
+    return min(int(torch.searchsorted(cdf, u * total, right=True)), probs.numel() - 1)
 
 
 def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
-    """The distribution a sampled token is drawn from, (B, V); one-hot argmax when greedy."""
+    """The distribution a sampled token is drawn from, (B, V) fp32: each row's `support` scattered over the
+    vocabulary; one-hot argmax when greedy."""
     if params.greedy:
         return torch.nn.functional.one_hot(greedy(logits), logits.shape[-1]).to(logits.dtype)
-    return torch.softmax(filter_logits(logits, params), dim=-1)
+    out = torch.zeros(logits.shape, dtype=torch.float32)
+    for b in range(logits.shape[0]):
+        ids, w = support(logits[b], params)
+        p = (w.double() / w.sum(dtype=torch.float64)).float()
+        if ids is None:
+            out[b] = p
+        else:
+            out[b, ids] = p
+    return out
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
-    """(B, V) fp32 logits -> (B,) int64 token ids."""
+    """(B, V) fp32 logits -> (B,) int64 token ids: argmax when greedy, else each row a `draw` from its `support`,
+    rows in order from one generator."""
     if params.greedy:
         return greedy(logits)
-    probs = torch.softmax(filter_logits(logits, params), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    picked = []
+    for b in range(logits.shape[0]):
+        ids, w = support(logits[b], params)
+        i = draw(w, generator)
+        picked.append(i if ids is None else int(ids[i]))
+    return torch.tensor(picked, dtype=torch.long)
 
 
 def greedy(logits: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from kakeya_runtime.engine.drafts import Draft
-from kakeya_runtime.engine.sampling import SamplingParams, probs_from_logits
+from kakeya_runtime.engine.sampling import SamplingParams, draw, probs_from_logits
 from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.models.base import DecoderModel
 
@@ -44,7 +44,7 @@ def _pick(logits: Tensor, sampling: SamplingParams, generator: torch.Generator |
     if sampling.greedy:
         return int(logits.argmax()), None
     q = probs_from_logits(logits[None], sampling)[0]
-    return int(torch.multinomial(q, 1, generator=generator)), q
+    return draw(q, generator), q
 
 
 class LayerSkipDraft:

@@ -49,7 +49,7 @@ from kakeya_runtime.engine.generate import (
     GenerationError,
     GenerationResult,
 )
-from kakeya_runtime.engine.sampling import SamplingParams, greedy, probs_from_logits, sample
+from kakeya_runtime.engine.sampling import SamplingParams, draw, greedy, probs_from_logits, sample
 from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.models.base import Logits
 
@@ -95,11 +95,11 @@ def verify_sampled(logits: Tensor, draft: Draft, sampling: SamplingParams,
     """Leviathan et al.'s rejection sampling, exact for the sampler's transform of the target distribution.
 
     The target distribution of a row is computed only when that row is reached (the rows after the first
-    rejection are never needed: with top-k/top-p each row costs a sort over the vocabulary); the random numbers
-    are drawn in a fixed order (k uniforms, then one token), whichever rows are computed."""
+    rejection are never needed); the random numbers are drawn in a fixed order (k uniforms, then one token),
+    whichever rows are computed. The bonus token after k accepted drafts is what plain sampling draws there."""
     k = len(draft.tokens)
     if k == 0:
-        return [int(torch.multinomial(probs_from_logits(logits[:1], sampling)[0], 1, generator=generator))]
+        return [int(sample(logits[:1], sampling, generator)[0])]
     u = torch.rand(k, generator=generator, device=logits.device).tolist()
     q = None if draft.q is None else draft.q.to(logits.device)
     for i, d in enumerate(draft.tokens):
@@ -115,9 +115,8 @@ def verify_sampled(logits: Tensor, draft: Draft, sampling: SamplingParams,
                 residual = (p - q[i]).clamp_min_(0.0)
             if not float(residual.sum()) > 0.0:  # p == q: a rejection had probability 0 (float edge); p is the answer
                 residual = p
-            return [*draft.tokens[:i], int(torch.multinomial(residual, 1, generator=generator))]
-    p = probs_from_logits(logits[k : k + 1], sampling)[0]
-    return [*draft.tokens, int(torch.multinomial(p, 1, generator=generator))]
+            return [*draft.tokens[:i], draw(residual, generator)]
+    return [*draft.tokens, int(sample(logits[k : k + 1], sampling, generator)[0])]
 
 
 class Governor:
