@@ -50,9 +50,9 @@ NUCLEUS_GUESS = 1024
 
 
 def support(row: Tensor, params: SamplingParams) -> tuple[Tensor | None, Tensor]:
-    """The tokens one sampled row may draw and their weights (proportional to the probabilities): ids (n,) int64 in
-    descending probability (ties: the lower id first) and w (n,), or ids None and w over the whole vocabulary in id
-    order (nothing filtered).
+    """The tokens one sampled row may draw and their weights (proportional to the probabilities): ids (n,) int64 and
+    w (n,), or ids None and w over the whole vocabulary (nothing filtered). With top-p the ids come in descending
+    probability (ties: the lower id first); otherwise in id order.
 
     Temperature, then top-k, then top-p, over the row's (V,) fp32 logits x:
     - e = exp((x - max x) / temperature) in fp32 (the max is subtracted before dividing, so any temperature in
