@@ -9,7 +9,7 @@ One verifier step over a cache holding everything before the last sampled token 
 3. greedy: d_i is accepted while it equals the argmax at its position, then the argmax after the last accepted
    draft is emitted too (the same `argmax` the plain sampler takes, so the tokens are identical to plain decode);
    sampling: d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)), where p_i is the target distribution
-   after the sampler's own transform (temperature, top-k, top-p: `sampling.probs_from_logits`) and q_i the
+   after the sampler's own transform (temperature, top-k, top-p: `sampling.support`) and q_i the
    proposer's (one-hot for deterministic guesses); at the first rejection a token is drawn from the residual
    norm(max(0, p_i - q_i)), and when every draft was accepted one more from p_{k+1}. Every emitted token is then
    distributed exactly as plain sampling would draw it;
@@ -49,7 +49,7 @@ from kakeya_runtime.engine.generate import (
     GenerationError,
     GenerationResult,
 )
-from kakeya_runtime.engine.sampling import SamplingParams, draw, greedy, probs_from_logits, sample
+from kakeya_runtime.engine.sampling import SamplingParams, draw, greedy, sample, support
 from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.models.base import Logits
 
@@ -103,20 +103,31 @@ def verify_sampled(logits: Tensor, draft: Draft, sampling: SamplingParams,
     u = torch.rand(k, generator=generator, device=logits.device).tolist()
     q = None if draft.q is None else draft.q.to(logits.device)
     for i, d in enumerate(draft.tokens):
-        p = probs_from_logits(logits[i : i + 1], sampling)[0]  # the distribution plain sampling draws from
-        p_d = float(p[d])
+        # the distribution plain sampling draws from, over its support (ids None: the whole vocabulary)
+        ids, w = support(logits[i], sampling)
+        p = w.double() / w.sum(dtype=torch.float64)
+        at = d if ids is None else _position(ids, d)  # d's place in p, or -1 outside the support
+        p_d = float(p[at]) if at >= 0 else 0.0
         q_d = 1.0 if q is None else float(q[i, d])
         # accept d_i with probability min(1, p/q): u < p/q, written without dividing (q_d > 0 for a drawn token)
         if u[i] * q_d >= p_d:
             if q is None:
                 residual = p.clone()
-                residual[d] = 0.0
-            else:
-                residual = (p - q[i]).clamp_min_(0.0)
+                if at >= 0:
+                    residual[at] = 0.0
+            else:  # (p - q)+ is 0 outside p's support
+                residual = (p - (q[i] if ids is None else q[i, ids]).double()).clamp_min_(0.0)
             if not float(residual.sum()) > 0.0:  # p == q: a rejection had probability 0 (float edge); p is the answer
                 residual = p
-            return [*draft.tokens[:i], draw(residual, generator)]
+            pick = draw(residual, generator)
+            return [*draft.tokens[:i], pick if ids is None else int(ids[pick])]
     return [*draft.tokens, int(sample(logits[k : k + 1], sampling, generator)[0])]
+
+
+def _position(ids: Tensor, token: int) -> int:
+    """Where `token` sits in `ids`, or -1."""
+    hit = (ids == token).nonzero()
+    return int(hit[0, 0]) if hit.numel() else -1
 
 
 class Governor:
