@@ -94,12 +94,13 @@ def _reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         z = z.masked_fill(x < torch.topk(x, params.top_k).values[-1], float("-inf"))
     p = torch.softmax(z, 0)
     if params.top_p is not None and params.top_p < 1.0:
-        order = sorted(range(x.numel()), key=lambda i: (-float(p[i]), i))
+        mass = p.tolist()
+        order = sorted(range(x.numel()), key=lambda i: (-mass[i], i))
         before = 0.0
         for rank, i in enumerate(order):
             if rank and before >= params.top_p:
                 p[i] = 0.0
-            before += float(torch.softmax(z, 0)[i])
+            before += mass[i]
         p = p / p.sum()
     return p
 
@@ -175,3 +176,24 @@ def test_draw_never_picks_a_zero_weight_and_refuses_bad_weights():
             draw(bad, g)
     with pytest.raises(RuntimeError, match="maximum"):
         sample(torch.full((1, 4), float("nan")), SamplingParams(1.0), g)
+
+
+def test_a_cold_temperature_keeps_the_candidates_few(monkeypatch):
+    """At a low temperature most weights underflow to 0: tied at 0, they are not candidates (never drawable), so
+    top-p orders the few that are left instead of the whole vocabulary."""
+    logits = torch.randn(1, 50_000, generator=torch.Generator().manual_seed(7)) * 4.0
+    params = SamplingParams(0.05, top_p=0.99)
+    sorted_sizes = []
+    real_sort = torch.sort
+
+    def counting_sort(t, *args, **kwargs):
+        sorted_sizes.append(t.numel())
+        return real_sort(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", counting_sort)
+    ids, w = support(logits[0], params)
+    monkeypatch.undo()
+    assert sorted_sizes and max(sorted_sizes) <= NUCLEUS_GUESS
+    assert 1 <= ids.numel() <= 8 and int(ids[0]) == int(logits[0].argmax())
+    torch.testing.assert_close(probs_from_logits(logits, params)[0].double(), _reference(logits[0], params),
+                               atol=1e-6, rtol=1e-5)

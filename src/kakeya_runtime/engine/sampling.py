@@ -50,6 +50,7 @@ class SamplingParams:
 # both models. 64 and 256 sample 1.3-1.8x faster than 1,024 and within ~10% of each other; 256 needs fewer rounds on
 # flatter distributions (results/engine/sampling_v1/nucleus_guess.json).
 NUCLEUS_GUESS = 256
+_TINY = torch.finfo(torch.float32).tiny / 2**23  # the smallest positive float32 (subnormal)
 
 
 def support(row: Tensor, params: SamplingParams) -> tuple[Tensor | None, Tensor]:
@@ -65,7 +66,7 @@ def support(row: Tensor, params: SamplingParams) -> tuple[Tensor | None, Tensor]
       order above) reaches top_p; the first always stays.
     Only candidates are ordered: the k of top-k, or for top-p alone the most likely NUCLEUS_GUESS tokens and
     everything tied with the last of them, grown until they hold top_p of the mass (every token past them has at
-    least that much before it). A function of the row alone: the same bits whatever rows share a step."""
+    least that much before it); a weight that underflowed to 0 is never a candidate. A function of the row alone: the same bits whatever rows share a step."""
     x = row.float()
     vocab = x.numel()
     peak = x.max()
@@ -84,7 +85,8 @@ def support(row: Tensor, params: SamplingParams) -> tuple[Tensor | None, Tensor]
         total = e_all.sum(dtype=torch.float64)
         guess = min(vocab, NUCLEUS_GUESS)
         while True:
-            ids = (e_all >= torch.topk(e_all, guess, sorted=False).values.min()).nonzero().flatten()
+            # weights that underflowed to 0 (a low temperature) can never be drawn: not candidates, however many tie
+            ids = (e_all >= torch.topk(e_all, guess, sorted=False).values.min().clamp_min(_TINY)).nonzero().flatten()
             if guess == vocab or e_all[ids].sum(dtype=torch.float64) >= top_p * total:
                 break
             guess = min(vocab, 4 * guess)
