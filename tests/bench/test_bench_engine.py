@@ -47,6 +47,8 @@ def test_bench_engine_cli_on_tiny_model_writes_valid_json(tmp_path):
             assert r["decode_steps"] == 4 and r["peak_rss_process"] >= r["peak_rss_run"] > 0
             assert r["weight_bytes"] > 0 and r["memory_read_gb_s_before"] > 0
             assert r["decode_weight_bytes"] > 0 and r["decode_kv_bytes"] > 0
+            sampled = r["decode_sampled"]  # the same steps sampled, on the same cache
+            assert sampled["steps"] == 4 and sampled["decode_tok_s"] > 0 and sampled["sampling"]["top_p"] == 0.95
     (row,) = run["summary"]["rows"]
     # every decode's share of the machine's read speed, from its own bytes and rate
     for fmt, v in row["formats"].items():
@@ -62,6 +64,8 @@ def test_bench_engine_cli_on_tiny_model_writes_valid_json(tmp_path):
     fid = run["summary"]["fidelity"]["tiny"]["int4"]
     assert fid["positions"] == 32 and 0.0 <= fid["top1_agree"] <= 1.0 and fid["kl_mean"] >= 0.0
     assert out.with_suffix(".md").read_text().startswith("# Engine benchmark")
+    assert all(v["decode_sampled_tok_s"] > 0 for v in row["formats"].values())
+    assert "## Decode sampled, ours (temperature 0.7, top_p 0.95, seed 0)" in out.with_suffix(".md").read_text()
 
 
 def test_plan_runs_fidelity_before_speed_and_peers_once_per_model():

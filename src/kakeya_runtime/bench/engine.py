@@ -40,6 +40,8 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
 }
 ALL_FORMATS = ("bf16", "fp32", "int8", "int4", "int4-mixed")
+# Our jobs also decode sampled, as a chat client asks (the timed greedy run's steps again, on its cache).
+SAMPLED_DECODE = {"temperature": 0.7, "top_p": 0.95, "seed": 0}
 
 
 @dataclass(slots=True)
@@ -270,7 +272,11 @@ def _speed(r: dict[str, Any]) -> dict[str, Any]:
     keys = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_median", "ttft_s", "peak_rss_process", "peak_rss_run",
             "weight_bytes", "cpu_busy_before", "compile_s", "load_s", "best_of", "flash_attn",
             "memory_read_gb_s_before", "decode_bytes", "decode_roofline_share")
-    return {k: r.get(k) for k in keys if r.get(k) is not None}
+    out = {k: r.get(k) for k in keys if r.get(k) is not None}
+    sampled = (r.get("decode_sampled") or {}).get("decode_tok_s")
+    if sampled is not None:  # ours only
+        out["decode_sampled_tok_s"] = sampled
+    return out
 
 
 def _ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
@@ -335,6 +341,16 @@ def render_markdown(run: dict[str, Any]) -> str:
                 f"{_f(v.get('memory_read_gb_s_before'), 1)} | {_f((v.get('decode_bytes') or 0) / 1e6 or None, 0)} | "
                 f"{_pct(v.get('decode_roofline_share'))} | {_x(tf)} | "
                 f"{_x(lc.get('prefill'))} / {_x(lc.get('decode'))} |")
+    sampled = [(row, name, v) for row in s["rows"] for name, v in row["formats"].items()
+               if v.get("decode_sampled_tok_s") is not None]
+    if sampled:
+        lines += ["", "## Decode sampled, ours (" + ", ".join(f"{k} {v}" for k, v in SAMPLED_DECODE.items()) + ")", "",
+                  "The same steps again on the same cache, sampled: what choosing a token costs beside the forward.", "",
+                  "| model | ctx | engine | decode tok/s greedy | sampled | sampled / greedy |", "|---|---|---|---|---|---|"]
+        for row, name, v in sampled:
+            g, t = v.get("decode_tok_s"), v["decode_sampled_tok_s"]
+            lines.append(f"| {row['model']} | {row['ctx']} | {name} | {_f(g, 1)} | {_f(t, 1)} | "
+                         f"{_x(round(t / g, 3) if g else None)} |")
     lines += ["", "## Fidelity vs our bf16 (next-token KL, top-1 agreement)", "",
               "| model | format | KL (nats) | top-1 agree |", "|---|---|---|---|"]
     for model, fm in s["fidelity"].items():
@@ -465,6 +481,7 @@ def job_ours(job: dict[str, Any]) -> dict[str, Any]:
 
     from kakeya_runtime.bench.machine import current_rss_bytes, peak_rss_bytes, reset_peak_rss
     from kakeya_runtime.engine.generate import Engine, GenerateRequest
+    from kakeya_runtime.engine.sampling import SamplingParams
     from kakeya_runtime.engine.weights import WeightFormat, quantize_model
     from kakeya_runtime.models import native
 
@@ -494,12 +511,18 @@ def job_ours(job: dict[str, Any]) -> dict[str, Any]:
     _trim_heap()
     rss_ready = current_rss_bytes()
     reset_peak_rss()
-    cache = engine.new_cache(capacity=ctx + steps + 1)
+    cache = engine.new_cache(capacity=ctx + 2 * steps + 2)
     stream = engine.stream(cache, ids, GenerateRequest(max_new_tokens=steps + 1))
     stamps = [time.perf_counter() for _ in stream]  # one per sampled token; the first ends prefill
     res = stream.result
     assert res is not None
     decode_steps = res.decode_tokens - 1  # the first token comes from prefill
+    kv_bytes = cache.nbytes
+    # The same number of steps sampled (SAMPLED_DECODE), continuing the greedy run's cache: what choosing a token
+    # costs beside the forward (the vocabulary's size, top-p's nucleus).
+    sampled = engine.stream(cache, next_input_of(res), GenerateRequest(steps + 1, SamplingParams(**SAMPLED_DECODE)))
+    sampled_stamps = [time.perf_counter() for _ in sampled]
+    assert sampled.result is not None
     return {
         "threads": threads,
         "kernels": native.backend(),
@@ -517,7 +540,10 @@ def job_ours(job: dict[str, Any]) -> dict[str, Any]:
         "decode_s": res.decode_s,
         "decode_tok_s": decode_steps / res.decode_s if res.decode_s > 0 else None,
         **_step_stats(stamps),
-        "kv_bytes": cache.nbytes,
+        "decode_sampled": {"sampling": SAMPLED_DECODE, "steps": sampled.result.decode_tokens - 1,
+                           "decode_tok_s": ((sampled.result.decode_tokens - 1) / sampled.result.decode_s
+                                            if sampled.result.decode_s > 0 else None), **_step_stats(sampled_stamps)},
+        "kv_bytes": kv_bytes,
         # what one decode step reads from memory, on average over the run's steps: the projections' and the head's
         # weights, and every layer's K/V in view (the roofline below divides it by the machine's read speed)
         "decode_weight_bytes": streamed_weight_bytes(bm.model),
@@ -561,6 +587,13 @@ def kv_read_bytes(cache, positions: int) -> int:
 def _routes_json(native) -> dict[str, Any]:
     r = native.routes()
     return {"attention_amx": r.attention_amx, "linear_amx": r.linear_amx, "timings": r.timings, "source": r.source}
+
+
+def next_input_of(result: Any) -> Any:
+    """(1, 1) the token a finished stream sampled last: what a next turn prefills first."""
+    import torch
+
+    return torch.tensor([[result.token_ids[0][-1]]], dtype=torch.long)
 
 
 def _step_stats(stamps: list[float]) -> dict[str, float]:
