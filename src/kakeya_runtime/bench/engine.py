@@ -520,7 +520,7 @@ def job_ours(job: dict[str, Any]) -> dict[str, Any]:
     kv_bytes = cache.nbytes
     # The same number of steps sampled (SAMPLED_DECODE), continuing the greedy run's cache: what choosing a token
     # costs beside the forward (the vocabulary's size, top-p's nucleus).
-    sampled = engine.stream(cache, next_input_of(res), GenerateRequest(steps + 1, SamplingParams(**SAMPLED_DECODE)))
+    sampled = engine.stream(cache, stream.next_input, GenerateRequest(steps + 1, SamplingParams(**SAMPLED_DECODE)))
     sampled_stamps = [time.perf_counter() for _ in sampled]
     assert sampled.result is not None
     return {
@@ -587,13 +587,6 @@ def kv_read_bytes(cache, positions: int) -> int:
 def _routes_json(native) -> dict[str, Any]:
     r = native.routes()
     return {"attention_amx": r.attention_amx, "linear_amx": r.linear_amx, "timings": r.timings, "source": r.source}
-
-
-def next_input_of(result: Any) -> Any:
-    """(1, 1) the token a finished stream sampled last: what a next turn prefills first."""
-    import torch
-
-    return torch.tensor([[result.token_ids[0][-1]]], dtype=torch.long)
 
 
 def _step_stats(stamps: list[float]) -> dict[str, float]:
