@@ -54,6 +54,35 @@ _TINY = torch.finfo(torch.float32).tiny / 2**23  # the smallest positive float32
 
 
 def support(row: Tensor, params: SamplingParams) -> tuple[Tensor | None, Tensor]:
+    """`reference_support`'s tokens and weights; with our kernels, one row's passes in C++ (kakeya::sample_support:
+    the same candidates and the same selection rules; its float64 sums run in another order, so a weight may
+    differ from the reference's in the last bits)."""
+    if not _native_row(row):
+        return reference_support(row, params)
+    top_k, top_p = _filters(params, row.numel())
+    if not top_k and top_p is None:
+        return None, native.sample_weights(row, params.temperature)
+    return native.sample_support(row, params.temperature, top_k, 1.0 if top_p is None else top_p)
+
+
+def _kernels() -> bool:
+    """Whether sampling runs on our kernels (csrc/sampling.cpp) in this process."""
+    return native.enabled()
+
+
+def _native_row(row: Tensor) -> bool:
+    return (row.dtype == torch.float32 and row.dim() == 1 and row.is_cpu and row.numel() > 0 and row.stride(0) == 1
+            and _kernels())
+
+
+def _filters(params: SamplingParams, vocab: int) -> tuple[int, float | None]:
+    """(top_k, 0 when it keeps everything; top_p, None when it keeps everything)."""
+    top_k = params.top_k if params.top_k and params.top_k < vocab else 0
+    top_p = params.top_p if params.top_p is not None and params.top_p < 1.0 else None
+    return top_k, top_p
+
+
+def reference_support(row: Tensor, params: SamplingParams) -> tuple[Tensor | None, Tensor]:
     """The tokens one sampled row may draw and their weights (proportional to the probabilities): ids (n,) int64 and
     w (n,), or ids None and w over the whole vocabulary (nothing filtered). With top-p the ids come in descending
     probability (ties: the lower id first); otherwise in id order.
@@ -72,8 +101,7 @@ def support(row: Tensor, params: SamplingParams) -> tuple[Tensor | None, Tensor]
     peak = x.max()
     if not torch.isfinite(peak):
         raise RuntimeError(f"sampling: the logits' maximum is {float(peak)}")
-    top_k = params.top_k if params.top_k and params.top_k < vocab else 0
-    top_p = params.top_p if params.top_p is not None and params.top_p < 1.0 else None
+    top_k, top_p = _filters(params, vocab)
     if top_k:
         ids = (x >= torch.topk(x, top_k).values[-1]).nonzero().flatten()
         e = x[ids].sub_(peak).div_(params.temperature).exp_()
@@ -101,7 +129,12 @@ def support(row: Tensor, params: SamplingParams) -> tuple[Tensor | None, Tensor]
 
 def draw(probs: Tensor, generator: torch.Generator | None) -> int:
     """One index drawn from nonnegative weights (n,) (any float dtype, not normalised): the first whose running sum
-    passes u * total, u uniform in [0, 1) from `generator` in float64 (a zero weight is never drawn)."""
+    passes u * total, u uniform in [0, 1) from `generator` in float64 (a zero weight is never drawn). With our
+    kernels the sums run by blocks in C++ (kakeya::sample_draw: a whole vocabulary's weights are read twice, not
+    copied and summed into a float64 copy)."""
+    if (probs.dtype in (torch.float32, torch.float64) and probs.dim() == 1 and probs.is_cpu and probs.numel() > 0
+            and probs.stride(0) == 1 and _kernels()):
+        return native.sample_draw(probs, float(torch.rand((), dtype=torch.float64, generator=generator)))
     cdf = probs.double().cumsum(0)
     total = cdf[-1]
     if not (torch.isfinite(total) and total > 0):

@@ -55,7 +55,7 @@ import torch
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp",
                              "lattice_points.cpp", "threads.cpp", "rowwise.cpp", "quant_linear.cpp",
-                             "decoder_layer.cpp", "argmax.cpp"))
+                             "decoder_layer.cpp", "argmax.cpp", "sampling.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the attention kernel's compiled head sizes
@@ -375,6 +375,29 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if _loaded is None:
         load()
     return torch.ops.kakeya.argmax_rows(x)
+
+
+def sample_weights(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x (V,) float32 logits -> (V,) float32 exp((x - max x) / temperature) (csrc/sampling.cpp)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.sample_weights(x, temperature)
+
+
+def sample_support(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (V,) float32 logits -> the tokens top-k (0: off) and top-p (1: off) keep, ids (n,) int64, and their weights:
+    float32 e for top-k alone (ids ascending), else float64 probabilities, most likely first (csrc/sampling.cpp)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.sample_support(x, temperature, top_k, top_p)
+
+
+def sample_draw(w: torch.Tensor, u: float) -> int:
+    """The index a uniform u in [0, 1) picks from nonnegative weights w (n,) float32 or float64: the first whose
+    running sum passes u * sum (csrc/sampling.cpp)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.sample_draw(w, u)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
