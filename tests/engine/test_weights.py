@@ -8,13 +8,17 @@ import torch
 from kakeya_runtime.engine.generate import Engine, generate_greedy_cached
 from kakeya_runtime.engine.weights import (
     Int4Linear,
+    Int5Linear,
     Int8Linear,
     Prefill,
     QuantEmbedding,
     QuantLinear,
     WeightFormat,
     _unpack_int4,
+    int4_exact,
+    int5_exact,
     quantize_int4,
+    quantize_int5,
     quantize_model,
     weight_bytes,
 )
@@ -103,6 +107,57 @@ def test_gguf_q4_1_blocks_map_onto_int4_groups_exactly():
     assert torch.allclose(scales_zeros[..., 0].t().float(), d.squeeze(-1), rtol=BF16_EPS)
 
 
+def _q5_0(n: int, k: int, seed: int, size: float = 0.01) -> torch.Tensor:
+    """Weights as a dequantized GGUF Q5_0 tensor holds them (fp32, exact): (q - 16) * d per block of 32, d fp16, the
+    block's largest magnitude at q = 0 (llama.cpp's rule; d of either sign)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * size + size / 10) * (torch.randint(0, 2, (n, k // 32, 1), generator=g) * 2 - 1)
+    q = torch.randint(1, 32, (n, k // 32, 32), generator=g)
+    q[..., 7] = 0
+    return ((q - 16).float() * d.to(torch.float16).float()).view(n, k)
+
+
+def test_gguf_q5_0_blocks_map_onto_int5_groups_exactly():
+    """Q5_0 blocks come back as their codes and d: the int5 weight is the float weight rounded once to bf16 (our bf16
+    reference's own weights), where int8 rounds it to a per-row grid; weights off that grid are not int5."""
+    w = _q5_0(64, 128, seed=2)
+    assert int5_exact(w) and not int4_exact(w)
+    codes, d = quantize_int5(w)
+    assert torch.equal(((codes.view(64, 4, 32).float() - 16) * d.float()[..., None]).view(64, 128), w)
+    lin = Int5Linear(w, None)
+    assert torch.equal(lin.dequantize(), w.to(torch.bfloat16))
+    assert not torch.equal(Int8Linear(w, None).dequantize(), w.to(torch.bfloat16))
+    assert torch.equal(lin.dequantize_rows(torch.tensor([3, 63, 0])), w[[3, 63, 0]].to(torch.bfloat16))
+    off = w.clone()
+    off[5, 9] += 1e-4
+    assert not int5_exact(off) and not int5_exact(torch.randn(64, 128))
+
+
+def test_int4_mixed_keeps_each_tensor_in_the_fewest_bits_that_hold_it():
+    """int4-mixed: 4-bit blocks in int4, Q5_0 blocks in int5 (exactly), anything finer in int8, module by module
+    (a tiny Llama whose layers hold each kind), and the mixed model decodes deterministically."""
+    model = _tiny_llama()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            n, k = layer.mlp.gate_up_proj.weight.shape
+            layer.mlp.gate_up_proj.weight.copy_(_q5_0(n, k, seed=10 + i, size=0.02))
+            n, k = layer.self_attn.o_proj.weight.shape
+            dq = (torch.rand(n, k // 32, 1, generator=g) * 0.05 + 0.01).to(torch.bfloat16).float()
+            mq = (torch.randn(n, k // 32, 1, generator=g) * 0.1).to(torch.bfloat16).float()
+            qq = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+            qq[..., 0], qq[..., 1] = 0, 15
+            layer.self_attn.o_proj.weight.copy_((dq * qq + mq).view(n, k))
+    report = quantize_model(model, "int4-mixed")
+    kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert report.kinds == {"Int5Linear": 2, "Int4Linear": 2, "Int8Linear": 5}, report.kinds
+    assert kinds["layers.0.mlp.gate_up_proj"] == "Int5Linear" and kinds["layers.1.self_attn.o_proj"] == "Int4Linear"
+    engine = Engine(model, prefill_chunk=8)
+    prompt = list(range(3, 23))
+    first = generate_greedy_cached(engine, prompt, max_new_tokens=12)
+    assert first == generate_greedy_cached(engine, prompt, max_new_tokens=12)
+
+
 @pytest.mark.parametrize("n", [16, 64, 80, 96, 960])
 def test_int4_unpack_reads_the_kernel_layout(n):
     codes = torch.randint(0, 16, (n, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(n))
@@ -110,7 +165,7 @@ def test_int4_unpack_reads_the_kernel_layout(n):
     assert torch.equal(_unpack_int4(packed, n, 64), codes.to(torch.uint8))
 
 
-@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear, Int5Linear])
 def test_prefill_modes_agree_and_embedding_rows_match(cls):
     w, _ = _weight_and_input(n=128, k=64)
     x = torch.randn(2, 20, 64).to(torch.bfloat16)
@@ -220,3 +275,18 @@ def test_compiled_decode_compiles_nothing_after_warmup(make_tiny_model):
     before = _compiles()
     assert runs() == eager
     assert _compiles() == before
+
+
+@pytest.mark.real_model
+def test_gemma3_int4_mixed_serves_its_q5_0_tensors_exactly():
+    """Gemma 3's GGUF holds most of its projections as Q5_0: under int4-mixed they are int5, and what the kernel
+    multiplies by is our bf16 reference's weight bit for bit (int8 rounded those tensors to a per-row grid)."""
+    from kakeya_runtime.models.loader import load_model
+
+    ref = dict(load_model("gemma3-270m", dtype=torch.bfloat16).model.named_parameters())
+    model = load_model("gemma3-270m", dtype=torch.float32).model
+    report = quantize_model(model, "int4-mixed")
+    assert report.kinds.get("Int5Linear", 0) >= 18, report.kinds
+    for name, m in model.named_modules():
+        if isinstance(m, Int5Linear):
+            assert torch.equal(m.dequantize(), ref[name + ".weight"]), name

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kakeya_runtime.engine.generate import Engine
-from kakeya_runtime.engine.weights import DenseLinear, quantize_model
+from kakeya_runtime.engine.weights import DenseLinear, Int5Linear, quantize_int5, quantize_model
 from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.kv.sparse import SparseIndexError
 from kakeya_runtime.models import native, native_layer
@@ -86,6 +86,25 @@ def test_tiny_native_layer_same_bits(family, fmt, make_tiny_model, threads):
     gen = torch.Generator().manual_seed(3)
     lengths = [5, 40, 17, 1]  # Gemma's sliding layers (window 8) wrap their rings
     histories = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in lengths]
+    check_same_bits(model, histories, [7, 11, 13, 2])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_tiny_native_layer_same_bits_on_int5(family, make_tiny_model, threads):
+    """Projections whose weights are Q5_0 blocks (snapped onto them here) serve as int5 under int4-mixed, and the
+    one-call layer runs them as the op-by-op path does."""
+    model = make_tiny_model(family, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.layers:
+            for m in layer.modules():
+                if isinstance(m, torch.nn.Linear) and m.out_features % 16 == 0 and m.in_features % 32 == 0:
+                    codes, d = quantize_int5(m.weight)
+                    n, k = m.weight.shape
+                    m.weight.copy_(((codes.view(n, k // 32, 32).float() - 16) * d.float()[..., None]).view(n, k))
+    quantize_model(model, "int4-mixed")
+    assert any(isinstance(m, Int5Linear) for m in model.modules())
+    gen = torch.Generator().manual_seed(5)
+    histories = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in [5, 40, 17, 1]]
     check_same_bits(model, histories, [7, 11, 13, 2])
 
 

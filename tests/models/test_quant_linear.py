@@ -1,4 +1,4 @@
-"""Our quantized projection kernel (kakeya::quant_linear): int4 / int8 weights dequantized to bf16 inside the kernel,
+"""Our quantized projection kernel (kakeya::quant_linear): int4 / int5 / int8 weights dequantized to bf16 inside the kernel,
 then multiplied as kakeya::linear multiplies bf16 weights. Its result is linear(x, W')'s bit for bit (W' the
 kernel's own dequantization; int8: over the codes, then scaled), a row's bits do not depend on the rows beside it or the thread count, on either route
 (AMX tiles, or the AVX-512 / at::vec path CPUs without AMX take), and it is right against an fp64 reference."""
@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kakeya_runtime.engine.weights import pack_scales, pack_tiles, quantize_int4, quantize_int8
+from kakeya_runtime.engine.weights import (
+    pack_int5,
+    pack_int5_scales,
+    pack_scales,
+    pack_tiles,
+    quantize_int4,
+    quantize_int5,
+    quantize_int8,
+)
 from kakeya_runtime.models import native
 
 SHAPES = [(960, 576), (576, 1536), (3072, 576), (48, 64), (16, 32)]  # SmolLM2's qkv, down, gate/up; small
@@ -21,17 +29,24 @@ def quantized(n: int, k: int, bits: int, seed: int = 0) -> tuple[torch.Tensor, t
     if bits == 4:
         codes, sz = quantize_int4(w, dtype=torch.float32)
         return pack_tiles(codes, 4), pack_scales(sz), w
+    if bits == 5:
+        codes, d = quantize_int5(w)
+        return pack_int5(codes), pack_int5_scales(d), w
     q, scales = quantize_int8(w)
     return pack_tiles(q, 8), scales, w
 
 
 def dequant_reference(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
-    """W' from the codes in plain torch: fp32 (q - 8) * scale + zero (int4) or q * scale (int8), rounded to bf16."""
+    """W' from the codes in plain torch: fp32 (q - 8) * scale + zero (int4), (q - 16) * d (int5) or q * scale (int8),
+    rounded to bf16."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k**-0.5
     if bits == 4:
         codes, sz = quantize_int4(w, dtype=torch.float32)
         sz = sz.transpose(0, 1).float()  # (N, K/32, 2)
         return ((codes.view(n, k // 32, 32).float() - 8) * sz[..., :1] + sz[..., 1:]).view(n, k).bfloat16()
+    if bits == 5:
+        codes, d = quantize_int5(w)
+        return ((codes.view(n, k // 32, 32).float() - 16) * d.float()[..., None]).view(n, k).bfloat16()
     q, scales = quantize_int8(w)
     return (q.float() * scales.float()[:, None]).bfloat16()
 
@@ -49,7 +64,7 @@ def route(request):
         native.set_routes(kept.attention_amx, kept.linear_amx)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_dequantized_weights_are_the_plain_formula(n, k, bits):
     """The weights' values: the affine (int4) or scaled (int8) value rounded once to bf16 (int4's fused
@@ -61,11 +76,13 @@ def test_dequantized_weights_are_the_plain_formula(n, k, bits):
     assert got.shape == (n, k) and got.dtype == torch.bfloat16
     ulp = want.float().abs() * 2.0**-7 + 1e-30
     assert ((got.float() - want.float()).abs() <= ulp).all()
+    if bits == 5:  # an fp16 d times a 5-bit integer is exact in fp32: one rounding, the same bits
+        assert torch.equal(got, want)
     rows = torch.tensor([0, n - 1, 5 % n, n // 2, 0])
     assert torch.equal(native.quant_dequant(q, sz, bits, rows), got[rows])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_equals_linear_on_the_dequantized_weights(n, k, bits, route):
     """int4: y is kakeya::linear(x, W') bit for bit, W' the kernel's dequantized weights; int8: kakeya::linear's
@@ -76,7 +93,7 @@ def test_equals_linear_on_the_dequantized_weights(n, k, bits, route):
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(512, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16()
-    if bits == 4:
+    if bits in (4, 5):
         wd = native.quant_dequant(q, sz, bits)
 
         def want(xs, bias=None):
@@ -95,7 +112,7 @@ def test_equals_linear_on_the_dequantized_weights(n, k, bits, route):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536)])
 def test_a_row_gets_the_same_bits_in_any_call(n, k, bits, threads, route):
     """Row i of a 512-row call equals row i computed in calls of any size at any offset, on 1 or 2 threads."""
@@ -113,7 +130,7 @@ def test_a_row_gets_the_same_bits_in_any_call(n, k, bits, threads, route):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_matches_fp64_reference(n, k, bits):
     """Against x W'^T in float64: one bf16 rounding of an fp32 sum. And W' against the float weights: half a
@@ -124,9 +141,15 @@ def test_matches_fp64_reference(n, k, bits):
     y = native.quant_linear(x, q, sz, bits)
     want = x.double() @ wd.double().t()
     torch.testing.assert_close(y.double(), want, atol=2e-2, rtol=2e-2)
-    step = (sz.permute(0, 2, 1, 3).reshape(n, k // 32, 2)[..., 0].repeat_interleave(32, dim=1) if bits == 4
-            else sz.float()[:, None].expand(n, k))
-    assert ((wd.float() - w).abs() <= 0.6 * step + 2.0**-7 * (w.abs() + 8 * step) + 1e-6).all()
+    if bits == 4:
+        step = sz.permute(0, 2, 1, 3).reshape(n, k // 32, 2)[..., 0].repeat_interleave(32, dim=1)
+    elif bits == 5:
+        step = sz.float().transpose(1, 2).reshape(n, k // 32).abs().repeat_interleave(32, dim=1)
+    else:
+        step = sz.float()[:, None].expand(n, k)
+    # int5 (Q5_0's rule): codes -16..15 with the largest magnitude at -16, so a value near +max rounds to 15: 1 step
+    half = 1.0 if bits == 5 else 0.6
+    assert ((wd.float() - w).abs() <= half * step + 2.0**-7 * (w.abs() + 8 * step) + 1e-6).all()
 
 
 def test_checks_its_inputs():
@@ -134,7 +157,12 @@ def test_checks_its_inputs():
     with pytest.raises(RuntimeError, match="bf16"):
         native.quant_linear(torch.zeros(2, 64), q, sz, 4)
     with pytest.raises(RuntimeError, match="bits"):
+        native.quant_linear(torch.zeros(2, 64).bfloat16(), q, sz, 6)
+    with pytest.raises(RuntimeError, match="5-bit"):  # int4's 32 bytes a row are no whole row of 5-bit codes
         native.quant_linear(torch.zeros(2, 64).bfloat16(), q, sz, 5)
+    q5, sz5, _ = quantized(64, 64, 5)
+    with pytest.raises(RuntimeError, match="int5 sz"):  # int4's scales with int5 codes
+        native.quant_linear(torch.zeros(2, 64).bfloat16(), q5, sz, 5)
     with pytest.raises(RuntimeError, match="sz"):
         native.quant_linear(torch.zeros(2, 64).bfloat16(), q, sz[:1].contiguous(), 4)
     with pytest.raises(RuntimeError, match="out of range"):
@@ -160,12 +188,16 @@ def plain_weights(n: int, k: int, bits: int, seed: int) -> tuple[torch.Tensor, t
         s = sz.transpose(0, 1).double().repeat_interleave(32, dim=1)  # (N, K, 2)
         wd = ((codes.double() - 8) * s[..., 0] + s[..., 1]).float().bfloat16()
         return pack_tiles(codes, 4), pack_scales(sz), wd, torch.ones(n)
+    if bits == 5:  # (q - 16) * d: exact in fp32, one rounding to bf16
+        codes, d = quantize_int5(w)
+        wd = ((codes.view(n, k // 32, 32).float() - 16) * d.float()[..., None]).view(n, k).bfloat16()
+        return pack_int5(codes), pack_int5_scales(d), wd, torch.ones(n)
     q, scales = quantize_int8(w)
     return pack_tiles(q, 8), scales, q.bfloat16(), scales.float()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (80, 96), (208, 160), (16, 32), (1536, 640)])
 def test_few_rows_keep_the_reference_bits(n, k, bits, threads, route):
     """Every row count 1..40 (the few-row path below 32 rows, the many-row path from 32) against kakeya::linear on W'
@@ -176,7 +208,7 @@ def test_few_rows_keep_the_reference_bits(n, k, bits, threads, route):
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(40, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16()
-    if bits == 4:
+    if bits in (4, 5):
         want = {bias: native.linear(x, wd, None if bias is None else b) for bias in (None, 1)}
     else:
         acc = native.linear(x, wd, out_fp32=True).double() * scale.double()
@@ -193,7 +225,7 @@ def test_few_rows_keep_the_reference_bits(n, k, bits, threads, route):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (576, 576), (80, 96)])
 def test_non_finite_rows_get_the_same_bits_in_any_call(n, k, bits, route):
     """Rows holding NaN and ±inf: every prefix of a 40-row call (the few-row path up to 16 rows off AMX, below 32 on

@@ -34,7 +34,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from kakeya_runtime.engine.weights import Int4Linear, Int8Linear, Prefill, WeightFormat, quantize_model
+from kakeya_runtime.engine.weights import (
+    Int4Linear,
+    Int5Linear,
+    Int8Linear,
+    Prefill,
+    WeightFormat,
+    quantize_model,
+)
+from kakeya_runtime.models import native
 
 AUTO = "auto"
 FORMATS: tuple[str, ...] = tuple(f.value for f in WeightFormat)
@@ -85,7 +93,7 @@ def kernel_rows_invariant(fmt: str, *, rows: int = 300) -> bool:
     if not f.quantized:
         return True
     kinds = {WeightFormat.INT8: (Int8Linear,), WeightFormat.INT4: (Int4Linear,),
-             WeightFormat.INT4_MIXED: (Int8Linear, Int4Linear)}[f]
+             WeightFormat.INT4_MIXED: (Int8Linear, Int4Linear) + ((Int5Linear,) if native.enabled() else ())}[f]
     g = torch.Generator().manual_seed(0)
     for kind in kinds:
         for n, k in ((192, 256), (64, 512)):

@@ -11,7 +11,9 @@ PyTorch's weight-only CPU kernels on bf16 activations:
   so we quantize from its dequantized weights (best loaded in fp32, where they are exact): a group
   whose values lie on a 16-level grid gets that grid, which recovers the GGUF codes exactly, up to
   the bf16 rounding of scale and zero that the kernel requires. Finer tensors (Q5_0, Q6_K, Q8_0)
-  are rounded to 4 bits; INT4_MIXED keeps those in int8 instead.
+  are rounded to 4 bits; INT4_MIXED keeps those in int8 instead, except Q5_0 ones (with our kernels).
+- INT5 (inside INT4_MIXED, with our kernels): a GGUF Q5_0 block, (q - 16) * d for 5-bit codes q and an fp16 d per
+  group of 32, kept exactly (`Int5Linear`): 5.5 bits a weight instead of int8's 8, and no rounding at all.
 - The LM head defaults to int8 (a tied head also serves the embedding lookup: `QuantEmbedding`).
 - BF16 / FP32: the weights as loaded, with one-row matmuls as matrix-vector products (`DenseLinear`).
 
@@ -53,8 +55,9 @@ class WeightFormat(enum.Enum):
     FP32 = "fp32"
     INT8 = "int8"  # weight-only, per output channel
     INT4 = "int4"  # weight-only, group-wise affine, group 32
-    # int4 where the weights already are 4-bit (GGUF Q4_1/Q4_K blocks, reproduced exactly), int8 where
-    # they are finer (Q5_0, Q6_K, Q8_0): GGUF's own "_M" mixes, without rounding 5-6 bit tensors to 4.
+    # int4 where the weights already are 4-bit (GGUF Q4_1/Q4_K blocks, reproduced exactly), int5 where they are
+    # Q5_0 blocks (reproduced exactly, with our kernels), int8 where they are finer (Q6_K, Q8_0): GGUF's own "_M"
+    # mixes, without rounding 5-6 bit tensors to 4.
     INT4_MIXED = "int4-mixed"
 
     @property
@@ -147,6 +150,8 @@ class QuantLinear(nn.Module):
         if isinstance(self, Int4Linear):
             return DecodeArgs(4, self.packed, self.scales_zeros.view(torch.float32), self.bias, torch.bfloat16,
                               max_rows)
+        if isinstance(self, Int5Linear):
+            return DecodeArgs(5, self.packed, self.scales.view(torch.float16), self.bias, torch.bfloat16, max_rows)
         return DecodeArgs(8, self.qweight, self.kernel_scales.view(torch.float32), self.bias, torch.bfloat16, max_rows)
 
     def dequantize(self) -> Tensor:
@@ -271,6 +276,32 @@ class Int4Linear(QuantLinear):
         return _int4_rows(self, rows) if self._unpack_ok else self.dequantize()[rows]
 
 
+class Int5Linear(QuantLinear):
+    """Group-wise symmetric int5, a GGUF Q5_0 block's form: W = (q - 16) * d per group of 32, q in 0..31, d fp16.
+    Only on our int kernel (kakeya::quant_linear bits 5); `int5_exact` says whether a weight is exactly so."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, *, prefill: Prefill = Prefill.DEQUANT,
+                 prefill_rows: int = PREFILL_ROWS) -> None:
+        n, k = weight.shape
+        if not native_quant(n, k):
+            raise ValueError(f"int5 weights need our kernels and a ({n}, {k}) shape in 16 x 32 tiles")
+        super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
+        self.native = True
+        codes, d = quantize_int5(weight)
+        self.register_buffer("packed", pack_int5(codes))  # (N, 5K/8) uint8 in 16 x 32 tiles
+        # kept as its bits so a model-wide .to(bfloat16) leaves it whole
+        self.register_buffer("scales", pack_int5_scales(d).view(torch.int16))
+
+    def kernel_mm(self, x: Tensor) -> Tensor:
+        return native.quant_linear(x, self.packed, self.scales.view(torch.float16), 5)
+
+    def dequantize(self) -> Tensor:  # the kernel's own: the weights it multiplies by, bit for bit
+        return native.quant_dequant(self.packed, self.scales.view(torch.float16), 5)
+
+    def dequantize_rows(self, rows: Tensor) -> Tensor:
+        return native.quant_dequant(self.packed, self.scales.view(torch.float16), 5, rows)
+
+
 class QuantEmbedding(nn.Module):
     """Embedding lookup served from a (tied) quantized LM head: rows are dequantized on demand."""
 
@@ -312,6 +343,48 @@ def pack_tiles(q: Tensor, bits: int) -> Tensor:
     else:
         t = t.to(torch.int8).view(torch.uint8)
     return t.contiguous().view(n, k * bits // 8)
+
+
+def pack_int5(codes: Tensor) -> Tensor:
+    """int5 codes (N, K) in 0..31 in our kernel's layout: 16 x 32 tiles as pack_tiles lays them, each tile row's 20
+    bytes the low nibbles as an int4 row (16 bytes) then a little-endian 32-bit word, bit c = column c's fifth bit.
+    (N, 5K/8) uint8."""
+    n, k = codes.shape
+    c = codes.to(torch.int64)
+    low = pack_tiles(c & 15, 4).view(n // 16, k // 32, 16, 16)  # (N/16, K/32, 16 rows, 16 bytes)
+    t = (c >> 4).view(n // 16, 16, k // 32, 32).transpose(1, 2)  # (N/16, K/32, 16, 32) fifth bits
+    word = (t << torch.arange(32)).sum(-1)  # (N/16, K/32, 16): bit c = column c
+    fifth = torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)  # little-endian
+    return torch.cat((low, fifth), dim=-1).contiguous().view(n, k * 5 // 8)
+
+
+def pack_int5_scales(d: Tensor) -> Tensor:
+    """int5 d (N, K/32) fp16 in our kernel's layout, (N/16, K/32, 16): a code tile's 16 together, in its order."""
+    n, groups = d.shape
+    return d.view(n // 16, 16, groups).transpose(1, 2).contiguous()
+
+
+def quantize_int5(weight: Tensor, group_size: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
+    """(N, K) float -> (codes (N, K) uint8 in 0..31, d (N, K/G) fp16): llama.cpp's Q5_0 rule, the group's value of
+    largest magnitude m at code 0, d = m / -16 rounded to fp16, then each code the nearest of (v / d) + 16 in 0..31.
+    A dequantized Q5_0 block (loaded in fp32, where it is exact) gets its own codes and d back."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group_size, group_size)
+    peak = w.gather(-1, w.abs().argmax(-1, keepdim=True))[..., 0]  # the signed value of largest magnitude
+    d = (peak / -16.0).to(torch.float16)
+    df = d.float()[..., None]
+    q = torch.where(df == 0, torch.zeros_like(w), torch.round(w / torch.where(df == 0, 1.0, df))).clamp(-16, 15)
+    return (q + 16).to(torch.uint8).view(n, k), d
+
+
+def int5_exact(weight: Tensor, group_size: int = INT4_GROUP) -> bool:
+    """Whether int5 groups reproduce `weight` exactly (it came from GGUF Q5_0 blocks, loaded in fp32)."""
+    n, k = weight.shape
+    if k % group_size:
+        return False
+    codes, d = quantize_int5(weight, group_size)
+    w = weight.detach().float().view(n, k // group_size, group_size)
+    return bool(((codes.view_as(w).float() - 16) * d.float()[..., None] == w).all())
 
 
 def _logical_scales(module: Int4Linear, state_dict: dict[str, Tensor], prefix: str, local_metadata: dict) -> None:
@@ -451,10 +524,18 @@ def quantize_model(model: nn.Module, fmt: WeightFormat | str, *, head: WeightFor
     head_fmt = WeightFormat(head) if head is not None else WeightFormat.INT8
 
     def make(linear_weight: Tensor, bias: Tensor | None, f: WeightFormat) -> nn.Module:
+        int5 = False
         if f is WeightFormat.INT4_MIXED:
-            f = WeightFormat.INT4 if int4_exact(linear_weight, group_size) else WeightFormat.INT8
-        if f is WeightFormat.INT8:
-            m: QuantLinear = Int8Linear(linear_weight, bias, prefill=prefill, prefill_rows=prefill_rows)
+            n, k = linear_weight.shape
+            if int4_exact(linear_weight, group_size):
+                f = WeightFormat.INT4
+            else:  # Q5_0 blocks kept as they are where our kernels run; other finer tensors in int8
+                int5 = group_size == INT4_GROUP and native_quant(n, k) and int5_exact(linear_weight)
+                f = WeightFormat.INT8
+        if int5:
+            m: QuantLinear = Int5Linear(linear_weight, bias, prefill=prefill, prefill_rows=prefill_rows)
+        elif f is WeightFormat.INT8:
+            m = Int8Linear(linear_weight, bias, prefill=prefill, prefill_rows=prefill_rows)
         elif f is WeightFormat.INT4:
             m = Int4Linear(linear_weight, bias, group_size=group_size, prefill=prefill, prefill_rows=prefill_rows)
         else:

@@ -336,8 +336,9 @@ def linear_pack(weight: torch.Tensor) -> torch.Tensor:
 def quant_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bits: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W'^T (+ b) for x (M, K) bf16 and W' the bf16 weights `quant_dequant(q, sz, bits)` gives: int4 codes
-    (bits 4: q (N, K/2) uint8, sz (N/16, K/32, 16, 2) fp32 scale, zero) or int8 (bits 8: q (N, K), sz (N,) bf16
-    scales, or their fp32 widening, read without a copy), in 16 x 32 tiles (csrc/quant_linear.cpp;
+    (bits 4: q (N, K/2) uint8, sz (N/16, K/32, 16, 2) fp32 scale, zero), int5 codes (bits 5: q (N, 5K/8) uint8,
+    sz (N/16, K/32, 16) fp16 d) or int8 (bits 8: q (N, K), sz (N,) bf16 scales, or their fp32 widening, read without
+    a copy), in 16 x 32 tiles (csrc/quant_linear.cpp;
     engine/weights.py's pack_tiles and pack_scales). The bits of `linear(x, W')`, whatever M is."""
     if _loaded is None:
         load()

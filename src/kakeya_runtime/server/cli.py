@@ -80,7 +80,8 @@ def serve(
     dtype: str | None = typer.Option(None, "--dtype", help=f"Weights/activations dtype: {DTYPE_HELP} (the same as "
                                      "--weights bf16 / fp32; fp16 is served as loaded)."),
     weights: str = typer.Option(
-        "auto", "--weights", help="Projection weight format: auto, bf16, fp32, int8, int4 or int4-mixed. auto (the "
+        "auto", "--weights", help="Projection weight format: auto, bf16, fp32, int8, int4 or int4-mixed (each GGUF "
+        "tensor in the fewest bits that hold it exactly: int4, int5 or int8). auto (the "
         "default) serves the fastest format on this machine among those faithful to bf16 (next-token KL <= 0.01, "
         "top-1 >= 0.95 on the bench text) whose kernels keep INV-3 here; measured at the first start, then cached."),
     compile_decode: bool = typer.Option(

@@ -1,9 +1,9 @@
 // Weight-only quantized y = x W^T (+ b) whose every output element is computed by one fixed sequence of
 // operations, whatever the number of rows in the call: kakeya::quant_linear.
 //
-// The weights are stored quantized (int4 group-wise affine, or int8 per output channel) and dequantized inside the
-// kernel to bf16 W' by one routine (QWeight::tile; int4: W' = bf16(fp32 dequant); int8: W' = the codes, the scales
-// applied to the sums), then multiplied as our bf16 projection kernel (invariant_linear.cpp) multiplies W': y's bits
+// The weights are stored quantized (int4 group-wise affine, int5 group-wise symmetric, or int8 per output channel)
+// and dequantized inside the kernel to bf16 W' by one routine (QWeight::tile; int4, int5: W' = bf16(fp32 dequant);
+// int8: W' = the codes, the scales applied to the sums), then multiplied as our bf16 projection kernel (invariant_linear.cpp) multiplies W': y's bits
 // are kakeya::linear(x, W')'s (int8: then times the scales), so a row's result does not depend on the rows beside
 // it (a decode step, a turn, a prefill chunk compute alike).
 // - AMX: calls of fewer than 32 rows (decode; below 16, on tiles as narrow as the rows) dequantize each 16 x 32 A
@@ -23,6 +23,9 @@
 //   together in the order the codes' tiles do (a decode reads both as two forward streams; in (K/32, N, 2) each
 //   step's pairs were a row of N apart: docs/evidence.md, "Scale layout"). w = (q - 8) * scale + zero (one fused
 //   multiply-add in fp32), rounded once to bf16 (nearest even).
+// - int5 (a GGUF Q5_0 block, exactly): 20 bytes per tile row, the codes' low nibbles as int4's 16 bytes, then a
+//   32-bit word whose bit c is column c's fifth bit. sz (N/16, K/32, 16) fp16: the group's d, in the codes' tile
+//   order. w = (q - 16) * d in fp32 (exact: an fp16 times an integer of 5 bits), rounded once to bf16.
 // - int8: 32 bytes per tile row, column 32s + j at byte j. sz (N,) bf16 scales. W' = the codes (exact in bf16), and
 //   y = fma(sum, scale, bias) per output column, rounded once: no rounding of the weights beyond int8's own (a
 //   bf16 q * scale would add up to half of int8's step again near a row's largest weights).
@@ -69,10 +72,12 @@ inline const __m512i kInt4Shift = [] {
 // of 32 bf16, 64 bytes apart (an A tile as AMX loads it). Every path's W' comes from here.
 struct QWeight {
   const uint8_t* q;
-  const void* sz;  // int4: (N/16, K/32, 16, 2) fp32 (scale, zero); int8: (N,) bf16 scales
+  const void* sz;  // int4: (N/16, K/32, 16, 2) fp32 (scale, zero); int5: (N/16, K/32, 16) fp16 d; int8: (N,) bf16
   int64_t bits, N, K;
 
   inline int64_t tile_bytes() const { return kTileRows * kTileCols * bits / 8; }
+  // Bytes of sz per code tile, in the tiles' order (int8's per-row scales are read after the sums).
+  inline int64_t sz_tile_bytes() const { return bits == 4 ? kTileRows * 8 : bits == 5 ? kTileRows * 2 : 0; }
 
   // Inlined into its callers: as a call, each tile paid the call, the bits test and the unpack constants' reloads
   // (SmolLM2 int4 decode 4-16% slower in the engine bench, trees alternated: results/engine/decode_v9_ab).
@@ -82,6 +87,11 @@ struct QWeight {
       const float* sz_rows = static_cast<const float*>(sz) + (b * (K / kTileCols) + s) * kTileRows * 2;  // per row
 #pragma GCC unroll 8
       for (int r = 0; r < kTileRows; r += 2) group4_pair(src + r * 16, sz_rows + 2 * r, out + r * kTileCols);
+    } else if (bits == 5) {
+      alignas(64) float d[kTileRows];
+      widen_d(static_cast<const c10::Half*>(sz) + (b * (K / kTileCols) + s) * kTileRows, d);
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) group5(src + r * 20, d[r], out + r * kTileCols);
     } else {
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) group8(reinterpret_cast<const int8_t*>(src) + r * 32, out + r * kTileCols);
@@ -130,6 +140,25 @@ struct QWeight {
   __attribute__((always_inline)) static inline void group8(const int8_t* src, c10::BFloat16* out) {
     _mm512_storeu_si512(out, group8_regs(src));
   }
+  // An int5 group: its 32 possible values (q - 16) * d rounded to bf16 as a table, each column's index its low
+  // nibble (int4's unpack) plus 16 where the group's word has the column's fifth bit (one masked add).
+  __attribute__((always_inline)) static inline __m512i group5_regs(const uint8_t* src, float d) {
+    const __m512 dv = _mm512_set1_ps(d);
+    const __m512 low = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+    const __m512 high = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(high, dv), _mm512_mul_ps(low, dv));
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    const __m512i nibble = _mm512_and_si512(_mm512_multishift_epi64_epi8(kInt4Shift, bytes), _mm512_set1_epi16(15));
+    const __mmask32 fifth = _load_mask32(reinterpret_cast<__mmask32*>(const_cast<uint8_t*>(src + 16)));
+    return _mm512_permutexvar_epi16(_mm512_mask_add_epi16(nibble, fifth, nibble, _mm512_set1_epi16(16)), table);
+  }
+  __attribute__((always_inline)) static inline void group5(const uint8_t* src, float d, c10::BFloat16* out) {
+    _mm512_storeu_si512(out, group5_regs(src, d));
+  }
+  // A tile's 16 d (fp16) as floats, converted in one instruction.
+  __attribute__((always_inline)) static inline void widen_d(const c10::Half* d, float* out) {
+    _mm512_store_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d))));
+  }
   // tile()'s rows r0..r0+RN (RN and r0 even) in registers, row r0 + r to f(r, row): the same values, for a caller
   // that uses them at once.
   template <int RN = kTileRows, typename F>
@@ -144,6 +173,11 @@ struct QWeight {
         f(r, row0);
         f(r + 1, row1);
       }
+    } else if (bits == 5) {
+      alignas(64) float d[kTileRows];
+      widen_d(static_cast<const c10::Half*>(sz) + (b * (K / kTileCols) + s) * kTileRows, d);
+#pragma GCC unroll 16
+      for (int r = 0; r < RN; ++r) f(r, group5_regs(src + (r0 + r) * 20, d[r0 + r]));
     } else {
 #pragma GCC unroll 16
       for (int r = 0; r < RN; ++r) f(r, group8_regs(reinterpret_cast<const int8_t*>(src) + (r0 + r) * 32));
@@ -168,6 +202,20 @@ struct QWeight {
   }
   static inline void group8(const int8_t* src, c10::BFloat16* out) {
     for (int j = 0; j < 32; ++j) out[j] = c10::BFloat16(float(src[j]));
+  }
+  static inline void widen_d(const c10::Half* d, float* out) {
+    for (int r = 0; r < kTileRows; ++r) out[r] = static_cast<float>(d[r]);
+  }
+  static inline void group5(const uint8_t* src, float d, c10::BFloat16* out) {
+    uint64_t half[2];
+    uint32_t fifth;
+    std::memcpy(half, src, 16);
+    std::memcpy(&fifth, src + 16, 4);
+    for (int c = 0; c < 32; ++c) {
+      const int slot = int4_slot(c);
+      const int code = int((half[slot / 16] >> (4 * (slot % 16))) & 15) | int((fifth >> c) & 1) << 4;
+      out[c] = c10::BFloat16(float(code - 16) * d);
+    }
   }
 #endif
 };
@@ -211,16 +259,17 @@ inline void amx_block(const QWeight& w, int64_t b0, const uint32_t* xb, int64_t 
   // and for int4 two of scales (128 bytes a tile), asked for kPrefetchSteps ahead into L2; past the end is harmless.
   const int64_t tb = w.tile_bytes();
   const char* pf_code = reinterpret_cast<const char*>(w.q) + (b0 * steps + kPrefetchSteps) * tb;
-  const char* pf_sz = w.bits == 4 ? static_cast<const char*>(w.sz) + (b0 * steps + kPrefetchSteps) * 128 : nullptr;
+  const int64_t szb = w.sz_tile_bytes();
+  const char* pf_sz = szb ? static_cast<const char*>(w.sz) + (b0 * steps + kPrefetchSteps) * szb : nullptr;
   for (int64_t s = 0; s < steps; ++s) {
     for (int64_t c = 0; c < tb; c += 64) {
       _mm_prefetch(pf_code + s * tb + c, _MM_HINT_T1);
       if constexpr (NN > 1) _mm_prefetch(pf_code + (steps + s) * tb + c, _MM_HINT_T1);
     }
-    if (w.bits == 4) {
-      for (int c = 0; c < 128; c += 64) {
-        _mm_prefetch(pf_sz + s * 128 + c, _MM_HINT_T1);
-        if constexpr (NN > 1) _mm_prefetch(pf_sz + (steps + s) * 128 + c, _MM_HINT_T1);
+    if (szb) {
+      for (int64_t c = 0; c < szb; c += 64) {
+        _mm_prefetch(pf_sz + s * szb + c, _MM_HINT_T1);
+        if constexpr (NN > 1) _mm_prefetch(pf_sz + (steps + s) * szb + c, _MM_HINT_T1);
       }
     }
     if (s + 1 < steps) {  // the next step's tiles first: its stores are then long done when they are loaded
@@ -531,9 +580,9 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
         const int64_t tb = w.tile_bytes();
         const char* codes = reinterpret_cast<const char*>(w.q) + (b + 1) * steps * tb;
         for (int64_t c = 0; c < steps * tb; c += 64) prefetch_l2(codes + c);
-        if (w.bits == 4) {
-          const char* sz = static_cast<const char*>(w.sz) + (b + 1) * steps * 128;
-          for (int64_t c = 0; c < steps * 128; c += 64) prefetch_l2(sz + c);
+        if (const int64_t szb = w.sz_tile_bytes()) {
+          const char* sz = static_cast<const char*>(w.sz) + (b + 1) * steps * szb;
+          for (int64_t c = 0; c < steps * szb; c += 64) prefetch_l2(sz + c);
         }
       }
       int64_t m = 0;
@@ -581,9 +630,11 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
 // kernels read as they are (bf16 ones are widened into a fresh tensor every call: ~45 allocations a Gemma 3
 // int4-mixed decode step, the head's 1 MB among them).
 QWeight check_weight(const at::Tensor& q, const at::Tensor& sz, int64_t bits, bool fp32_scales = false) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "quant_linear: bits must be 4, 5 or 8");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous(),
               "quant_linear: q must be contiguous (N, K * bits / 8) uint8");
+  TORCH_CHECK(q.size(1) * 8 % bits == 0, "quant_linear: q's row of ", q.size(1), " bytes holds no whole ", bits,
+              "-bit codes");
   const int64_t N = q.size(0), K = q.size(1) * 8 / bits;
   TORCH_CHECK(N % kTileRows == 0 && K % kTileCols == 0, "quant_linear: N must be a multiple of 16 and K of 32");
   TORCH_CHECK(sz.is_contiguous(), "quant_linear: sz must be contiguous");
@@ -591,6 +642,10 @@ QWeight check_weight(const at::Tensor& q, const at::Tensor& sz, int64_t bits, bo
     TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.dim() == 4 && sz.size(0) == N / 16 && sz.size(1) == K / 32 &&
                     sz.size(2) == 16 && sz.size(3) == 2,
                 "quant_linear: int4 sz must be (N/16, K/32, 16, 2) fp32 (engine/weights.py's pack_scales)");
+  } else if (bits == 5) {
+    TORCH_CHECK(sz.scalar_type() == at::kHalf && sz.dim() == 3 && sz.size(0) == N / 16 && sz.size(1) == K / 32 &&
+                    sz.size(2) == 16,
+                "quant_linear: int5 sz must be (N/16, K/32, 16) fp16 (engine/weights.py's Int5Linear)");
   } else {
     TORCH_CHECK((sz.scalar_type() == at::kBFloat16 || (fp32_scales && sz.scalar_type() == at::kFloat)) &&
                     sz.dim() == 1 && sz.size(0) == N,
