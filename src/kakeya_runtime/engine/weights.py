@@ -281,13 +281,13 @@ class Int5Linear(QuantLinear):
     Only on our int kernel (kakeya::quant_linear bits 5); `int5_exact` says whether a weight is exactly so."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, *, prefill: Prefill = Prefill.DEQUANT,
-                 prefill_rows: int = PREFILL_ROWS) -> None:
+                 prefill_rows: int = PREFILL_ROWS, grid: tuple[Tensor, Tensor] | None = None) -> None:
         n, k = weight.shape
         if not native_quant(n, k):
             raise ValueError(f"int5 weights need our kernels and a ({n}, {k}) shape in 16 x 32 tiles")
         super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
         self.native = True
-        codes, d = quantize_int5(weight)
+        codes, d = quantize_int5(weight) if grid is None else grid  # grid: int5_grid's, already computed
         self.register_buffer("packed", pack_int5(codes))  # (N, 5K/8) uint8 in 16 x 32 tiles
         # kept as its bits so a model-wide .to(bfloat16) leaves it whole
         self.register_buffer("scales", pack_int5_scales(d).view(torch.int16))
@@ -377,14 +377,20 @@ def quantize_int5(weight: Tensor, group_size: int = INT4_GROUP) -> tuple[Tensor,
     return (q + 16).to(torch.uint8).view(n, k), d
 
 
-def int5_exact(weight: Tensor, group_size: int = INT4_GROUP) -> bool:
-    """Whether int5 groups reproduce `weight` exactly (it came from GGUF Q5_0 blocks, loaded in fp32)."""
+def int5_grid(weight: Tensor, group_size: int = INT4_GROUP) -> tuple[Tensor, Tensor] | None:
+    """`quantize_int5`'s codes and d when they reproduce `weight` exactly (it came from GGUF Q5_0 blocks, loaded in
+    fp32), else None."""
     n, k = weight.shape
     if k % group_size:
-        return False
+        return None
     codes, d = quantize_int5(weight, group_size)
     w = weight.detach().float().view(n, k // group_size, group_size)
-    return bool(((codes.view_as(w).float() - 16) * d.float()[..., None] == w).all())
+    return (codes, d) if bool(((codes.view_as(w).float() - 16) * d.float()[..., None] == w).all()) else None
+
+
+def int5_exact(weight: Tensor, group_size: int = INT4_GROUP) -> bool:
+    """Whether int5 groups reproduce `weight` exactly."""
+    return int5_grid(weight, group_size) is not None
 
 
 def _logical_scales(module: Int4Linear, state_dict: dict[str, Tensor], prefix: str, local_metadata: dict) -> None:
@@ -524,16 +530,17 @@ def quantize_model(model: nn.Module, fmt: WeightFormat | str, *, head: WeightFor
     head_fmt = WeightFormat(head) if head is not None else WeightFormat.INT8
 
     def make(linear_weight: Tensor, bias: Tensor | None, f: WeightFormat) -> nn.Module:
-        int5 = False
+        grid = None
         if f is WeightFormat.INT4_MIXED:
             n, k = linear_weight.shape
             if int4_exact(linear_weight, group_size):
                 f = WeightFormat.INT4
             else:  # Q5_0 blocks kept as they are where our kernels run; other finer tensors in int8
-                int5 = group_size == INT4_GROUP and native_quant(n, k) and int5_exact(linear_weight)
+                if group_size == INT4_GROUP and native_quant(n, k):
+                    grid = int5_grid(linear_weight)
                 f = WeightFormat.INT8
-        if int5:
-            m: QuantLinear = Int5Linear(linear_weight, bias, prefill=prefill, prefill_rows=prefill_rows)
+        if grid is not None:
+            m: QuantLinear = Int5Linear(linear_weight, bias, prefill=prefill, prefill_rows=prefill_rows, grid=grid)
         elif f is WeightFormat.INT8:
             m = Int8Linear(linear_weight, bias, prefill=prefill, prefill_rows=prefill_rows)
         elif f is WeightFormat.INT4:
