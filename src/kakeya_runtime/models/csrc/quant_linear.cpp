@@ -3,9 +3,9 @@
 //
 // The weights are stored quantized (int4 group-wise affine, int5 group-wise symmetric, or int8 per output channel)
 // and dequantized inside the kernel to bf16 W' by one routine (QWeight::tile; int4, int5: W' = bf16(fp32 dequant);
-// int8: W' = the codes, the scales applied to the sums), then multiplied as our bf16 projection kernel (invariant_linear.cpp) multiplies W': y's bits
-// are kakeya::linear(x, W')'s (int8: then times the scales), so a row's result does not depend on the rows beside
-// it (a decode step, a turn, a prefill chunk compute alike).
+// int8: W' = the codes, the scales applied to the sums), then multiplied as our bf16 projection kernel
+// (invariant_linear.cpp) multiplies W': y's bits are kakeya::linear(x, W')'s (int8: then times the scales), so a
+// row's result does not depend on the rows beside it (a decode step, a turn, a prefill chunk compute alike).
 // - AMX: calls of fewer than 32 rows (decode; below 16, on tiles as narrow as the rows) dequantize each 16 x 32 A
 //   tile of W' rows into an L1 buffer one step before its tdpbf16ps (x^T pairs are the B tiles); calls of 32 rows
 //   or more (prefill) dequantize each 32-row
@@ -256,7 +256,8 @@ inline void amx_block(const QWeight& w, int64_t b0, const uint32_t* xb, int64_t 
   w.tile(b0, 0, abuf);
   if constexpr (NN > 1) w.tile(b0 + 1, 0, abuf + 512);
   // Block b0's tiles lie together and block b0 + 1's follow (then the next item's): two forward streams of codes,
-  // and for int4 two of scales (128 bytes a tile), asked for kPrefetchSteps ahead into L2; past the end is harmless.
+  // and for int4 / int5 two of scales (128 / 32 bytes a tile), asked for kPrefetchSteps ahead into L2; past the end
+  // is harmless.
   const int64_t tb = w.tile_bytes();
   const char* pf_code = reinterpret_cast<const char*>(w.q) + (b0 * steps + kPrefetchSteps) * tb;
   const int64_t szb = w.sz_tile_bytes();

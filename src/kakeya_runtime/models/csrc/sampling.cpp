@@ -79,7 +79,6 @@ float kth_highest(const float* x, int64_t n, int64_t k, std::vector<float>& buf)
     threshold = buf[k - 1];
     buf.resize(k);
   };
-  const Vec lowest(-std::numeric_limits<float>::infinity());
   const int all = (1 << VS) - 1;
   int64_t j = 0;
   for (; j + VS <= n; j += VS) {
