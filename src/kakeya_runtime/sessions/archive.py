@@ -23,18 +23,21 @@ class ArchiveError(ValueError):
 
 @dataclass(slots=True)
 class SessionArchive:
-    model: str  # the model fingerprint (sessions.snapshot.model_fingerprint) it was exported from
+    model: str  # the served weights' fingerprint (sessions.snapshot.model_fingerprint) it was exported from
     policy_name: str
     policy_params: dict[str, Any]
     context_length: int
     history: list[int]
     kv: bytes | None  # a KV snapshot of a prefix of the history, or None
     settings: dict[str, Any]  # what else the session was created with (its default speculation)
+    checkpoint: str = ""  # the checkpoint of those weights (sessions.snapshot.checkpoint_id); "" in older archives
 
 
 def encode(model: str, policy_name: str, policy_params: dict[str, Any], context_length: int,
-           history: Sequence[int], kv: bytes | None = None, settings: dict[str, Any] | None = None) -> bytes:
+           history: Sequence[int], kv: bytes | None = None, settings: dict[str, Any] | None = None, *,
+           checkpoint: str = "") -> bytes:
     header = records.header_record({"format": ARCHIVE_FORMAT, "kind": "session-archive", "model": model,
+                                    "checkpoint": checkpoint,
                                     "policy": {"name": policy_name, "params": policy_params},
                                     "context_length": context_length, "settings": settings or {}})
     parts = [records.MAGIC, header, records.tokens_record(list(history))]
@@ -64,7 +67,7 @@ def decode(data: bytes) -> SessionArchive:
             raise ArchiveError("the archive's policy is not a name and a parameter map")
         return SessionArchive(str(header["model"]), name, params, int(header["context_length"]),
                               parsed.records[1].tokens(), parsed.records[2].payload if len(kinds) == 3 else None,
-                              dict(header.get("settings") or {}))
+                              dict(header.get("settings") or {}), str(header.get("checkpoint") or ""))
     except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
         if isinstance(e, ArchiveError):
             raise

@@ -2,9 +2,15 @@
 
 Layout of `--state-dir DIR`:
 
-    DIR/state.json             the model every session here belongs to (a server for another model refuses it)
-    DIR/sessions/<id>.journal  HEADER (id, owner key hash, policy, context) then TOKENS records (sessions.records)
+    DIR/state.json             the checkpoint every session here belongs to (a server of another one refuses it)
+                               and the served weights that wrote the snapshots
+    DIR/sessions/<id>.journal  HEADER (id, owner key hash, checkpoint, policy, context) then TOKENS records
+                               (sessions.records)
     DIR/sessions/<id>.kv       a KV snapshot record (sessions.snapshot), replaced atomically
+
+A server of the same checkpoint in another weight format (or after an upgrade that changed the kernels' packing)
+keeps every session: their histories are what they were, and their snapshots, computed by the other weights, are
+refused at the first Generate, which recomputes the cache from the history.
 
 What is written when: a session's header and initial tokens before CreateSession answers; appended tokens
 before AppendTokens answers; each generated token before it is streamed to the client. So whatever a client
@@ -36,10 +42,11 @@ from typing import Any
 
 from kakeya_runtime.sessions import records
 from kakeya_runtime.sessions.records import RecordKind
+from kakeya_runtime.sessions.snapshot import model_name
 
 _log = logging.getLogger(__name__)
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 1: {"model": the served weights' fingerprint} alone, matched by model name since 2
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
 
@@ -80,28 +87,41 @@ class _Writer:
 class StateDir:
     """One server's state directory. Thread-safe; the store calls it under its own lock."""
 
-    def __init__(self, root: str | Path, model_id: str, fsync: FsyncPolicy = FsyncPolicy.CALL) -> None:
+    def __init__(self, root: str | Path, model_id: str, checkpoint: str, fsync: FsyncPolicy = FsyncPolicy.CALL) -> None:
+        """`model_id`: the served weights (snapshot.model_fingerprint); `checkpoint`: what they were made from
+        (snapshot.checkpoint_id), which every session here must share."""
         self.root = Path(root)
         self.model_id = model_id
+        self.checkpoint = checkpoint
         self.fsync = fsync
         self.sessions_dir = self.root / "sessions"
         self._writers: dict[str, _Writer] = {}
         self._lock = threading.Lock()
+        self.previous_weights: str | None = None  # the served weights of the last start, where they differ
         self.sessions_dir.mkdir(parents=True, exist_ok=True)
         state = self.root / "state.json"
+        fmt = None
         if state.exists():
             try:
                 found = json.loads(state.read_text())
             except (OSError, ValueError) as e:
                 raise StateDirError(f"{state} is unreadable ({e})") from None
-            if found.get("format") != STATE_FORMAT:
-                raise StateDirError(f"{state} has format {found.get('format')!r}; this server reads {STATE_FORMAT}")
-            if found.get("model") != model_id:
+            fmt = found.get("format")
+            if fmt == 1:  # the served weights' fingerprint alone: matched by the model name inside it
+                ours, theirs, weights = model_name(self.checkpoint), model_name(str(found.get("model"))), found.get("model")
+            elif fmt == STATE_FORMAT:
+                ours, theirs, weights = self.checkpoint, found.get("checkpoint"), found.get("weights")
+            else:
+                raise StateDirError(f"{state} has format {fmt!r}; this server reads {STATE_FORMAT} (and 1)")
+            if theirs != ours:
                 raise StateDirError(
-                    f"the state directory {self.root} holds sessions of the model {found.get('model')!r}, not "
-                    f"{model_id!r}: serve that model, or pass another --state-dir")
-        else:
-            _atomic_write(state, json.dumps({"format": STATE_FORMAT, "model": model_id}).encode())
+                    f"the state directory {self.root} holds sessions of the model {theirs!r}, not {ours!r}: serve "
+                    "that model, or pass another --state-dir")
+            if weights != model_id:  # reported by the recovery (sessions.service.RecoveryStats)
+                self.previous_weights = str(weights)
+        if fmt != STATE_FORMAT or self.previous_weights is not None:  # new, older, or last served by other weights
+            _atomic_write(state, json.dumps({"format": STATE_FORMAT, "checkpoint": self.checkpoint,
+                                             "weights": model_id}).encode())
 
     # ---- paths -------------------------------------------------------------------------------
 
@@ -117,6 +137,7 @@ class StateDir:
                 context_length: int, history: Sequence[int], settings: dict[str, Any] | None = None) -> None:
         """A new session: its header and initial history, durable per the policy before this returns."""
         header = records.header_record({"id": session_id, "owner": owner, "model": self.model_id,
+                                        "checkpoint": self.checkpoint,
                                         "policy": {"name": policy_name, "params": policy_params},
                                         "context_length": context_length, "settings": settings or {}})
         body = header + (records.tokens_record(list(history)) if history else b"")
@@ -217,8 +238,11 @@ class StateDir:
             history = [t for r in parsed.records[1:] if r.kind is RecordKind.TOKENS for t in r.tokens()]
         except (KeyError, TypeError, ValueError) as e:
             raise StateDirError(f"{path}: unreadable journal header or records ({e})") from None
-        if header.get("model") != self.model_id:
-            raise StateDirError(f"{path} belongs to the model {header.get('model')!r}, not {self.model_id!r}")
+        # Written before checkpoint ids: matched by the model name inside the served weights' fingerprint.
+        theirs = header.get("checkpoint") or model_name(str(header.get("model")))
+        ours = self.checkpoint if "checkpoint" in header else model_name(self.checkpoint)
+        if theirs != ours:
+            raise StateDirError(f"{path} belongs to the model {theirs!r}, not {ours!r}")
         if path.name != f"{_safe_id(sid)}.journal":
             raise StateDirError(f"{path} holds the journal of session {sid!r}")
         if parsed.torn_bytes:

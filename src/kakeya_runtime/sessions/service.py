@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -184,6 +185,9 @@ class RecoveryStats:
     tokens: int  # history tokens recovered, all sessions together
     snapshots: int  # sessions with a KV snapshot to load at their first Generate
     dropped_bytes: int  # torn journal tails cut off (never acknowledged to a client)
+    # The served weights of the last start where they were others (another format or build): its snapshots are
+    # refused at each session's first Generate, which recomputes the cache from the history.
+    previous_weights: str | None = None
 
 
 _JOB_ENDED = object()  # pushed after a job's last event; alone it means the job never ran
@@ -260,14 +264,17 @@ class SessionService:
     def __init__(self, engine: Engine, *, eos_ids: Sequence[int] = (), config: ServiceConfig | None = None,
                  policies: PolicyRegistry | None = None, observer: ServiceObserver | None = None,
                  clock: Callable[[], float] = time.monotonic, state: StateDir | None = None,
-                 model_id: str = "", detokenize: Detokenize | None = None) -> None:
+                 model_id: str = "", checkpoint: str = "", detokenize: Detokenize | None = None) -> None:
         """`state`: the state directory that makes sessions durable (sessions.journal); `model_id`: the served
-        model's fingerprint (sessions.snapshot.model_fingerprint), which KV snapshots and archives must match;
-        `detokenize` (token ids -> text, special tokens skipped) enables stop strings (None refuses them)."""
+        weights' fingerprint (sessions.snapshot.model_fingerprint), which KV snapshots must match; `checkpoint`: the
+        checkpoint they come from (sessions.snapshot.checkpoint_id), which archives must match; `detokenize` (token
+        ids -> text, special tokens skipped) enables stop strings (None refuses them)."""
         self.engine = engine
         self.state = state
         self.model_id = (state.model_id if state is not None else model_id
                          or snapshot.model_fingerprint(engine.config.model_type, engine.model, engine.dtype))
+        self.checkpoint = (state.checkpoint if state is not None else checkpoint
+                           or snapshot.checkpoint_id_of(engine.config.model_type, engine.model))
         self.config = config or ServiceConfig()
         self.vocab_size = engine.config.vocab_size
         self.eos_ids = tuple(eos_ids)
@@ -345,7 +352,7 @@ class SessionService:
             tokens += len(r.history)
             snapshots += r.snapshot is not None
             dropped += r.dropped_bytes
-        return RecoveryStats(len(found), tokens, snapshots, dropped)
+        return RecoveryStats(len(found), tokens, snapshots, dropped, self.state.previous_weights)
 
     def _snapshot_all(self) -> int:
         """At shutdown, on the (idle) engine: write a KV snapshot of every session holding a live cache."""
@@ -462,30 +469,44 @@ class SessionService:
                 if session.cache is not None and session.cached_length > 0:
                     kv = await asyncio.wrap_future(self.scheduler.submit(
                         snapshot.dump, session.cache, history, session.cached_length, self.model_id))
-                elif session.snapshot is not None and self.state is not None:
-                    kv = await asyncio.to_thread(self.state.read_snapshot, session.snapshot)
+                elif session.snapshot is not None and self.state is not None:  # recovered, not yet loaded
+                    kv = await asyncio.to_thread(self._current_snapshot, session.snapshot)
             spec = session.policy
             return archive.encode(self.model_id, spec.name, dict(spec.params), session.context_length, history, kv,
-                                  session_settings(session))
+                                  session_settings(session), checkpoint=self.checkpoint)
         except RuntimeError:  # the scheduler was shut down
             raise Unavailable("the server is shutting down") from None
         finally:
             self._release_turn(session)
 
+    def _current_snapshot(self, path: Path) -> bytes | None:
+        """A recovered session's snapshot file, if these weights computed it (else, or unreadable: None)."""
+        assert self.state is not None
+        try:
+            data = self.state.read_snapshot(path)
+            return data if snapshot.metadata(data)["model"] == self.model_id else None
+        except (OSError, ValueError):  # RecordError, SnapshotError: the history is the truth
+            return None
+
     async def import_session(self, owner: str, data: bytes) -> tuple[Session, bool]:
-        """A new session (a new id, owned by `owner`) from an archive; with a KV snapshot, the snapshot is verified
-        against the history and loaded now, and a bad one refuses the import (nothing is created). Returns the
-        session and whether its cache came from the snapshot."""
+        """A new session (a new id, owned by `owner`) from an archive of this checkpoint (in any weight format); with
+        a KV snapshot of these weights, the snapshot is verified against the history and loaded now, and a bad one
+        refuses the import (nothing is created). A snapshot of other weights (another format or build) is not used:
+        the first Generate computes the cache. Returns the session and whether its cache came from the snapshot."""
         try:
             arc = archive.decode(data)
         except archive.ArchiveError as e:
             raise InvalidArgument(f"ImportSession: {e}") from None
-        if arc.model.split(":")[0] != self.model_id.split(":")[0]:
-            raise FailedPrecondition(f"the archive holds a session of the model {quoted(arc.model)}, this server "
-                                     f"serves {self.model_id}")
+        # An archive written before checkpoint ids names the served weights only: matched by the model name in it.
+        ours = self.checkpoint if arc.checkpoint else snapshot.model_name(self.checkpoint)
+        theirs = arc.checkpoint or snapshot.model_name(arc.model)
+        if theirs != ours:
+            raise FailedPrecondition(f"the archive holds a session of the model {quoted(theirs)}, this server "
+                                     f"serves {ours}")
         if arc.kv is not None and arc.model != self.model_id:
-            raise FailedPrecondition("the archive's KV snapshot was computed by other weights than this server's "
-                                     "(export it without KV, or import it into a server of those weights)")
+            _log.info("ImportSession: the archive's KV snapshot was computed by the weights %s, not %s; the first "
+                      "Generate computes the cache", arc.model, self.model_id)
+            arc.kv = None
         speculation = arc.settings.get("speculation")
         if speculation is not None and not (isinstance(speculation, list) and len(speculation) == 2
                                             and isinstance(speculation[0], str) and isinstance(speculation[1], int)):

@@ -7,14 +7,21 @@ Loading checks all three before the cache is used, and then that every layer hol
 positions; any mismatch raises SnapshotError and the caller recomputes the cache from the history instead,
 which is exact by construction (a position's K/V do not depend on how the prefill was chunked). The bytes
 themselves are checksummed by their record (sessions.records).
+
+Two identities: `model_fingerprint` names the weights as served (format and kernels' packing included), which a
+snapshot must match; `checkpoint_id` names the checkpoint they were made from, whatever the format, dtype or build,
+which token histories (journals, archives) must match: a restart in another weight format keeps its sessions and
+recomputes their caches.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,6 +49,51 @@ def model_fingerprint(name: str, model: DecoderModel, dtype: torch.dtype) -> str
         sample = torch.cat([flat[:64], flat[-64:]]).to(torch.float32).cpu().numpy().tobytes()
         h.update(f"{pname}|{tuple(p.shape)}|{p.dtype}|".encode() + sample)
     return f"{name}:{h.hexdigest()[:16]}"
+
+
+# A checkpoint file is identified by its name, size and these many evenly spaced 4 KiB samples (and its last 4 KiB):
+# 256 KiB read a start, and a fine-tune changes the bytes of every tensor.
+_FILE_SAMPLES, _SAMPLE_BYTES = 64, 4096
+_WEIGHT_FILES = (".gguf", ".safetensors", ".bin")
+_DIR_FILES = ("config.json", "tokenizer.json")
+_ID_RE = re.compile(r"^(.*)[:@][0-9a-f]{16}$")
+
+
+def checkpoint_id(name: str, source: str | Path) -> str:
+    """The checkpoint at `source` (a GGUF file, or a model directory: its weight files, config.json and
+    tokenizer.json), from sampled bytes: the same for every weight format and dtype it is served in."""
+    path = Path(source)
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.is_file() and (p.suffix in _WEIGHT_FILES or p.name in _DIR_FILES))
+    h = hashlib.sha256(name.encode())
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"|{f.name}|{size}|".encode())
+        with f.open("rb") as fh:
+            for i in range(_FILE_SAMPLES):
+                fh.seek(size * i // _FILE_SAMPLES)
+                h.update(fh.read(_SAMPLE_BYTES))
+            fh.seek(max(0, size - _SAMPLE_BYTES))
+            h.update(fh.read())
+    return f"{name}@{h.hexdigest()[:16]}"
+
+
+def checkpoint_id_of(name: str, model: DecoderModel) -> str:
+    """checkpoint_id for a model with no file (built in memory): its parameters' shapes and samples in bf16, so
+    the same for an fp32 and a bf16 copy of it (a quantized copy is another checkpoint here)."""
+    h = hashlib.sha256(name.encode())
+    for pname, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        sample = torch.cat([flat[:64], flat[-64:]]).to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes()
+        h.update(f"{pname}|{tuple(p.shape)}|".encode() + sample)
+    return f"{name}@{h.hexdigest()[:16]}"
+
+
+def model_name(identity: str) -> str:
+    """The model name inside a model_fingerprint or checkpoint_id (what an identity written before checkpoint ids
+    existed can still be matched by)."""
+    m = _ID_RE.match(identity)
+    return m.group(1) if m else identity
 
 
 def dump(cache: ModelKV, history: Sequence[int], cached_length: int, model_id: str) -> bytes:
