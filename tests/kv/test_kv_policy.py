@@ -13,7 +13,7 @@ from kakeya_runtime.kv.policy import CodecSpec, PolicyError, PolicyKV, PolicySpe
 def test_defaults_and_normalised_params():
     assert PolicySpec.parse("") == PolicySpec("full")
     assert PolicySpec.parse("full").params == {}
-    sw = PolicySpec.parse("sink_window", {"sink": 4.0, "window": "64"})  # Struct numbers are floats
+    sw = PolicySpec.parse("sink_window", {"sink": 4.0, "window": " 64 "})  # Struct numbers are floats
     assert (sw.sink, sw.window, sw.codec) == (4, 64, CodecSpec("identity"))
     assert sw.params == {"sink": 4, "window": 64, "codec": "identity", "spare": 0}
     r = PolicySpec.parse("restore", {"window": 64, "granularity": "PER_TURN", "codec": "e8", "q": 19})
@@ -36,6 +36,15 @@ def test_defaults_and_normalised_params():
     ("restore", {"codec": "e8", "q": 500}, "bits per block"),
     ("restore", {"chunk": 0}, ">= 1"),
     ("full", {"idle_codec": "d4", "idle_q": 0}, ">= 1"),
+    # strings are ASCII integers: other digits and doubled signs are refused, not an internal error or a 3
+    ("sink_window", {"sink": "\u00b2"}, "integer"),
+    ("sink_window", {"sink": "--5"}, "integer"),
+    ("sink_window", {"window": "\u0663"}, "integer"),
+    ("sparse", {"topk": "1_0"}, "integer"),
+    # idle_q checked whether or not an idle codec is set, and refused where it would change nothing
+    ("full", {"idle_q": "garbage"}, "integer"),
+    ("sparse", {"idle_q": -5}, ">= 1"),
+    ("full", {"idle_q": 38}, "none is set"),
 ])
 def test_invalid_specs_raise_policy_error(name, params, match):
     with pytest.raises(PolicyError, match=match):

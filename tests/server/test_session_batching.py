@@ -147,7 +147,11 @@ def test_a_short_prompt_is_read_before_a_long_prompts_remaining_chunks():
         it.close()
 
 
-def test_cancel_between_prefill_chunks_leaves_the_session_untouched():
+@pytest.mark.parametrize("policy", [("full", {}), ("sink_window", {"sink": 4, "window": 64}),
+                                    ("restore", {"sink": 4, "window": 16}),
+                                    ("sparse", {"sink": 4, "window": 16, "block": 8, "topk": 2, "codec": "int8"})],
+                         ids=lambda p: p[0])
+def test_cancel_between_prefill_chunks_keeps_the_chunks_read_and_the_history_untouched(policy):
     slow = SlowModel(tiny_model("llama"), 0.01)
     with running_server(tiny_served(model=slow), step_tokens=16, short_prompt=64) as thread, \
             Client(thread.address) as client:
@@ -156,7 +160,7 @@ def test_cancel_between_prefill_chunks_leaves_the_session_untouched():
         it = iter(busy.generate(max_tokens=300, ignore_eos=True))
         next(it)  # decoding: the long prompt below is chunked 15 tokens a step
         prompt = _history(400, 5)
-        s = client.create_session(initial_tokens=prompt)
+        s = client.create_session(initial_tokens=prompt, policy=KvPolicy(*policy))
         before = sched.stats.prefill_chunks
         gen = s.generate(max_tokens=5, ignore_eos=True)
         deadline = time.time() + 10
@@ -168,10 +172,13 @@ def test_cancel_between_prefill_chunks_leaves_the_session_untouched():
             time.sleep(0.01)
         assert sched.stats.prefill_chunks - before < 400 // 15  # it stopped before its prompt was read
         info = s.info(include_history=True)
-        assert list(info.history_token_ids) == prompt and info.cached_length == 0 and not info.generating
-        again = s.generate(max_tokens=5, ignore_eos=True).collect()
-        with client.create_session(initial_tokens=prompt) as fresh:
-            assert fresh.generate(max_tokens=5, ignore_eos=True).collect() == again
+        assert list(info.history_token_ids) == prompt and not info.generating
+        assert 0 < info.cached_length < len(prompt)  # the chunks it read are kept, not read again
+        gen = s.generate(max_tokens=5, ignore_eos=True)
+        again = gen.collect()
+        assert gen.stats.prefill_tokens == len(prompt) - info.cached_length
+        with client.create_session(initial_tokens=prompt, policy=KvPolicy(*policy)) as fresh:
+            assert fresh.generate(max_tokens=5, ignore_eos=True).collect() == again  # the same bits as one prefill
         it.close()
 
 

@@ -8,6 +8,8 @@ The policy protocol the engine, sessions and benchmarks use is ModelKV's (per-la
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +80,11 @@ class PolicySpec:
             raise PolicyError(f"KV policy {name!r} has no parameter(s) {unknown} (known: {sorted(_KEYS[name])})")
         p = {**_KEYS[name], **given}
         idle_kind = _choice(p, "idle_codec", ("none", *CODEC_KINDS))
-        idle = None if idle_kind == "none" else CodecSpec(idle_kind, _int(p, "idle_q", 1))
+        idle_q = _int(p, "idle_q", 1)
+        if idle_kind == "none" and "idle_q" in given:  # it would change nothing: the server's idle codec has its own
+            raise PolicyError("KV policy parameter 'idle_q' sets the q of the session's idle_codec, and none is set "
+                              "(the server's default idle codec takes `kakeya serve --idle-q`)")
+        idle = None if idle_kind == "none" else CodecSpec(idle_kind, idle_q)
         if idle is not None:
             check_codec(idle, "idle_codec")
         if name == "full":
@@ -131,15 +137,18 @@ class PolicySpec:
         return f"{self.name}({inner}){idle}"
 
 
+_INT_TEXT = re.compile(r"-?[0-9]+", re.ASCII)  # what a string integer may be (not "²", "--5" or other scripts' digits)
+
+
 def _int(p: Mapping[str, Any], key: str, minimum: int) -> int:
-    """Integers may arrive as JSON/Struct numbers (floats) or strings; bools are refused."""
+    """Integers may arrive as JSON/Struct numbers (floats) or strings of ASCII digits; bools are refused."""
     raw = p[key]
     value: int | None = None
     if isinstance(raw, bool):
         value = None
     elif isinstance(raw, int):
         value = raw
-    elif (isinstance(raw, float) and raw.is_integer()) or (isinstance(raw, str) and raw.strip().lstrip("-").isdigit()):
+    elif (isinstance(raw, float) and raw.is_integer()) or (isinstance(raw, str) and _INT_TEXT.fullmatch(raw.strip())):
         value = int(raw)
     if value is None:
         raise PolicyError(f"KV policy parameter {key!r} must be an integer, got {raw!r}")

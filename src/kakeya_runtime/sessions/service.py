@@ -786,7 +786,7 @@ class _Turn:
         session, store = job.session, svc.store
         assert stream is not None
         if isinstance(stream, TokenStream) and stream.prefill_left > 0:  # cancelled between prefill chunks
-            store.roll_back(session)  # the partial prefill goes; nothing was committed
+            store.keep_prefilled(session)  # the chunks read stay cached; nothing was committed
             job.emit(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=self.queue_s, resume_s=self.resume_s),
                                self.history_at_start))
             return

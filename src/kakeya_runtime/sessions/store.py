@@ -495,6 +495,20 @@ class SessionStore:
                 self.call_ended(session)
             return kept
 
+    def keep_prefilled(self, session: Session) -> None:
+        """A Generate cancelled between prefill chunks: its cache holds history[:n] for the n positions the chunks
+        reached, the same K/V a whole prefill gives them (a position's K/V do not depend on how the prefill was
+        chunked), so they stay bound and the next Generate prefills only the rest. A cache whose layers disagree
+        (which no chunk boundary leaves) is rolled back instead. Nothing was committed: the history is as before."""
+        with self._lock:
+            cache = session.cache
+            lengths = cache.layer_lengths() if cache is not None and not is_compressed(cache) else []
+            if not lengths or len(set(lengths)) != 1 or not session.cached_length <= lengths[0] <= len(session.history):
+                self.roll_back(session)
+                return
+            session.cached_length = lengths[0]
+            self.check(session)
+
     def pending_tokens(self, session: Session) -> list[int]:
         """What the next prefill consumes: history[cached_length:] (incremental prefill)."""
         with self._lock:
