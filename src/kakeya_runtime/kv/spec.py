@@ -9,7 +9,6 @@ The policy protocol the engine, sessions and benchmarks use is ModelKV's (per-la
 from __future__ import annotations
 
 import re
-
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
