@@ -275,3 +275,87 @@ def test_speculative_tokens_are_journaled_and_the_default_survives(tmp_path: Pat
         assert imported.info().speculation == Speculation("history", 4)
         assert client.session(s.id).generate(12, ignore_eos=True).collect() == \
             imported.generate(12, ignore_eos=True).collect()
+
+
+def test_a_state_dir_serves_one_server_at_a_time(tmp_path: Path):
+    """Two servers on one directory would journal the same sessions apart (each appending what the other never
+    saw, one's CloseSession deleting the other's journal): the second is refused while the first runs."""
+    state = tmp_path / "state"
+    with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
+        sid, history = _drive(client, ("full", {}))
+        with pytest.raises(StateDirError, match=r"in use by another server \(pid \d+\)"), \
+                running_server(tiny_served(), state_dir=str(state)):
+            pass
+        client.session(sid).append([7])  # the first server goes on, alone
+    with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
+        assert list(client.session(sid).info(include_history=True).history_token_ids) == history + [7]
+    with pytest.raises(StateDirError, match="holds sessions of the model"), \
+            running_server(tiny_served(seed=1), state_dir=str(state)):  # a refused start releases the directory
+        pass
+    with running_server(tiny_served(), state_dir=str(state)) as thread:
+        assert thread.server.recovery.sessions == 1
+
+
+def test_journals_damaged_on_disk_are_kept_aside_and_stray_snapshots_removed(tmp_path: Path):
+    served = tiny_served()
+    state = tmp_path / "state"
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        damaged, history = _drive(client, ("full", {}))  # header, tokens, tokens
+        headless, _ = _drive(client, ("full", {}))
+    sessions = state / "sessions"
+    path = sessions / f"{damaged}.journal"
+    data = bytearray(path.read_bytes())
+    first = len(records.MAGIC) + len(records.parse(bytes(data)).records[0].payload) + 9  # after the header record
+    data[first + 12] ^= 0xFF  # inside the first TOKENS record: whole records follow it
+    path.write_bytes(bytes(data))
+    headless_path = sessions / f"{headless}.journal"
+    headless_path.write_bytes(records.MAGIC + b"\x00" * 9 + headless_path.read_bytes()[len(records.MAGIC) + 9:])
+    (sessions / "ses_gone.kv").write_bytes(b"stray")
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        assert thread.server.recovery.sessions == 1  # the one with a readable header, up to the damage
+        assert list(client.session(damaged).info(include_history=True).history_token_ids) == []
+        with pytest.raises(SessionNotFound):
+            client.session(headless).info()
+    assert (sessions / f"{damaged}.journal.damaged").read_bytes() == bytes(data)  # nothing destroyed
+    assert (sessions / f"{headless}.journal.damaged").exists() and not headless_path.exists()
+    assert not (sessions / "ses_gone.kv").exists() and not (sessions / f"{headless}.kv").exists()
+
+
+def _with_kv(archive: bytes, edit) -> bytes:
+    """The archive with its snapshot's tensors replaced by edit(name, tensor), metadata and records kept whole."""
+    from safetensors.torch import load, save
+
+    parsed = arc.decode(archive)
+    tensors = {k: edit(k, v) for k, v in load(parsed.kv).items()}
+    kv = save(tensors, metadata=snapshot_metadata(parsed.kv))
+    return arc.encode(parsed.model, parsed.policy_name, parsed.policy_params, parsed.context_length, parsed.history,
+                      kv, parsed.settings, checkpoint=parsed.checkpoint)
+
+
+def snapshot_metadata(kv: bytes) -> dict[str, str]:
+    from kakeya_runtime.sessions.snapshot import metadata
+
+    return metadata(kv)
+
+
+def test_import_refuses_snapshots_a_generate_could_not_use(tmp_path: Path):
+    served = tiny_served()
+    with running_server(served) as a, Client(a.address) as client:
+        sid, history = _drive(client, ("full", {}))
+        archive = client.session(sid).export(include_kv=True)
+        before = len(a.server.service.store)
+        parsed = arc.decode(archive)
+        cached = int(snapshot_metadata(parsed.kv)["cached_length"])
+        whole = arc.encode(parsed.model, "full", {}, parsed.context_length, parsed.history[:cached], parsed.kv,
+                           checkpoint=parsed.checkpoint)  # the snapshot holds every history token: none left to read
+        with pytest.raises(InvalidArgument, match="all but the last one at most"):
+            client.import_session(whole)
+        with pytest.raises(InvalidArgument, match="NaN or infinite"):
+            client.import_session(_with_kv(archive, lambda k, t: t * float("nan") if k.endswith("k") else t))
+        with pytest.raises(InvalidArgument, match="this cache keeps"):
+            client.import_session(_with_kv(archive, lambda k, t: t.half() if t.is_floating_point() else t))
+        cut = archive[: len(archive) - len(records.encode(records.RecordKind.KV, parsed.kv))]
+        with pytest.raises(InvalidArgument, match="KV snapshot is missing"):
+            client.import_session(cut)  # cut exactly between records: whole, but not what was exported
+        assert len(a.server.service.store) == before
+        assert client.import_session(archive).kv_loaded  # the archive as exported still imports

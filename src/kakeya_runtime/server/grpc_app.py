@@ -382,40 +382,45 @@ class RuntimeServer:
         model_id = model_fingerprint(served.name, served.model, self.engine.dtype)
         checkpoint = served.checkpoint or checkpoint_id_of(served.name, served.model)
         state = None if c.state_dir is None else StateDir(c.state_dir, model_id, checkpoint, FsyncPolicy(c.fsync))
-        self.service = SessionService(
-            self.engine,
-            eos_ids=eos,
-            config=ServiceConfig(max_sessions=c.max_sessions, idle_ttl_s=c.idle_ttl_s,
-                                 max_concurrent=c.max_concurrent, step_tokens=c.step_tokens,
-                                 short_prompt=c.short_prompt,
-                                 context_length=c.context_length,
-                                 sweep_interval_s=c.sweep_interval_s, idle_compress_after_s=c.idle_compress_after_s,
-                                 idle_codec=c.idle_codec, idle_q=c.idle_q, limits=limits),
-            policies=policies,
-            observer=self.metrics,
-            state=state,
-            model_id=model_id,
-            checkpoint=checkpoint,
-            detokenize=detokenizer(served.tokenizer_json) if served.tokenizer_json else None,  # for stop strings
-        )
-        self.metrics.bind_store(self.service.store, self.service.policies.names())
-        self.metrics.bind_scheduler(self.service.scheduler)
-        self.metrics.serving(served.serving or served_as_loaded(served.model, served.decode_forward is not None))
-        # Every journaled session is back before the first call can arrive (StateDirError when one cannot be).
-        self.recovery: RecoveryStats = self.service.recover()
-        self.metrics.sessions_recovered(self.recovery.sessions)
-        self.auth = ApiKeyAuth(c.api_keys)
-        self.max_request_bytes = c.max_request_bytes or request_bytes_for(self.service.context_length)
-        self.port: int | None = None
-        self.metrics_port: int | None = None
-        self.openai_port: int | None = None
-        self.health: Any = None  # the grpc.health.v1 servicer while serving
-        self._openai: Any = None  # the OpenAIShim, when configured
-        if c.openai_port is not None:  # built now: a model it cannot serve fails before anything binds
-            from kakeya_runtime.server.openai_shim import OpenAIShim
+        try:  # a start that fails after this (recovery, the shim) releases the state directory at once
+            self.service = SessionService(
+                self.engine,
+                eos_ids=eos,
+                config=ServiceConfig(max_sessions=c.max_sessions, idle_ttl_s=c.idle_ttl_s,
+                                     max_concurrent=c.max_concurrent, step_tokens=c.step_tokens,
+                                     short_prompt=c.short_prompt,
+                                     context_length=c.context_length,
+                                     sweep_interval_s=c.sweep_interval_s, idle_compress_after_s=c.idle_compress_after_s,
+                                     idle_codec=c.idle_codec, idle_q=c.idle_q, limits=limits),
+                policies=policies,
+                observer=self.metrics,
+                state=state,
+                model_id=model_id,
+                checkpoint=checkpoint,
+                detokenize=detokenizer(served.tokenizer_json) if served.tokenizer_json else None,  # for stop strings
+            )
+            self.metrics.bind_store(self.service.store, self.service.policies.names())
+            self.metrics.bind_scheduler(self.service.scheduler)
+            self.metrics.serving(served.serving or served_as_loaded(served.model, served.decode_forward is not None))
+            # Every journaled session is back before the first call can arrive (StateDirError when one cannot be).
+            self.recovery: RecoveryStats = self.service.recover()
+            self.metrics.sessions_recovered(self.recovery.sessions)
+            self.auth = ApiKeyAuth(c.api_keys)
+            self.max_request_bytes = c.max_request_bytes or request_bytes_for(self.service.context_length)
+            self.port: int | None = None
+            self.metrics_port: int | None = None
+            self.openai_port: int | None = None
+            self.health: Any = None  # the grpc.health.v1 servicer while serving
+            self._openai: Any = None  # the OpenAIShim, when configured
+            if c.openai_port is not None:  # built now: a model it cannot serve fails before anything binds
+                from kakeya_runtime.server.openai_shim import OpenAIShim
 
-            self._openai = OpenAIShim(self.service, served, self.auth, max_queue=c.openai_max_queue,
-                                      on_limit=self.metrics.limit_refused)
+                self._openai = OpenAIShim(self.service, served, self.auth, max_queue=c.openai_max_queue,
+                                          on_limit=self.metrics.limit_refused)
+        except BaseException:
+            if state is not None:
+                state.close()
+            raise
         self._server: grpc.aio.Server | None = None
 
     @property

@@ -1,8 +1,9 @@
 """Session archives: a session as one file, to move it between servers (ExportSession / ImportSession).
 
-An archive is a record stream (sessions.records): a HEADER (the model, the policy and context the session had),
-one TOKENS record with the whole history, and optionally a KV record (a snapshot, sessions.snapshot). Unlike a
-journal, an archive must be whole: a torn or corrupt record is refused, never dropped.
+An archive is a record stream (sessions.records): a HEADER (the model, the policy and context the session had,
+whether a KV record follows), one TOKENS record with the whole history, and optionally a KV record (a snapshot,
+sessions.snapshot). Unlike a journal, an archive must be whole: a torn or corrupt record is refused, never dropped,
+and so is an archive cut between whole records (the header says whether the KV record belongs).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def encode(model: str, policy_name: str, policy_params: dict[str, Any], context_
            history: Sequence[int], kv: bytes | None = None, settings: dict[str, Any] | None = None, *,
            checkpoint: str = "") -> bytes:
     header = records.header_record({"format": ARCHIVE_FORMAT, "kind": "session-archive", "model": model,
-                                    "checkpoint": checkpoint,
+                                    "checkpoint": checkpoint, "kv": kv is not None,
                                     "policy": {"name": policy_name, "params": policy_params},
                                     "context_length": context_length, "settings": settings or {}})
     parts = [records.MAGIC, header, records.tokens_record(list(history))]
@@ -61,6 +62,10 @@ def decode(data: bytes) -> SessionArchive:
         header = parsed.records[0].json()
         if header.get("kind") != "session-archive" or header.get("format") != ARCHIVE_FORMAT:
             raise ArchiveError(f"not a session archive of format {ARCHIVE_FORMAT}")
+        announced = header.get("kv")  # absent in archives written before it was recorded
+        if announced is not None and bool(announced) != (len(kinds) == 3):
+            raise ArchiveError("the archive is damaged: its KV snapshot is " + ("missing (cut off?)" if announced
+                                                                                 else "not announced by its header"))
         policy = header["policy"]
         name, params = policy["name"], policy.get("params") or {}
         if not isinstance(name, str) or not isinstance(params, dict):

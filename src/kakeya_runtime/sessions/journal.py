@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
 import json
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,6 +101,38 @@ class StateDir:
         self._lock = threading.Lock()
         self.previous_weights: str | None = None  # the served weights of the last start, where they differ
         self.sessions_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd: int | None = self._take_lock()
+        try:
+            self._check_state()
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _take_lock(self) -> int:
+        """An exclusive lock on DIR/lock for this server's life: two servers journaling the same sessions would each
+        append what the other never saw, and one's CloseSession would delete the other's journals."""
+        path = self.root / "lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StateDirError(f"the state directory {self.root} is in use by another server (pid {holder}); stop "
+                                "it, or pass another --state-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def _check_state(self) -> None:
+        """state.json: the checkpoint these sessions belong to (another one's are refused) and the weights that
+        served them last (recorded anew when they are others)."""
+        model_id = self.model_id
         state = self.root / "state.json"
         fmt = None
         if state.exists():
@@ -209,7 +243,9 @@ class StateDir:
 
     def recover(self) -> list[RecoveredSession]:
         """Every journaled session, least recently written first; journals cut back to their last whole record
-        and reopened for appending. A journal without a whole header (a create that never answered) is deleted."""
+        and reopened for appending. A journal whose header a crash cut short (a create that never answered) is
+        deleted; one damaged on disk is never destroyed: set aside whole as <file>.damaged (see _recover_one). KV
+        snapshots without a journal are deleted."""
         found: list[RecoveredSession] = []
         for path in sorted(self.sessions_dir.glob("*.journal")):
             session = self._recover_one(path)
@@ -218,6 +254,11 @@ class StateDir:
         for tmp in self.sessions_dir.glob("*.tmp"):  # an interrupted snapshot write
             with contextlib.suppress(OSError):
                 tmp.unlink()
+        for kv in self.sessions_dir.glob("*.kv"):  # its session ended while another process held the file, or
+            if not kv.with_suffix(".journal").exists():  # its journal was set aside or removed by hand
+                _log.warning("state dir: %s belongs to no journal; deleted", kv.name)
+                with contextlib.suppress(OSError):
+                    kv.unlink()
         found.sort(key=lambda s: s.mtime)
         return found
 
@@ -228,8 +269,15 @@ class StateDir:
         except records.RecordError:
             parsed = None
         if parsed is None or not parsed.records or parsed.records[0].kind is not RecordKind.HEADER:
-            _log.warning("state dir: %s has no whole header (a CreateSession that never answered); deleted", path.name)
-            path.unlink()
+            if parsed is not None and not parsed.records and parsed.torn_write:
+                _log.warning("state dir: %s has no whole header (a CreateSession that never answered); deleted",
+                             path.name)
+                path.unlink()
+            else:
+                _log.error("state dir: %s is damaged (%s); its session is not recovered, and the file is kept as "
+                           "%s.damaged", path.name, "bad magic" if parsed is None else parsed.problem or "no header",
+                           path.name)
+                path.rename(path.with_name(path.name + ".damaged"))
             return None
         try:
             header = parsed.records[0].json()
@@ -245,9 +293,15 @@ class StateDir:
             raise StateDirError(f"{path} belongs to the model {theirs!r}, not {ours!r}")
         if path.name != f"{_safe_id(sid)}.journal":
             raise StateDirError(f"{path} holds the journal of session {sid!r}")
-        if parsed.torn_bytes:
+        if parsed.torn_bytes and parsed.torn_write:
             _log.warning("state dir: %s ends with %s (%d bytes, never acknowledged); cut off", path.name,
                          parsed.problem, parsed.torn_bytes)
+        elif parsed.torn_bytes:  # whole records after a bad one: damaged on disk, and some of it was acknowledged
+            shutil.copyfile(path, path.with_name(path.name + ".damaged"))
+            _log.error("state dir: %s has %s with whole records after it (damaged on disk); session %s is recovered "
+                       "up to it (%d bytes cut), and the whole file is kept as %s.damaged", path.name, parsed.problem,
+                       sid, parsed.torn_bytes, path.name)
+        if parsed.torn_bytes:
             os.truncate(path, parsed.good_bytes)
         mtime = path.stat().st_mtime
         fd = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -259,7 +313,7 @@ class StateDir:
                                 parsed.torn_bytes)
 
     def close(self) -> None:
-        """Close every journal (the server is stopping); the files stay for the next start."""
+        """Close every journal (the server is stopping) and release the directory; the files stay for the next start."""
         with self._lock:
             writers, self._writers = list(self._writers.values()), {}
         for writer in writers:
@@ -267,6 +321,7 @@ class StateDir:
                 if self.fsync is not FsyncPolicy.NEVER:
                     os.fsync(writer.fd)
                 os.close(writer.fd)
+        self._release_lock()
 
     # ---- internals -----------------------------------------------------------------------------
 

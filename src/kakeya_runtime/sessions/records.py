@@ -73,6 +73,9 @@ class Parsed:
     good_bytes: int  # bytes up to the end of the last whole, valid record
     torn_bytes: int  # bytes after it (a torn or corrupt tail)
     problem: str | None  # why the tail was dropped (None: nothing was)
+    # The bad record is the file's last (cut short, or bad up to the end): a write a crash interrupted. Otherwise
+    # whole records follow a damaged one: the file was damaged after it was written.
+    torn_write: bool = True
 
 
 def parse(data: bytes | memoryview) -> Parsed:
@@ -82,35 +85,36 @@ def parse(data: bytes | memoryview) -> Parsed:
         raise RecordError("not a Kakeya session file (bad magic or format version)")
     records: list[Record] = []
     at = len(MAGIC)
-    problem = None
+    problem, last = None, True
     for record, end, why in _walk(view, at):
         if record is None:
-            problem = why
+            problem, last = why, end >= len(view)
             break
         records.append(record)
         at = end
-    return Parsed(records, at, len(view) - at, problem)
+    return Parsed(records, at, len(view) - at, problem, last)
 
 
 def _walk(view: memoryview, at: int) -> Iterator[tuple[Record | None, int, str | None]]:
     n = len(view)
     while at < n:
         if n - at < _HEAD.size:
-            yield None, at, f"a record header cut short ({n - at} bytes)"
+            yield None, n, f"a record header cut short ({n - at} bytes)"
             return
         length, crc, kind = _HEAD.unpack_from(view, at)
         start, end = at + _HEAD.size, at + _HEAD.size + length
         if end > n:
-            yield None, at, f"a record of {length} bytes cut short at {n - start}"
+            yield None, n, f"a record of {length} bytes cut short at {n - start}"
             return
         payload = bytes(view[start:end])
+        # a bad record yields where it ends: parse tells a damaged last record from one with records after it
         if zlib.crc32(payload, zlib.crc32(bytes((kind,)))) != crc:
-            yield None, at, f"a record failing its checksum at byte {at}"
+            yield None, end, f"a record failing its checksum at byte {at}"
             return
         try:
             record_kind = RecordKind(kind)
         except ValueError:
-            yield None, at, f"a record of unknown kind {kind} at byte {at}"
+            yield None, end, f"a record of unknown kind {kind} at byte {at}"
             return
         yield Record(record_kind, payload), end, None
         at = end

@@ -134,8 +134,9 @@ def load(cache: ModelKV, data: bytes, history: Sequence[int], model_id: str) -> 
     if meta["model"] != model_id:
         raise SnapshotError(f"the KV snapshot was computed by {meta['model']}, not {model_id}")
     n = int(meta["cached_length"])
-    if not 0 <= n <= len(history):
-        raise SnapshotError(f"the KV snapshot holds {n} positions, the history only {len(history)} tokens")
+    if not 0 <= n < len(history):  # a session's next Generate always has a token to read (else its cache is short)
+        raise SnapshotError(f"the KV snapshot holds {n} positions of a history of {len(history)} tokens (it may hold "
+                            "all but the last one at most)")
     if meta["history_sha256"] != history_digest(history[:n]):
         raise SnapshotError(f"the KV snapshot's {n} tokens are not the session's first {n}")
     layers = int(meta["layers"])
@@ -151,6 +152,12 @@ def load(cache: ModelKV, data: bytes, history: Sequence[int], model_id: str) -> 
         if not i.isdigit() or int(i) >= layers:
             raise SnapshotError(f"the KV snapshot has a tensor {key!r} for no layer")
         states[int(i)][name] = t
+    for i, (want, got) in enumerate(zip(cache.state(), states, strict=True)):  # the fresh cache's own dtypes
+        for key, t in got.items():
+            if key in want and t.dtype != want[key].dtype:
+                raise SnapshotError(f"the KV snapshot's layer {i} {key} is {t.dtype}, this cache keeps {want[key].dtype}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise SnapshotError(f"the KV snapshot's layer {i} {key} holds NaN or infinite values")
     try:
         cache.load_state(states)
     except (CacheError, ValueError, KeyError, RuntimeError, IndexError) as e:
