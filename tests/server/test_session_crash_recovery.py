@@ -66,6 +66,9 @@ def test_kill_9_during_generation_loses_nothing_acknowledged(tmp_path: Path):
                     assert fresh.generate(24, **SAMPLED).collect() == after
         text = second.metrics()
         assert metric_value(text, "kakeya_session_recovered_total") == 3
+        # a crash writes no snapshot: the two sessions generated on were rebuilt from their histories
+        assert metric_value(text, "kakeya_session_kv_restored_total", '{source="history"}') == 2
+        assert metric_value(text, "kakeya_session_kv_restored_total", '{source="snapshot"}') == 0
         for kind in ("inv1", "inv2"):
             assert metric_value(text, "kakeya_cache_invariant_violations_total", f'{{kind="{kind}"}}') == 0
     finally:

@@ -91,6 +91,7 @@ def test_restart_recovers_every_session_and_continues_exactly(tmp_path: Path):
         text = scrape_metrics(thread)
         assert metric_value(text, "kakeya_session_recovered_total") == len(owned)
         assert metric_value(text, "kakeya_session_kv_restored_total", '{source="snapshot"}') == len(POLICIES)
+        assert metric_value(text, "kakeya_session_kv_restored_total", '{source="history"}') == 1  # never generated
         assert metric_value(text, "kakeya_cache_invariant_violations_total", '{kind="inv1"}') == 0
 
 

@@ -170,10 +170,11 @@ class RuntimeMetrics:
         )
         self.session_kv_restored_total = Counter(
             "kakeya_session_kv_restored_total", "Recovered or imported sessions whose cache was built at their first "
-            "Generate or import, by source: snapshot (loaded after verification) or recompute (a snapshot refused: "
-            "the history was prefilled instead).", ["source"], registry=r,
+            "Generate or import, by source: snapshot (loaded after verification), recompute (a snapshot refused: "
+            "the history was prefilled instead) or history (a recovered session with no snapshot, as after a crash: "
+            "its history was prefilled).", ["source"], registry=r,
         )
-        for source in ("snapshot", "recompute"):
+        for source in ("snapshot", "recompute", "history"):
             self.session_kv_restored_total.labels(source)
         self.kv_budget_bytes = Gauge(
             "kakeya_kv_budget_bytes", "The KV byte budget all sessions share (0: none).", registry=r,

@@ -672,7 +672,8 @@ class SessionService:
     def _build_cache(self, session: Session) -> None:
         """Engine thread: the session's first cache, from its verified snapshot when it has one (a recovered or
         imported session), else empty (the prefill then computes the whole history)."""
-        source = session.snapshot
+        source, recovered = session.snapshot, session.recovered
+        session.recovered = False  # counted once: a cache dropped later (a rollback) is no restart's
         if source is not None:
             try:
                 assert self.state is not None  # only recovery sets a snapshot, and only with a state directory
@@ -686,6 +687,8 @@ class SessionService:
                 _log.warning("session %s: KV snapshot refused (%s); recomputing it from the history", session.id, e)
                 self.observer.kv_restored("recompute")
                 session.snapshot = None
+        elif recovered:  # no snapshot (the last stop was a crash): the history is prefilled
+            self.observer.kv_restored("history")
         self.store.attach_cache(session, self.policies.build(self.engine, session.policy, session.context_length))
 
     def _speculative_stream(self, session: Session, ids: torch.Tensor, job: _Job,

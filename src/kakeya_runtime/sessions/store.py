@@ -153,6 +153,7 @@ class Session:
     sparse: dict | None = None  # the sparse policy's counters and bytes after the last Generate (kv.sparse)
     idle_compress_error: str | None = None  # compression failed once: the session is not retried
     snapshot: Path | None = None  # recovered: the KV snapshot file its first Generate tries to load
+    recovered: bool = False  # adopted from the state directory, its cache not yet built
     speculation: Any = None  # the session's default sessions.speculation.SpeculationSpec (None: off)
     drafts: Any = None  # (SpeculationSpec, DraftProposer) kept between Generates (the history index grows)
 
@@ -278,7 +279,7 @@ class SessionStore:
             now = self.clock()
             session = Session(session_id, owner, policy, context_length, created_at=now, last_access=now,
                               history=list(history), reserved_bytes=reserve_bytes, snapshot=snapshot,
-                              speculation=speculation)
+                              speculation=speculation, recovered=True)
             session.history_high_water = len(session.history)
             self._sessions[session_id] = session
         self.observer.session_created()
