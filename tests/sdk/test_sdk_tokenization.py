@@ -28,6 +28,10 @@ def test_tokenizer_from_model_info_roundtrips(tok):
     assert tok.decode(ids) == text
     assert tok.encode("<|im_start|>") == [1]  # special-token text maps to its id
     assert tok.eos_token == "<|im_end|>" and tok.bos_token == ""
+    with pytest.raises(ValueError, match="lone surrogate at character 3"):  # not the library's TypeError
+        tok.encode("Hi \ud800")
+    with pytest.raises(ValueError, match="lone surrogate"):
+        tok.tokens_for_chat([{"role": "user", "content": "\udc00"}])
 
 
 def test_tokens_for_chat_renders_the_template_client_side(tok):

@@ -189,6 +189,34 @@ def test_error_codes(shim):
     assert len(shim.server.service.store) == 0
 
 
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("chat", '{"messages": [{"role": "user", "content": "Hi \\ud800"}]}', "messages[0].content"),
+    ("chat", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "messages[0].content"),
+    ("chat", '{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}', "messages[0].name"),
+    ("completions", '{"prompt": "Hi \\udc00"}', "prompt"),
+    ("completions", '{"prompt": "Hi", "stop": "\\ud800"}', "stop"),
+    ("chat", '{"messages": [{"role": "user", "content": "x"}], "seed": -1}', "seed"),
+    ("chat", '{"messages": [{"role": "user", "content": "x"}], "seed": 9223372036854775808}', "seed"),
+    ("chat", '{"messages": [{"role": "user", "content": "x"}], "presence_penalty": false}', "presence_penalty"),
+    ("chat", '{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}', "tool_choice"),
+    ("completions", '{"prompt": "Hi", "echo": 0}', "echo"),
+    ("completions", '{"prompt": "Hi", "best_of": true}', "best_of"),
+    ("completions", '{"prompt": "Hi", "response_format": {"type": "json_object"}}', "response_format"),
+    ("chat", '{"x": ' + "[" * 5000 + "]" * 5000 + "}", None),  # nested past Python's recursion limit
+])
+def test_bad_text_and_values_are_400s_naming_their_param_before_anything_starts(shim, route, body, param):
+    """Found by trying: each of these was a 500 (a lone surrogate, deep nesting) or passed as a default it is not
+    (False for 0), or was checked only after a session was created (the seed's range)."""
+    url = f"{_base(shim)}/{'chat/completions' if route == 'chat' else 'completions'}"
+    text = body[:1] + f'"model": "{MODEL}", ' + body[1:]
+    r = httpx2.post(url, content=text.encode(), headers={"authorization": f"Bearer {KEY}",
+                                                         "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert len(shim.server.service.store) == 0
+
+
 def test_deprecation_headers_on_every_response(shim):
     auth = {"authorization": f"Bearer {KEY}"}
     responses = [

@@ -221,6 +221,7 @@ export class Session {
    * importer need not recompute it). `Client.importSession` takes it back on any server of the same model.
    */
   async export(options: { includeKv?: boolean } & CallSignal = {}): Promise<Buffer> {
+    if (options.signal?.aborted) throw options.signal.reason; // as every other call: nothing is sent
     const call = this.client.stub.exportSession({ sessionId: this.id, includeKv: options.includeKv ?? false },
       this.client.metadata());
     const onAbort = () => call.cancel();
@@ -312,7 +313,19 @@ export class Generation implements AsyncIterable<number> {
   [Symbol.asyncIterator](): AsyncIterator<number> {
     if (this.iterated) throw new Error("a Generation can be iterated only once (see .tokenIds)");
     this.iterated = true;
-    return this.run();
+    const run = this.run();
+    // A generator closed before its first next() never enters run()'s try, so its finally (which stops the
+    // server's work) never runs: return() stops it here too. cancel() does nothing once the result is in.
+    return {
+      next: () => run.next(),
+      return: async (value?: unknown) => {
+        const out = await run.return(value as undefined);
+        this.signal?.removeEventListener("abort", this.onAbort);
+        this.cancel();
+        return out;
+      },
+      throw: (error?: unknown) => run.throw(error),
+    };
   }
 
   private async next(): Promise<StreamEvent> {

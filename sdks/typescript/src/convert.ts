@@ -122,7 +122,11 @@ export function generateRequest(sessionId: string, o: GenerateOptions): pb.Gener
     seed = BigInt(o.seed);
     if (seed < 0n || seed >= 2n ** 64n) throw new InvalidArgument(`bad generate parameters: seed out of range`);
   }
-  const stop = typeof o.stop === "string" ? [o.stop] : [...(o.stop ?? [])]; // one string is one stop string
+  const given: unknown = o.stop ?? [];
+  if (typeof given !== "string" && typeof (given as Iterable<unknown>)[Symbol.iterator] !== "function") {
+    throw new InvalidArgument("bad generate parameters: stop must be a string or an iterable of strings");
+  }
+  const stop = typeof given === "string" ? [given] : [...(given as Iterable<string>)]; // one string is one stop
   if (!stop.every((s) => typeof s === "string")) {
     throw new InvalidArgument("bad generate parameters: stop must be a string or an iterable of strings");
   }

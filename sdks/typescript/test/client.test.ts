@@ -254,9 +254,28 @@ describe("cancellation", () => {
     const signal = AbortSignal.abort(reason);
     await assert.rejects(s.append([4], { signal }), (e) => e === reason);
     await assert.rejects(s.generate({ maxTokens: 5, signal }).collect(), (e) => e === reason);
+    await assert.rejects(s.export({ signal }), (e) => e === reason);
     const info = await s.info();
     assert.equal(info.historyLength, 1);
     assert.equal(info.generateCalls, 0);
+    await s.close();
+  });
+
+  it("closing a Generation's iterator before its first token stops the server's work", async () => {
+    const s = await client.createSession({ initialTokens: [5, 6] });
+    const gen = s.generate({ maxTokens: 200, ignoreEos: true });
+    const done = await gen[Symbol.asyncIterator]().return!();
+    assert.equal(done.done, true);
+    for (let i = 0; i < 100 && (await s.info()).generating; i++) await new Promise((r) => setTimeout(r, 20));
+    const info = await s.info();
+    assert.equal(info.generating, false);
+    assert.ok(info.historyLength < 2 + 200, `not cancelled: history ${info.historyLength}`);
+    await s.close();
+  });
+
+  it("a stop that is neither a string nor an iterable is InvalidArgument, not a TypeError", async () => {
+    const s = await client.createSession({ initialTokens: [5] });
+    assert.throws(() => s.generate({ maxTokens: 2, stop: 5 as unknown as string }), InvalidArgument);
     await s.close();
   });
 

@@ -59,8 +59,17 @@ class Tokenizer:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """Text -> ids. Special-token text such as "<|im_start|>" maps to its id either way."""
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        """Text -> ids. Special-token text such as "<|im_start|>" maps to its id either way. ValueError for a str
+        that is not Unicode text (a lone surrogate, as JSON's "\\ud800" decodes to)."""
+        try:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the tokenizers library's "TextInputSequence must be str", for either cause
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"text is not valid Unicode: a lone surrogate at character {e.start}") from None
+            raise
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

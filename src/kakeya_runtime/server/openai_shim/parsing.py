@@ -60,7 +60,7 @@ class RequestParser:
             chunks.append(chunk)
         try:
             body = json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # nesting past Python's stack: unreadable
             raise bad("We could not parse the JSON body of your request.") from None
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
@@ -88,7 +88,7 @@ class RequestParser:
 
     def completion(self, body: dict[str, Any]) -> ShimRequest:
         for name, default in (("echo", False), ("best_of", 1), ("suffix", None), ("logprobs", None)):
-            if body.get(name) not in (default, None):
+            if not _is_default(body.get(name), default):
                 raise bad(f"{name} is not supported by this server", name, "unsupported_parameter")
         return self._parse(body, self._prompt_ids(body.get("prompt")), chat=False)
 
@@ -96,7 +96,7 @@ class RequestParser:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode(_text(prompt, "prompt"), add_special_tokens=True)
         elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
             ids = list(prompt)  # token ids; the session service checks their range
         else:
@@ -110,7 +110,7 @@ class RequestParser:
         if n is not None and (not _is_int(n) or n != 1):
             raise bad("only n=1 is supported", "n")
         for name in ("presence_penalty", "frequency_penalty"):
-            if body.get(name) not in (None, 0, 0.0):
+            if not _is_default(body.get(name), 0):
                 raise bad(f"{name} is not supported by this server", name, "unsupported_parameter")
         if body.get("logit_bias"):
             raise bad("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
@@ -119,9 +119,11 @@ class RequestParser:
                 raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
             if body.get("tools") or body.get("functions"):
                 raise bad("tools are not supported by this server", "tools", "unsupported_parameter")
-            fmt = body.get("response_format")
-            if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-                raise bad("only response_format {\"type\": \"text\"} is supported", "response_format")
+            if body.get("tool_choice") not in (None, "none", "auto"):  # no tools: nothing it could choose
+                raise bad("tools are not supported by this server", "tool_choice", "unsupported_parameter")
+        fmt = body.get("response_format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+            raise bad("only response_format {\"type\": \"text\"} is supported", "response_format")
         stream = _bool(body, "stream")
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
@@ -134,8 +136,8 @@ class RequestParser:
         if top_p == 0.0:
             raise bad("top_p must be in (0, 1]", "top_p")
         seed = body.get("seed")
-        if seed is not None and not _is_int(seed):
-            raise bad("seed must be an integer", "seed")
+        if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):  # the sampler's range
+            raise bad("seed must be an integer in [0, 2**63)", "seed")
         context = self.context_length
         if len(ids) >= context:
             raise bad(f"This model's maximum context length is {context} tokens. However, your "
@@ -175,12 +177,13 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
             content = ""
         elif not isinstance(content, str):
             raise bad(f"{where}.content must be a string or an array of text parts", f"{where}.content")
+        content = _text(content, f"{where}.content")
         if m.get("tool_calls"):
             raise bad("tool calls are not supported by this server", f"{where}.tool_calls", "unsupported_parameter")
         role = "system" if m["role"] == "developer" else m["role"]
         msg = {"role": role, "content": content}
         if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+            msg["name"] = _text(m["name"], f"{where}.name")
         out.append(msg)
     return out
 
@@ -189,6 +192,7 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad("stop must be a non-empty string or an array of them", "stop")
+    stops = [_text(s, "stop") for s in stops]
     if len(stops) > MAX_STOP_STRINGS:
         raise bad(f"stop takes at most {MAX_STOP_STRINGS} strings", "stop")
     try:
@@ -199,6 +203,24 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Absent, or the parameter's default itself (a bool is not the number 0 or 1 here, though Python's == says so)."""
+    if value is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return value is default
+    return isinstance(value, int | float) and isinstance(default, int | float) and value == default
+
+
+def _text(value: str, param: str) -> str:
+    """JSON strings may carry lone UTF-16 surrogates ("\\ud800"), which are no Unicode text: refused by name."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"{param} is not valid Unicode (a lone surrogate at character {e.start})", param) from None
+    return value
 
 
 def _bool(body: Mapping[str, Any], name: str, param: str | None = None) -> bool:
