@@ -201,13 +201,15 @@ class OpenAIShim:
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kakeya"}
 
+    # Rendering and tokenizing a prompt (up to the body limit: ~0.6 s for 1.2 MB of text) run off the event loop,
+    # which serves every other HTTP and gRPC call meanwhile.
     async def _chat(self, request: Request, owner: str) -> Response:
         body = await self.parser.json_body(request)
-        return await self._respond(request, owner, self.parser.chat(body))
+        return await self._respond(request, owner, await asyncio.to_thread(self.parser.chat, body))
 
     async def _completions(self, request: Request, owner: str) -> Response:
         body = await self.parser.json_body(request)
-        return await self._respond(request, owner, self.parser.completion(body))
+        return await self._respond(request, owner, await asyncio.to_thread(self.parser.completion, body))
 
     async def _respond(self, request: Request, owner: str, req: ShimRequest) -> Response:
         reply = Reply(req.chat, self.model_name, req.include_usage, len(req.prompt_ids))
