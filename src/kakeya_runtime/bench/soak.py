@@ -2,7 +2,7 @@
 restart in the middle; bounded in requests and time, loopback only.
 
 Several API keys drive every RPC at once: valid calls (sessions under every policy, appends, Generates cancelled at
-random points, exports and imports) and invalid ones (bad ids and tokens, NaN and deeply nested params, undecodable
+random points, exports and imports) and invalid ones (bad ids and tokens, NaN, deeply nested and oddly spelled params, undecodable
 bytes, foreign and oversized session ids, wrong keys). The server runs with small per-key quotas (evictions), idle
 compression after a second, and a state directory. Each worker keeps a ledger of what the server acknowledged to
 it. Halfway, the workers pause, a long Generate starts, the ledger is checked against every live session, and the
@@ -98,7 +98,7 @@ class _Worker(threading.Thread):
             ("bad_token", 2), ("empty_append", 1), ("nan_param", 2), ("unknown_policy", 1), ("bad_max_tokens", 2),
             ("unknown_session", 2), ("huge_session_id", 1), ("foreign_session", 2), ("garbage_bytes", 3),
             ("wrong_key", 1), ("deep_params", 1), ("bad_sampling", 2), ("big_window", 1), ("bad_archive", 1),
-            ("bad_utf8_id", 1))]
+            ("bad_utf8_id", 1), ("odd_param_text", 1))]
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -296,6 +296,14 @@ class _Worker(threading.Thread):
         struct = struct_pb2.Struct()
         struct.update({"window": self.rng.choice([math.nan, math.inf, -math.inf])})
         self._call("CreateSession", "nan_param", pb.CreateSessionRequest(
+            policy=pb.KvPolicy(name="sink_window", params=struct)), expect_error=True)
+
+    def op_odd_param_text(self) -> None:
+        """An integer parameter as text Python's own isdigit() or int() would take: other scripts' digits, a doubled
+        sign, an underscore (once an INTERNAL status)."""
+        struct = struct_pb2.Struct()
+        struct.update({self.rng.choice(["sink", "window"]): self.rng.choice(["\u00b2", "--5", "\u0663", "1_0"])})
+        self._call("CreateSession", "odd_param_text", pb.CreateSessionRequest(
             policy=pb.KvPolicy(name="sink_window", params=struct)), expect_error=True)
 
     def op_unknown_policy(self) -> None:
