@@ -55,6 +55,30 @@ def test_greedy_identical_on_tiny_model_and_stats(tiny_server: ServerThread) -> 
         assert plain_stats.speculation == "" and plain_stats.draft_tokens == 0 and plain_stats.verifier_steps == 0
 
 
+@pytest.mark.parametrize("policy", [
+    ("restore", {"sink": 4, "window": 16}),
+    ("sparse", {"sink": 4, "window": 16, "block": 4, "topk": 2, "codec": "identity", "spare": 4}),
+], ids=lambda p: p[0])
+def test_rollbacks_on_long_histories_stay_exact(tiny_server: ServerThread, policy) -> None:
+    """Found by trying: restore's history grows inside forwards past 256 tokens, so a rejected draft's trim failed
+    (an inference tensor written outside inference mode) and the client was told the server was shutting down;
+    sparse kept a rolled-back block pending when the drafts had completed it (SparseIndexError). Many drafts over
+    a long, self-quoting history, greedy: the same tokens as without speculation, turn after turn."""
+    with Client(tiny_server.address) as client:
+        history = _prompt_with_repeats(client.model_info().vocab_size, 180, seed=4)  # 330 tokens
+        assert len(history) > 256
+        sessions = [client.create_session(history, policy=KvPolicy(*policy)) for _ in range(2)]
+        for turn in range(3):
+            plain = sessions[0].generate(40, ignore_eos=True).collect()
+            spec = sessions[1].generate(40, ignore_eos=True, speculation=Speculation("history", 4)).collect()
+            assert spec == plain, turn
+            assert sessions[1].last_result.stats.verifier_steps > 0
+            for s in sessions:
+                s.append(history[turn * 7 : turn * 7 + 5])
+        for s in sessions:
+            s.close()
+
+
 def test_a_stop_string_inside_an_accepted_draft_ends_where_plain_decoding_ends(tiny_server: ServerThread) -> None:
     """Speculation emits several tokens per step; a stop string completing inside them cuts the step there (the
     rest dropped, the cache trimmed), so tokens, stop string, history and the next Generate equal plain decoding's."""

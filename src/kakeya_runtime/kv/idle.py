@@ -37,6 +37,9 @@ class IdleStats:
     seconds: float
 
 
+_HELD = ("k", "v", "cold_k", "cold_v", "kmin", "kmax")  # state keys that are K/V bytes, packed or not
+
+
 class IdleLayer:
     """A layer packed while idle. It keeps `length` (INV-1 still holds) but refuses to be used."""
 
@@ -47,12 +50,14 @@ class IdleLayer:
 
     @property
     def nbytes(self) -> int:
-        """K/V bytes held (like a live layer's nbytes: bookkeeping such as slot positions not counted)."""
+        """K/V bytes held (like a live layer's nbytes: bookkeeping such as slot positions not counted), including
+        what idle packing leaves as it is: an already-coded resident store ("k.code", "k.scale"), and the sparse
+        policy's cold tier (already packed with its own codec) and block index."""
         total = 0
         for key, v in self.packed.items():
             if isinstance(v, _Encoded):
                 total += sum(t.nbytes for t in v.stored.values())
-            elif key.split(".")[0] in ("k", "v"):  # an already-coded resident store ("k.code", "k.scale")
+            elif key.split(".")[0] in _HELD:
                 total += v.nbytes
         return total
 

@@ -219,7 +219,8 @@ class RestoreKV(SinkWindowKV):
 
     def trim(self, length: int) -> None:
         super().trim(length)
-        self.history[:, length:] = 0
+        with torch.inference_mode():  # the history grows inside forwards (an inference tensor); trims come from outside
+            self.history[:, length:] = 0
 
     def state(self) -> list[dict[str, Tensor]]:
         states = super().state()

@@ -751,6 +751,7 @@ class SparseLayerKV:
         self.hot_pos[self.hot_pos >= length] = -1
         self._ring_full = False
         self.n_blocks = min(self.n_blocks, max(0, length - self.sink) // self.block)
+        self._deferred = min(self._deferred, self.n_blocks)  # flushed above: nothing the ring lost stays pending
         self._forget_decoded(self.n_blocks)
         self.length = length
 

@@ -179,6 +179,11 @@ class BatchScheduler:
     def batch_size(self) -> int:
         return len(self._active)
 
+    @property
+    def closing(self) -> bool:
+        """shutdown() was called: queued work is dropped, running work ends."""
+        return self._closing
+
     def shutdown(self, *, wait: bool = True) -> None:
         """Queued Generates and calls are dropped (their futures cancelled); running Generates go on until they
         end (the server cancels them), then the thread exits."""

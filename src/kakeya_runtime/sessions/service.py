@@ -437,8 +437,10 @@ class SessionService:
             future.add_done_callback(lambda f: self._call_on_loop(job, self._job_ended, job, f))
             while True:
                 event = await job.events.get()
-                if event is _JOB_ENDED:
-                    raise Unavailable("generation did not run: the server is shutting down")
+                if event is _JOB_ENDED:  # no final event: the server stopped it, or its error handling broke
+                    if self.scheduler.closing:
+                        raise Unavailable("generation did not run: the server is shutting down")
+                    raise InternalError("generation failed; see the server log")
                 if isinstance(event, SessionError | DoneEvent):
                     # The engine thread emits nothing and touches the session no more after its final
                     # event, so the turn is free now (a GetSessionInfo right after sees generating=False).
