@@ -24,6 +24,7 @@ from kakeya_runtime.server.testing import (
 from kakeya_runtime.sessions import archive as arc
 from kakeya_runtime.sessions import records
 from kakeya_runtime.sessions.journal import StateDirError
+from kakeya_runtime.sessions.snapshot import metadata as snapshot_meta
 
 POLICIES = [
     ("full", {}),
@@ -328,15 +329,9 @@ def _with_kv(archive: bytes, edit) -> bytes:
 
     parsed = arc.decode(archive)
     tensors = {k: edit(k, v) for k, v in load(parsed.kv).items()}
-    kv = save(tensors, metadata=snapshot_metadata(parsed.kv))
+    kv = save(tensors, metadata=snapshot_meta(parsed.kv))
     return arc.encode(parsed.model, parsed.policy_name, parsed.policy_params, parsed.context_length, parsed.history,
                       kv, parsed.settings, checkpoint=parsed.checkpoint)
-
-
-def snapshot_metadata(kv: bytes) -> dict[str, str]:
-    from kakeya_runtime.sessions.snapshot import metadata
-
-    return metadata(kv)
 
 
 def test_import_refuses_snapshots_a_generate_could_not_use(tmp_path: Path):
@@ -346,7 +341,7 @@ def test_import_refuses_snapshots_a_generate_could_not_use(tmp_path: Path):
         archive = client.session(sid).export(include_kv=True)
         before = len(a.server.service.store)
         parsed = arc.decode(archive)
-        cached = int(snapshot_metadata(parsed.kv)["cached_length"])
+        cached = int(snapshot_meta(parsed.kv)["cached_length"])
         whole = arc.encode(parsed.model, "full", {}, parsed.context_length, parsed.history[:cached], parsed.kv,
                            checkpoint=parsed.checkpoint)  # the snapshot holds every history token: none left to read
         with pytest.raises(InvalidArgument, match="all but the last one at most"):
