@@ -88,11 +88,46 @@ def test_serve_rejects_bad_limits_and_tls_flags_before_loading():
         assert result.exit_code == 2 and message in result.output, (args, result.output)
 
 
+def test_serve_refuses_values_that_once_crashed_or_passed_before_loading(tmp_path):
+    """Found by trying: each of these was a traceback (inf, a port past 65535, a negative context, a PEM that is
+    not one: "could not bind"), passed silently (--ttl nan stopped every TTL eviction, --context 0 served the whole
+    model), or was refused only after the model load and calibration."""
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a pem\n")
+    cases = [(["--kv-budget", "inf"], "--kv-budget"), (["--kv-budget", "1e400"], "--kv-budget"),
+             (["--kv-budget", "0.5"], "--kv-budget"), (["--port", "70000"], "--port must be a port"),
+             (["--metrics-port", "70000"], "--metrics-port"), (["--openai-port", "99999"], "--openai-port"),
+             (["--context", "-5"], "--context must be >= 1"), (["--context", "0"], "--context must be >= 1"),
+             (["--ttl", "nan"], "--ttl"), (["--ttl", "0"], "--ttl"), (["--api-key", "abc"], "at least 8"),
+             (["--openai-max-queue", "-1"], "--openai-max-queue"),
+             (["--tls-cert", str(junk), "--tls-key", str(junk)], "not a PEM")]
+    for args, message in cases:
+        result = CliRunner().invoke(_app(), ["serve", "--model", "does-not-matter", *args])
+        output = " ".join(result.output.split())
+        assert result.exit_code == 2 and message in output and "Loading" not in output, (args, result.output)
+
+
+def test_chat_reports_a_refused_session_without_a_traceback():
+    """CreateSession refused by the server's limits (another key holds the only session): the typed error and
+    exit 1 (it was a traceback)."""
+    from kakeya import Client
+
+    from kakeya_runtime.server.testing import running_server, tiny_served
+
+    keys = ("key-one-12345678", "key-two-12345678")
+    with running_server(tiny_served(), api_keys=keys, max_sessions=1, max_sessions_per_key=1) as thread, \
+            Client(thread.address, api_key=keys[1]) as other:
+        other.create_session([5, 6])
+        result = CliRunner().invoke(_app(), ["chat", "--addr", thread.address, "--api-key", keys[0]], input="hi\n")
+    assert result.exit_code == 1 and "ResourceExhausted" in result.output, result.output
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)  # typer.Exit, not the error
+
+
 def test_sizes():
     assert cli.parse_size("8GiB", "--x") == 8 * 2**30 and cli.parse_size("512MB", "--x") == 512 * 10**6
     assert cli.parse_size("1000", "--x") == 1000 and cli.parse_size("1.5k", "--x") == 1500
     assert cli.parse_size(None, "--x") is None
-    for bad in ("0", "GiB", "8 parsecs", "-5"):
+    for bad in ("0", "GiB", "8 parsecs", "-5", "inf", "nan", "1e400", "0.5"):
         with pytest.raises(ValueError, match="--x"):
             cli.parse_size(bad, "--x")
 

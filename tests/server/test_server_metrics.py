@@ -9,7 +9,7 @@ import urllib.request
 
 import grpc
 import pytest
-from kakeya import Client, SessionNotFound
+from kakeya import Client, InvalidArgument, SessionNotFound
 
 from kakeya_runtime.server.grpc_app import ServerConfig
 from kakeya_runtime.server.testing import metric_value as sample
@@ -87,3 +87,10 @@ def test_requests_errors_and_generated_tokens_are_counted_per_rpc():
         assert sample(text, "kakeya_rpc_requests_total", '{rpc="unknown"}') == 1
         assert sample(text, "kakeya_rpc_errors_total", '{rpc="unknown",code="UNIMPLEMENTED"}') == 1
         assert not re.search(r'rpc="Nope"', text)  # a client's method name never becomes a label
+        # ImportSession streams its request: its refusals are counted too (they once were requests only)
+        with pytest.raises(InvalidArgument):
+            client.import_session(b"garbage")
+        assert client.import_session(s.export()).history_length == 3 + 7
+        text = scrape(thread)
+        assert sample(text, "kakeya_rpc_requests_total", '{rpc="ImportSession"}') == 2
+        assert sample(text, "kakeya_rpc_errors_total", '{rpc="ImportSession",code="INVALID_ARGUMENT"}') == 1

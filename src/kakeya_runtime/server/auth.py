@@ -21,11 +21,14 @@ def owner_of(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
+MIN_KEY_LENGTH = 8
+
+
 class ApiKeyAuth:
     def __init__(self, keys: Iterable[str] = ()) -> None:
         self._keys = [k for k in keys if k]
-        if any(len(k) < 8 for k in self._keys):
-            raise ValueError("API keys must be at least 8 characters long")
+        if any(len(k) < MIN_KEY_LENGTH for k in self._keys):
+            raise ValueError(f"API keys must be at least {MIN_KEY_LENGTH} characters long")
 
     @property
     def enabled(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 import sys
 import time
@@ -401,7 +402,7 @@ def parse_size(text: str | None, flag: str) -> int | None:
         value = float(number)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or not value > 0:
+    if unit not in _UNITS or not (math.isfinite(value) and value * _UNITS[unit] >= 1):  # inf, nan, < 1 byte
         raise ValueError(f"{flag} takes a size such as 8GiB, 512MB or a number of bytes, got {text!r}")
     return int(value * _UNITS[unit])
 
@@ -453,7 +454,11 @@ def chat(
         use_template = tok.has_chat_template and not raw
         console.print(f"[bold]{info.model_name}[/] at {addr} · context {info.context_length} · "
                       f"{'chat template' if use_template else 'raw text'} · /reset /info /exit")
-        session = client.create_session()
+        try:
+            session = client.create_session()
+        except KakeyaError as e:  # the server's limits (sessions, KV budget): its message, not a traceback
+            console.print(f"[red]{type(e).__name__}:[/] {e}")
+            raise typer.Exit(1) from None
         history: list[int] = []  # a mirror of the session history: appended + generated ids
         messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         try:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ipaddress
 import math
+import ssl
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from kakeya_runtime.engine.generate import Engine, FinishReason
 from kakeya_runtime.engine.serving import ServingChoice, served_as_loaded
 from kakeya_runtime.kv.spec import CODEC_KINDS, DEFAULT_Q
 from kakeya_runtime.models.base import DecoderModel
-from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor
+from kakeya_runtime.server.auth import MIN_KEY_LENGTH, ApiKeyAuth, AuthInterceptor
 from kakeya_runtime.server.boundary import StatusBoundary
 from kakeya_runtime.server.health import add_health_and_reflection
 from kakeya_runtime.server.metrics import RpcMetricsInterceptor, RuntimeMetrics
@@ -143,6 +144,24 @@ class ServerConfig:
         for what, path in (("TLS certificate", self.tls_cert), ("TLS key", self.tls_key)):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{what} {path!r} is not a readable file")
+        if self.tls_cert is not None and self.tls_key is not None:  # gRPC itself only says it could not bind
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.tls_cert, self.tls_key)
+            except (ssl.SSLError, OSError) as e:
+                raise ValueError(f"--tls-cert {self.tls_cert!r} and --tls-key {self.tls_key!r} are not a PEM "
+                                 f"certificate chain and its private key ({e.__class__.__name__}: {e})") from None
+        for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port),
+                           ("--openai-port", self.openai_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{flag} must be a port in [0, 65535], got {port}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"--context must be >= 1, got {self.context_length}")
+        if not (math.isfinite(self.idle_ttl_s) and self.idle_ttl_s > 0):
+            raise ValueError(f"--ttl must be a number of seconds > 0, got {self.idle_ttl_s}")
+        if self.openai_max_queue < 0:
+            raise ValueError(f"--openai-max-queue must be >= 0, got {self.openai_max_queue}")
+        if any(key and len(key) < MIN_KEY_LENGTH for key in self.api_keys):
+            raise ValueError(f"API keys must be at least {MIN_KEY_LENGTH} characters long")
         if not is_loopback(self.host) and self.tls_cert is None and not self.insecure:
             raise InsecureBindError(
                 f"refusing to listen on non-loopback host {self.host!r} without TLS (--tls-cert/--tls-key): API keys "
@@ -159,7 +178,8 @@ class ServerConfig:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.short_prompt < 0:
             raise ValueError(f"--short-prompt must be >= 0, got {self.short_prompt}")
-        if self.idle_compress_after_s is not None and not self.idle_compress_after_s > 0:
+        if self.idle_compress_after_s is not None and not (math.isfinite(self.idle_compress_after_s)
+                                                           and self.idle_compress_after_s > 0):
             raise ValueError(f"idle_compress_after_s must be > 0, got {self.idle_compress_after_s}")
         if self.idle_codec is not None and self.idle_codec.lower() not in (*CODEC_KINDS, "none"):
             raise ValueError(f"idle_codec must be one of {', '.join((*CODEC_KINDS, 'none'))}, got {self.idle_codec!r}")
