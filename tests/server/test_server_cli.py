@@ -178,3 +178,19 @@ def test_serve_refuses_a_draft_head_of_another_model(tmp_path):
     assert result.exit_code == 2, result.output
     assert "fc.weight has shape (64, 128)" in result.output and "(576, 1152)" in result.output
     assert "Loaded smollm2" in result.output and "Serving:" not in result.output and "weight format" not in result.output
+
+
+def test_chat_reaches_a_tls_server_with_its_certificate(tmp_path):
+    """A server bound beyond loopback needs TLS; chat can now speak it (--root-certificates, or --tls alone for a
+    publicly signed certificate). Without it, chat cannot reach the server."""
+    from kakeya_runtime.server.testing import running_server, self_signed_cert, tiny_served
+
+    cert, key = self_signed_cert(tmp_path)
+    with running_server(tiny_served(), tls_cert=str(cert), tls_key=str(key)) as thread:
+        plain = CliRunner().invoke(_app(), ["chat", "--addr", thread.address], input="")
+        assert plain.exit_code == 1 and "cannot reach" in plain.output
+        result = CliRunner().invoke(_app(), ["chat", "--addr", thread.address, "--root-certificates", str(cert),
+                                             "--raw", "--max-tokens", "3"], input="hello\n")
+    assert result.exit_code == 0 and "prefill 6 tok" in result.output, result.output
+    missing = CliRunner().invoke(_app(), ["chat", "--root-certificates", str(tmp_path / "none.pem")], input="")
+    assert missing.exit_code == 2 and "not a readable file" in " ".join(missing.output.split())

@@ -428,6 +428,9 @@ def chat(
     seed: int | None = typer.Option(None, help="Fix the sampler for reproducible replies."),
     system: str | None = typer.Option(None, "--system", help="System prompt."),
     raw: bool = typer.Option(False, "--raw", help="No chat template: append your text as-is (base models)."),
+    tls: bool = typer.Option(False, "--tls", help="Connect over TLS, trusting the system's root certificates."),
+    root_certificates: str | None = typer.Option(
+        None, "--root-certificates", help="Connect over TLS, trusting this PEM file (e.g. the server's own cert)."),
 ) -> None:
     """Multi-turn terminal chat through the Python SDK, tokenizing client-side.
 
@@ -444,7 +447,10 @@ def chat(
         ) from None
     console = Console(highlight=False)
     out = sys.stdout
-    with Client(addr, api_key=api_key) as client:
+    if root_certificates is not None and not Path(root_certificates).is_file():
+        console.print(f"[red]error:[/] --root-certificates {root_certificates!r} is not a readable file")
+        raise typer.Exit(2)
+    with Client(addr, api_key=api_key, tls=tls, root_certificates=root_certificates) as client:
         try:
             info = client.model_info()
         except KakeyaError as e:
