@@ -265,7 +265,7 @@ class BatchScheduler:
             # the oldest short prompt first (a turn's message need not wait for a long prompt's read), read whole
             lead = next((r for r in prefilling if self._short(r)), prefilling[0])
             prefilling = [r for r in prefilling if r is not lead]
-            if lead.turn.cancelled():  # between chunks: the turn rolls back the partial prefill
+            if lead.turn.cancelled():  # between chunks: the turn keeps the chunks read (store.keep_prefilled)
                 self._finish(lead)  # (before the raise below: a cancelled prompt must not hand it to a long one)
             else:
                 if self._short(lead):
@@ -322,7 +322,7 @@ class BatchScheduler:
     def _prefill(self, row: _Row, budget: int) -> int:
         stream = row.stream
         assert stream is not None
-        if row.turn.cancelled():  # between chunks: the turn rolls back the partial prefill
+        if row.turn.cancelled():  # between chunks: the turn keeps the chunks read (store.keep_prefilled)
             self._finish(row)
             return 0
         n = min(budget, stream.prefill_left)

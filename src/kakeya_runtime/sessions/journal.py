@@ -44,7 +44,7 @@ from typing import Any
 
 from kakeya_runtime.sessions import records
 from kakeya_runtime.sessions.records import RecordKind
-from kakeya_runtime.sessions.snapshot import model_name
+from kakeya_runtime.sessions.snapshot import compared_checkpoints
 
 _log = logging.getLogger(__name__)
 
@@ -141,12 +141,11 @@ class StateDir:
             except (OSError, ValueError) as e:
                 raise StateDirError(f"{state} is unreadable ({e})") from None
             fmt = found.get("format")
-            if fmt == 1:  # the served weights' fingerprint alone: matched by the model name inside it
-                ours, theirs, weights = model_name(self.checkpoint), model_name(str(found.get("model"))), found.get("model")
-            elif fmt == STATE_FORMAT:
-                ours, theirs, weights = self.checkpoint, found.get("checkpoint"), found.get("weights")
-            else:
+            if fmt not in (1, STATE_FORMAT):
                 raise StateDirError(f"{state} has format {fmt!r}; this server reads {STATE_FORMAT} (and 1)")
+            # format 1 holds the served weights' fingerprint alone, under "model"
+            weights = found.get("weights") if fmt == STATE_FORMAT else found.get("model")
+            theirs, ours = compared_checkpoints(self.checkpoint, found.get("checkpoint"), str(found.get("model")))
             if theirs != ours:
                 raise StateDirError(
                     f"the state directory {self.root} holds sessions of the model {theirs!r}, not {ours!r}: serve "
@@ -286,9 +285,7 @@ class StateDir:
             history = [t for r in parsed.records[1:] if r.kind is RecordKind.TOKENS for t in r.tokens()]
         except (KeyError, TypeError, ValueError) as e:
             raise StateDirError(f"{path}: unreadable journal header or records ({e})") from None
-        # Written before checkpoint ids: matched by the model name inside the served weights' fingerprint.
-        theirs = header.get("checkpoint") or model_name(str(header.get("model")))
-        ours = self.checkpoint if "checkpoint" in header else model_name(self.checkpoint)
+        theirs, ours = compared_checkpoints(self.checkpoint, header.get("checkpoint"), str(header.get("model")))
         if theirs != ours:
             raise StateDirError(f"{path} belongs to the model {theirs!r}, not {ours!r}")
         if path.name != f"{_safe_id(sid)}.journal":

@@ -499,9 +499,7 @@ class SessionService:
             arc = archive.decode(data)
         except archive.ArchiveError as e:
             raise InvalidArgument(f"ImportSession: {e}") from None
-        # An archive written before checkpoint ids names the served weights only: matched by the model name in it.
-        ours = self.checkpoint if arc.checkpoint else snapshot.model_name(self.checkpoint)
-        theirs = arc.checkpoint or snapshot.model_name(arc.model)
+        theirs, ours = snapshot.compared_checkpoints(self.checkpoint, arc.checkpoint, arc.model)
         if theirs != ours:
             raise FailedPrecondition(f"the archive holds a session of the model {quoted(theirs)}, this server "
                                      f"serves {ours}")

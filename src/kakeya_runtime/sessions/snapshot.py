@@ -96,6 +96,14 @@ def model_name(identity: str) -> str:
     return m.group(1) if m else identity
 
 
+def compared_checkpoints(ours: str, checkpoint: str | None, model: str) -> tuple[str, str]:
+    """(theirs, ours) as a record must match them: its checkpoint id against ours, or for a record written before
+    checkpoint ids (the served weights' fingerprint `model` alone), the model names inside both."""
+    if checkpoint:
+        return checkpoint, ours
+    return model_name(model), model_name(ours)
+
+
 def dump(cache: ModelKV, history: Sequence[int], cached_length: int, model_id: str) -> bytes:
     """The snapshot of `cache`, which holds the K/V of history[:cached_length]."""
     lengths = cache.layer_lengths()
