@@ -155,7 +155,7 @@ class Candidate:
 
     def why_not(self) -> str:
         if not self.invariant:
-            return "its int kernel is not row-invariant on this machine (INV-3)"
+            return "its int kernel gives a row different bits depending on the rows beside it on this machine"
         if not self.faithful:
             assert self.fidelity is not None
             return (f"not faithful: KL {self.fidelity.kl_mean:.4f} (max {FIDELITY_KL_MAX}), top-1 "
@@ -435,8 +435,8 @@ def check_requested(fmt: str) -> bool:
     """For an explicit --weights: refuse a quantized format whose kernel is not row-invariant here."""
     if not kernel_rows_invariant(fmt):
         raise ServingError(f"--weights {fmt}: this machine's {fmt} kernel gives a row different bits depending on "
-                           "the rows beside it, which would break INV-3 (a session built turn by turn would differ "
-                           "from one built in one shot); serve bf16 or another format")
+                           "the rows beside it, so a session built turn by turn would differ from one built in one "
+                           "shot; serve bf16 or another format")
     return True
 
 

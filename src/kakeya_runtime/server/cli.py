@@ -84,12 +84,12 @@ def serve(
         "auto", "--weights", help="Projection weight format: auto, bf16, fp32, int8, int4 or int4-mixed (each GGUF "
         "tensor in the fewest bits that hold it exactly: int4, int5 or int8). auto (the "
         "default) serves the fastest format on this machine among those faithful to bf16 (next-token KL <= 0.01, "
-        "top-1 >= 0.95 on the bench text) whose kernels keep INV-3 here; measured at the first start, then cached."),
+        "top-1 >= 0.95 on the bench text) whose kernels keep a session's tokens the same however its history was built; measured at the first start, then cached."),
     compile_decode: bool = typer.Option(
         False, "--compile/--no-compile", help="Run decode steps through a torch.compile'd step, compiled at start-up "
         "(tens of seconds; ~1.3x faster decode). Off by default: Inductor's own reductions and elementwise kernels "
-        "can round a decode step differently from an eager prefill of the same tokens, so INV-3 (turn by turn equals "
-        "one shot) is not guaranteed with it; GetModelInfo then reports invariant_numerics false."),
+        "can round a decode step differently from an eager prefill of the same tokens, so a session built turn by turn "
+        "may not equal one built in one shot with it; GetModelInfo then reports invariant_numerics false."),
     recalibrate: bool = typer.Option(
         False, "--recalibrate", help="Measure --weights auto's fidelity and speed again instead of using the cache."),
     idle_compress_after: float | None = typer.Option(
@@ -339,8 +339,8 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, r
         # matched eager for 12 steps and then rounded one logit differently, results/engine/compiled_step_*.json).
         choice.invariant = False
         console.print("[yellow]note:[/] --compile: decode steps may round differently from an eager prefill of the "
-                      "same tokens, so a session built turn by turn can differ from one built in one shot (INV-3 is "
-                      "not guaranteed; invariant_numerics is reported false)", soft_wrap=True)
+                      "same tokens, so a session built turn by turn can differ from one built in one shot "
+                      "(invariant_numerics is reported false)", soft_wrap=True)
     freeze_heap()  # the loaded model out of the collector's walks, as it will be while serving
     with console.status("Measuring the served decode step…", spinner="dots"):
         choice.decode_tok_s = serving.measure_speed(engine, ids, steps=16).decode_tok_s
