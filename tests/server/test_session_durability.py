@@ -319,6 +319,7 @@ def test_journals_damaged_on_disk_are_kept_aside_and_stray_snapshots_removed(tmp
         with pytest.raises(SessionNotFound):
             client.session(headless).info()
     assert (sessions / f"{damaged}.journal.damaged").read_bytes() == bytes(data)  # nothing destroyed
+    assert (sessions / f"{damaged}.journal.damaged").stat().st_mode & 0o777 == 0o600  # a journal's mode, not umask's
     assert (sessions / f"{headless}.journal.damaged").exists() and not headless_path.exists()
     assert not (sessions / "ses_gone.kv").exists() and not (sessions / f"{headless}.kv").exists()
 

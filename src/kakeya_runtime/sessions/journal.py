@@ -294,7 +294,7 @@ class StateDir:
             _log.warning("state dir: %s ends with %s (%d bytes, never acknowledged); cut off", path.name,
                          parsed.problem, parsed.torn_bytes)
         elif parsed.torn_bytes:  # whole records after a bad one: damaged on disk, and some of it was acknowledged
-            shutil.copyfile(path, path.with_name(path.name + ".damaged"))
+            shutil.copy2(path, path.with_name(path.name + ".damaged"))  # its mode too: it holds the conversation
             _log.error("state dir: %s has %s with whole records after it (damaged on disk); session %s is recovered "
                        "up to it (%d bytes cut), and the whole file is kept as %s.damaged", path.name, parsed.problem,
                        sid, parsed.torn_bytes, path.name)

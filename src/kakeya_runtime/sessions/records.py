@@ -88,11 +88,25 @@ def parse(data: bytes | memoryview) -> Parsed:
     problem, last = None, True
     for record, end, why in _walk(view, at):
         if record is None:
-            problem, last = why, end >= len(view)
+            # A crash tears only the last write, so a whole record anywhere after the bad one (a damaged length
+            # field reads as a record running past the end) means the file was damaged after it was written.
+            problem, last = why, end >= len(view) and not _record_starts_after(view, at + 1)
             break
         records.append(record)
         at = end
     return Parsed(records, at, len(view) - at, problem, last)
+
+
+def _record_starts_after(view: memoryview, at: int) -> bool:
+    """Whether a whole record with a valid checksum starts at any byte from `at` on."""
+    kinds = {k.value for k in RecordKind}
+    for start in range(at, len(view) - _HEAD.size + 1):
+        length, crc, kind = _HEAD.unpack_from(view, start)
+        end = start + _HEAD.size + length
+        if kind in kinds and end <= len(view) and zlib.crc32(view[start + _HEAD.size:end],
+                                                               zlib.crc32(bytes((kind,)))) == crc:
+            return True
+    return False
 
 
 def _walk(view: memoryview, at: int) -> Iterator[tuple[Record | None, int, str | None]]:
