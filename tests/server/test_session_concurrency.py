@@ -151,8 +151,13 @@ def test_cancel_while_queued_touches_nothing(slow_server):
         assert len(waiting.generate(max_tokens=3, ignore_eos=True).collect()) == 3
 
 
-def test_close_during_generate_cancels_it_and_frees_the_cache(slow_server):
-    with Client(slow_server.address) as client:
+@pytest.mark.parametrize("durable", [False, True])
+def test_close_during_generate_cancels_it_and_frees_the_cache(durable, tmp_path):
+    # With a state dir the close deletes the journal while the engine still commits its current step's token: that
+    # step ends the stream as cancelled, never as a journal write that failed (once UNAVAILABLE).
+    state = {"state_dir": str(tmp_path / "state")} if durable else {}
+    with running_server(tiny_served(model=SlowModel(tiny_model(), DELAY)), **state) as slow_server, \
+            Client(slow_server.address) as client:
         s = client.create_session(initial_tokens=[1, 2, 3])
         gen = s.generate(max_tokens=100, ignore_eos=True)
         it = iter(gen)

@@ -599,7 +599,8 @@ class SessionStore:
                 self.journal.call_ended(session.id)
 
     def _journal_tokens(self, session: Session, tokens: Sequence[int]) -> None:
-        if self.journal is not None:
+        # A session ended mid-step (closed, evicted) took its journal with it; its last step's tokens go nowhere.
+        if self.journal is not None and session.state is SessionState.ACTIVE:
             with _journal_errors():
                 self.journal.appended(session.id, tokens)
 
