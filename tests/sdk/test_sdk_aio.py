@@ -37,6 +37,19 @@ def test_async_create_session_is_still_awaitable(server):
     asyncio.run(main())
 
 
+def test_async_create_session_is_a_coroutine_for_create_task(server):
+    async def main() -> None:
+        async with AsyncClient(server.address) as client:
+            tasks = [asyncio.create_task(client.create_session(initial_tokens=[i + 1])) for i in range(3)]
+            sessions = await asyncio.gather(*tasks)
+            assert sorted(s.history_length for s in sessions) == [1, 1, 1] and len({s.id for s in sessions}) == 3
+            for s in sessions:
+                await s.close()
+            assert len(server.server.service.store) == 0
+
+    asyncio.run(main())
+
+
 def test_async_with_closes_the_session_when_the_body_raises(server):
     async def main() -> None:
         async with AsyncClient(server.address) as client:

@@ -104,6 +104,65 @@ def test_typed_errors_carry_grpc_codes(client):
                                    "Unauthenticated", "Unavailable"}
 
 
+def test_argument_types_are_checked_before_anything_is_sent(client, server):
+    import numpy as np
+
+    with client.create_session(np.array([0])) as s:  # a one-token array is not "no tokens"
+        assert s.history_length == 1 and list(s.info(include_history=True).history_token_ids) == [0]
+        assert s.append(np.array([3, 4], dtype=np.int64)) == 3
+        for bad in ([1.9], ["7"], [True], [2.5, 3]):  # once truncated or coerced: history (1, 7, 1)
+            with pytest.raises(InvalidArgument, match="integer token ids"):
+                s.append(bad)
+            with pytest.raises(InvalidArgument, match="integer token ids"):
+                s.generate(max_tokens=1, stop_tokens=bad)
+        with pytest.raises(InvalidArgument, match="True or False"):
+            s.info(include_history="x")
+        with pytest.raises(InvalidArgument, match="True or False"):
+            s.export(include_kv="yes")
+        assert s.info().history_length == 3  # nothing appended
+    with pytest.raises(InvalidArgument, match="integer token ids"):
+        client.create_session([1.9, "7", True])
+    with pytest.raises(InvalidArgument, match="policy must be"):
+        client.create_session([1], policy=5)
+    with pytest.raises(InvalidArgument, match="policy must be"):
+        client.create_session([1], policy={"name": "full"})
+    with pytest.raises(InvalidArgument, match="speculation must be"):
+        client.create_session([1], speculation=3)
+    with pytest.raises(InvalidArgument, match="session id is a string"):
+        client.session(123)
+    for key in ("ключ-ключ-1", "key-with\nnewline", " spaced-key"):  # gRPC itself said INTERNAL "Invalid metadata"
+        with pytest.raises(InvalidArgument, match="printable ASCII"):
+            Client(server.address, api_key=key)
+    assert len(server.server.service.store) == 0
+
+
+def test_a_closed_client_raises_a_typed_error(server):
+    client = Client(server.address)
+    session = client.create_session([1, 2])
+    client.close()
+    for call in (client.model_info, lambda: client.create_session([1]), session.info, lambda: session.append([3]),
+                 lambda: session.generate(max_tokens=1), session.export, lambda: client.import_session(b"x")):
+        with pytest.raises(FailedPrecondition, match="client is closed"):
+            call()
+
+    async def main() -> None:
+        aclient = AsyncClient(server.address)
+        asession = await aclient.create_session([1, 2])
+        gen = asession.generate(max_tokens=200, ignore_eos=True)
+        got = []
+        with pytest.raises(kakeya.Cancelled):  # once asyncio.CancelledError in a task nobody cancelled
+            async for t in gen:
+                got.append(t)
+                if len(got) == 2:
+                    await aclient.close()
+        with pytest.raises(FailedPrecondition, match="client is closed"):
+            await asession.info()
+        with pytest.raises(FailedPrecondition, match="client is closed"):
+            await aclient.create_session([1])
+
+    asyncio.run(main())
+
+
 def test_unreachable_server_is_unavailable():
     with Client("127.0.0.1:1", timeout=2) as c, pytest.raises(Unavailable):
         c.model_info()

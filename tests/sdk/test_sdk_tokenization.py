@@ -79,6 +79,10 @@ def test_template_errors(tok):
         strict.render_chat([])
     with pytest.raises(ChatTemplateError, match="compile"):
         Tokenizer(tok.hf.to_str(), chat_template="{% for %}").render_chat([])
+    for bad in ([{"content": "no role"}], [{"role": "user", "content": None}],
+                [{"role": "user", "content": [{"type": "text", "text": "parts"}]}]):  # the real SmolLM2 template
+        with pytest.raises(ChatTemplateError, match="could not render"):  # not jinja2's or Python's own errors
+            tok.tokens_for_chat(bad)
     tools = Tokenizer(tok.hf.to_str(), chat_template="{{ messages[0].tool_calls | tojson }}|{{ extra }}")
     msgs = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": "é"}}}]}]
     assert tools.render_chat(msgs, extra=7) == '[{"function": {"name": "f", "arguments": {"a": "é"}}}]|7'

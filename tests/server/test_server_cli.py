@@ -99,6 +99,7 @@ def test_serve_refuses_values_that_once_crashed_or_passed_before_loading(tmp_pat
              (["--metrics-port", "70000"], "--metrics-port"), (["--openai-port", "99999"], "--openai-port"),
              (["--context", "-5"], "--context must be >= 1"), (["--context", "0"], "--context must be >= 1"),
              (["--ttl", "nan"], "--ttl"), (["--ttl", "0"], "--ttl"), (["--api-key", "abc"], "at least 8"),
+             (["--api-key", "ключ-ключ-1"], "printable ASCII"), (["--metrics-key", "mk"], "metrics key must be at least 8"),
              (["--openai-max-queue", "-1"], "--openai-max-queue"),
              (["--tls-cert", str(junk), "--tls-key", str(junk)], "not a PEM")]
     for args, message in cases:

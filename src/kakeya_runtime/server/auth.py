@@ -24,11 +24,20 @@ def owner_of(key: str) -> str:
 MIN_KEY_LENGTH = 8
 
 
+def check_key(key: str, what: str = "API keys") -> None:
+    """A key a client can send: gRPC metadata and HTTP headers carry printable ASCII only, ends trimmed."""
+    if len(key) < MIN_KEY_LENGTH:
+        raise ValueError(f"{what} must be at least {MIN_KEY_LENGTH} characters long")
+    if not (key.isascii() and key.isprintable()) or key != key.strip():
+        raise ValueError(f"{what} must be printable ASCII without surrounding spaces (no client could send "
+                         "anything else in a header)")
+
+
 class ApiKeyAuth:
     def __init__(self, keys: Iterable[str] = ()) -> None:
         self._keys = [k for k in keys if k]
-        if any(len(k) < MIN_KEY_LENGTH for k in self._keys):
-            raise ValueError(f"API keys must be at least {MIN_KEY_LENGTH} characters long")
+        for key in self._keys:
+            check_key(key)
 
     @property
     def enabled(self) -> bool:

@@ -24,7 +24,7 @@ from kakeya_runtime.engine.generate import Engine, FinishReason
 from kakeya_runtime.engine.serving import ServingChoice, served_as_loaded
 from kakeya_runtime.kv.spec import CODEC_KINDS, DEFAULT_Q
 from kakeya_runtime.models.base import DecoderModel
-from kakeya_runtime.server.auth import MIN_KEY_LENGTH, ApiKeyAuth, AuthInterceptor
+from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor, check_key
 from kakeya_runtime.server.boundary import StatusBoundary
 from kakeya_runtime.server.health import add_health_and_reflection
 from kakeya_runtime.server.metrics import RpcMetricsInterceptor, RuntimeMetrics
@@ -160,15 +160,16 @@ class ServerConfig:
             raise ValueError(f"--ttl must be a number of seconds > 0, got {self.idle_ttl_s}")
         if self.openai_max_queue < 0:
             raise ValueError(f"--openai-max-queue must be >= 0, got {self.openai_max_queue}")
-        if any(key and len(key) < MIN_KEY_LENGTH for key in self.api_keys):
-            raise ValueError(f"API keys must be at least {MIN_KEY_LENGTH} characters long")
+        for key in self.api_keys:
+            if key:
+                check_key(key)
         if not is_loopback(self.host) and self.tls_cert is None and not self.insecure:
             raise InsecureBindError(
                 f"refusing to listen on non-loopback host {self.host!r} without TLS (--tls-cert/--tls-key): API keys "
                 "and tokens would cross the network in clear; pass --insecure to accept that"
             )
-        if self.metrics_key is not None and len(self.metrics_key) < 8:
-            raise ValueError("the metrics key must be at least 8 characters long")
+        if self.metrics_key is not None:
+            check_key(self.metrics_key, "the metrics key")
         for name in ("max_sessions", "max_sessions_per_key", "kv_budget", "kv_budget_per_key"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -30,13 +31,32 @@ _FINISH = {
 
 
 def token_list(ids: Iterable[int], what: str) -> list[int]:
+    """Token ids as ints: Python or NumPy integers; floats, strings and bools are refused, never truncated."""
     try:
-        out = [int(t) for t in ids]
-    except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"{what} must be integers: {e}") from None
+        out = [_token(t) for t in ids]
+    except TypeError as e:
+        raise InvalidArgument(f"{what} must be an iterable of integer token ids: {e}") from None
     if any(not -(2**31) <= t < 2**31 for t in out):
         raise InvalidArgument(f"{what}: token ids must fit in int32")
     return out
+
+
+def _token(t: Any) -> int:
+    if isinstance(t, bool):
+        raise TypeError(f"{t!r} is a bool")
+    return operator.index(t)  # int, numpy integers; not 2.5, "7"
+
+
+def flag(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be True or False, not {value!r}")
+    return value
+
+
+def session_id(value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"a session id is a string, not {type(value).__name__}")
+    return value
 
 
 def policy_pb(policy: KvPolicy | str | None) -> pb.KvPolicy | None:
@@ -44,12 +64,14 @@ def policy_pb(policy: KvPolicy | str | None) -> pb.KvPolicy | None:
         return None
     if isinstance(policy, str):
         policy = KvPolicy(policy)
+    if not isinstance(policy, KvPolicy):
+        raise InvalidArgument(f"policy must be a KvPolicy or a policy name, not {type(policy).__name__}")
     params = struct_pb2.Struct()
     try:
         params.update(dict(policy.params))
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"policy params must be JSON-like: {e}") from None
-    return pb.KvPolicy(name=policy.name, params=params)
+    return pb.KvPolicy(name=str(policy.name), params=params)
 
 
 def policy_from_pb(p: pb.KvPolicy) -> KvPolicy:
@@ -68,6 +90,8 @@ def speculation_pb(speculation: Speculation | str | None) -> pb.Speculation | No
         return None
     if isinstance(speculation, str):
         speculation = Speculation(speculation)
+    if not isinstance(speculation, Speculation):
+        raise InvalidArgument(f"speculation must be a Speculation or a proposer name, not {type(speculation).__name__}")
     try:
         return pb.Speculation(proposer=str(speculation.proposer), max_draft_tokens=int(speculation.max_draft_tokens))
     except (TypeError, ValueError) as e:  # e.g. a negative max_draft_tokens
@@ -76,7 +100,8 @@ def speculation_pb(speculation: Speculation | str | None) -> pb.Speculation | No
 
 def create_request(initial_tokens: Iterable[int] | None, policy: KvPolicy | str | None,
                    speculation: Speculation | str | None = None) -> pb.CreateSessionRequest:
-    return pb.CreateSessionRequest(initial_token_ids=token_list(initial_tokens or (), "initial_tokens"),
+    initial = () if initial_tokens is None else initial_tokens  # not `or`: an array has no truth value
+    return pb.CreateSessionRequest(initial_token_ids=token_list(initial, "initial_tokens"),
                                    policy=policy_pb(policy), speculation=speculation_pb(speculation))
 
 
@@ -198,7 +223,12 @@ CHANNEL_OPTIONS = [
 
 
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    """The key as gRPC metadata; checked here, since gRPC would refuse the call with an opaque INTERNAL."""
+    if api_key is None or api_key == "":
+        return ()
+    if not isinstance(api_key, str) or not (api_key.isascii() and api_key.isprintable()) or api_key != api_key.strip():
+        raise InvalidArgument("api_key must be a string of printable ASCII characters without surrounding spaces")
+    return (("authorization", f"Bearer {api_key}"),)
 
 
 ARCHIVE_CHUNK_BYTES = 512 * 1024  # ImportSession's chunks stay under any server's receive limit

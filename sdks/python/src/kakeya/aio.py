@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Generator, Iterable
+from collections.abc import AsyncIterator, Coroutine, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -14,7 +14,7 @@ from kakeya import _convert as cv
 from kakeya._channel import RootCertificates, open_channel
 from kakeya._proto import runtime_pb2 as pb
 from kakeya._proto import runtime_pb2_grpc as pb_grpc
-from kakeya.errors import SessionNotFound, from_rpc_error
+from kakeya.errors import Cancelled, FailedPrecondition, SessionNotFound, from_rpc_error
 from kakeya.types import (
     FinishReason,
     GenerateResult,
@@ -37,10 +37,22 @@ class AsyncClient:
                  root_certificates: RootCertificates | None = None) -> None:
         self.addr = addr
         self.timeout = timeout
+        self._metadata = cv.auth_metadata(api_key)
         self._channel = open_channel(addr, tls=tls, root_certificates=root_certificates, options=options, aio=True)
         self._stub = pb_grpc.RuntimeServiceStub(self._channel)
-        self._metadata = cv.auth_metadata(api_key)
         self._model_info: ModelInfo | None = None
+        self._closed = False
+
+    @property
+    def stub(self) -> pb_grpc.RuntimeServiceStub:
+        """As `Client.stub` (grpc.aio)."""
+        if self._closed:
+            raise FailedPrecondition("this client is closed")
+        return self._stub
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
 
     async def _unary(self, method: Any, request: Any) -> Any:
         try:
@@ -50,7 +62,7 @@ class AsyncClient:
 
     async def model_info(self, *, refresh: bool = False) -> ModelInfo:
         if self._model_info is None or refresh:
-            resp = await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest())
+            resp = await self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest())
             self._model_info = cv.model_info_from_pb(resp)
         return self._model_info
 
@@ -68,18 +80,18 @@ class AsyncClient:
         return SessionCreation(self, request)
 
     async def _create_session(self, request: Any) -> AsyncSession:
-        resp = await self._unary(self._stub.CreateSession, request)
+        resp = await self._unary(self.stub.CreateSession, request)
         return AsyncSession(self, resp.session_id, history_length=resp.history_length,
                             policy=cv.policy_from_pb(resp.policy))
 
     def session(self, session_id: str) -> AsyncSession:
-        return AsyncSession(self, session_id)
+        return AsyncSession(self, cv.session_id(session_id))
 
     async def import_session(self, archive: bytes | str | os.PathLike[str]) -> AsyncSession:
         """As `Client.import_session`."""
         data = cv.archive_bytes(archive)
         try:
-            resp = await self._stub.ImportSession(cv.archive_chunks(data), metadata=self._metadata,
+            resp = await self.stub.ImportSession(cv.archive_chunks(data), metadata=self._metadata,
                                                   timeout=self.timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
@@ -89,6 +101,7 @@ class AsyncClient:
         return session
 
     async def close(self) -> None:
+        self._closed = True
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:
@@ -98,17 +111,33 @@ class AsyncClient:
         await self.close()
 
 
-class SessionCreation:
-    """What `AsyncClient.create_session` returns: awaitable (the session) and an async context manager
-    (creates the session on entry, closes it on exit)."""
+class SessionCreation(Coroutine[Any, Any, "AsyncSession"]):
+    """What `AsyncClient.create_session` returns: a coroutine (await it, or hand it to `asyncio.create_task`, for
+    the session) and an async context manager (creates the session on entry, closes it on exit)."""
 
     def __init__(self, client: AsyncClient, request: Any) -> None:
         self._client = client
         self._request = request
         self._session: AsyncSession | None = None
+        self._coro: Coroutine[Any, Any, AsyncSession] | None = None  # made when first run: `async with` never is
+
+    def _run(self) -> Coroutine[Any, Any, AsyncSession]:
+        if self._coro is None:
+            self._coro = self._client._create_session(self._request)
+        return self._coro
 
     def __await__(self) -> Generator[Any, None, AsyncSession]:
-        return self._client._create_session(self._request).__await__()
+        return self._run().__await__()
+
+    def send(self, value: Any) -> Any:
+        return self._run().send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        return self._run().throw(typ, val, tb) if val is not None or tb is not None else self._run().throw(typ)
+
+    def close(self) -> None:
+        if self._coro is not None:
+            self._coro.close()
 
     async def __aenter__(self) -> AsyncSession:
         self._session = await self._client._create_session(self._request)
@@ -132,7 +161,7 @@ class AsyncSession:
 
     async def append(self, token_ids: Iterable[int]) -> int:
         req = pb.AppendTokensRequest(session_id=self.id, token_ids=cv.token_list(token_ids, "token_ids"))
-        self.history_length = (await self.client._unary(self.client._stub.AppendTokens, req)).history_length
+        self.history_length = (await self.client._unary(self.client.stub.AppendTokens, req)).history_length
         return self.history_length
 
     def generate(self, max_tokens: int = 256, *, seed: int | None = None, temperature: float = 0.0,
@@ -147,21 +176,22 @@ class AsyncSession:
         req = cv.generate_request(self.id, max_tokens=max_tokens, seed=seed, temperature=temperature, top_k=top_k,
                                   top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos, stop=stop,
                                   speculation=speculation)
-        call = self.client._stub.Generate(req, metadata=self.client._metadata)
+        call = self.client.stub.Generate(req, metadata=self.client._metadata)
         return AsyncGeneration(self, call)
 
     async def info(self, *, include_history: bool = False) -> SessionInfo:
-        req = pb.GetSessionInfoRequest(session_id=self.id, include_history=include_history)
-        resp = await self.client._unary(self.client._stub.GetSessionInfo, req)
+        req = pb.GetSessionInfoRequest(session_id=self.id,
+                                       include_history=cv.flag(include_history, "include_history"))
+        resp = await self.client._unary(self.client.stub.GetSessionInfo, req)
         info = cv.session_info_from_pb(resp, include_history)
         self.history_length = info.history_length
         return info
 
     async def export(self, path: str | os.PathLike[str] | None = None, *, include_kv: bool = False) -> bytes:
         """As `Session.export`."""
-        req = pb.ExportSessionRequest(session_id=self.id, include_kv=include_kv)
+        req = pb.ExportSessionRequest(session_id=self.id, include_kv=cv.flag(include_kv, "include_kv"))
         try:
-            chunks = [c.data async for c in self.client._stub.ExportSession(req, metadata=self.client._metadata)]
+            chunks = [c.data async for c in self.client.stub.ExportSession(req, metadata=self.client._metadata)]
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         data = b"".join(chunks)
@@ -171,7 +201,7 @@ class AsyncSession:
     async def close(self) -> None:
         if self._closed:
             return
-        await self.client._unary(self.client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id))
+        await self.client._unary(self.client.stub.CloseSession, pb.CloseSessionRequest(session_id=self.id))
         self._closed = True
 
     async def __aenter__(self) -> AsyncSession:
@@ -224,6 +254,8 @@ class AsyncGeneration:
                 return
             raise from_rpc_error(e) from None
         except asyncio.CancelledError:
+            if self.session.client._closed and not self._cancelled:
+                raise Cancelled("the client was closed during the generation") from None  # as the sync client says
             if not self._cancelled:
                 raise  # our task was cancelled, not the call
         finally:

@@ -13,7 +13,7 @@ from kakeya import _convert as cv
 from kakeya._channel import RootCertificates, open_channel
 from kakeya._proto import runtime_pb2 as pb
 from kakeya._proto import runtime_pb2_grpc as pb_grpc
-from kakeya.errors import KakeyaError, SessionNotFound, from_rpc_error
+from kakeya.errors import FailedPrecondition, KakeyaError, SessionNotFound, from_rpc_error
 from kakeya.types import (
     FinishReason,
     GenerateResult,
@@ -41,10 +41,22 @@ class Client:
                  root_certificates: RootCertificates | None = None) -> None:
         self.addr = addr
         self.timeout = timeout  # per unary call; Generate streams are not time-limited
+        self._metadata = cv.auth_metadata(api_key)
         self._channel = open_channel(addr, tls=tls, root_certificates=root_certificates, options=options)
         self._stub = pb_grpc.RuntimeServiceStub(self._channel)
-        self._metadata = cv.auth_metadata(api_key)
         self._model_info: ModelInfo | None = None
+        self._closed = False
+
+    @property
+    def stub(self) -> pb_grpc.RuntimeServiceStub:
+        """The generated gRPC stub on this client's channel (pass `metadata=client.metadata` for the key)."""
+        if self._closed:
+            raise FailedPrecondition("this client is closed")
+        return self._stub
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
 
     def _unary(self, method: Any, request: Any) -> Any:
         try:
@@ -55,7 +67,7 @@ class Client:
     def model_info(self, *, refresh: bool = False) -> ModelInfo:
         """Vocab, EOS/BOS, context length, tokenizer.json and chat template (cached after the first call)."""
         if self._model_info is None or refresh:
-            self._model_info = cv.model_info_from_pb(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
+            self._model_info = cv.model_info_from_pb(self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest()))
         return self._model_info
 
     def tokenizer(self) -> Tokenizer:
@@ -67,13 +79,13 @@ class Client:
     def create_session(self, initial_tokens: Iterable[int] | None = None,
                        policy: KvPolicy | str | None = None,
                        speculation: Speculation | str | None = None) -> Session:
-        resp = self._unary(self._stub.CreateSession, cv.create_request(initial_tokens, policy, speculation))
+        resp = self._unary(self.stub.CreateSession, cv.create_request(initial_tokens, policy, speculation))
         return Session(self, resp.session_id, history_length=resp.history_length,
                        policy=cv.policy_from_pb(resp.policy))
 
     def session(self, session_id: str) -> Session:
         """A handle on an existing session id (no RPC; the first call tells whether it exists)."""
-        return Session(self, session_id)
+        return Session(self, cv.session_id(session_id))
 
     def import_session(self, archive: bytes | str | os.PathLike[str]) -> Session:
         """A new session (a new id, owned by this client's key) from an archive `Session.export` made, as bytes
@@ -82,7 +94,7 @@ class Client:
         and creates nothing."""
         data = cv.archive_bytes(archive)
         try:
-            resp = self._stub.ImportSession(cv.archive_chunks(data), metadata=self._metadata, timeout=self.timeout)
+            resp = self.stub.ImportSession(cv.archive_chunks(data), metadata=self._metadata, timeout=self.timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         session = Session(self, resp.session_id, history_length=resp.history_length,
@@ -91,6 +103,7 @@ class Client:
         return session
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -116,7 +129,7 @@ class Session:
     def append(self, token_ids: Iterable[int]) -> int:
         """Append raw token ids; returns the new history length."""
         req = pb.AppendTokensRequest(session_id=self.id, token_ids=cv.token_list(token_ids, "token_ids"))
-        self.history_length = self.client._unary(self.client._stub.AppendTokens, req).history_length
+        self.history_length = self.client._unary(self.client.stub.AppendTokens, req).history_length
         return self.history_length
 
     def generate(self, max_tokens: int = 256, *, seed: int | None = None, temperature: float = 0.0,
@@ -141,12 +154,13 @@ class Session:
         req = cv.generate_request(self.id, max_tokens=max_tokens, seed=seed, temperature=temperature, top_k=top_k,
                                   top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos, stop=stop,
                                   speculation=speculation)
-        call = self.client._stub.Generate(req, metadata=self.client._metadata)
+        call = self.client.stub.Generate(req, metadata=self.client._metadata)
         return Generation(self, call)
 
     def info(self, *, include_history: bool = False) -> SessionInfo:
-        req = pb.GetSessionInfoRequest(session_id=self.id, include_history=include_history)
-        info = cv.session_info_from_pb(self.client._unary(self.client._stub.GetSessionInfo, req), include_history)
+        req = pb.GetSessionInfoRequest(session_id=self.id,
+                                       include_history=cv.flag(include_history, "include_history"))
+        info = cv.session_info_from_pb(self.client._unary(self.client.stub.GetSessionInfo, req), include_history)
         self.history_length = info.history_length
         return info
 
@@ -154,9 +168,9 @@ class Session:
         """The session as an archive (policy, context, whole history; with `include_kv` a snapshot of its KV cache,
         so an importer need not recompute it), also written to `path` when given. `Client.import_session` takes
         it back, on any server of the same model."""
-        req = pb.ExportSessionRequest(session_id=self.id, include_kv=include_kv)
+        req = pb.ExportSessionRequest(session_id=self.id, include_kv=cv.flag(include_kv, "include_kv"))
         try:
-            data = b"".join(c.data for c in self.client._stub.ExportSession(req, metadata=self.client._metadata))
+            data = b"".join(c.data for c in self.client.stub.ExportSession(req, metadata=self.client._metadata))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         cv.save_archive(data, path)
@@ -166,7 +180,7 @@ class Session:
         """Free the session (idempotent on this handle)."""
         if self._closed:
             return
-        self.client._unary(self.client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id))
+        self.client._unary(self.client.stub.CloseSession, pb.CloseSessionRequest(session_id=self.id))
         self._closed = True
 
     def __enter__(self) -> Session:

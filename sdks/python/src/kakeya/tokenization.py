@@ -103,8 +103,15 @@ class Tokenizer:
         if self._template is None:
             self._template = _compile(self.chat_template)
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **template_kwargs}
-        return self._template.render(messages=[dict(m) for m in messages],
-                                     add_generation_prompt=add_generation_prompt, **context)
+        try:
+            return self._template.render(messages=[dict(m) for m in messages],
+                                         add_generation_prompt=add_generation_prompt, **context)
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # jinja2's UndefinedError for a missing role, TypeError for non-string content, ...
+            raise ChatTemplateError(
+                f"the chat template could not render these messages ({type(e).__name__}: {e}); each message needs a "
+                "'role' and a string 'content' (from_openai_messages converts OpenAI-style content parts)") from e
 
     def tokens_for_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                         **template_kwargs: Any) -> list[int]:

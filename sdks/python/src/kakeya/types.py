@@ -41,7 +41,8 @@ class Speculation:
     [1, 16]; 0: adaptive (history drafts up to 15 tokens, more the longer its match; self and draft_head up to
     4, grown from 1 while accepted). The session's KV policy must be able to roll a draft back (full and
     restore can; sink_window and sparse need spare >= max_draft_tokens and the identity codec), else
-    FailedPrecondition."""
+    InvalidArgument as a session's default (create_session) and FailedPrecondition for one Generate (the
+    session's policy is set; the call does not fit it)."""
 
     proposer: str = "history"
     max_draft_tokens: int = 0
