@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
 @answers_bad_input
 def compiled_step_cmd(
     model: str = typer.Option("smollm2", help="smollm2, gemma3-270m, a .gguf path, or tiny / tiny-gemma."),
-    weights: str = typer.Option("bf16", help="Served weight format (engine.serving): bf16, fp32, int8, int4, "
+    weights: str = typer.Option("bf16", help="Served weight format: bf16, fp32, int8, int4, "
                                 "int4-mixed."),
     context: int = typer.Option(1024, min=1, help="Tokens prefilled before the timed decode steps."),
     steps: int = typer.Option(64, min=1, help="Timed decode steps per variant."),
@@ -255,7 +255,8 @@ def spec_cmd(
     temperatures: str = typer.Option("0,0.7", help="Sampling temperatures."),
     max_tokens: int = typer.Option(128, min=1, help="Tokens generated per run (fewer when the model ends its reply)."),
     workloads: str = typer.Option("quote_tool_output,reemit_file_one_change,reformat_json,chat_explain,chat_story",
-                                  help="Workloads (bench/spec.py)."),
+                                  help="Comma-separated workloads: copy-heavy agent turns (quote_tool_output, "
+                                       "reemit_file_one_change, reformat_json) and open chat (chat_explain, chat_story)."),
     prompts: str = typer.Option("", help="Prompt style: chat or completion (default: chat for smollm2)."),
     repeats: int = typer.Option(2, min=1, help="Alternating plain/speculative runs per setting (each keeps its fastest)."),
     threads: int = typer.Option(0, min=0, help="Threads (0: torch's default)."),

@@ -26,7 +26,8 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
-    model: str = typer.Option("smollm2", "--model", "-m", help="Model source for models.loader.load_model."),
+    model: str = typer.Option("smollm2", "--model", "-m", help="smollm2 or gemma3-270m (the bundled models), a "
+                              ".gguf file, or a Hugging Face model directory."),
     host: str = typer.Option("127.0.0.1", help="Bind address; anything but loopback requires --api-key, and TLS "
                              "(--tls-cert/--tls-key) or --insecure."),
     port: int = typer.Option(50051, help="gRPC port (0: any free port)."),

@@ -78,5 +78,7 @@ class InvariantViolation(FailedPrecondition):
     """A session's cache and history disagree: a bug. The session is failed and freed, never repaired."""
 
     def __init__(self, invariant: Invariant, message: str) -> None:
-        super().__init__(f"{invariant.value} violated: {message}; the session was failed and freed")
+        what = {Invariant.INV1: "the KV cache does not hold exactly the cached history",
+                Invariant.INV2: "a KV position or the history length went back"}[invariant]
+        super().__init__(f"internal error, {what} ({invariant.value}): {message}; the session was failed and freed")
         self.invariant = invariant
