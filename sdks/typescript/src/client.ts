@@ -8,7 +8,7 @@ import {
 import { readFileSync } from "node:fs";
 
 import * as cv from "./convert.js";
-import { fromServiceError, SessionNotFound } from "./errors.js";
+import { FailedPrecondition, fromServiceError, InvalidArgument, SessionNotFound } from "./errors.js";
 import * as pb from "./rpc.js";
 import { Tokenizer } from "./tokenization.js";
 import type {
@@ -66,10 +66,15 @@ export class Client {
   readonly stub: pb.RuntimeServiceClient;
   private readonly apiKey: string | undefined;
   private cachedModelInfo: ModelInfo | undefined;
+  private isClosed = false;
 
   constructor(address = "127.0.0.1:50051", options: ClientOptions = {}) {
     this.address = address;
     this.timeoutMs = options.timeoutMs;
+    // Checked here: grpc-js would refuse such a header only at the first call, with an error of its own.
+    if (options.apiKey && (!/^[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?$/.test(options.apiKey))) {
+      throw new InvalidArgument("apiKey must be a string of printable ASCII characters without surrounding spaces");
+    }
     this.apiKey = options.apiKey;
     const { RuntimeService } = pb.runtimeProto().kakeya.v1;
     this.stub = new RuntimeService(address, channelCredentials(options),
@@ -78,6 +83,7 @@ export class Client {
 
   /** @internal */
   metadata(): Metadata {
+    if (this.isClosed) throw new FailedPrecondition("this client is closed");
     const md = new Metadata();
     if (this.apiKey) md.set("authorization", `Bearer ${this.apiKey}`);
     return md;
@@ -161,6 +167,7 @@ export class Client {
   }
 
   close(): void {
+    this.isClosed = true;
     this.stub.close();
   }
 }

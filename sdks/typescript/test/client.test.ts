@@ -357,4 +357,19 @@ describe("API keys", () => {
       }
     }
   });
+
+  it("a key no header can carry is refused at construction; a closed client's calls reject typed", async () => {
+    for (const apiKey of ["ключ-ключ-1", "key-with\nnewline", " spaced-key"]) {
+      assert.throws(() => new Client(server.address, { apiKey }), InvalidArgument);
+    }
+    const c = new Client(server.address, { apiKey: KEY });
+    const s = await c.createSession({ initialTokens: [1, 2] });
+    c.close();
+    const calls: (() => Promise<unknown>)[] = [
+      () => c.modelInfo(), () => c.createSession({ initialTokens: [1] }), () => s.info(), () => s.append([3]),
+      async () => collect(s.generate({ maxTokens: 1 })), () => s.export(), // generate throws as it starts () => c.importSession(Buffer.from("x")),
+    ];
+    for (const call of calls) await assert.rejects(call(), FailedPrecondition);
+    await client.session(s.id).close(); // the same key's other client frees it
+  });
 });
