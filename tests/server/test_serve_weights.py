@@ -209,5 +209,5 @@ def test_a_bundled_models_checkpoint_is_the_same_in_every_served_format(name):
         served = ServedModel.from_loaded(loaded, name)
         serving.apply_format(loaded.model, fmt)
         ids[fmt] = (served.checkpoint, model_fingerprint(name, loaded.model, torch.bfloat16))
-    assert ids["bf16"][0] == ids["int8"][0] and ids["bf16"][0].startswith(f"{name}@")
+    assert ids["bf16"][0] == ids["int8"][0] and ids["bf16"][0].startswith(f"{name}#")
     assert ids["bf16"][1] != ids["int8"][1]

@@ -134,7 +134,7 @@ class StateDir:
         served them last (recorded anew when they are others)."""
         model_id = self.model_id
         state = self.root / "state.json"
-        fmt = None
+        fmt, found = None, {}
         if state.exists():
             try:
                 found = json.loads(state.read_text())
@@ -152,7 +152,8 @@ class StateDir:
                     "that model, or pass another --state-dir")
             if weights != model_id:  # reported by the recovery (sessions.service.RecoveryStats)
                 self.previous_weights = str(weights)
-        if fmt != STATE_FORMAT or self.previous_weights is not None:  # new, older, or last served by other weights
+        # new, older, last served by other weights, or bound to an older form of the checkpoint id
+        if fmt != STATE_FORMAT or self.previous_weights is not None or found.get("checkpoint") != self.checkpoint:
             _atomic_write(state, json.dumps({"format": STATE_FORMAT, "checkpoint": self.checkpoint,
                                              "weights": model_id}).encode())
 

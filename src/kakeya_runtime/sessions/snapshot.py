@@ -51,42 +51,45 @@ def model_fingerprint(name: str, model: DecoderModel, dtype: torch.dtype) -> str
     return f"{name}:{h.hexdigest()[:16]}"
 
 
-# A checkpoint file is identified by its name, size and these many evenly spaced 4 KiB samples (and its last 4 KiB):
-# 256 KiB read a start, and a fine-tune changes the bytes of every tensor.
+# A checkpoint is identified by its files' contents: sizes and these many evenly spaced 4 KiB samples (and the last
+# 4 KiB) of each, 256 KiB read a start; a fine-tune changes the bytes of every tensor. Not by its name or path: the
+# bundled name and a path to the same file, or a moved or renamed copy, are the same checkpoint.
 _FILE_SAMPLES, _SAMPLE_BYTES = 64, 4096
 _WEIGHT_FILES = (".gguf", ".safetensors", ".bin")
 _DIR_FILES = ("config.json", "tokenizer.json")
-_ID_RE = re.compile(r"^(.*)[:@][0-9a-f]{16}$")
+_ID_RE = re.compile(r"^(.*)[:@#]([0-9a-f]{16})$")  # name:weights, name@checkpoint (named), name#checkpoint
 
 
 def checkpoint_id(name: str, source: str | Path) -> str:
     """The checkpoint at `source` (a GGUF file, or a model directory: its weight files, config.json and
-    tokenizer.json), from sampled bytes: the same for every weight format and dtype it is served in."""
+    tokenizer.json), from sampled bytes: the same for every weight format and dtype it is served in, and for every
+    name or path it is served by (`name` only labels the id)."""
     path = Path(source)
-    files = [path] if path.is_file() else sorted(
+    single = path.is_file()
+    files = [path] if single else sorted(
         p for p in path.iterdir() if p.is_file() and (p.suffix in _WEIGHT_FILES or p.name in _DIR_FILES))
-    h = hashlib.sha256(name.encode())
+    h = hashlib.sha256(b"checkpoint")
     for f in files:
         size = f.stat().st_size
-        h.update(f"|{f.name}|{size}|".encode())
+        h.update(f"|{'' if single else f.name}|{size}|".encode())  # a directory's layout is content; a file's name not
         with f.open("rb") as fh:
             for i in range(_FILE_SAMPLES):
                 fh.seek(size * i // _FILE_SAMPLES)
                 h.update(fh.read(_SAMPLE_BYTES))
             fh.seek(max(0, size - _SAMPLE_BYTES))
             h.update(fh.read())
-    return f"{name}@{h.hexdigest()[:16]}"
+    return f"{name}#{h.hexdigest()[:16]}"
 
 
 def checkpoint_id_of(name: str, model: DecoderModel) -> str:
     """checkpoint_id for a model with no file (built in memory): its parameters' shapes and samples in bf16, so
     the same for an fp32 and a bf16 copy of it (a quantized copy is another checkpoint here)."""
-    h = hashlib.sha256(name.encode())
+    h = hashlib.sha256(b"checkpoint")
     for pname, p in sorted(model.state_dict().items()):
         flat = p.detach().reshape(-1)
         sample = torch.cat([flat[:64], flat[-64:]]).to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes()
         h.update(f"{pname}|{tuple(p.shape)}|".encode() + sample)
-    return f"{name}@{h.hexdigest()[:16]}"
+    return f"{name}#{h.hexdigest()[:16]}"
 
 
 def model_name(identity: str) -> str:
@@ -97,11 +100,14 @@ def model_name(identity: str) -> str:
 
 
 def compared_checkpoints(ours: str, checkpoint: str | None, model: str) -> tuple[str, str]:
-    """(theirs, ours) as a record must match them: its checkpoint id against ours, or for a record written before
-    checkpoint ids (the served weights' fingerprint `model` alone), the model names inside both."""
-    if checkpoint:
-        return checkpoint, ours
-    return model_name(model), model_name(ours)
+    """(theirs, ours), equal when a record belongs to our checkpoint: its checkpoint id's content hash against ours
+    (whatever names label them), or for a record written before content-only ids (a named `@` id, or only the
+    served weights' fingerprint `model`), the model names inside both."""
+    theirs = _ID_RE.match(checkpoint or "")
+    if theirs is not None and checkpoint is not None and "#" in checkpoint:
+        mine = _ID_RE.match(ours)
+        return (ours, ours) if mine is not None and mine.group(2) == theirs.group(2) else (checkpoint, ours)
+    return model_name(checkpoint or model), model_name(ours)
 
 
 def dump(cache: ModelKV, history: Sequence[int], cached_length: int, model_id: str) -> bytes:
