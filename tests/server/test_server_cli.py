@@ -67,6 +67,9 @@ def test_chat_raw_mode(server):
                                 input="once upon a time\n")
     assert result.exit_code == 0, result.output
     assert "raw text" in result.output and "prefill 17 tok" in result.output  # 16 bytes + "\n"
+    result = CliRunner().invoke(_app(), ["chat", "--addr", server.address, "--raw", "--max-tokens", "3", "--system",
+                                         "be brief"], input="once upon a time\n")
+    assert result.exit_code == 0 and "prefill 27 tok" in result.output  # "be brief\n\n" first (it was dropped)
 
 
 def test_chat_reports_an_unreachable_server():

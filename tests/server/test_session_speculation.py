@@ -166,6 +166,9 @@ def test_policy_that_cannot_roll_back_refuses_with_a_typed_error(tiny_server: Se
         lossy = KvPolicy("sink_window", {"sink": 4, "window": 64, "spare": 8, "codec": "d4"})
         with client.create_session(history, lossy) as session, pytest.raises(FailedPrecondition, match="lossy"):
             list(session.generate(8, speculation="history"))
+        lossy_no_spare = KvPolicy("sparse", {"sink": 4, "window": 64, "block": 16, "topk": 2, "codec": "d4"})
+        with pytest.raises(InvalidArgument, match="use codec=identity and spare >= 1"):  # both, not one at a time
+            client.create_session(history, lossy_no_spare, speculation="history")
         spare = KvPolicy("sink_window", {"sink": 4, "window": 16, "spare": 4})
         with client.create_session(history, spare) as session:
             with pytest.raises(FailedPrecondition, match="spare >= 5"):

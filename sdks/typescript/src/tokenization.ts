@@ -130,7 +130,7 @@ export class Tokenizer {
 
   /** The chat template rendered to text (Hugging Face semantics: trim_blocks, lstrip_blocks, tojson). */
   renderChat(messages: readonly ChatMessage[], options: ChatOptions = {}): string {
-    if (!this.chatTemplate) throw new ChatTemplateError("this model has no chat template; tokenize plain text with encode()");
+    if (!this.chatTemplate) throw new ChatTemplateError("this model has no chat template; tokenize plain text with encode(text, { addSpecialTokens: true }), which starts it with the BOS token");
     if (this.template === undefined) {
       try {
         this.template = new Template(this.chatTemplate);

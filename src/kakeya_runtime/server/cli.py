@@ -506,7 +506,8 @@ def chat(
                         console.print("[yellow]template re-render: new session, full prefill[/]")
                 else:
                     bos = [info.bos_token_id] if not history and info.bos_token_id is not None else []
-                    delta = bos + tok.encode(user + "\n")
+                    preamble = system + "\n\n" if system and not history else ""  # raw text: the system text first
+                    delta = bos + tok.encode(preamble + user + "\n")
                 room = info.context_length - len(history) - len(delta)
                 if room < 1:
                     console.print("[red]context full:[/] /reset to start a new session")

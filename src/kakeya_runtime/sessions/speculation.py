@@ -75,8 +75,9 @@ def rollback_problem(policy: PolicySpec, max_draft_tokens: int) -> str | None:
         return (f"the restore policy with the lossy {policy.codec.kind} codec cannot verify drafts exactly "
                 "(use codec=identity)")
     if policy.codec.kind != "identity":
+        fix = "codec=identity" if policy.spare >= need else f"codec=identity and spare >= {need}"
         return (f"the {policy.name} policy with the lossy {policy.codec.kind} codec cannot verify drafts exactly "
-                "(use codec=identity)")
+                f"(use {fix})")
     if policy.spare < need:
         asked = ("adaptive speculation (max_draft_tokens=0)" if max_draft_tokens == 0
                  else f"speculation with max_draft_tokens={max_draft_tokens}")

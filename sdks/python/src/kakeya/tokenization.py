@@ -99,7 +99,8 @@ class Tokenizer:
                     **template_kwargs: Any) -> str:
         """The chat template rendered to text (Hugging Face semantics: trim_blocks, lstrip_blocks, tojson)."""
         if not self.chat_template:
-            raise ChatTemplateError("this model has no chat template; tokenize plain text with encode()")
+            raise ChatTemplateError("this model has no chat template; tokenize plain text with "
+                                    "encode(text, add_special_tokens=True), which starts it with the BOS token")
         if self._template is None:
             self._template = _compile(self.chat_template)
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **template_kwargs}
