@@ -200,6 +200,10 @@ def test_hf_directory(make_tiny_config, make_hf_state, tmp_path, tiny_gguf):
     with pytest.raises(ModelLoadError, match="'mamba' is not supported"):
         load_model(d)
     (d / "config.json").write_text(json.dumps(cfg.to_hf()))
+    without_q = {k: v for k, v in sd.items() if k != "model.layers.1.self_attn.q_proj.weight"}
+    save_file(without_q, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"missing tensor layers\.1\.self_attn\.q_proj\.weight \(beside "):
+        load_model(d)  # named as missing, not as "qkv_proj missing, k_proj and v_proj unexpected"
     save_file({"model.embed_tokens.weight": sd["model.embed_tokens.weight"]}, str(d / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="weights do not fit"):
         load_model(d)
@@ -209,6 +213,11 @@ def test_hf_directory(make_tiny_config, make_hf_state, tmp_path, tiny_gguf):
     (d / "config.json").unlink()
     with pytest.raises(ModelLoadError, match="config.json not found"):
         load_model(d)
+    (d / "model.gguf").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="to serve a GGUF file, pass its path"):
+        load_model(d)
+    with pytest.raises(ModelLoadError, match="no model given"):  # once the current directory
+        load_model("", cache_dir=tmp_path)
 
 
 def test_missing_bundled_package(monkeypatch, tmp_path):

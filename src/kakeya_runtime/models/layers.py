@@ -360,6 +360,9 @@ def _fuse_hook(parts: tuple[str, ...], fused: str):
             keys = [f"{prefix}{p}.{suffix}" for p in parts]
             if all(k in state_dict for k in keys):
                 state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+            elif any(k in state_dict for k in keys):  # else strict loading blames the fused name and the parts
+                raise RuntimeError(f"missing tensor {', '.join(k for k in keys if k not in state_dict)} "
+                                   f"(beside {', '.join(k for k in keys if k in state_dict)})")
 
     return hook
 

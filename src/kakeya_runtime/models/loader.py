@@ -135,6 +135,9 @@ def resolve_source(source: str | Path, cache_dir: Path) -> Path:
             return bundled.bundled_gguf_path(source, cache_dir)
         except bundled.BundledModelError as e:
             raise ModelLoadError(str(e)) from None
+    if not str(source).strip():
+        raise ModelLoadError(f"no model given (bundled: {sorted(bundled.BUNDLED)}, or a .gguf file or a model "
+                             "directory)")
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -254,7 +257,8 @@ def _open_gguf(path: Path) -> GGUFReader:
     try:
         reader = GGUFReader(path, "r")
     except Exception as e:  # the reader fails in many ways on damaged files (ValueError, IndexError ...)
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(f"{path}: not a readable GGUF file: truncated or corrupt ({path.stat().st_size} "
+                             f"bytes; the reader's error: {type(e).__name__}: {e})") from None
     for t in reader.tensors:
         if t.data.nbytes != t.n_bytes:
             raise ModelLoadError(
@@ -462,7 +466,9 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype = torch.bfloat16,
         config = ModelConfig.from_file(directory / "config.json")
         cls = model_class(config)
     except (ConfigError, UnsupportedModelError) as e:
-        raise ModelLoadError(f"{directory}: {e}") from None
+        ggufs = sorted(p.name for p in directory.glob("*.gguf")) if directory.is_dir() else []
+        hint = f" (to serve a GGUF file, pass its path: {directory / ggufs[0]})" if ggufs else ""
+        raise ModelLoadError(f"{directory}: {e}{hint}") from None
     files = weight_files if weight_files is not None else sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{directory}: no *.safetensors weight files")

@@ -301,7 +301,8 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, r
 
             candidates = serving.calibrate(load, lambda t: loaded.tokenizer.encode(t).ids, key, formats,
                                            calibration=cal, recalibrate=recalibrate, progress=step)
-        best = serving.pick(candidates)
+            best = serving.pick(candidates)
+            bar.update(task, description=f"Choosing the weight format: {best.fmt}")  # not the last one measured
         for c in candidates:
             f, sp = c.fidelity, c.speed
             console.print(f"  {'*' if c is best else ' '} {c.fmt:<10} "
