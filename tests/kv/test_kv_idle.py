@@ -40,6 +40,7 @@ def test_identity_idle_round_trip_is_bit_exact(tiny_model, policy):
     decompress(cache)
     assert not is_compressed(cache)
     assert _states_equal(before, cache.state())
+    assert cache.nbytes == ref.nbytes  # as allocated before: rebuilt from the length, the next write doubled it
     req = GenerateRequest(12)
     assert eng.generate(cache, more, req).token_ids == eng.generate(ref, more, req).token_ids
 

@@ -83,9 +83,9 @@ def _rebuilder(layer):
     if isinstance(layer, SinkWindowLayerKV | SparseLayerKV):
         return layer.clone_empty
     if isinstance(layer, FullLayerKV):
-        b, hk, _, d = layer.k.shape
-        cap, dtype, device, n = layer.capacity, layer.k.dtype, layer.k.device, layer.length
-        return lambda: FullLayerKV(b, hk, d, cap, dtype=dtype, device=device, initial=max(n, 1))
+        b, hk, allocated, d = layer.k.shape  # rebuilt as allocated: from `length`, the next write doubled it
+        cap, dtype, device = layer.capacity, layer.k.dtype, layer.k.device
+        return lambda: FullLayerKV(b, hk, d, cap, dtype=dtype, device=device, initial=max(allocated, 1))
     if isinstance(layer, SlidingLayerKV):
         b, hk, _, d = layer.k.shape
         w, spare, dtype, device = layer.window, layer.spare, layer.k.dtype, layer.k.device
