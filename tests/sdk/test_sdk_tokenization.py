@@ -101,6 +101,17 @@ def test_stream_decoder_never_splits_characters(tok):
 def test_stream_decoder_holds_back_stop_strings(tok):
     text = "say <<END>> and more"
     ids = tok.encode(text)
+    assert "".join(tok.decode_stream(ids)) == text and "".join(tok.decode_stream(iter(ids), stop="END")) == "say <<"
+
+    async def pieces() -> list[str]:
+        async def agen():
+            for i in ids:
+                yield i
+        return [p async for p in tok.decode_stream_async(agen(), stop=["nope", "<<E"])]
+
+    import asyncio
+
+    assert "".join(asyncio.run(pieces())) == "say "
     dec = tok.stream_decoder(stop=["<<E", "nope", "END>>"])  # "<<E" completes first
     shown = [dec.push(i) for i in ids]
     assert "".join(shown) + dec.flush() == "say " and dec.stop_string == "<<E"

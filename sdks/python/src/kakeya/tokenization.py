@@ -1,4 +1,4 @@
-"""Opt-in client-side tokenization (`pip install kakeya[tokenize]`): the runtime never renders templates.
+"""Opt-in client-side tokenization (the `tokenize` extra): the runtime never renders templates.
 
 GetModelInfo hands out the model's tokenizer.json and chat template as data. This module builds a
 tokenizer from them, renders the template with Jinja2 the way Hugging Face does, and computes the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -18,7 +18,7 @@ from kakeya.types import ModelInfo
 
 Message = dict[str, Any]
 
-_INSTALL_HINT = "client-side tokenization needs the `tokenize` extra: pip install 'kakeya[tokenize]'"
+_INSTALL_HINT = "client-side tokenization needs the `tokenize` extra: pip install './sdks/python[tokenize]' (from a checkout)"
 
 
 class ChatTemplateError(ValueError):
@@ -88,6 +88,27 @@ class Tokenizer:
     def stream_decoder(self, *, skip_special_tokens: bool = True, stop: str | Iterable[str] = ()) -> StreamDecoder:
         """Streamed text for a Generate; pass its `stop` strings to hold them back (see StreamDecoder)."""
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens, stop=stop)
+
+    def decode_stream(self, ids: Iterable[int], *, skip_special_tokens: bool = True,
+                      stop: str | Iterable[str] = ()) -> Iterator[str]:
+        """Text pieces as token ids arrive: `for text in tok.decode_stream(session.generate(...))`. With `stop`, no
+        part of a stop string is yielded and the text ends before the first one to complete."""
+        decoder = self.stream_decoder(skip_special_tokens=skip_special_tokens, stop=stop)
+        for token_id in ids:
+            if text := decoder.push(token_id):
+                yield text
+        if rest := decoder.flush():
+            yield rest
+
+    async def decode_stream_async(self, ids: AsyncIterable[int], *, skip_special_tokens: bool = True,
+                                  stop: str | Iterable[str] = ()) -> AsyncIterator[str]:
+        """`decode_stream` for an AsyncClient's generation: `async for text in tok.decode_stream_async(gen)`."""
+        decoder = self.stream_decoder(skip_special_tokens=skip_special_tokens, stop=stop)
+        async for token_id in ids:
+            if text := decoder.push(token_id):
+                yield text
+        if rest := decoder.flush():
+            yield rest
 
     # ---- chat ---------------------------------------------------------------------------------
 
