@@ -39,4 +39,5 @@ def test_a_directory_checkpoint_and_ids_written_before_content_only_ids(tmp_path
     assert _same(checkpoint_id(str(model), model), checkpoint_id("other", moved))
     ours = checkpoint_id("smollm2", model)
     assert _same(ours, "smollm2@0123456789abcdef")  # a named id of the previous form: matched by model name
+    assert _same(checkpoint_id("/a#b/m.gguf", model), checkpoint_id("x", model))  # a "#" in a name is a name
     assert not _same(ours, "gemma3-270m@0123456789abcdef")

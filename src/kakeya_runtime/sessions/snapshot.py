@@ -57,7 +57,7 @@ def model_fingerprint(name: str, model: DecoderModel, dtype: torch.dtype) -> str
 _FILE_SAMPLES, _SAMPLE_BYTES = 64, 4096
 _WEIGHT_FILES = (".gguf", ".safetensors", ".bin")
 _DIR_FILES = ("config.json", "tokenizer.json")
-_ID_RE = re.compile(r"^(.*)[:@#]([0-9a-f]{16})$")  # name:weights, name@checkpoint (named), name#checkpoint
+_ID_RE = re.compile(r"^(.*)([:@#])([0-9a-f]{16})$")  # name:weights, name@checkpoint (named), name#checkpoint
 
 
 def checkpoint_id(name: str, source: str | Path) -> str:
@@ -103,10 +103,10 @@ def compared_checkpoints(ours: str, checkpoint: str | None, model: str) -> tuple
     """(theirs, ours), equal when a record belongs to our checkpoint: its checkpoint id's content hash against ours
     (whatever names label them), or for a record written before content-only ids (a named `@` id, or only the
     served weights' fingerprint `model`), the model names inside both."""
-    theirs = _ID_RE.match(checkpoint or "")
-    if theirs is not None and checkpoint is not None and "#" in checkpoint:
-        mine = _ID_RE.match(ours)
-        return (ours, ours) if mine is not None and mine.group(2) == theirs.group(2) else (checkpoint, ours)
+    theirs, mine = _ID_RE.match(checkpoint or ""), _ID_RE.match(ours)
+    if theirs is not None and theirs.group(2) == "#":
+        same = mine is not None and mine.group(2) == "#" and mine.group(3) == theirs.group(3)
+        return (ours, ours) if same else (str(checkpoint), ours)
     return model_name(checkpoint or model), model_name(ours)
 
 
