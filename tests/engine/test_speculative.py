@@ -245,6 +245,25 @@ def test_seeded_speculative_stream_is_reproducible(make_tiny_model) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_seeded_stream_with_deterministic_drafts_is_plain_samplings(make_tiny_model, family: str) -> None:
+    """History lookup also drafts from the owner's other sessions, so its drafts depend on more than the session:
+    a seeded sampled stream must not. With guesses verified against the target's own samples it is plain
+    sampling's stream token for token, whatever is drafted (random guesses, history, a self-quoting prompt)."""
+    model = make_tiny_model(family)
+    engine = Engine(model)
+    v = model.config.vocab_size
+    prompt = PROMPT + PROMPT[:20]  # history lookup finds matches
+    for params in (SamplingParams(0.9, top_k=20, seed=1234), SamplingParams(1.3, top_p=0.9, seed=7),
+                   SamplingParams(0.05, seed=3)):
+        req = GenerateRequest(40, params)
+        plain = engine.generate(engine.new_cache(capacity=160), torch.tensor([prompt]), req).token_ids[0]
+        for proposer in (HistoryLookup(min_match=1), RandomDraft(v, seed=1), RandomDraft(v, seed=2)):
+            stream = SpeculativeStream(engine, engine.new_cache(capacity=160), torch.tensor([prompt]), req, proposer,
+                                       prompt, 4)
+            assert [t for step in stream for t in step] == plain, (params, proposer)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("proposer_kind", ["history", "random", "oracle"])
 def test_greedy_rollback_leaves_the_cache_as_plain_decode_does(make_tiny_model, family: str,
                                                                proposer_kind: str) -> None:

@@ -151,6 +151,21 @@ def test_rollback_leaves_the_session_as_if_no_draft_happened(tiny_server: Server
         assert (f1, s1, h1, hh1) == (f2, s2, h2, hh2)
 
 
+def test_a_seeded_sampled_stream_does_not_depend_on_the_keys_other_sessions(tiny_server: ServerThread) -> None:
+    """History drafts come from the owner's other live sessions too. A session holding this very continuation
+    once changed the seeded stream (the drafts moved the random numbers); now the stream is plain sampling's."""
+    with Client(tiny_server.address) as client:
+        history = _prompt_with_repeats(client.model_info().vocab_size, 40)
+        args = dict(temperature=1.0, seed=1234, ignore_eos=True)
+        with client.create_session(history) as s:
+            plain = list(s.generate(24, **args))
+        with client.create_session(history) as s:
+            assert list(s.generate(24, speculation="history", **args)) == plain
+        with client.create_session(history + plain), client.create_session(history) as s:
+            gen = s.generate(24, speculation="history", **args)
+            assert list(gen) == plain and gen.stats.draft_tokens > 0  # drafted from the other session, same stream
+
+
 def test_policy_that_cannot_roll_back_refuses_with_a_typed_error(tiny_server: ServerThread) -> None:
     with Client(tiny_server.address) as client:
         history = list(range(3, 40))

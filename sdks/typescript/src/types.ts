@@ -20,7 +20,8 @@ export interface KvPolicy {
 /**
  * Exact speculative decoding: a proposer drafts up to `maxDraftTokens` tokens per step and the model verifies them
  * in one forward. It changes speed, never what is generated (greedy output is identical; sampled output has the same
- * distribution). A seeded sampled stream repeats only with the same seed AND the same speculation setting.
+ * distribution). With "history" a seeded sampled stream is the one without speculation; with "self" and "draft_head"
+ * (random drafts) it repeats with the same seed AND the same speculation setting.
  * Proposers: "history" (copies from the session's own history: fast when the model quotes or re-emits earlier
  * text), "self" (a layer-skipping draft from the served model itself), "draft_head" (an EAGLE-style head; untrained
  * unless the server has one: exact but slow), "off". `maxDraftTokens` in [1, 16]; 0 or absent: adaptive (history

@@ -8,17 +8,25 @@ One verifier step over a cache holding everything before the last sampled token 
    position;
 3. greedy: d_i is accepted while it equals the argmax at its position, then the argmax after the last accepted
    draft is emitted too (the same `argmax` the plain sampler takes, so the tokens are identical to plain decode);
-   sampling: d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)), where p_i is the target distribution
-   after the sampler's own transform (temperature, top-k, top-p: `sampling.support`) and q_i the
-   proposer's (one-hot for deterministic guesses); at the first rejection a token is drawn from the residual
+   sampling with deterministic guesses (history lookup, q one-hot): the target's own sample is drawn at each
+   position, exactly as plain decoding draws it (`sample`: the same uniform from the same generator, one per
+   emitted token), and d_i is accepted while it equals that sample; at the first mismatch the sample is emitted,
+   and when every draft was accepted one more is drawn. The acceptance probability is p_i(d_i), Leviathan's
+   min(1, p/q) for a one-hot q, and the stream is plain sampling's token for token, whatever was drafted;
+   sampling with sampled guesses (the model-based proposers, a distribution q_i per draft): d_i is accepted with
+   probability min(1, p_i(d_i) / q_i(d_i)), where p_i is the target distribution after the sampler's own transform
+   (temperature, top-k, top-p: `sampling.support`); at the first rejection a token is drawn from the residual
    norm(max(0, p_i - q_i)), and when every draft was accepted one more from p_{k+1}. Every emitted token is then
    distributed exactly as plain sampling would draw it;
 4. the cache is trimmed to L + (emitted tokens): the rejected drafts' K/V are rolled back before anything is
    committed, so the cache again holds everything before the last emitted token.
 
-A seeded stream is reproducible for a given speculation setting (proposer, max_draft_tokens): the random numbers
-are drawn in a different order than plain sampling's, so a seeded sampled stream with speculation is a different
-(equally distributed) stream than without. Greedy streams are identical with and without.
+So a seeded stream with history drafts is the stream without speculation, whatever the drafts were (history
+lookup also drafts from the owner's other live sessions: a seeded stream must not depend on them). With a
+model-based proposer the random numbers are drawn in a different order than plain sampling's (the proposer draws
+its drafts too), so a seeded sampled stream is reproducible for that speculation setting (proposer,
+max_draft_tokens) and a different, equally distributed stream than without. Greedy streams are identical with
+and without.
 
 Draft length. `max_draft_tokens` caps each step; 0 asks for the proposer's own adaptive cap (`auto_draft_tokens`):
 history lookup drafts up to CHEAP_VERIFY_TOKENS - 1 (a verifier chunk of up to 16 rows costs about one decode step
@@ -92,31 +100,32 @@ def verify_greedy(logits: Tensor, draft: Sequence[int]) -> list[int]:
 
 def verify_sampled(logits: Tensor, draft: Draft, sampling: SamplingParams,
                    generator: torch.Generator | None) -> list[int]:
-    """Leviathan et al.'s rejection sampling, exact for the sampler's transform of the target distribution.
+    """Exact verification for the sampler's transform of the target distribution (module docstring, step 3).
 
-    The target distribution of a row is computed only when that row is reached (the rows after the first
-    rejection are never needed); the random numbers are drawn in a fixed order (k uniforms, then one token),
-    whichever rows are computed. The bonus token after k accepted drafts is what plain sampling draws there."""
+    Deterministic guesses (q None): the target's own sample at each position, drawn by `sample` as plain decoding
+    draws it, until one differs from its guess: the emitted tokens are plain sampling's whatever was guessed.
+    Sampled guesses: Leviathan et al.'s rejection sampling. The target distribution of a row is computed only when
+    that row is reached (the rows after the first rejection are never needed); the random numbers are drawn in a
+    fixed order (k uniforms, then one token), whichever rows are computed. The bonus token after k accepted drafts
+    is what plain sampling draws there."""
     k = len(draft.tokens)
-    if k == 0:
-        return [int(sample(logits[:1], sampling, generator)[0])]
+    if draft.q is None:
+        emitted: list[int] = []
+        for i in range(k + 1):
+            emitted.append(int(sample(logits[i : i + 1], sampling, generator)[0]))
+            if i == k or emitted[i] != draft.tokens[i]:
+                return emitted
     u = torch.rand(k, generator=generator, device=logits.device).tolist()
-    q = None if draft.q is None else draft.q.to(logits.device)
+    q = draft.q.to(logits.device)
     for i, d in enumerate(draft.tokens):
         # the distribution plain sampling draws from, over its support (ids None: the whole vocabulary)
         ids, w = support(logits[i], sampling)
         p = w.double() / w.sum(dtype=torch.float64)
         at = d if ids is None else _position(ids, d)  # d's place in p, or -1 outside the support
         p_d = float(p[at]) if at >= 0 else 0.0
-        q_d = 1.0 if q is None else float(q[i, d])
-        # accept d_i with probability min(1, p/q): u < p/q, written without dividing (q_d > 0 for a drawn token)
-        if u[i] * q_d >= p_d:
-            if q is None:
-                residual = p.clone()
-                if at >= 0:
-                    residual[at] = 0.0
-            else:  # (p - q)+ is 0 outside p's support
-                residual = (p - (q[i] if ids is None else q[i, ids]).double()).clamp_min_(0.0)
+        # accept d_i with probability min(1, p/q): u < p/q, written without dividing (q > 0 for a drawn token)
+        if u[i] * float(q[i, d]) >= p_d:
+            residual = (p - (q[i] if ids is None else q[i, ids]).double()).clamp_min_(0.0)  # 0 outside p's support
             if not float(residual.sum()) > 0.0:  # p == q: a rejection had probability 0 (float edge); p is the answer
                 residual = p
             pick = draw(residual, generator)

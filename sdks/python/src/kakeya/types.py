@@ -34,8 +34,8 @@ class KvPolicy:
 class Speculation:
     """Exact speculative decoding: a proposer drafts up to `max_draft_tokens` tokens per step and the model
     verifies them in one forward. It changes speed, never what is generated (greedy output is identical; sampled
-    output has the same distribution). A seeded sampled stream repeats only with the same seed AND the same
-    speculation setting. Proposers: "history" (copies from the session's own history: fast when the model
+    output has the same distribution). With "history" a seeded sampled stream is the one without speculation;
+    with "self" and "draft_head" (random drafts) it repeats with the same seed AND the same speculation setting. Proposers: "history" (copies from the session's own history: fast when the model
     quotes or re-emits earlier text), "self" (a layer-skipping draft from the served model itself), "draft_head"
     (an EAGLE-style head; untrained unless the server has one: exact but slow), "off". `max_draft_tokens` in
     [1, 16]; 0: adaptive (history drafts up to 15 tokens, more the longer its match; self and draft_head up to
