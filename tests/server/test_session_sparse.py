@@ -71,4 +71,6 @@ def test_sparse_specs_past_the_context_are_refused():
                 client.create_session(policy=KvPolicy("sparse", params))
         with pytest.raises(InvalidArgument):
             client.create_session(policy=KvPolicy("sparse", {"topk": 0}))
+        with pytest.raises(InvalidArgument, match="no head profile"):  # at creation: every Generate refused it once
+            client.create_session([1, 2], policy=KvPolicy("sparse", {"heads": "profile"}))
         assert len(thread.server.service.store) == 0

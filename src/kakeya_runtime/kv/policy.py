@@ -34,7 +34,7 @@ from kakeya_runtime.models.config import ModelConfig
 __all__ = [
     "CacheError", "CodecSpec", "IdleStats", "PolicyError", "PolicyKV", "PolicySpec", "PositionLimitError",
     "SparseIndexError", "SparseKV",
-    "check_fits", "compress_idle", "decompress", "is_compressed", "make_policy_cache", "governed_layers",
+    "check_fits", "check_head_profile", "compress_idle", "decompress", "is_compressed", "make_policy_cache", "governed_layers",
 ]
 
 
@@ -47,6 +47,19 @@ def check_fits(spec: PolicySpec, context: int) -> None:
                                          ("spare", spec.spare)) if v > context]
     if too_big:
         raise PolicyError(f"{', '.join(too_big)} exceeds the context of {context} positions")
+
+
+def check_head_profile(config: ModelConfig, spec: PolicySpec) -> None:
+    """PolicyError unless a sparse spec with heads=profile finds this model's profile, covering every governed layer
+    (what building its cache needs: checked when the session is created, not at its first Generate)."""
+    if spec.name != "sparse" or spec.heads != "profile":
+        return
+    try:
+        profile = load_profile(config)
+        for i in governed_layers(config):
+            profile.head_topk(i, spec.topk, 1)
+    except HeadProfileError as e:
+        raise PolicyError(str(e)) from None
 
 
 def governed_layers(config: ModelConfig) -> list[int]:

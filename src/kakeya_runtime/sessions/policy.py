@@ -23,7 +23,7 @@ from typing import Any
 
 from kakeya_runtime.engine.generate import Engine
 from kakeya_runtime.engine.proposers import ModelProposer, same_checkpoint_proposer
-from kakeya_runtime.kv.policy import PolicyKV, check_fits, make_policy_cache
+from kakeya_runtime.kv.policy import PolicyKV, check_fits, check_head_profile, make_policy_cache
 from kakeya_runtime.kv.spec import POLICIES, CodecSpec, PolicyError, PolicySpec, check_codec
 from kakeya_runtime.models.config import ModelConfig
 from kakeya_runtime.sessions.errors import InvalidArgument, quoted
@@ -65,6 +65,7 @@ class PolicyRegistry:
                     check_codec(spec.codec, "codec", config.head_dim)
                 if spec.idle_codec is not None:
                     check_codec(spec.idle_codec, "idle_codec", config.head_dim)
+                check_head_profile(config, spec)
             if context_length is not None:
                 check_fits(spec, context_length)
                 _check_window_fits(spec, context_length)
