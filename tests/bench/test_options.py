@@ -16,7 +16,11 @@ from kakeya_runtime.sessions.errors import InvalidArgument
 
 def test_list_options_parse_strictly():
     assert positive_ints("1024, 2048,,7680", "--lengths") == (1024, 2048, 7680)
-    assert positive_ints("", "--prompts") == ()
+    assert positive_ints("", "--prompts", allow_empty=True) == ()  # an optional run skipped
+    with pytest.raises(typer.BadParameter, match="--lengths: give at least one value"):  # once: nothing measured, exit 0
+        positive_ints(" , ", "--lengths")
+    with pytest.raises(typer.BadParameter, match="--depths: give at least one value"):
+        floats_in("", "--depths", 0.0, 1.0)
     with pytest.raises(typer.BadParameter, match="--lengths: expected comma-separated integers, got 'abc'"):
         positive_ints("abc", "--lengths")
     with pytest.raises(typer.BadParameter, match="--sessions: every value must be at least 1, got 0, -2"):
@@ -69,6 +73,23 @@ def test_only_the_runtimes_typed_errors_count_as_bad_input():
     (["bench", "session", "--attention", "native,bogus"], "attention backends ['bogus']"),
     (["calibrate", "heads", "--model", "no-such-model"], "no-such-model: no such file or directory"),
     (["calibrate", "heads", "--depths", "-0.1"], "--depths: every value must lie in [0, 1]"),
+    # each of these once ran and wrote an empty result with exit 0, crashed, or hung
+    (["bench", "engine", "--models", "nosuch"], "'nosuch': no such file or directory, and not a bundled model"),
+    (["bench", "engine", "--formats", ""], "--formats: give at least one value"),
+    (["bench", "engine", "--previous", "bogus"], "--previous: unknown bogus"),
+    (["bench", "niah", "--lengths", ""], "--lengths: give at least one value"),
+    (["bench", "niah", "--dtype", "fp16"], "--dtype 'fp16': one of bf16, fp32"),
+    (["bench", "sparse", "--codec", ""], "--codec: give at least one value"),
+    (["bench", "sparse", "--decode-tokens", "1"], "--decode-tokens"),
+    (["bench", "spec", "--workloads", "bogus"], "--workloads: unknown bogus"),
+    (["bench", "spec", "--proposers", ""], "--proposers: give at least one value"),
+    (["bench", "spec", "--prompts", "bogus"], "--prompts: one of chat, completion"),
+    (["bench", "attention", "--dtypes", "bogus"], "--dtypes: unknown bogus"),
+    (["bench", "concurrent", "--schedulers", ""], "--schedulers: give at least one value"),
+    (["bench", "concurrent", "--model", "nosuch"], "'nosuch': no such file or directory"),
+    (["bench", "soak", "--model", "nosuch"], "'nosuch': no such file or directory"),
+    (["bench", "session", "--policies", ";"], "policies ';': give at least one"),
+    (["calibrate", "heads", "--lengths", "100000"], "lengths [100000] do not fit smollm2's context"),
 ])
 def test_bad_input_is_refused_before_any_work(args, message, tmp_path):
     out = tmp_path / "out"  # each command's --out (a file or a directory)
@@ -77,3 +98,12 @@ def test_bad_input_is_refused_before_any_work(args, message, tmp_path):
     assert isinstance(result.exception, SystemExit)  # answered, not a traceback
     assert message in " ".join(result.output.replace("\u2502", " ").split()), result.output
     assert not out.exists()  # no evidence written
+
+
+def test_an_out_path_that_cannot_be_written_is_refused_before_any_work(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for args in (["bench", "sparse", "--lengths", "256"], ["bench", "engine", "--models", "tiny"]):
+        out = blocker / "sub" / ("e.json" if "engine" in args else "dir")  # under a file: no folder can be made
+        result = CliRunner().invoke(app, [*args, "--out", str(out)])
+        assert result.exit_code == 2 and "cannot write there" in " ".join(result.output.split()), result.output

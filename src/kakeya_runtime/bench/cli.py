@@ -17,7 +17,7 @@ from pathlib import Path
 
 import typer
 
-from kakeya_runtime.bench.options import answers_bad_input, csv, floats_in, positive_ints
+from kakeya_runtime.bench.options import answers_bad_input, check_model, csv, floats_in, items, positive_ints
 from kakeya_runtime.kv.spec import SPARSE_BUDGET
 
 bench_app = typer.Typer(help="Benchmarks that write evidence JSON under results/.", no_args_is_help=True)
@@ -101,15 +101,20 @@ def engine_cmd(
         raise typer.BadParameter(f"--head must be int8 or int4, got {head!r}")
     if prefill_mode not in ("dequant", "copy", "kernel"):
         raise typer.BadParameter(f"--prefill-mode must be dequant, copy or kernel, got {prefill_mode!r}")
-    fmts = csv(formats)
-    bad = [f for f in fmts if f not in ALL_FORMATS]
-    if bad:
-        raise typer.BadParameter(f"unknown formats {bad} (choose from {', '.join(ALL_FORMATS)})")
+    from kakeya_runtime.bench.engine import TINY_MODELS
+
+    fmts = items(formats, "--formats", ALL_FORMATS)
+    previous_fmts = csv(previous)  # those of --formats also run on PyTorch's kernels (the rest: not measured here)
+    if set(previous_fmts) - set(ALL_FORMATS):
+        raise typer.BadParameter(f"--previous: unknown {', '.join(sorted(set(previous_fmts) - set(ALL_FORMATS)))}")
     spec = EngineBenchSpec(
-        models=csv(models), contexts=positive_ints(contexts, "--contexts"), formats=fmts, compile=compile, peers=peers,
-        decode_steps=decode_steps, fidelity_positions=fidelity_positions, long_prefill=positive_ints(long_prefill, "--long-prefill"),
-        long_prefill_model=long_prefill_model or None, long_prefill_chunks=positive_ints(long_prefill_chunks, "--long-prefill-chunks"),
-        threads=threads or None, idle_wait_s=idle_wait, prefill_chunk=prefill_chunk, previous_formats=csv(previous),
+        models=tuple(check_model(m, TINY_MODELS) for m in items(models, "--models")),
+        contexts=positive_ints(contexts, "--contexts"), formats=fmts, compile=compile, peers=peers,
+        decode_steps=decode_steps, fidelity_positions=fidelity_positions,
+        long_prefill=positive_ints(long_prefill, "--long-prefill", allow_empty=True),
+        long_prefill_model=long_prefill_model or None,
+        long_prefill_chunks=positive_ints(long_prefill_chunks, "--long-prefill-chunks", allow_empty=True),
+        threads=threads or None, idle_wait_s=idle_wait, prefill_chunk=prefill_chunk, previous_formats=previous_fmts,
         extra_ours={**({} if prefill_mode == "dequant" else {"prefill": prefill_mode}),
                     **({} if head == "int8" else {"head": head})},
     )
@@ -178,7 +183,8 @@ def soak_cmd(
     requests: int = typer.Option(10_000, min=2, help="Requests in all (half before the kill -9, half after)."),
     max_seconds: float = typer.Option(900.0, min=1.0, help="Stop (and fail) past this wall time."),
     keys: int = typer.Option(3, min=1, help="API keys, one client thread each."),
-    context: int = typer.Option(1024, min=64, help="The server's per-session context (small: limits are reached)."),
+    context: int = typer.Option(1024, min=128, help="The server's per-session context (small: limits are reached; "
+                                "at least 128, which the valid requests' policies need)."),
     seed: int = typer.Option(0),
     kill: bool = typer.Option(True, "--kill/--no-kill", help="SIGKILL and restart the server halfway."),
     max_rss_gib: float = typer.Option(6.0, min=0.1, help="Fail if the server's RSS goes above this."),
@@ -188,7 +194,7 @@ def soak_cmd(
     kill -9 + restart, against a real server on loopback; exits 1 on any failure it reports."""
     from kakeya_runtime.bench.soak import SoakConfig, command
 
-    result = command(SoakConfig(model=model, requests=requests, max_seconds=max_seconds, keys=keys, context=context,
+    result = command(SoakConfig(model=check_model(model), requests=requests, max_seconds=max_seconds, keys=keys, context=context,
                                 seed=seed, kill=kill, max_rss_bytes=int(max_rss_gib * 2**30)), Path(out))
     if not result["passed"]:
         raise typer.Exit(1)
@@ -207,8 +213,9 @@ def attention_cmd(
     """Per-layer attention: our invariant kernel vs PyTorch's SDPA path, SmolLM2 shapes, same run."""
     from kakeya_runtime.bench.attention import command
 
-    command(lengths=positive_ints(lengths, "--lengths"), chunks=positive_ints(chunks, "--chunks"), dtypes=csv(dtypes),
-            prompts=positive_ints(prompts, "--prompts"),
+    command(lengths=positive_ints(lengths, "--lengths"), chunks=positive_ints(chunks, "--chunks"),
+            dtypes=items(dtypes, "--dtypes", ("bfloat16", "float32")),
+            prompts=positive_ints(prompts, "--prompts", allow_empty=True),
             threads=threads or None, out=Path(out))
 
 
@@ -228,7 +235,8 @@ def sparse_cmd(
     q: int = typer.Option(38, help="Lattice range of the codec."),
     heads: str = typer.Option("all", help="all (every head sparse) or profile (the model's head profile)."),
     oracle_steps: int = typer.Option(8, min=1, help="Decode steps whose full attention is measured (oracle mass)."),
-    decode_tokens: int = typer.Option(32, min=1, help="Tokens decoded per policy for the speed columns."),
+    decode_tokens: int = typer.Option(32, min=2, help="Tokens decoded per policy for the speed columns (the first "
+                                      "is the prefill's: at least 2)."),
     threads: int = typer.Option(0, min=0, help="Threads (0: torch's default)."),
     out: str = typer.Option("results/sparse/latest", help="Output directory."),
     decoded_per_topk: float = typer.Option(0.0, min=0.0, help="Lattice codes: decoded blocks kept per KV head, in multiples "
@@ -238,9 +246,10 @@ def sparse_cmd(
 ) -> None:
     """The sparse KV policy against full attention: oracle attention mass, agreement, decode speed, memory."""
     from kakeya_runtime.bench.sparse import command
+    from kakeya_runtime.kv.spec import CODEC_KINDS
 
-    params = {"sink": sink, "window": window, "block": block, "topk": topk, "budget": budget, "codec": codec, "q": q,
-              "heads": heads}
+    params = {"sink": sink, "window": window, "block": block, "topk": topk, "budget": budget, "q": q, "heads": heads,
+              "codec": ",".join(items(codec, "--codec", CODEC_KINDS))}
     command(model, positive_ints(lengths, "--lengths"), dtype, params, oracle_steps, decode_tokens, threads or None, Path(out),
             decoded_per_topk or None, repeats)
 
@@ -264,11 +273,14 @@ def spec_cmd(
     out: str = typer.Option("results/spec/latest", help="Output directory."),
 ) -> None:
     """Speculative decoding vs plain decode: acceptance at each K, mean accepted length, wall time per token."""
-    from kakeya_runtime.bench.spec import command
+    from kakeya_runtime.bench.spec import PROMPT_STYLES, WORKLOADS, command
 
-    k_values = tuple(0 if k.lower() == "auto" else positive_ints(k, "--ks")[0] for k in csv(ks))  # 0: auto
-    command(model, dtype, csv(proposers), k_values, floats_in(temperatures, "--temperatures", 0.0, 100.0), max_tokens,
-            csv(workloads), threads or None, Path(out), repeats, prompts or None, merge)
+    k_values = tuple(0 if k.lower() == "auto" else positive_ints(k, "--ks")[0] for k in items(ks, "--ks"))  # 0: auto
+    if prompts and prompts not in PROMPT_STYLES:
+        raise typer.BadParameter(f"--prompts: one of {', '.join(PROMPT_STYLES)}")
+    command(model, dtype, items(proposers, "--proposers", ("history", "self", "draft_head")), k_values,
+            floats_in(temperatures, "--temperatures", 0.0, 100.0), max_tokens, items(workloads, "--workloads", WORKLOADS),
+            threads or None, Path(out), repeats, prompts or None, merge)
 
 
 @bench_app.command("concurrent")
@@ -292,13 +304,10 @@ def concurrent_cmd(
 
     from kakeya_runtime.bench.concurrent import ConcurrentConfig, run_concurrent
 
-    bad = [s for s in csv(schedulers) if s not in ("batch", "serial")]
-    if bad:
-        raise typer.BadParameter(f"unknown schedulers {bad} (batch, serial)")
-    config = ConcurrentConfig(model=model, sessions=positive_ints(sessions, "--sessions"), turns=turns, reply_tokens=reply_tokens,
+    config = ConcurrentConfig(model=check_model(model), sessions=positive_ints(sessions, "--sessions"), turns=turns, reply_tokens=reply_tokens,
                               long_prompt=long_prompt, long_decoders=long_decoders,
                               long_reply_tokens=long_reply_tokens, max_batch=max_batch, step_tokens=step_tokens,
-                              schedulers=csv(schedulers), out=Path(out))
+                              schedulers=items(schedulers, "--schedulers", ("batch", "serial")), out=Path(out))
     result = run_concurrent(config, command_line="kakeya " + shlex.join(sys.argv[1:]))
     typer.echo(json.dumps(result["targets"], indent=2))
     typer.echo(f"wrote {result['path']}")

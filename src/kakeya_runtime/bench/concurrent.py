@@ -205,7 +205,7 @@ def _long_phase(address: str, prompts: _Prompts, config: ConcurrentConfig) -> di
                     arrivals[i] = mine
                     for k, _ in enumerate(s.generate(max_tokens=config.long_reply_tokens, ignore_eos=True)):
                         mine.append(time.perf_counter())
-                        if k == 4:
+                        if k == min(4, config.long_reply_tokens - 1):  # the 5th token, or the last of fewer
                             started.wait(300)
             except Exception as e:
                 errors.append(f"decoder {i}: {type(e).__name__}: {e}")

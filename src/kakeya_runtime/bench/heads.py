@@ -24,6 +24,7 @@ import torch
 
 from kakeya_runtime.bench.machine import machine_info
 from kakeya_runtime.bench.niah import MODELS, PromptBuilder
+from kakeya_runtime.bench.options import BenchInputError, dtype_of
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
 from kakeya_runtime.kv.heads import SCHEMA, SCHEMA_VERSION, fingerprint, user_dir
 from kakeya_runtime.kv.policy import PolicySpec, make_policy_cache
@@ -37,7 +38,7 @@ def calibrate_heads(model: str = "smollm2", *, dtype: str = "bf16", lengths: tup
     if loaded is None:
         from kakeya_runtime.models.loader import load_model
 
-        loaded = load_model(model, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        loaded = load_model(model, dtype=dtype_of(dtype))
     cfg = loaded.config
     style = MODELS.get(model, "chat" if loaded.chat_template else "completion")
     builder = PromptBuilder(loaded.tokenizer, style, loaded.bos_id)
@@ -45,13 +46,16 @@ def calibrate_heads(model: str = "smollm2", *, dtype: str = "bf16", lengths: tup
                                        "codec": "identity"})
     engine, stepper = Engine(loaded.model, prefill_chunk=512), Engine(loaded.model, prefill_chunk=1)
     limit = cfg.max_position_embeddings - answer_tokens - 8
+    too_long = [n for n in lengths if n > limit]
+    if too_long:  # once cut to the limit silently, with the requested length recorded
+        raise BenchInputError(f"lengths {too_long} do not fit {model}'s context ({limit} positions for a prompt)")
     window_mass: dict[int, list[list[float]]] = {}  # layer -> per step, per query head
     sparse_mass: dict[int, list[list[float]]] = {}
     started = time.time()
     prompts = 0
     for n in lengths:
         for d in depths:
-            prompt = builder.build(min(n, limit), d, random.Random(f"{seed}/{n}/{d}"))
+            prompt = builder.build(n, d, random.Random(f"{seed}/{n}/{d}"))
             cache = make_policy_cache(cfg, spec, capacity=prompt.length + answer_tokens + 2, dtype=engine.dtype)
             layers = {i: layer for i, layer in enumerate(cache) if isinstance(layer, SparseLayerKV)}
             for layer in layers.values():

@@ -162,8 +162,8 @@ def summarize(result: SessionBenchResult, num_buckets: int = 10) -> dict[str, An
         "invariant_violations": violations,  # from /metrics; None: not read, so not claimed
         "session_info_violations": sum(t.inv1_violations + t.inv2_violations for t in result.turns),
         "gates": {
-            "G2_last_bucket_p50_le_1.5x_first": ratio is not None and ratio <= 1.5,
-            "bounded_policy_G2_le_1.2x": ratio is not None and ratio <= 1.2,
+            "G2_last_bucket_p50_le_1.5x_first": None if ratio is None else ratio <= 1.5,  # None: too few turns
+            "bounded_policy_G2_le_1.2x": None if ratio is None else ratio <= 1.2,
             "baseline_grows": None if base_ratio is None else base_ratio > 1.5,
             "invariant_counters_zero": violations is not None and violations == 0,
             "all_calls_through_sdk": True,
@@ -272,6 +272,8 @@ def command(
     console = Console(stderr=True)
     backends = [b.strip() for b in attention.split(",") if b.strip()]
     texts = [p.strip() for p in policies.split(";") if p.strip()]
+    if not texts:
+        raise SessionBenchError(f"policies {policies!r}: give at least one")
     for text in texts:  # each policy checked before the model loads: PolicyError names what is wrong
         PolicySpec.parse(**parse_policy(text))
     unknown = [b for b in backends if b not in native.BACKENDS]
@@ -303,9 +305,11 @@ def command(
                                         "native_bf16_dot": native.bf16_dot() if "native" in backends else None})
     for name, run in doc["runs"].items():
         s = run["summary"]
-        console.print(f"[bold]{name}[/]: bucket p50 first {s['bucket_p50_latency_s'][0] * 1e3:.0f} ms, last "
-                      f"{s['bucket_p50_latency_s'][-1] * 1e3:.0f} ms (x{s['last_over_first_p50']:.2f}); "
-                      f"baseline x{s['baseline_last_over_first_p50'] or 0:.2f}; violations {s['invariant_violations']}")
+        p50, base = s["bucket_p50_latency_s"], s["baseline_last_over_first_p50"]
+        growth = (f"bucket p50 first {p50[0] * 1e3:.0f} ms, last {p50[-1] * 1e3:.0f} ms "
+                  f"(x{s['last_over_first_p50']:.2f})" if p50 else "too few turns for buckets")
+        console.print(f"[bold]{name}[/]: {growth}; baseline {'-' if base is None else f'x{base:.2f}'}; violations "
+                      f"{s['invariant_violations']}")
     console.print(f"served weights {serving['weight_format']} ({serving['weight_format_source']})")
     console.print(f"wrote {out} and {out.with_suffix('.png')}")
     return doc

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from kakeya_runtime.bench.machine import current_rss_bytes, machine_info, peak_rss_bytes, reset_peak_rss
+from kakeya_runtime.bench.options import dtype_of
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
 from kakeya_runtime.engine.proposers import same_checkpoint_proposer
 from kakeya_runtime.kv.policy import CodecSpec, PolicySpec, compress_idle, decompress, make_policy_cache
@@ -173,7 +174,7 @@ class Run:
     recall: bool
     context_s: float | None  # None where the context turn was resumed from another configuration's
     ttft_s: float
-    decode_tok_s: float
+    decode_tok_s: float | None  # None: a single generated token, so no decode rate
     turn_s: float
     restore_s: float  # proposer time (restore) or decompression time (idle) inside the question turn
     eaf: float
@@ -271,7 +272,7 @@ class NiahRunner:
         return Run(
             tokens=tokens, text=text, recall=score(text, prompt.value), context_s=context_s,
             ttft_s=resume_s + result.ttft_s,
-            decode_tok_s=(n - 1) / result.decode_s if n > 1 and result.decode_s > 0 else 0.0,
+            decode_tok_s=(n - 1) / result.decode_s if n > 1 and result.decode_s > 0 else None,  # None: one token
             turn_s=turn_s, restore_s=resume_s + getattr(cache, "proposer_s", 0.0) - proposer_s0,
             eaf=cache.effective_attention_fraction, idle_kv_bytes=idle_bytes,
             sustained_kv_bytes=cache.resident_nbytes, history_bytes=cache.history_nbytes,
@@ -344,7 +345,7 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
     if loaded is None:
         from kakeya_runtime.models.loader import load_model
 
-        loaded = load_model(model, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        loaded = load_model(model, dtype=dtype_of(dtype))
     style = MODELS.get(model, "chat" if loaded.chat_template else "completion")
     if "full" in keys:
         keys.remove("full")
@@ -476,12 +477,14 @@ def rungs(records: list[dict[str, Any]], keys: Sequence[str]) -> list[dict[str, 
     return out
 
 
-def _mean(rs: list[dict], key: str) -> float:
-    return float(statistics.mean(float(r[key]) for r in rs))
+def _mean(rs: list[dict], key: str) -> float | None:
+    """The mean of the values present (None when there are none: a rate a run could not measure)."""
+    vals = [float(r[key]) for r in rs if r[key] is not None]
+    return float(statistics.mean(vals)) if vals else None
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 # -- outputs ------------------------------------------------------------------------------------------
@@ -560,7 +563,7 @@ def summary_markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {key} | {round(avg('prompt_tokens'))} | {avg('recall'):.2f} | {_fmt(avg('delta_recall'), '+.2f')} "
             f"| {_fmt(avg('identical'), '.2f')} | {_fmt(avg('agreement'), '.2f')} | {avg('eaf'):.3f} "
-            f"| {avg('ttft_s'):.2f} | {avg('decode_tok_s'):.1f} | {_fmt(avg('turn_ratio_vs_full'), '.2f')} "
+            f"| {avg('ttft_s'):.2f} | {_fmt(avg('decode_tok_s'), '.1f')} | {_fmt(avg('turn_ratio_vs_full'), '.2f')} "
             f"| {_bytes(max(r['idle_kv_bytes'] for r in rows))} "
             f"| {_bytes(max(r['sustained_kv_bytes'] for r in rows))} | {_bytes(max(r['peak_kv_bytes'] for r in rows))} "
             f"| {_bytes(max(r['peak_rss_delta_bytes'] for r in rows))} |")

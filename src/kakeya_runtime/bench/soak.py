@@ -513,7 +513,8 @@ def run_soak(config: SoakConfig, *, on_progress: Any = None) -> dict[str, Any]:
         "schema": SCHEMA,
         "config": {k: getattr(config, k) for k in config.__slots__},
         "server_args": args,
-        "requests": shared.requests,
+        "requests": shared.requests,  # operations drawn; one with nothing to act on sends no RPC (close: no session)
+        "rpcs": sum(shared.statuses.values()),  # what status_totals counts
         "elapsed_s": round(elapsed, 1),
         "statuses": statuses,
         "status_totals": dict(sum((Counter({code: n}) for (_, _, code), n in shared.statuses.items()), Counter())),
@@ -622,7 +623,8 @@ def command(config: SoakConfig, out: Path) -> dict[str, Any]:
     path = out / f"{config.model}_{machine_slug(info)}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     crash = result["crash"]
-    console.print(f"{result['requests']} requests in {result['elapsed_s']} s: {result['status_totals']}")
+    console.print(f"{result['requests']} requests ({result['rpcs']} RPCs) in {result['elapsed_s']} s: "
+                  f"{result['status_totals']}")
     if crash:
         console.print(f"kill -9: {crash['sessions_recovered']}/{crash['sessions_before_kill']} sessions recovered, "
                       f"{crash['tokens_lost']} tokens lost")

@@ -28,6 +28,7 @@ import torch
 
 from kakeya_runtime.bench.engine import bench_text
 from kakeya_runtime.bench.machine import machine_info
+from kakeya_runtime.bench.options import dtype_of
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
 from kakeya_runtime.kv.policy import PolicySpec, make_policy_cache
 from kakeya_runtime.kv.sparse import OracleProbe, SparseKV, SparseLayerKV
@@ -70,7 +71,7 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
     if loaded is None:
         from kakeya_runtime.models.loader import load_model
 
-        loaded = load_model(model, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        loaded = load_model(model, dtype=dtype_of(dtype))
     cfg = loaded.config
     params = dict(params or {})
     codecs = [c for c in str(params.pop("codec", "")).split(",") if c] or [None]
@@ -271,7 +272,7 @@ def summary_markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['length']} | {r.get('codec', result['policy']['sparse'].get('codec', ''))} | {o['mean']:.4f} | {o['worst_layer_mean']:.4f} (layer {o['worst_layer']}) | "
                      f"{o['ceiling_mean']:.4f} | {o['attended_for_0.99']:.1%} | {r['greedy_agreement']:.2f} | {d['sparse']['attended_fraction']:.1%} | "
                      f"{d['full']['ms_per_token']:.1f} | {d['sink_window']['ms_per_token']:.1f} | "
-                     f"{d['sparse']['ms_per_token']:.1f} | {r['speedup_vs_full']:.2f}x faster | "
+                     f"{d['sparse']['ms_per_token']:.1f} | {_speed_word(r['speedup_vs_full'])} | "
                      f"{r['vs_sink_window']:.2f}x | {m['cold_over_full_bf16']:.3f} | "
                      f"{m['cold_and_index_over_full_bf16']:.3f} | "
                      f"{m.get('decoded_cache_bytes', 0) / m['full_bf16_kv_bytes_governed']:.3f} | "
@@ -287,3 +288,8 @@ def command(model: str, lengths: tuple[int, ...], dtype: str, params: dict[str, 
                               decoded_per_topk=decoded_per_topk, repeats=repeats)
     print(summary_markdown(result))
     print(f"wrote {out / 'sparse.json'}")
+
+
+def _speed_word(speedup: float) -> str:
+    """'1.34x faster' or '1.11x slower' (a speedup below 1 read as 'faster' once)."""
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"

@@ -257,12 +257,13 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def command(model: str, dtype: str, proposers: tuple[str, ...], ks: tuple[int, ...],
             temperatures: tuple[float, ...], max_tokens: int, workloads: tuple[str, ...], threads: int | None,
             out: Path, repeats: int = 2, prompts: str | None = None, merge: bool = False) -> dict[str, Any]:
+    from kakeya_runtime.bench.options import dtype_of
     from kakeya_runtime.models.loader import load_model
 
     if threads:
         torch.set_num_threads(threads)
     style = prompts or ("chat" if model == "smollm2" else "completion")
-    loaded = load_model(model, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    loaded = load_model(model, dtype=dtype_of(dtype))
     tok = loaded.tokenizer
     bos = [] if style == "chat" or loaded.bos_id is None else [loaded.bos_id]
     name = "spec.json" if model == "smollm2" else f"spec-{Path(model).name}.json"
