@@ -270,6 +270,8 @@ def spec_cmd(
     repeats: int = typer.Option(2, min=1, help="Alternating plain/speculative runs per setting (each keeps its fastest)."),
     threads: int = typer.Option(0, min=0, help="Threads (0: torch's default)."),
     merge: bool = typer.Option(False, "--merge", help="Keep the output JSON's records of other workloads."),
+    verify_cost: str = typer.Option("measured", help="How the off-switch prices a verifier step: measured (on this "
+                                    "machine at start, as `kakeya serve` does) or constant (a fixed 1% per draft)."),
     out: str = typer.Option("results/spec/latest", help="Output directory."),
 ) -> None:
     """Speculative decoding vs plain decode: acceptance at each K, mean accepted length, wall time per token."""
@@ -280,7 +282,8 @@ def spec_cmd(
         raise typer.BadParameter(f"--prompts: one of {', '.join(PROMPT_STYLES)}")
     command(model, dtype, items(proposers, "--proposers", ("history", "self", "draft_head")), k_values,
             floats_in(temperatures, "--temperatures", 0.0, 100.0), max_tokens, items(workloads, "--workloads", WORKLOADS),
-            threads or None, Path(out), repeats, prompts or None, merge)
+            threads or None, Path(out), repeats, prompts or None, merge,
+            measured_cost=items(verify_cost, "--verify-cost", ("measured", "constant"))[0] == "measured")
 
 
 @bench_app.command("concurrent")

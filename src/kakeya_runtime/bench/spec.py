@@ -7,8 +7,9 @@ For each workload, temperature and proposer at each max draft length K (0: the a
 own cap): acceptance (accepted / drafted, seed 004's alpha), mean accepted length per verifier step, tokens per
 verifier step, and wall time per generated token against plain decode in the same run. Per workload and
 temperature, one plain run and one run of every speculative setting alternate `repeats` times; each keeps its
-fastest (the least disturbed on a shared machine). At T = 0 the speculative tokens are also checked identical to
-plain decode's (`identical`). Generation stops at the model's EOS tokens or after `max_tokens`.
+fastest (the least disturbed on a shared machine). At T = 0, and at any T with history drafts (whose verifier
+draws the target's own samples, so a seeded stream is plain decoding's), the speculative tokens are also checked
+identical to plain decode's (`identical`). Generation stops at the model's EOS tokens or after `max_tokens`.
 
 The machine may be shared: each record carries the CPU busy fraction sampled just before it, and the JSON the
 machine facts (load average included) at the start and the end, and the exact command line. `--merge` keeps the
@@ -156,12 +157,13 @@ def run_spec_bench(model, encode: Callable[[str], list[int]], *, model_name: str
                    proposers: Sequence[str], ks: Sequence[int], temperatures: Sequence[float], max_tokens: int,
                    workloads: Sequence[str], prompts: str = "chat", eos_ids: Sequence[int] = (), repeats: int = 2,
                    out_file: Path | None = None, merge: bool = False, command: str | None = None,
-                   log: Callable[[str], None] | None = print) -> dict[str, Any]:
+                   log: Callable[[str], None] | None = print, measured_cost: bool = True) -> dict[str, Any]:
     """The bench over a loaded model (`encode`: text -> token ids); returns (and writes to `out_file`) the JSON."""
     from kakeya_runtime.bench.machine import machine_info
     from kakeya_runtime.engine.drafts import HistoryLookup
     from kakeya_runtime.engine.generate import Engine
     from kakeya_runtime.engine.self_draft import DraftHead, DraftHeadProposer, LayerSkipDraft
+    from kakeya_runtime.engine.speculative import measure_verify_cost
 
     for name in workloads:
         workload_prompt(name, prompts)  # unknown names or styles fail before any work
@@ -169,6 +171,8 @@ def run_spec_bench(model, encode: Callable[[str], list[int]], *, model_name: str
     if unknown:
         raise ValueError(f"unknown proposers {sorted(unknown)}")
     engine = Engine(model)
+    # as `kakeya serve` measures it at start-up (measured_cost False: the constant price of the versions before)
+    engine.verify_cost = measure_verify_cost(engine) if measured_cost else None
     head = DraftHead(model)
     make = {"history": HistoryLookup, "self": lambda: LayerSkipDraft(model),
             "draft_head": lambda: DraftHeadProposer(head)}
@@ -203,7 +207,7 @@ def run_spec_bench(model, encode: Callable[[str], list[int]], *, model_name: str
                        **{key: spec[key] for key in ("drafted", "accepted", "verifier_steps", "plain_steps",
                                                      "pauses", "acceptance", "mean_accepted",
                                                      "tokens_per_verifier_step", "decode_tokens")}}
-                if temperature == 0.0:
+                if temperature == 0.0 or proposer == "history":  # history drafts keep even a sampled stream
                     rec["identical"] = base["tokens"] == spec["tokens"]
                 records.append(rec)
                 if log is not None:
@@ -219,7 +223,8 @@ def run_spec_bench(model, encode: Callable[[str], list[int]], *, model_name: str
     result = {"schema": "kakeya.bench.spec", "model": model_name, "dtype": dtype, "prompts": prompts,
               "max_tokens": max_tokens, "repeats": repeats, "threads": torch.get_num_threads(),
               "eos_ids": list(stop_ids), "commands": commands, "machine_start": started,
-              "machine_end": machine_info(), "summary": summarize(records), "records": records,
+              "machine_end": machine_info(), "verify_cost": list(engine.verify_cost or ()),
+              "summary": summarize(records), "records": records,
               "note": "wall time per generated token after the first (decode only); per workload and temperature one "
                       "plain run and one run of each speculative setting alternate `repeats` times and each keeps "
                       "its fastest; k 'auto' is the adaptive setting (max_draft_tokens 0); cpu_busy_before is the "
@@ -248,7 +253,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         entry = {"speedup": round(plain / spec, 3), "min_speedup": min(r["speedup"] for r in rows),
                  "acceptance": round(sum(r["accepted"] for r in rows) / max(1, sum(r["drafted"] for r in rows)), 4),
                  "workloads": len(rows)}
-        if temperature == 0.0:
+        if temperature == 0.0 or proposer == "history":
             entry["identical"] = all(r.get("identical", False) for r in rows)
         summary[f"{kind}/T={temperature}/{proposer}/K={k}"] = entry
     return summary
@@ -256,7 +261,8 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def command(model: str, dtype: str, proposers: tuple[str, ...], ks: tuple[int, ...],
             temperatures: tuple[float, ...], max_tokens: int, workloads: tuple[str, ...], threads: int | None,
-            out: Path, repeats: int = 2, prompts: str | None = None, merge: bool = False) -> dict[str, Any]:
+            out: Path, repeats: int = 2, prompts: str | None = None, merge: bool = False,
+            measured_cost: bool = True) -> dict[str, Any]:
     from kakeya_runtime.bench.options import dtype_of
     from kakeya_runtime.models.loader import load_model
 
@@ -270,7 +276,7 @@ def command(model: str, dtype: str, proposers: tuple[str, ...], ks: tuple[int, .
     return run_spec_bench(loaded.model, lambda text: bos + tok.encode(text, add_special_tokens=False).ids,
                           model_name=model, dtype=dtype, proposers=proposers, ks=ks, temperatures=temperatures,
                           max_tokens=max_tokens, workloads=workloads, prompts=style, eos_ids=loaded.eos_ids,
-                          repeats=repeats, out_file=out / name, merge=merge)
+                          repeats=repeats, out_file=out / name, merge=merge, measured_cost=measured_cost)
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

@@ -67,6 +67,9 @@ class Engine:
         self.dtype, self.device = param.dtype, param.device
         # Optional replacement for `model` in decode_step, same call signature (engine.compiled.CompiledDecode).
         self.decode_forward: Callable[..., ForwardOutput] | None = None
+        # What a speculative verifier step over k drafts costs beyond a decode step, in decode steps, k = 0..16
+        # (engine.speculative.measure_verify_cost measures it on this machine; None: the governor's default).
+        self.verify_cost: tuple[float, ...] | None = None
 
     def new_cache(self, *, batch: int = 1, capacity: int | None = None) -> ModelKV:
         return make_cache(self.config, batch=batch, capacity=capacity, dtype=self.dtype, device=self.device)

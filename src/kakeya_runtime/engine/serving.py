@@ -177,6 +177,7 @@ class ServingChoice:
     decode_tok_s: float | None = None  # the served decode step (compiled if so), measured after warm-up
     compile_s: float | None = None
     candidates: list[Candidate] = field(default_factory=list)
+    verify_cost: tuple[float, ...] | None = None  # a speculative verifier step's extra cost (Engine.verify_cost)
 
     def describe(self) -> str:
         parts = [f"weights {self.weights} ({self.source})", f"decode {'compiled' if self.compiled else 'eager'}"]
@@ -186,6 +187,8 @@ class ServingChoice:
             parts.append(f"decode {self.decode_tok_s:.1f} tok/s")
         if self.compile_s is not None:
             parts.append(f"compiled in {self.compile_s:.0f} s")
+        if self.verify_cost is not None:
+            parts.append(f"a verifier step of 4 drafts costs {1 + self.verify_cost[4]:.2f} decode steps")
         return "; ".join(parts)
 
 

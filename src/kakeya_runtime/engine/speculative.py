@@ -62,7 +62,8 @@ from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.models.base import Logits
 
 MAX_DRAFT_TOKENS = 16  # the most a verifier step drafts (kv.cache.SLIDING_SPARE keeps that much rollback room)
-VERIFY_COST = 0.01  # measured extra cost of a verifier chunk per drafted token, in decode steps (<= 16 rows)
+VERIFY_COST = 0.01  # extra cost of a verifier chunk per drafted token, in decode steps (<= 16 rows), measured on the
+# Xeon with AMX: the model-based proposers' price; history lookup is priced by measure_verify_cost on the machine
 DEFAULT_AUTO_DRAFT = 4  # the adaptive cap of a proposer that names none
 
 
@@ -155,8 +156,9 @@ class Governor:
     after a rejection. Otherwise (history lookup: drafting is free) every step may draft up to the cap."""
 
     def __init__(self, *, cost: float = VERIFY_COST, min_gain: float = 1.0, decay: float = 0.7, pause: int = 4,
-                 max_pause: int = 64, slow_start: bool = False) -> None:
+                 max_pause: int = 64, slow_start: bool = False, verify_cost: Sequence[float] | None = None) -> None:
         self.cost, self.min_gain, self.decay = cost, min_gain, decay
+        self.verify_cost = verify_cost  # measured extra cost of a verifier step per draft count (replaces `cost`)
         self.base_pause, self.max_pause = pause, max_pause
         self.pause = pause
         self.slow_start = slow_start
@@ -167,12 +169,15 @@ class Governor:
         self.switches = 0
 
     @classmethod
-    def for_proposer(cls, proposer: DraftProposer) -> Governor:
+    def for_proposer(cls, proposer: DraftProposer, verify_cost: Sequence[float] | None = None) -> Governor:
         """History lookup (drafting is free: pause briefly, probe often) or a model-based proposer (each drafted
-        token costs `draft_cost` decode steps: slow start, long pauses)."""
+        token costs `draft_cost` decode steps: slow start, long pauses). `verify_cost` (measured on this machine,
+        Engine.verify_cost) prices history lookup's steps: its drafts never change the tokens (verify_sampled),
+        so a measurement may steer it; a model-based proposer's sampled drafts draw from the stream's generator,
+        so its steps stay priced by constants and a seeded stream by it replays on any machine."""
         draft_cost = float(getattr(proposer, "draft_cost", 0.0))
-        if draft_cost <= 0.0:  # a failed draft costs the verifier's few percent: pause only when clearly losing
-            return cls(min_gain=0.95)
+        if draft_cost <= 0.0:  # a failed draft costs the verifier's extra rows: pause only when clearly losing
+            return cls(min_gain=0.95, verify_cost=verify_cost)
         return cls(cost=VERIFY_COST + draft_cost, min_gain=1.05, pause=16, max_pause=256, slow_start=True)
 
     def active(self) -> bool:
@@ -192,7 +197,8 @@ class Governor:
 
     def step(self, drafted: int, emitted: int) -> None:
         accepted = emitted - 1
-        gain = emitted / (1.0 + self.cost * drafted)
+        extra = self.cost * drafted if self.verify_cost is None else self.verify_cost[drafted]
+        gain = emitted / (1.0 + extra)
         if self.probing:  # a probe decides alone
             self.probing = False
             self.gain = gain if gain < self.min_gain else max(gain, self.min_gain + 0.1)
@@ -235,7 +241,7 @@ class SpeculativeStream:
         self.context = list(context)  # every token before the first generated one (history + new_ids)
         self.should_stop = should_stop
         self.ends_at = ends_at
-        self.governor = governor or Governor.for_proposer(proposer)
+        self.governor = governor or Governor.for_proposer(proposer, engine.verify_cost)
         self.stats = SpecStats()
         self.result: GenerationResult | None = None
 
@@ -328,3 +334,42 @@ class SpeculativeStream:
             stats.off_switches = gov.switches
             if wants_hidden:
                 self.proposer.accepted(ctx, n, out.hidden[0, : n + 1])
+
+
+def measure_verify_cost(engine: Engine, *, context: int = 256, repeats: int = 3) -> tuple[float, ...]:
+    """What a verifier step over k drafts (k + 1 rows through the chunk path) costs beyond a one-row decode step,
+    in decode steps, for k = 0..MAX_DRAFT_TOKENS: timed on this machine at `context` cached tokens (the median of
+    `repeats` after a warm-up per shape), interpolated between the timed row counts. With AMX tiles 16 rows cost
+    about one decode step; without them 4 drafts cost 1.76 more (2-core EPYC, SmolLM2 bf16, one thread), where
+    the constant VERIFY_COST kept history speculation on at T = 0.7 while it ran at 0.62x plain decode (0.95x
+    priced by this; results/spec/epyc_constant_verify_cost, results/spec/epyc_measured_verify_cost)."""
+    import statistics
+
+    cache = engine.new_cache(capacity=context + MAX_DRAFT_TOKENS + 2)
+    vocab = engine.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    engine.prefill(cache, torch.randint(0, vocab, (1, context), generator=g, device=engine.device))
+
+    def timed(rows: int) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first run warms this shape up
+            ids = torch.randint(0, vocab, (1, rows), generator=g).to(engine.device)
+            t0 = time.perf_counter()
+            if rows == 1:
+                engine.decode_step(cache, ids)
+            else:
+                engine.verify(cache, ids)
+            times.append(time.perf_counter() - t0)
+            cache.trim(context)
+        return statistics.median(times[1:])
+
+    rows = (1, 2, 3, 5, 9, MAX_DRAFT_TOKENS + 1)
+    step = {r: timed(r) for r in rows}
+    extra = {r - 1: max(0.0, step[r] / step[1] - 1.0) for r in rows}  # by draft count
+    known = sorted(extra)
+    out = []
+    for k in range(MAX_DRAFT_TOKENS + 1):
+        lo = max(x for x in known if x <= k)
+        hi = min(x for x in known if x >= k)
+        out.append(extra[lo] if hi == lo else extra[lo] + (extra[hi] - extra[lo]) * (k - lo) / (hi - lo))
+    return tuple(round(c, 3) for c in out)

@@ -272,6 +272,7 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, r
 
     from kakeya_runtime.engine import serving
     from kakeya_runtime.engine.generate import Engine
+    from kakeya_runtime.engine.speculative import measure_verify_cost
     from kakeya_runtime.models.loader import load_model
 
     key = serving.model_key(getattr(loaded, "source", None), name)
@@ -346,6 +347,7 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, r
     freeze_heap()  # the loaded model out of the collector's walks, as it will be while serving
     with console.status("Measuring the served decode step…", spinner="dots"):
         choice.decode_tok_s = serving.measure_speed(engine, ids, steps=16).decode_tok_s
+        choice.verify_cost = measure_verify_cost(engine)  # what speculation's off-switch prices its steps by
     return choice, compiled
 
 

@@ -392,6 +392,7 @@ class RuntimeServer:
         self.metrics = RuntimeMetrics(served.name, rpcs)
         self.engine = Engine(served.model)
         self.engine.decode_forward = served.decode_forward
+        self.engine.verify_cost = None if served.serving is None else served.serving.verify_cost
         eos = served.eos_ids or tuple(served.model.config.eos_token_ids)
         c = self.config
         # Per-key limits left unset are an equal share of the server's among the keys (one key, or none: all).
