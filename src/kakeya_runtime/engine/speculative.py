@@ -345,6 +345,7 @@ def measure_verify_cost(engine: Engine, *, context: int = 256, repeats: int = 3)
     priced by this; results/spec/epyc_constant_verify_cost, results/spec/epyc_measured_verify_cost)."""
     import statistics
 
+    context = max(1, min(context, engine.config.max_position_embeddings - MAX_DRAFT_TOKENS - 2))  # tiny models
     cache = engine.new_cache(capacity=context + MAX_DRAFT_TOKENS + 2)
     vocab = engine.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -363,13 +364,14 @@ def measure_verify_cost(engine: Engine, *, context: int = 256, repeats: int = 3)
             cache.trim(context)
         return statistics.median(times[1:])
 
-    rows = (1, 2, 3, 5, 9, MAX_DRAFT_TOKENS + 1)
+    # Up to 16 rows: a sliding layer's ring rolls back at most MAX_DRAFT_TOKENS positions (the 17-row step extrapolated)
+    rows = (1, 2, 3, 5, 9, MAX_DRAFT_TOKENS)
     step = {r: timed(r) for r in rows}
     extra = {r - 1: max(0.0, step[r] / step[1] - 1.0) for r in rows}  # by draft count
     known = sorted(extra)
+    segments = list(zip(known, known[1:], strict=False))
     out = []
-    for k in range(MAX_DRAFT_TOKENS + 1):
-        lo = max(x for x in known if x <= k)
-        hi = min(x for x in known if x >= k)
-        out.append(extra[lo] if hi == lo else extra[lo] + (extra[hi] - extra[lo]) * (k - lo) / (hi - lo))
-    return tuple(round(c, 3) for c in out)
+    for k in range(MAX_DRAFT_TOKENS + 1):  # linear between timed counts, the last segment extended
+        lo, hi = next(((a, b) for a, b in segments if k <= b), segments[-1])
+        out.append(extra[lo] + (extra[hi] - extra[lo]) * (k - lo) / (hi - lo))
+    return tuple(round(max(0.0, c), 3) for c in out)
