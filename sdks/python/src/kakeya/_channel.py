@@ -31,3 +31,25 @@ def open_channel(addr: str, *, tls: bool, root_certificates: RootCertificates | 
     if creds is None:
         return module.insecure_channel(addr, options=opts)
     return module.secure_channel(addr, creds, options=opts)
+
+
+class ChannelOwner:
+    """What both clients expose of their channel: the generated stub (refused once the client is closed, instead of
+    gRPC's own ValueError or UsageError) and the metadata every call sends (the API key)."""
+
+    _stub: Any
+    _metadata: tuple[tuple[str, str], ...]
+    _closed: bool
+
+    @property
+    def stub(self) -> Any:
+        """The generated gRPC stub on this client's channel (pass `metadata=client.metadata` for the key)."""
+        if self._closed:
+            from kakeya.errors import FailedPrecondition
+
+            raise FailedPrecondition("this client is closed")
+        return self._stub
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kakeya import _convert as cv
-from kakeya._channel import RootCertificates, open_channel
+from kakeya._channel import ChannelOwner, RootCertificates, open_channel
 from kakeya._proto import runtime_pb2 as pb
 from kakeya._proto import runtime_pb2_grpc as pb_grpc
-from kakeya.errors import Cancelled, FailedPrecondition, SessionNotFound, from_rpc_error
+from kakeya.errors import Cancelled, SessionNotFound, from_rpc_error
 from kakeya.types import (
     FinishReason,
     GenerateResult,
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from kakeya.tokenization import Tokenizer
 
 
-class AsyncClient:
+class AsyncClient(ChannelOwner):
     """A connection to one runtime (as `Client`: `api_key`, `tls`, `root_certificates`)."""
 
     def __init__(self, addr: str = "127.0.0.1:50051", *, api_key: str | None = None,
@@ -42,17 +42,6 @@ class AsyncClient:
         self._stub = pb_grpc.RuntimeServiceStub(self._channel)
         self._model_info: ModelInfo | None = None
         self._closed = False
-
-    @property
-    def stub(self) -> pb_grpc.RuntimeServiceStub:
-        """As `Client.stub` (grpc.aio)."""
-        if self._closed:
-            raise FailedPrecondition("this client is closed")
-        return self._stub
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
 
     async def _unary(self, method: Any, request: Any) -> Any:
         try:

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kakeya import _convert as cv
-from kakeya._channel import RootCertificates, open_channel
+from kakeya._channel import ChannelOwner, RootCertificates, open_channel
 from kakeya._proto import runtime_pb2 as pb
 from kakeya._proto import runtime_pb2_grpc as pb_grpc
-from kakeya.errors import FailedPrecondition, KakeyaError, SessionNotFound, from_rpc_error
+from kakeya.errors import KakeyaError, SessionNotFound, from_rpc_error
 from kakeya.types import (
     FinishReason,
     GenerateResult,
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from kakeya.tokenization import Tokenizer
 
 
-class Client:
+class Client(ChannelOwner):
     """A connection to one runtime. `api_key` is sent as `authorization: Bearer <key>`.
 
     TLS: `tls=True` trusts the system's root certificates; `root_certificates` (PEM bytes, or the path of a PEM
@@ -46,17 +46,6 @@ class Client:
         self._stub = pb_grpc.RuntimeServiceStub(self._channel)
         self._model_info: ModelInfo | None = None
         self._closed = False
-
-    @property
-    def stub(self) -> pb_grpc.RuntimeServiceStub:
-        """The generated gRPC stub on this client's channel (pass `metadata=client.metadata` for the key)."""
-        if self._closed:
-            raise FailedPrecondition("this client is closed")
-        return self._stub
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
 
     def _unary(self, method: Any, request: Any) -> Any:
         try:
