@@ -85,6 +85,7 @@ def test_only_the_runtimes_typed_errors_count_as_bad_input():
     (["bench", "spec", "--proposers", ""], "--proposers: give at least one value"),
     (["bench", "spec", "--prompts", "bogus"], "--prompts: one of chat, completion"),
     (["bench", "attention", "--dtypes", "bogus"], "--dtypes: unknown bogus"),
+    (["bench", "attention", "--lengths", "4", "--chunks", "8"], "--chunks: 8 new tokens do not fit a cache of 4 keys"),
     (["bench", "concurrent", "--schedulers", ""], "--schedulers: give at least one value"),
     (["bench", "concurrent", "--model", "nosuch"], "'nosuch': no such file or directory"),
     (["bench", "soak", "--model", "nosuch"], "'nosuch': no such file or directory"),

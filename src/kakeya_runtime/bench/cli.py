@@ -213,7 +213,10 @@ def attention_cmd(
     """Per-layer attention: our invariant kernel vs PyTorch's SDPA path, SmolLM2 shapes, same run."""
     from kakeya_runtime.bench.attention import command
 
-    command(lengths=positive_ints(lengths, "--lengths"), chunks=positive_ints(chunks, "--chunks"),
+    keys, rows = positive_ints(lengths, "--lengths"), positive_ints(chunks, "--chunks")
+    if max(rows) > min(keys):  # a chunk's rows are the last of its keys: it cannot be longer than the cache
+        raise typer.BadParameter(f"--chunks: {max(rows)} new tokens do not fit a cache of {min(keys)} keys")
+    command(lengths=keys, chunks=rows,
             dtypes=items(dtypes, "--dtypes", ("bfloat16", "float32")),
             prompts=positive_ints(prompts, "--prompts", allow_empty=True),
             threads=threads or None, out=Path(out))
