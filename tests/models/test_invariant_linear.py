@@ -69,6 +69,21 @@ def test_a_row_gets_the_same_bits_in_any_call(n, k, dtype, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (100, 70), (49, 576)])
+@pytest.mark.parametrize("out_fp32", [False, True])
+def test_few_row_calls_with_bias_match_a_prefill_call(n, k, out_fp32):
+    """Calls of 1 to 64 rows (decode, verifier steps, batched sessions: blocks of 16 W rows in 4 x 4, 3 x 4 and 2 x 8
+    tiles) with a bias, rounded or fp32, equal the rows of a 512-row call (the prefill tiling), whole blocks and a
+    partial last one (N = 100, 49) alike."""
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(512, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    whole = native.linear(x, w, b, out_fp32=out_fp32)
+    for m in (*range(1, 18), 31, 32, 33, 63, 64, 65):
+        assert torch.equal(native.linear(x[7 : 7 + m], w, b, out_fp32=out_fp32), whole[7 : 7 + m]), m
+
+
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_weights_packed_once_give_the_same_bits(n, k):
     """`linear_pack(w)` (W's tiles laid out once, at load) changes the layout only: every call, of any number of

@@ -243,16 +243,20 @@ inline __m512i load_chunk(const T* p, const Mask& mask) {
 }
 
 // RM rows of x against NJ rows of W (RM * NJ == 16 partial-sum vectors), reduced once at the end.
+// `ahead` (timing only): NJ rows of W, each asked for at the offset this step loads, as dot_row16 asks for them.
 template <typename T, int RM, int NJ>
-inline void dot_tile(const T* x, int64_t x_row, const T* w, int64_t K, float* out, int64_t out_row) {
+__attribute__((always_inline)) inline void dot_tile(const T* x, int64_t x_row, const T* w, int64_t K, float* out, int64_t out_row,
+                     const T* ahead = nullptr) {
   using C = Chunk<T>;
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   // One chunk: every load masked to `mask`, or none (plain loads in the loop over whole chunks: with a mask computed
   // in the loop, GCC kept the accumulators on the stack, a store each per chunk, at a third of the speed).
-  const auto step = [&](int64_t k0, auto mask) {
+  const auto step = [&](int64_t k0, auto mask) __attribute__((always_inline)) {
     __m512i xv[RM], wv[NJ];
     for (int r = 0; r < RM; ++r) xv[r] = load_chunk<C>(x + r * x_row + k0, mask);
+    if (ahead != nullptr)
+      for (int j = 0; j < NJ; ++j) prefetch_l2(ahead + j * K + k0);
     for (int j = 0; j < NJ; ++j) wv[j] = load_chunk<C>(w + j * K + k0, mask);
     for (int r = 0; r < RM; ++r)
       for (int j = 0; j < NJ; ++j) acc[r * NJ + j] = C::fma(acc[r * NJ + j], xv[r], wv[j]);
@@ -279,7 +283,7 @@ inline void dot_row16(const T* x, const T* w, int64_t K, int64_t count, float* o
   // `ahead`: the next 16 rows, each asked for at the offset this step loads (timing only): a row of a few hundred
   // elements is a stream too short for the hardware prefetcher to follow, and without this a decode row read
   // SmolLM2's head at 16.8 GB/s, with it 27.0 (results/engine/dot_row_ahead)
-  const auto step = [&](int64_t k0, auto mask) {
+  const auto step = [&](int64_t k0, auto mask) __attribute__((always_inline)) {
     const __m512i xv = load_chunk<C>(x + k0, mask);
     if (ahead != nullptr)
       for (int j = 0; j < 16; ++j) prefetch_l2(ahead + j * K + k0);
@@ -293,25 +297,55 @@ inline void dot_row16(const T* x, const T* w, int64_t K, int64_t count, float* o
   std::copy(sums, sums + count, out);
 }
 
-// One to three rows (decode): work items of 16 W rows instead of 64, so the threads share a small projection evenly
-// (576 outputs: 36 items, 18 a thread, where 9 items of 64 split 5 : 4). Each element is the chain dot_row16 gives it
-// in a 64-row item, rounded as that item rounds its column (round16_as_linear).
+// Up to kFewRowsMax rows (a decode step, a verifier step, a batch of sessions' decode rows): work items of 16 W rows
+// instead of 64, so the threads share a small projection evenly (576 outputs: 36 items, 18 a thread, where 9 items
+// of 64 split 5 : 4), each block read from memory once for all the rows: four rows at a time in 4 x 4 tiles
+// (dot_tile), two or three left over in 2 x 8 or 3 x 4 tiles, a lone row against all 16 (dot_row16), the next block
+// asked for during the first pass. Each element is the chain dot_row16 gives it in a 64-row item, rounded as that
+// item rounds its column (round16_as_linear). Four rows and more took the prefill tiling before, which streams items
+// of 64 W rows with no look-ahead: a 5-row verifier step read SmolLM2's projections at half a decode step's rate on
+// the EPYC (results/engine/few_rows_epyc). From ~64 rows (prefill chunks) that tiling is as fast or faster.
+constexpr int64_t kFewRowsMax = 64;
+
 template <typename T, typename O>
 void linear_dot_few(const T* xp, int64_t x_row, int64_t M, const T* wp, int64_t K, int64_t N, const float* bias,
                     O* yp, int64_t y_row) {
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[16];
+    alignas(64) float acc[4 * 16];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * 16, nn = std::min<int64_t>(16, N - n0);
       const bool wide = linear_rounds_wide(n0, N);
-      // the next block's rows, asked for as this one's are read (dot_row16's `ahead`; the last block of the thread's
-      // range asks for none)
+      // the next block's rows, asked for as this one's are read (the last block of the thread's range asks for none)
       const T* next = b + 1 < end && n0 + 32 <= N ? wp + (n0 + 16) * K : nullptr;
-      for (int64_t m = 0; m < M; ++m) {
-        dot_row16<T>(xp + m * x_row, wp + n0 * K, K, nn, acc, m == 0 ? next : nullptr);
+      const T* w = wp + n0 * K;
+      const auto store = [&](int64_t m, const float* sums) {
+        alignas(64) float row[16];
+        std::copy(sums, sums + nn, row);
         if (bias)
-          for (int64_t j = 0; j < nn; ++j) acc[j] += bias[n0 + j];
-        round16_as_linear(acc, yp + m * y_row + n0, nn, wide);
+          for (int64_t j = 0; j < nn; ++j) row[j] += bias[n0 + j];
+        round16_as_linear(row, yp + m * y_row + n0, nn, wide);
+      };
+      const int64_t rows4 = nn == 16 ? M / 4 * 4 : 0;  // a partial last block goes one row at a time
+      for (int64_t m0 = 0; m0 < rows4; m0 += 4) {
+        for (int64_t j = 0; j < 16; j += 4)
+          dot_tile<T, 4, 4>(xp + m0 * x_row, x_row, w + j * K, K, acc + j, 16,
+                            m0 == 0 && next != nullptr ? next + j * K : nullptr);
+        for (int64_t r = 0; r < 4; ++r) store(m0 + r, acc + r * 16);
+      }
+      const int64_t left = nn == 16 ? M - rows4 : 0;  // 2 or 3 rows: in 2 x 8 or 3 x 4 tiles, as dense
+      const T* ahead = rows4 == 0 ? next : nullptr;
+      if (left == 2 || left == 3) {
+        for (int64_t j = 0; j < 16; j += left == 2 ? 8 : 4) {
+          const T* a = ahead != nullptr ? ahead + j * K : nullptr;
+          if (left == 2) dot_tile<T, 2, 8>(xp + rows4 * x_row, x_row, w + j * K, K, acc + j, 16, a);
+          else dot_tile<T, 3, 4>(xp + rows4 * x_row, x_row, w + j * K, K, acc + j, 16, a);
+        }
+        for (int64_t r = 0; r < left; ++r) store(rows4 + r, acc + r * 16);
+        continue;
+      }
+      for (int64_t m = rows4; m < M; ++m) {
+        dot_row16<T>(xp + m * x_row, w, K, nn, acc, m == 0 ? next : nullptr);
+        store(m, acc);
       }
     }
   });
@@ -324,7 +358,7 @@ void linear_dot(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
   const T* wp = w.const_data_ptr<T>();
   O* yp = y.data_ptr<O>();
   const int64_t x_row = x.stride(0);
-  if (M < 4) return linear_dot_few<T, O>(xp, x_row, M, wp, K, N, bias, yp, y.stride(0));
+  if (M <= kFewRowsMax) return linear_dot_few<T, O>(xp, x_row, M, wp, K, N, bias, yp, y.stride(0));
   constexpr int64_t NB = kLinearItemCols;  // W rows per work item (output columns rounded together)
   constexpr int64_t MB = 32;  // x rows per work item
   const int64_t n_items = (N + NB - 1) / NB, m_items = (M + MB - 1) / MB;
