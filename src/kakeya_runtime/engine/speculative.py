@@ -340,9 +340,10 @@ def measure_verify_cost(engine: Engine, *, context: int = 256, repeats: int = 3)
     """What a verifier step over k drafts (k + 1 rows through the chunk path) costs beyond a one-row decode step,
     in decode steps, for k = 0..MAX_DRAFT_TOKENS: timed on this machine at `context` cached tokens (the median of
     `repeats` after a warm-up per shape), interpolated between the timed row counts. With AMX tiles 16 rows cost
-    about one decode step; without them 4 drafts cost 1.76 more (2-core EPYC, SmolLM2 bf16, one thread), where
-    the constant VERIFY_COST kept history speculation on at T = 0.7 while it ran at 0.62x plain decode (0.95x
-    priced by this; results/spec/epyc_constant_verify_cost, results/spec/epyc_measured_verify_cost)."""
+    about one decode step; without them 4 drafts cost 0.4-0.65 more (2-core EPYC, SmolLM2 bf16; 1.5-2.1 before
+    the few-row projections of e00ebe0), where the constant VERIFY_COST kept history speculation on at T = 0.7
+    while it ran at 0.62x plain decode (0.95x priced by this; results/spec/epyc_constant_verify_cost,
+    results/spec/epyc_measured_verify_cost, results/spec/epyc_few_rows)."""
     import statistics
 
     context = max(1, min(context, engine.config.max_position_embeddings - MAX_DRAFT_TOKENS - 2))  # tiny models
