@@ -55,8 +55,12 @@ function isServiceError(e: unknown): e is ServiceError {
 function channelCredentials(options: ClientOptions): ChannelCredentials {
   const roots = options.rootCertificates;
   if (roots === undefined) return options.tls ? credentials.createSsl() : credentials.createInsecure();
-  return credentials.createSsl(typeof roots === "string" ? readFileSync(roots) : Buffer.from(roots));
+  if (typeof roots !== "string") return credentials.createSsl(Buffer.from(roots));
+  // PEM contents start with a "-----BEGIN" line; anything else is a file's path
+  return credentials.createSsl(roots.includes("-----BEGIN") ? Buffer.from(roots) : readFileSync(roots));
 }
+
+const CLIENT_OPTIONS = ["apiKey", "tls", "rootCertificates", "timeoutMs", "channelOptions"] as const;
 
 /** A connection to one runtime. */
 export class Client {
@@ -69,8 +73,14 @@ export class Client {
   private isClosed = false;
 
   constructor(address = "127.0.0.1:50051", options: ClientOptions = {}) {
+    cv.checkOptions(options, CLIENT_OPTIONS, "Client");
+    if (typeof address !== "string") throw new InvalidArgument(`address must be a string, got ${cv.describe(address)}`);
+    const timeout = options.timeoutMs;
+    if (timeout != null && !(typeof timeout === "number" && Number.isFinite(timeout) && timeout > 0)) {
+      throw new InvalidArgument(`timeoutMs must be a positive number of milliseconds, got ${cv.describe(timeout)}`);
+    }
     this.address = address;
-    this.timeoutMs = options.timeoutMs;
+    this.timeoutMs = timeout ?? undefined;
     // Checked here: grpc-js would refuse such a header only at the first call, with an error of its own.
     if (options.apiKey && (!/^[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?$/.test(options.apiKey))) {
       throw new InvalidArgument("apiKey must be a string of printable ASCII characters without surrounding spaces");
@@ -131,6 +141,7 @@ export class Client {
       speculation?: Speculation | string;
     } & CallSignal = {},
   ): Promise<Session> {
+    cv.checkOptions(options, ["initialTokens", "policy", "speculation", "signal"], "createSession");
     const request: pb.CreateSessionRequest = {
       initialTokenIds: cv.tokenList(options.initialTokens ?? [], "initialTokens"),
       policy: cv.policyToPb(options.policy),
@@ -143,6 +154,9 @@ export class Client {
 
   /** A handle on an existing session id (no RPC; the first call tells whether it exists). */
   session(sessionId: string): Session {
+    if (typeof sessionId !== "string") {
+      throw new InvalidArgument(`a session id is a string, got ${cv.describe(sessionId)}`);
+    }
     return new Session(this, sessionId);
   }
 
@@ -214,7 +228,8 @@ export class Session {
   }
 
   async info(options: { includeHistory?: boolean } & CallSignal = {}): Promise<SessionInfo> {
-    const includeHistory = options.includeHistory ?? false;
+    cv.checkOptions(options, ["includeHistory", "signal"], "info");
+    const includeHistory = cv.flag(options.includeHistory, "includeHistory");
     const request: pb.GetSessionInfoRequest = { sessionId: this.id, includeHistory };
     const r = await this.client.unary<pb.GetSessionInfoResponse>(
       (md, o, cb) => this.client.stub.getSessionInfo(request, md, o, cb), options.signal);
@@ -228,8 +243,10 @@ export class Session {
    * importer need not recompute it). `Client.importSession` takes it back on any server of the same model.
    */
   async export(options: { includeKv?: boolean } & CallSignal = {}): Promise<Buffer> {
+    cv.checkOptions(options, ["includeKv", "signal"], "export");
+    const includeKv = cv.flag(options.includeKv, "includeKv");
     if (options.signal?.aborted) throw options.signal.reason; // as every other call: nothing is sent
-    const call = this.client.stub.exportSession({ sessionId: this.id, includeKv: options.includeKv ?? false },
+    const call = this.client.stub.exportSession({ sessionId: this.id, includeKv },
       this.client.metadata());
     const onAbort = () => call.cancel();
     options.signal?.addEventListener("abort", onAbort, { once: true });

@@ -24,10 +24,50 @@ export function tokenList(ids: Iterable<number>, what: string): number[] {
   return out;
 }
 
-export function policyToPb(policy: KvPolicy | string | undefined): pb.KvPolicyIn | undefined {
-  if (policy === undefined) return undefined;
-  const p = typeof policy === "string" ? { name: policy } : policy;
-  return { name: p.name, params: p.params ? structToPb(p.params) : undefined };
+/** What a value is, for an error message (never its contents). */
+export function describe(v: unknown): string {
+  if (v === null) return "null";
+  if (Array.isArray(v)) return "an array";
+  if (typeof v === "object") return (v as object).constructor?.name ?? "an object";
+  return typeof v === "string" ? `the string ${JSON.stringify(v.slice(0, 40))}` : `${typeof v} ${String(v)}`;
+}
+
+function isPlainObject(v: unknown): v is Record<string, unknown> {
+  if (v === null || typeof v !== "object") return false;
+  const proto = Object.getPrototypeOf(v);
+  return proto === Object.prototype || proto === null;
+}
+
+/** An options object whose keys are all known: a misspelt option (`maxtokens`) is refused, not silently ignored. */
+export function checkOptions(o: unknown, known: readonly string[], what: string): void {
+  if (o === undefined) return;
+  if (!isPlainObject(o)) throw new InvalidArgument(`${what} options must be an object, got ${describe(o)}`);
+  for (const k of Object.keys(o)) {
+    if (!known.includes(k)) {
+      throw new InvalidArgument(`${what}: unknown option ${JSON.stringify(k)} (known: ${known.join(", ")})`);
+    }
+  }
+}
+
+/** A boolean option: undefined or null is `fallback`; anything but true or false is refused (no truthiness). */
+export function flag(value: unknown, what: string, fallback = false): boolean {
+  if (value === undefined || value === null) return fallback;
+  if (typeof value !== "boolean") throw new InvalidArgument(`${what} must be true or false, got ${describe(value)}`);
+  return value;
+}
+
+/** undefined or null: the server's default policy; a name; or { name, params } with params a plain object. */
+export function policyToPb(policy: KvPolicy | string | undefined | null): pb.KvPolicyIn | undefined {
+  if (policy === undefined || policy === null) return undefined;
+  const p: unknown = typeof policy === "string" ? { name: policy } : policy;
+  if (!isPlainObject(p) || typeof p.name !== "string") {
+    throw new InvalidArgument(`policy must be a KvPolicy ({ name, params }) or a policy name, got ${describe(policy)}`);
+  }
+  if (p.params != null && !isPlainObject(p.params)) {
+    throw new InvalidArgument(`policy.params must be a plain object of JSON-like values, got ${describe(p.params)}`);
+  }
+  const params = p.params as Record<string, unknown> | null | undefined;
+  return { name: p.name, params: params ? structToPb(params) : undefined };
 }
 
 /** undefined: unset (Generate: the session default; createSession: off); a string names the proposer. */
@@ -57,8 +97,8 @@ function valueToPb(v: unknown, where: string): pb.Value {
   if (typeof v === "string") return { stringValue: v };
   if (typeof v === "boolean") return { boolValue: v };
   if (Array.isArray(v)) return { listValue: { values: v.map((x) => valueToPb(x, where)) } };
-  if (typeof v === "object" && v !== undefined) return { structValue: structToPb(v as Record<string, unknown>) };
-  throw new InvalidArgument(`policy params must be JSON-like: ${where} is ${typeof v}`);
+  if (isPlainObject(v)) return { structValue: structToPb(v) };
+  throw new InvalidArgument(`policy params must be JSON-like: ${where} is ${describe(v)}`);
 }
 
 function structFromPb(s: pb.Struct__Output): Record<string, unknown> {
@@ -103,7 +143,11 @@ export interface GenerateOptions {
   signal?: AbortSignal;
 }
 
+const GENERATE_OPTIONS = ["maxTokens", "seed", "temperature", "topK", "topP", "stopTokens", "ignoreEos", "stop",
+  "speculation", "signal"] as const;
+
 export function generateRequest(sessionId: string, o: GenerateOptions): pb.GenerateRequest {
+  checkOptions(o, GENERATE_OPTIONS, "generate");
   const maxTokens = o.maxTokens ?? 256;
   if (!Number.isInteger(maxTokens) || maxTokens < INT32_MIN || maxTokens > INT32_MAX) {
     throw new InvalidArgument(`bad generate parameters: maxTokens must be an int32, got ${maxTokens}`);
@@ -114,10 +158,13 @@ export function generateRequest(sessionId: string, o: GenerateOptions): pb.Gener
   }
   const temperature = o.temperature ?? 0;
   if (typeof temperature !== "number") throw new InvalidArgument("bad generate parameters: temperature is a number");
+  if (o.topP != null && typeof o.topP !== "number") {
+    throw new InvalidArgument(`bad generate parameters: topP is a number, got ${describe(o.topP)}`);
+  }
   let seed: bigint | undefined;
-  if (o.seed !== undefined) {
-    if (typeof o.seed === "number" && !Number.isSafeInteger(o.seed)) {
-      throw new InvalidArgument(`bad generate parameters: seed must be an integer, got ${o.seed}`);
+  if (o.seed != null) { // null, like undefined, leaves it unset (as for every other option)
+    if (!(typeof o.seed === "bigint" || (typeof o.seed === "number" && Number.isSafeInteger(o.seed)))) {
+      throw new InvalidArgument(`bad generate parameters: seed must be an integer or a bigint, got ${describe(o.seed)}`);
     }
     seed = BigInt(o.seed);
     if (seed < 0n || seed >= 2n ** 64n) throw new InvalidArgument(`bad generate parameters: seed out of range`);
@@ -133,9 +180,9 @@ export function generateRequest(sessionId: string, o: GenerateOptions): pb.Gener
   return {
     sessionId,
     maxTokens,
-    sampling: { temperature, topK, topP: o.topP, seed: seed?.toString() }, // uint64 as a decimal string
+    sampling: { temperature, topK, topP: o.topP ?? undefined, seed: seed?.toString() }, // uint64 as a decimal string
     stopTokenIds: tokenList(o.stopTokens ?? [], "stopTokens"),
-    ignoreEos: o.ignoreEos ?? false,
+    ignoreEos: flag(o.ignoreEos, "ignoreEos"),
     stop,
     speculation: speculationToPb(o.speculation),
   };

@@ -10,6 +10,8 @@
 import { Template } from "@huggingface/jinja";
 import { Tokenizer as HFTokenizer } from "@huggingface/tokenizers";
 
+import { describe, flag, tokenList } from "./convert.js";
+import { InvalidArgument } from "./errors.js";
 import type { ModelInfo } from "./types.js";
 
 /** A chat message as templates take it (snake_case keys, as in Hugging Face templates and the OpenAI API). */
@@ -80,11 +82,14 @@ export class Tokenizer {
 
   /** Text -> ids. Special-token text such as "<|im_start|>" maps to its id either way. */
   encode(text: string, options: { addSpecialTokens?: boolean } = {}): number[] {
-    return this.hf.encode(text, { add_special_tokens: options.addSpecialTokens ?? false }).ids;
+    if (typeof text !== "string") throw new InvalidArgument(`encode takes a string, got ${describe(text)}`);
+    return this.hf.encode(text, { add_special_tokens: flag(options.addSpecialTokens, "addSpecialTokens") }).ids;
   }
 
+  /** Ids -> text; an id that is not a non-negative integer is refused (InvalidArgument), as the server refuses it. */
   decode(ids: Iterable<number>, options: { skipSpecialTokens?: boolean } = {}): string {
-    const list = [...ids];
+    const list = tokenList(ids, "decode");
+    if (list.some((t) => t < 0)) throw new InvalidArgument("decode: token ids are non-negative");
     if (list.length === 0) return ""; // tokenizers.js refuses an empty list
     return this.hf.decode(list, { skip_special_tokens: options.skipSpecialTokens ?? true,
       clean_up_tokenization_spaces: false });

@@ -279,6 +279,34 @@ describe("cancellation", () => {
     await s.close();
   });
 
+  it("options of the wrong type or an unknown name are InvalidArgument, never coerced or ignored", async () => {
+    const bad = [5, ["sink_window"], new Map([["name", "sink_window"]]), { policy: "sink_window" },
+      { name: "sink_window", params: new Map([["window", 16]]) }, { name: "sink_window", params: [16] }];
+    for (const policy of bad) {
+      await assert.rejects(client.createSession({ initialTokens: [5], policy: policy as never }), InvalidArgument);
+    }
+    await assert.rejects(client.createSession({ initialTokens: [5], polcy: "full" } as never), InvalidArgument);
+    const s = await client.createSession({ initialTokens: [5], policy: null as never }); // null: the default policy
+    assert.equal(s.policy?.name, "full");
+    for (const options of [{ ignoreEos: "false" }, { ignoreEos: 0 }, { maxtokens: 5 }, { seed: "abc" }, { seed: {} },
+      { seed: 1.5 }, { topP: "0.9" }]) {
+      assert.throws(() => s.generate(options as never), InvalidArgument, JSON.stringify(options));
+    }
+    const unset = { maxTokens: 2, seed: null, topP: null, ignoreEos: true, temperature: 0.5 } as never;
+    assert.equal((await s.generate(unset).collect()).length, 2); // null leaves seed and topP unset
+    await assert.rejects(s.info({ includeHistory: "false" as never }), InvalidArgument);
+    await assert.rejects(s.export({ includeKv: "0" as never }), InvalidArgument);
+    assert.throws(() => client.session(123 as never), InvalidArgument);
+    assert.throws(() => new Client(server.address, { timeoutMs: Number.NaN }), InvalidArgument);
+    assert.throws(() => new Client(server.address, { timeoutMs: "1000" as never }), InvalidArgument);
+    assert.throws(() => new Client(server.address, { apikey: KEY } as never), InvalidArgument);
+    const tok = await client.tokenizer();
+    assert.throws(() => tok.decode([-1]), InvalidArgument);
+    assert.throws(() => tok.decode([1.5]), InvalidArgument);
+    assert.throws(() => tok.encode(5 as never), InvalidArgument);
+    await s.close();
+  });
+
   it("cancel() ends the iteration quietly; committed tokens stay in the history", async () => {
     const s = await client.createSession({ initialTokens: [40, 41] });
     const gen = s.generate({ maxTokens: 200, ignoreEos: true });

@@ -24,9 +24,9 @@ after(async () => {
 });
 
 describe("TLS", () => {
-  it("connects with the server's certificate, as a path or as PEM contents", async () => {
+  it("connects with the server's certificate, as a path or as PEM contents (bytes or text)", async () => {
     const certPath = join(dir, "server.crt");
-    for (const rootCertificates of [certPath, readFileSync(certPath)]) {
+    for (const rootCertificates of [certPath, readFileSync(certPath), readFileSync(certPath, "utf8")]) {
       const client = new Client(server.address, { apiKey: KEY, rootCertificates, timeoutMs: 10_000 });
       try {
         assert.equal((await client.modelInfo()).modelName, "tiny-llama");
