@@ -170,10 +170,13 @@ def test_unreachable_server_is_unavailable():
 
 def test_generation_context_manager_cancels(client):
     with client.create_session(initial_tokens=[5, 6]) as s:
+        s.generate(max_tokens=2).collect()
+        assert s.last_result is not None
         with s.generate(max_tokens=50, ignore_eos=True) as gen:
             it = iter(gen)
             next(it)
         assert gen.result is None
+        assert s.last_result is None  # not the turn before: a cancelled Generate has no result
         s.append([9])  # waits for the cancelled Generate to stop
         info = s.info()
         assert info.cached_length == info.history_length - 2

@@ -276,9 +276,28 @@ def test_queue_full_answers_429(slow):
         with pytest.raises(openai.RateLimitError) as e:
             _client(thread).completions.create(model=MODEL, prompt="second", max_tokens=2)
         assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+        assert metric_value(scrape_metrics(thread), "kakeya_limit_refusals_total", '{limit="openai_queue"}') >= 1
     finally:
         response.close()
         client.close()
+
+
+def test_a_burst_within_max_concurrent_is_admitted_whole():
+    """As many requests at once as the batch has rows are all served, even with no queue: Generates the engine
+    loop has not picked up yet, with rows free, are not a backlog (they were refused as one)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = SlowModel(tiny_model("llama"), delay_s=0.02)
+    served = ServedModel("tiny-llama", model, tiny_served("llama").tokenizer_json, eos_ids=(2,))
+    with running_server(served, openai_port=0, max_concurrent=6, openai_max_queue=0) as thread:
+        def one(i: int) -> int:
+            body = {"model": MODEL, "prompt": f"burst {i}", "max_tokens": 8, "temperature": 0}
+            return httpx2.post(f"{_base(thread)}/completions", json=body, timeout=60).status_code
+
+        for _ in range(3):
+            with ThreadPoolExecutor(6) as pool:
+                assert list(pool.map(one, range(6))) == [200] * 6
+            _wait_idle(thread)
 
 
 def test_client_disconnect_cancels_the_generation(slow):
@@ -291,6 +310,64 @@ def test_client_disconnect_cancels_the_generation(slow):
     _wait_idle(thread)
     assert model.forwards - before < 60
     assert _client(thread).completions.create(model=MODEL, prompt="next", max_tokens=2).choices  # free again
+
+
+def test_a_single_shot_session_is_not_journaled(tmp_path):
+    """With a state directory, a shim request's session never reaches the journal: after a crash nobody could
+    reach or close it, and it would come back holding the key's session quota and KV budget. A gRPC session beside
+    it is journaled as always."""
+    model = SlowModel(tiny_model("llama"), delay_s=0.02)
+    served = ServedModel("tiny-llama", model, tiny_served("llama").tokenizer_json, eos_ids=(2,))
+    with (running_server(served, openai_port=0, state_dir=str(tmp_path)) as thread,
+          Client(thread.address) as grpc_client):
+        kept = grpc_client.create_session(initial_tokens=[10, 11, 12])
+        client = httpx2.Client(timeout=30)
+        body = {"model": MODEL, "prompt": "slow", "max_tokens": 200, "temperature": 0, "stream": True}
+        response = client.send(client.build_request("POST", f"{_base(thread)}/completions", json=body), stream=True)
+        try:
+            lines = response.iter_lines()
+            assert any(line.startswith("data: {") for line in lines)  # generating now
+            live = [s.id for s in thread.server.service.store.live_sessions()]
+            assert len(live) == 2 and kept.id in live
+            journals = sorted(p.stem for p in (tmp_path / "sessions").glob("*.journal"))
+            assert len(journals) == 1 and journals[0] in kept.id  # the gRPC session's, not the shim's
+        finally:
+            response.close()
+            client.close()
+
+
+def test_requests_in_flight_at_shutdown_end_with_a_503_in_openai_shape():
+    """Stopping the server gives in-flight shim requests its grace period, then ends them with 503: a JSON error
+    body, or on a stream an error event and [DONE] (not a plain-text 500, not a stream cut off mid-chunk)."""
+    import threading
+
+    model = SlowModel(tiny_model("llama"), delay_s=0.02)
+    served = ServedModel("tiny-llama", model, tiny_served("llama").tokenizer_json, eos_ids=(2,))
+    with running_server(served, openai_port=0, grace_s=0.3) as thread:
+        got: dict[str, object] = {}
+        body = {"model": MODEL, "prompt": "slow", "max_tokens": 400, "temperature": 0}
+
+        def whole() -> None:
+            got["whole"] = httpx2.post(f"{_base(thread)}/completions", json=body, timeout=60)
+
+        def streamed() -> None:
+            with httpx2.stream("POST", f"{_base(thread)}/completions", json={**body, "stream": True}, timeout=60) as r:
+                got["stream"] = [line for line in r.iter_lines() if line]
+
+        workers = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+        for w in workers:
+            w.start()
+        deadline = time.monotonic() + 10
+        while thread.server.service.scheduler.batch_size < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert thread.server.service.scheduler.batch_size == 2  # both generating
+        thread.stop()
+        for w in workers:
+            w.join(30)
+        whole_reply = got["whole"]
+        assert whole_reply.status_code == 503 and whole_reply.json()["error"]["code"] == "unavailable"
+        lines = got["stream"]
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][len("data: "):])["error"]["code"] == "unavailable"
 
 
 def test_shutting_down_answers_503():

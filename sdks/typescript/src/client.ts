@@ -193,6 +193,7 @@ export class Session {
   /** As of the last call that reported it. */
   historyLength: number | undefined;
   policy: KvPolicy | undefined;
+  /** The result of the last Generate that finished; undefined while one runs, and after one was cancelled or failed. */
   lastResult: GenerateResult | undefined;
   /** Imported with a KV snapshot that the server verified and loaded. */
   kvLoaded = false;
@@ -224,6 +225,7 @@ export class Session {
    */
   generate(options: cv.GenerateOptions = {}): Generation {
     const request = cv.generateRequest(this.id, options);
+    this.lastResult = undefined;
     return new Generation(this, () => this.client.stub.generate(request, this.client.metadata()), options.signal);
   }
 

@@ -309,6 +309,8 @@ describe("cancellation", () => {
 
   it("cancel() ends the iteration quietly; committed tokens stay in the history", async () => {
     const s = await client.createSession({ initialTokens: [40, 41] });
+    await s.generate({ maxTokens: 1, ignoreEos: true }).collect();
+    assert.notEqual(s.lastResult, undefined);
     const gen = s.generate({ maxTokens: 200, ignoreEos: true });
     const got: number[] = [];
     for await (const t of gen) {
@@ -316,10 +318,11 @@ describe("cancellation", () => {
       if (got.length === 3) gen.cancel();
     }
     assert.equal(gen.result, undefined);
+    assert.equal(s.lastResult, undefined); // not the turn before: a cancelled Generate has no result
     assert.ok(got.length >= 3 && got.length < 200);
     await s.append([1]);
     const info = await s.info({ includeHistory: true });
-    assert.deepEqual(info.historyTokenIds!.slice(2, 2 + got.length), got);
+    assert.deepEqual(info.historyTokenIds!.slice(3, 3 + got.length), got);
     await s.close();
   });
 });

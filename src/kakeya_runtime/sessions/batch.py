@@ -171,6 +171,13 @@ class BatchScheduler:
         return len(self._waiting) + len(self._calls)
 
     @property
+    def backlog(self) -> int:
+        """Work that waits for room: Generates queued beyond the batch's free rows, plus engine calls (a burst the
+        loop has not picked up yet, with rows free, is not a backlog)."""
+        free = max(0, self.max_batch - len(self._active))
+        return max(0, len(self._waiting) - free) + len(self._calls)
+
+    @property
     def running(self) -> int:
         """Generates in the batch, plus an engine call being run."""
         return len(self._active) + self._in_call

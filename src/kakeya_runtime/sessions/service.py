@@ -360,7 +360,7 @@ class SessionService:
         written = 0
         for session in self.store.live_sessions():
             cache = session.cache
-            if cache is None or session.cached_length == 0 or session.generating:
+            if cache is None or session.cached_length == 0 or session.generating or not session.durable:
                 continue
             try:
                 data = snapshot.dump(cache, session.history, session.cached_length, self.model_id)
@@ -374,9 +374,10 @@ class SessionService:
 
     async def create(self, owner: str, initial_tokens: Sequence[int] = (), policy_name: str = "",
                      policy_params: dict[str, Any] | None = None, *, evict: bool = True,
-                     speculation: tuple[str, int] | None = None) -> Session:
+                     speculation: tuple[str, int] | None = None, durable: bool = True) -> Session:
         """A new session; `evict=False` admits it only if no other session has to make room (sessions.limits);
-        `speculation`: the session's default (proposer, max_draft_tokens) for Generates that set none."""
+        `speculation`: the session's default (proposer, max_draft_tokens) for Generates that set none;
+        `durable=False`: kept out of the state directory (it does not survive a restart)."""
         if len(initial_tokens) > self.context_length:  # before anything walks or copies the ids
             raise ResourceExhausted(f"initial history of {len(initial_tokens)} tokens exceeds the context length "
                                     f"{self.context_length}")
@@ -385,7 +386,7 @@ class SessionService:
         default = None if speculation is None else parse_speculation(*speculation)
         check_rollback(spec, default, at_create=True)
         return self.store.create(owner, spec, self.context_length, initial_tokens, reserve_bytes=self.kv_reserve(spec),
-                                 evict=evict, speculation=default)
+                                 evict=evict, speculation=default, durable=durable)
 
     def kv_reserve(self, spec: PolicySpec) -> int:
         """The KV bytes a session with this policy reserves against the budget: its worst case at the context."""

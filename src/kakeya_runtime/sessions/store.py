@@ -154,6 +154,7 @@ class Session:
     idle_compress_error: str | None = None  # compression failed once: the session is not retried
     snapshot: Path | None = None  # recovered: the KV snapshot file its first Generate tries to load
     recovered: bool = False  # adopted from the state directory, its cache not yet built
+    durable: bool = True  # journaled when the store has a journal (a single-shot HTTP request's session is not)
     speculation: Any = None  # the session's default sessions.speculation.SpeculationSpec (None: off)
     drafts: Any = None  # (SpeculationSpec, DraftProposer) kept between Generates (the history index grows)
 
@@ -235,10 +236,11 @@ class SessionStore:
 
     def create(self, owner: str, policy: PolicySpec, context_length: int,
                initial_tokens: Sequence[int] = (), reserve_bytes: int = 0, *, evict: bool = True,
-               speculation: Any = None) -> Session:
+               speculation: Any = None, durable: bool = True) -> Session:
         """Admit a new session reserving `reserve_bytes` of the KV budget (sessions.limits: the owner's least
         recently used idle sessions make room; ResourceExhausted, nothing evicted, when they cannot; with
-        `evict=False` nothing makes room and any limit reached refuses)."""
+        `evict=False` nothing makes room and any limit reached refuses). `durable=False`: never journaled (a
+        session nobody can reach after a restart, such as a single-shot HTTP request's, must not come back)."""
         if len(initial_tokens) > context_length:
             raise ResourceExhausted(
                 f"initial history of {len(initial_tokens)} tokens exceeds the context length {context_length}"
@@ -251,9 +253,10 @@ class SessionStore:
             now = self.clock()
             sid = "ses_" + secrets.token_urlsafe(SESSION_ID_BYTES)
             session = Session(sid, owner, policy, context_length, created_at=now, last_access=now,
-                              history=list(initial_tokens), reserved_bytes=reserve_bytes, speculation=speculation)
+                              history=list(initial_tokens), reserved_bytes=reserve_bytes, speculation=speculation,
+                              durable=durable)
             session.history_high_water = len(session.history)
-            if self.journal is not None:  # durable before anything is evicted for it: a refusal changes nothing
+            if self.journal is not None and durable:  # durable before anything is evicted for it: a refusal changes nothing
                 with _journal_errors():
                     self.journal.created(sid, owner, policy.name, dict(policy.params), context_length,
                                          session.history, session_settings(session))
@@ -594,13 +597,13 @@ class SessionStore:
 
     def call_ended(self, session: Session) -> None:
         """A call that committed tokens is about to answer: make them durable per the journal's fsync policy."""
-        if self.journal is not None:
+        if self.journal is not None and session.durable:
             with _journal_errors():
                 self.journal.call_ended(session.id)
 
     def _journal_tokens(self, session: Session, tokens: Sequence[int]) -> None:
         # A session ended mid-step (closed, evicted) took its journal with it; its last step's tokens go nowhere.
-        if self.journal is not None and session.state is SessionState.ACTIVE:
+        if self.journal is not None and session.durable and session.state is SessionState.ACTIVE:
             with _journal_errors():
                 self.journal.appended(session.id, tokens)
 
@@ -634,7 +637,7 @@ class SessionStore:
         else:
             self._free_locked(session)
         self._ended[session.id] = (session.owner, reason)
-        if self.journal is not None:
+        if self.journal is not None and session.durable:
             try:
                 self.journal.ended(session.id)
             except OSError:  # the session is gone either way; a file left behind is recovered, then ends again

@@ -111,6 +111,7 @@ class Session:
         self.id = session_id
         self.history_length = history_length  # as of the last call that reported it
         self.policy = policy
+        # the result of the last Generate that finished; None while one runs, and after one was cancelled or failed
         self.last_result: GenerateResult | None = None
         self.kv_loaded = False  # imported with a KV snapshot that the server verified and loaded
         self._closed = False
@@ -144,6 +145,7 @@ class Session:
                                   top_p=top_p, stop_tokens=stop_tokens, ignore_eos=ignore_eos, stop=stop,
                                   speculation=speculation)
         call = self.client.stub.Generate(req, metadata=self.client._metadata)
+        self.last_result = None
         return Generation(self, call)
 
     def info(self, *, include_history: bool = False) -> SessionInfo:

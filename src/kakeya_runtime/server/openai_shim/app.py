@@ -54,7 +54,7 @@ conversation on the server, so each turn costs only its new tokens. With the Pyt
     from kakeya import Client
     from kakeya.tokenization import Tokenizer
 
-    with Client("{grpc_address}") as client:
+    with Client("{grpc_address}", api_key=YOUR_KEY) as client:  # the same key as here (none: leave it out)
         tok = Tokenizer.from_model_info(client.model_info())
         with client.create_session(initial_tokens=tok.tokens_for_chat(messages)) as session:
             reply = tok.decode(list(session.generate(max_tokens=256)))
@@ -117,6 +117,7 @@ class OpenAIShim:
         self.port: int | None = None
         self.scheme = "http"
         self._server: _Server | None = None
+        self._grace_s = 2.0  # how long in-flight requests may finish at stop (start sets it)
         self._task: asyncio.Task | None = None
         self.app = Starlette(
             routes=[
@@ -149,6 +150,7 @@ class OpenAIShim:
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", http="h11",
                                 ws="none", timeout_graceful_shutdown=grace_s, **ssl)
         self.scheme = "http" if tls is None else "https"
+        self._grace_s = grace_s
         self._server = _Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -160,8 +162,16 @@ class OpenAIShim:
         return self.port
 
     async def stop(self) -> None:
+        """New requests get 503 at once; those in flight have the grace period to finish, then end with a 503 (an
+        error body, or an error event and [DONE] on a stream), before the listener closes."""
         if self._server is None or self._task is None:
             return
+        self.single_shot.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._grace_s
+        while self.single_shot.active and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        await self.single_shot.end_all()
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

@@ -1,8 +1,8 @@
 """A shim request as a single-shot session of the session service: admit, create, generate, close.
 
 Admission is deliberate about what a throwaway session may cost others:
-* the shim's own queue: more than max_concurrent + max_queue requests in flight, or a full engine queue,
-  answer 429 `queue_full`;
+* the shim's own queue: more than max_concurrent + max_queue requests in flight, or max_queue (at least one)
+  Generates already waiting for a batch row, answer 429 `queue_full` (counted as the limit "openai_queue");
 * the session limits (sessions.limits) without eviction: a key at its session or KV quota (or a full server)
   gets 429 naming the limit, and none of its own sessions (which may be long gRPC conversations) is evicted
   to make room for a session that lives for one reply. The refusal is atomic with the creation, in the store.
@@ -34,6 +34,9 @@ _LIMIT_CODES = {"sessions": "sessions_full", "sessions_per_key": "session_quota_
                 "kv_budget": "kv_budget_exhausted", "kv_budget_per_key": "kv_quota_exceeded"}
 
 
+QUEUE_LIMIT = "openai_queue"  # kakeya_limit_refusals_total's label for the shim's own queue
+
+
 class ClientGone(Exception):
     """The client disconnected before the reply was ready."""
 
@@ -48,22 +51,45 @@ class SingleShot:
         self.max_queue = max_queue
         self.on_limit = on_limit or (lambda limit: None)
         self.active = 0  # shim generations admitted and not yet finished
+        self.closing = False  # shutting down: new requests and generations ended early answer 503
+        self._live: dict[str, str] = {}  # session id -> owner of each generation in flight
+
+    def close(self) -> None:
+        """Shutting down: refuse new requests with 503 (in-flight ones run on until `end_all`)."""
+        self.closing = True
+
+    async def end_all(self) -> None:
+        """End every generation still in flight (the shutdown's grace is over): each answers 503 — an error body,
+        or an error event and [DONE] on a stream — instead of a reply that merely looks cut short."""
+        for session_id, owner in list(self._live.items()):
+            with contextlib.suppress(SessionError):
+                await self.service.close(owner, session_id)
 
     async def generate(self, owner: str, req: ShimRequest) -> AsyncIterator[Piece]:
         """Text pieces with stop strings applied, then one Finish."""
         service = self.service
+        if self.closing:
+            raise _shutting_down()
         limit = service.config.max_concurrent + self.max_queue
-        if self.active >= limit or service.scheduler.queued >= max(self.max_queue, 1):
-            raise OpenAIError(429, f"the server is busy ({self.active} requests in flight, {service.scheduler.queued}"
-                                   " generations queued); retry shortly", type="rate_limit_error",
+        backlog = service.scheduler.backlog  # waiting for a batch row, not merely not picked up yet
+        if self.active >= limit or backlog >= max(self.max_queue, 1):
+            self.on_limit(QUEUE_LIMIT)
+            raise OpenAIError(429, f"the server is busy ({self.active} requests in flight, {backlog} generations "
+                                   "waiting for room); retry shortly", type="rate_limit_error",
                               code="queue_full", headers={"retry-after": "1"})
         self.active += 1
         try:
             session = await self._create(owner, req)
+            self._live[session.id] = owner
             try:
                 async for item in self._pieces(owner, session.id, req):
                     yield item
+            except OpenAIError:
+                if self.closing:  # its session was ended by end_all
+                    raise _shutting_down() from None
+                raise
             finally:
+                self._live.pop(session.id, None)
                 with contextlib.suppress(SessionError):
                     await service.close(owner, session.id)
         finally:
@@ -71,7 +97,8 @@ class SingleShot:
 
     async def _create(self, owner: str, req: ShimRequest) -> Any:
         try:
-            return await self.service.create(owner, req.prompt_ids, evict=False)
+            # not journaled: after a crash nobody could reach (or close) it, and it would hold the key's quota
+            return await self.service.create(owner, req.prompt_ids, evict=False, durable=False)
         except ResourceExhausted as e:
             if e.limit not in _LIMIT_CODES:
                 raise OpenAIError(429, e.message, type="rate_limit_error", code="resource_exhausted",
@@ -94,6 +121,8 @@ class SingleShot:
             while True:
                 event = await call(anext(events))
                 if isinstance(event, DoneEvent):
+                    if event.finish_reason is FinishReason.CANCELLED and self.closing:
+                        raise _shutting_down()  # ended by end_all: not a reply that is complete
                     text = "" if stops.stopped else stops.push(decoder.flush()) + stops.flush()
                     if text:
                         yield text
@@ -106,6 +135,11 @@ class SingleShot:
                     text = stops.push(decoder.push(token))  # "" once a stop string matched: the service ends here
                     if text:
                         yield text
+
+
+def _shutting_down() -> OpenAIError:
+    return OpenAIError(503, "the server is shutting down; retry on another instance or after it restarts",
+                       type="server_error", code="unavailable", headers={"retry-after": "5"})
 
 
 async def until_disconnect(request: Request, awaitable: Awaitable[Any]) -> Any:
