@@ -68,3 +68,32 @@ def test_the_kv_budget_refuses_before_allocating_and_windows_stay_within_the_con
         window.close()
         s.close()
         assert b.create_session(initial_tokens=[1]).info().history_length == 1  # A's bytes came back
+
+
+def test_a_session_made_after_the_callers_deadline_passed_is_closed_again():
+    """CreateSession whose deadline passes while the session is made answers DEADLINE_EXCEEDED and closes it: the
+    caller never learns its id, so it would hold a slot (and the key's quota, evicting real sessions) until its TTL."""
+    import time as _time
+
+    from kakeya import DeadlineExceeded
+
+    with running_server(tiny_served("llama")) as thread:
+        service = thread.server.service
+        real = service.create
+
+        async def slow_create(*args, **kwargs):
+            session = await real(*args, **kwargs)
+            _time.sleep(0.4)  # the work outlives the caller's deadline (blocking, as journaling to a slow disk)
+            return session
+
+        service.create = slow_create
+        with Client(thread.address, timeout=0.2) as client, pytest.raises(DeadlineExceeded):
+            client.create_session(initial_tokens=[1, 2, 3])
+        deadline = _time.monotonic() + 5
+        while len(service.store) and _time.monotonic() < deadline:
+            _time.sleep(0.02)
+        assert len(service.store) == 0
+        service.create = real
+        with Client(thread.address, timeout=5) as client:  # a caller that waits keeps its session
+            assert client.create_session(initial_tokens=[1, 2, 3]).info().history_length == 3
+        assert len(service.store) == 1

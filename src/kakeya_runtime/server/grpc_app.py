@@ -30,7 +30,7 @@ from kakeya_runtime.server.health import add_health_and_reflection
 from kakeya_runtime.server.metrics import RpcMetricsInterceptor, RuntimeMetrics
 from kakeya_runtime.sessions.batch import DEFAULT_MAX_BATCH, DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOKENS
 from kakeya_runtime.sessions.budget import default_kv_budget
-from kakeya_runtime.sessions.errors import InvalidArgument, ResourceExhausted, quoted
+from kakeya_runtime.sessions.errors import InvalidArgument, ResourceExhausted, SessionError, quoted
 from kakeya_runtime.sessions.journal import FsyncPolicy, StateDir
 from kakeya_runtime.sessions.limits import Limits
 from kakeya_runtime.sessions.policy import PolicyRegistry, PolicySpec
@@ -234,6 +234,17 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
         return owner
 
+    async def _unless_abandoned(self, context: grpc.aio.ServicerContext, owner: str, session_id: str) -> None:
+        """A session made for a caller whose deadline passed (or who cancelled) meanwhile is closed again: the
+        caller is told the call failed and never learns the id, so the session would only hold a slot (and the
+        key's quota, evicting its real sessions) until its idle TTL."""
+        left = context.time_remaining()
+        if context.cancelled() or (left is not None and left <= 0):
+            with contextlib.suppress(SessionError):
+                await self.service.close(owner, session_id)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the call's deadline passed while the session was made; it was closed again")
+
     # SessionErrors raised here become their typed statuses at the StatusBoundary interceptor. Token id lists
     # go to the service as protobuf containers: it checks their length against the context before copying.
 
@@ -243,6 +254,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         speculation = _speculation(request.speculation) if request.HasField("speculation") else None
         session = await self.service.create(owner, request.initial_token_ids, request.policy.name, params,
                                             speculation=speculation)
+        await self._unless_abandoned(context, owner, session.id)
         return pb.CreateSessionResponse(session_id=session.id, history_length=len(session.history),
                                         policy=_policy_pb(session.policy))
 
@@ -341,6 +353,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                                         "this server's context can take", limit="request")
             parts.append(chunk.data)
         session, kv_loaded = await self.service.import_session(owner, b"".join(parts))
+        await self._unless_abandoned(context, owner, session.id)
         return pb.ImportSessionResponse(session_id=session.id, history_length=len(session.history),
                                         kv_loaded=kv_loaded, policy=_policy_pb(session.policy))
 
