@@ -22,6 +22,8 @@ def test_defaults_and_normalised_params():
     assert PolicySpec.parse(r.name, r.params) == r
     idle = PolicySpec.parse("full", {"idle_codec": "d4"})
     assert idle.idle_codec == CodecSpec("d4", 38) and idle.params == {"idle_codec": "d4", "idle_q": 38}
+    int8 = PolicySpec.parse("sink_window", {"window": 64, "codec": "int8", "q": 5, "idle_codec": "int8", "idle_q": 7})
+    assert "q" not in int8.params and "idle_q" not in int8.params  # int8 has no q: not echoed back as if it had
 
 
 @pytest.mark.parametrize("name,params,match", [

@@ -97,3 +97,16 @@ def test_a_session_made_after_the_callers_deadline_passed_is_closed_again():
         with Client(thread.address, timeout=5) as client:  # a caller that waits keeps its session
             assert client.create_session(initial_tokens=[1, 2, 3]).info().history_length == 3
         assert len(service.store) == 1
+
+
+def test_a_context_past_the_models_positions_is_refused_at_start():
+    """--context beyond the model's positions was cut back to them without a word: a user who asked for 16k learned
+    it only when requests were refused. Now the server refuses to start, naming both numbers."""
+    from kakeya_runtime.server.grpc_app import RuntimeServer, ServerConfig
+
+    served = tiny_served("llama")
+    limit = served.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"--context {limit + 1} exceeds the model's {limit} positions"):
+        RuntimeServer(served, ServerConfig(port=0, metrics_port=0, context_length=limit + 1))
+    with running_server(served, context_length=limit) as thread:
+        assert thread.server.service.context_length == limit

@@ -94,3 +94,20 @@ def test_requests_errors_and_generated_tokens_are_counted_per_rpc():
         text = scrape(thread)
         assert sample(text, "kakeya_rpc_requests_total", '{rpc="ImportSession"}') == 2
         assert sample(text, "kakeya_rpc_errors_total", '{rpc="ImportSession",code="INVALID_ARGUMENT"}') == 1
+
+
+def test_sparse_counters_are_labelled_by_the_models_layer_index():
+    """A model whose policy governs only some layers (Gemma 3: its global layers) labels kakeya_sparse_*_total by
+    the model's layer index, not by the layer's place among the governed ones (0, 1, 2 read as the wrong layers)."""
+    from prometheus_client import generate_latest
+
+    from kakeya_runtime.server.metrics import RuntimeMetrics
+    from kakeya_runtime.sessions.service import GenerateStats
+
+    metrics = RuntimeMetrics("m", sparse_layers=[5, 11, 17])
+    counts = {"blocks_scored": 4, "blocks_selected": 2, "positions_attended": 9, "positions_visible": 20}
+    layers = [{k: v * (i + 1) for k, v in counts.items()} for i in range(3)]
+    metrics.generate_finished(GenerateStats(decode_tokens=1, sparse={"total": {}, "layers": layers}), 10)
+    text = generate_latest(metrics.registry).decode()
+    assert [sample(text, "kakeya_sparse_blocks_selected_total", f'{{layer="{i}"}}') for i in (5, 11, 17)] == [2, 4, 6]
+    assert 'layer="0"' not in text

@@ -103,7 +103,7 @@ class PolicySpec:
         out: dict[str, Any] = {}
         if self.name != "full":
             out.update(sink=self.sink, window=self.window, codec=self.codec.kind)
-            if self.codec.kind != "identity":
+            if self.codec.kind not in ("identity", "int8"):  # a lattice codec's q; the others have none
                 out["q"] = self.codec.q
         if self.name in ("sink_window", "sparse"):
             out["spare"] = self.spare
@@ -113,7 +113,7 @@ class PolicySpec:
             out.update(granularity=self.granularity, chunk=self.chunk)
         if self.idle_codec is not None:
             out["idle_codec"] = self.idle_codec.kind
-            if self.idle_codec.kind != "identity":
+            if self.idle_codec.kind not in ("identity", "int8"):
                 out["idle_q"] = self.idle_codec.q
         return out
 

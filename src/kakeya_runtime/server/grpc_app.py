@@ -22,6 +22,7 @@ from google.protobuf import struct_pb2
 
 from kakeya_runtime.engine.generate import Engine, FinishReason
 from kakeya_runtime.engine.serving import ServingChoice, served_as_loaded
+from kakeya_runtime.kv.policy import governed_layers
 from kakeya_runtime.kv.spec import CODEC_KINDS, DEFAULT_Q
 from kakeya_runtime.models.base import DecoderModel
 from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor, check_key
@@ -402,7 +403,7 @@ class RuntimeServer:
         self.config.validate()
         self.served = served
         rpcs = list(pb.DESCRIPTOR.services_by_name["RuntimeService"].methods_by_name)
-        self.metrics = RuntimeMetrics(served.name, rpcs)
+        self.metrics = RuntimeMetrics(served.name, rpcs, sparse_layers=governed_layers(served.model.config))
         self.engine = Engine(served.model)
         self.engine.decode_forward = served.decode_forward
         self.engine.verify_cost = None if served.serving is None else served.serving.verify_cost

@@ -13,7 +13,7 @@ import contextlib
 import hmac
 import socket
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn
 
@@ -93,7 +93,10 @@ class RuntimeMetrics:
     """Implements the session service's observer; gauges read the store at scrape time. `registry` holds the
     metrics; `exposition` serves them with the served model's name as the `model` label of every series."""
 
-    def __init__(self, model: str = "", rpcs: Iterable[str] = ()) -> None:
+    def __init__(self, model: str = "", rpcs: Iterable[str] = (), sparse_layers: Sequence[int] = ()) -> None:
+        # The model's index of each layer the sparse policy governs (Gemma 3: its global layers only), in the order
+        # a session's per-layer counters come: the `layer` label of kakeya_sparse_*_total.
+        self.sparse_layers = list(sparse_layers)
         self.registry = r = CollectorRegistry()
         self.exposition = CollectorRegistry(auto_describe=False)
         self.exposition.register(_WithLabels(r, {"model": model}))
@@ -182,11 +185,11 @@ class RuntimeMetrics:
         self.sparse_total = {
             name: Counter(f"kakeya_sparse_{name}_total", text, ["layer"], registry=r) for name, text in (
                 ("blocks_scored", "Cold blocks the sparse policy's queries could select among (per query token "
-                 "and KV head), by governed layer."),
-                ("blocks_selected", "Cold blocks the sparse policy's queries attended, by governed layer."),
-                ("positions_attended", "Keys the sparse policy's queries attended (hot + cold), by governed layer."),
+                 "and KV head), by model layer."),
+                ("blocks_selected", "Cold blocks the sparse policy's queries attended, by model layer."),
+                ("positions_attended", "Keys the sparse policy's queries attended (hot + cold), by model layer."),
                 ("positions_visible", "Keys causally visible to those queries (what full attention reads), by "
-                 "governed layer."),
+                 "model layer."),
             )}
         self.session_idle_resume_seconds = Histogram(
             "kakeya_session_idle_resume_seconds", "Decompressing an idle-compressed cache at the next Generate.",
@@ -313,8 +316,9 @@ class RuntimeMetrics:
             self.session_idle_resume_seconds.observe(stats.resume_s)
         if stats.sparse:
             for i, layer in enumerate(stats.sparse["layers"]):
+                index = self.sparse_layers[i] if i < len(self.sparse_layers) else i
                 for name, counter in self.sparse_total.items():
-                    counter.labels(str(i)).inc(layer[name])
+                    counter.labels(str(index)).inc(layer[name])
 
     def rpc_finished(self, rpc: str, code: grpc.StatusCode) -> None:
         """A gRPC call ended (called on the server's event loop by RpcMetricsInterceptor)."""

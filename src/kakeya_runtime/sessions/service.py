@@ -279,7 +279,10 @@ class SessionService:
         self.vocab_size = engine.config.vocab_size
         self.eos_ids = tuple(eos_ids)
         model_context = engine.config.max_position_embeddings
-        self.context_length = min(self.config.context_length or model_context, model_context)
+        if self.config.context_length is not None and self.config.context_length > model_context:
+            raise ValueError(f"--context {self.config.context_length} exceeds the model's {model_context} positions "
+                             "(leave it out for the model's)")
+        self.context_length = self.config.context_length or model_context
         self.policies = policies or PolicyRegistry()
         after = self.config.idle_compress_after_s
         if after is not None and not after > 0:
