@@ -356,3 +356,60 @@ def test_import_refuses_snapshots_a_generate_could_not_use(tmp_path: Path):
             client.import_session(cut)  # cut exactly between records: whole, but not what was exported
         assert len(a.server.service.store) == before
         assert client.import_session(archive).kv_loaded  # the archive as exported still imports
+
+
+def test_a_crash_inside_an_evicting_create_is_finished_at_restart(tmp_path: Path):
+    """A create at the limit journals the new session, then deletes its victim's journal; a crash between left one
+    session too many, and the next start with the same limits refused to serve. The new journal names its victims,
+    so recovery finishes the eviction."""
+    served = tiny_served()
+    state = tmp_path / "state"
+    with running_server(served, state_dir=str(state), max_sessions=2) as thread, Client(thread.address) as client:
+        first, second = (client.create_session([5, 6, 7 + i]).id for i in range(2))
+        state_dir = thread.server.service.state
+        ended = state_dir.ended
+        state_dir.ended = lambda session_id: None  # the crash: the victim's journal is never deleted
+        third = client.create_session([9, 9]).id
+        state_dir.ended = ended
+        assert len(list((state / "sessions").glob("*.journal"))) == 3
+    with running_server(served, state_dir=str(state), max_sessions=2) as thread, Client(thread.address) as client:
+        assert thread.server.recovery.sessions == 2
+        with pytest.raises(SessionNotFound):
+            client.session(first).info()
+        assert client.session(second).info().history_length == 3 and client.session(third).info().history_length == 2
+        assert not (state / "sessions" / f"{first}.journal").exists()
+
+
+def test_a_create_cut_before_its_magic_is_deleted_not_kept_as_damaged(tmp_path: Path):
+    served = tiny_served()
+    state = tmp_path / "state"
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        kept, history = _drive(client, ("full", {}))
+    sessions = state / "sessions"
+    (sessions / "ses_empty.journal").write_bytes(b"")
+    (sessions / "ses_short.journal").write_bytes(records.MAGIC[:3])
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        assert thread.server.recovery.sessions == 1
+        assert list(client.session(kept).info(include_history=True).history_token_ids) == history
+    assert sorted(p.name for p in sessions.iterdir() if "ses_empty" in p.name or "ses_short" in p.name) == []
+
+
+def test_a_restart_keeps_each_sessions_idle_time(tmp_path: Path):
+    """Idle time counts from the session's last write, not from the restart: a server restarted more often than
+    its idle TTL never reclaimed a session nobody used (or one whose create never answered)."""
+    import os
+    import time
+
+    served = tiny_served()
+    state = tmp_path / "state"
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        old, _ = _drive(client, ("full", {}))
+        fresh, _ = _drive(client, ("full", {}))
+    stale = time.time() - 120
+    os.utime(state / "sessions" / f"{old}.journal", (stale, stale))
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        assert client.session(old).info().idle_s >= 119 and client.session(fresh).info().idle_s < 60
+    with running_server(served, state_dir=str(state), idle_ttl_s=60) as thread, Client(thread.address) as client:
+        with pytest.raises(SessionNotFound):
+            client.session(old).info()
+        assert client.session(fresh).info().history_length > 0

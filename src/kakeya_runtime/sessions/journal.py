@@ -78,6 +78,7 @@ class RecoveredSession:
     settings: dict[str, Any]  # what else the session was created with (its default speculation)
     mtime: float  # the journal's last write: recovered sessions keep their least-recently-used order
     dropped_bytes: int  # a torn or corrupt tail cut off the journal (never an acknowledged record)
+    evicts: tuple[str, ...] = ()  # sessions its creation evicted (see StateDir.created)
 
 
 @dataclass(slots=True)
@@ -168,12 +169,16 @@ class StateDir:
     # ---- the store's hooks (sessions.store.Journal) --------------------------------------------
 
     def created(self, session_id: str, owner: str, policy_name: str, policy_params: dict[str, Any],
-                context_length: int, history: Sequence[int], settings: dict[str, Any] | None = None) -> None:
-        """A new session: its header and initial history, durable per the policy before this returns."""
+                context_length: int, history: Sequence[int], settings: dict[str, Any] | None = None,
+                evicts: Sequence[str] = ()) -> None:
+        """A new session: its header and initial history, durable per the policy before this returns. `evicts`: the
+        sessions its admission ends (their journals are deleted next; a crash in between leaves them, and recovery
+        finishes the eviction instead of finding one session too many for the limits)."""
         header = records.header_record({"id": session_id, "owner": owner, "model": self.model_id,
                                         "checkpoint": self.checkpoint,
                                         "policy": {"name": policy_name, "params": policy_params},
-                                        "context_length": context_length, "settings": settings or {}})
+                                        "context_length": context_length, "settings": settings or {},
+                                        **({"evicts": list(evicts)} if evicts else {})})
         body = header + (records.tokens_record(list(history)) if history else b"")
         path = self.journal_path(session_id)
         try:
@@ -260,10 +265,21 @@ class StateDir:
                 with contextlib.suppress(OSError):
                     kv.unlink()
         found.sort(key=lambda s: s.mtime)
-        return found
+        # A create that evicted sessions wrote its journal first; a crash before their journals were deleted
+        # leaves them here: finish the eviction (the limits counted on it)
+        evicted = {v for s in found for v in s.evicts}
+        for session in [s for s in found if s.id in evicted]:
+            _log.warning("state dir: session %s was being evicted to make room for a new one when the server "
+                         "stopped; its eviction is finished now", session.id)
+            self.ended(session.id)
+        return [s for s in found if s.id not in evicted]
 
     def _recover_one(self, path: Path) -> RecoveredSession | None:
         data = path.read_bytes()
+        if len(data) < len(records.MAGIC) and records.MAGIC.startswith(data):  # not even the magic: a torn create
+            _log.warning("state dir: %s has no whole header (a CreateSession that never answered); deleted", path.name)
+            path.unlink()
+            return None
         try:
             parsed = records.parse(data)
         except records.RecordError:
@@ -308,7 +324,7 @@ class StateDir:
         snapshot = self.snapshot_path(sid)
         return RecoveredSession(sid, owner, str(policy["name"]), dict(policy.get("params") or {}), context, history,
                                 snapshot if snapshot.exists() else None, dict(header.get("settings") or {}), mtime,
-                                parsed.torn_bytes)
+                                parsed.torn_bytes, tuple(str(v) for v in header.get("evicts") or ()))
 
     def close(self) -> None:
         """Close every journal (the server is stopping) and release the directory; the files stay for the next start."""

@@ -348,7 +348,7 @@ class SessionService:
                 speculation = r.settings.get("speculation")
                 default = None if speculation is None else parse_speculation(*speculation)
                 self.store.adopt(r.id, r.owner, spec, r.context_length, r.history, reserve_bytes=self.kv_reserve(spec),
-                                 snapshot=r.snapshot, speculation=default)
+                                 snapshot=r.snapshot, speculation=default, idle_s=time.time() - r.mtime)
             except SessionError as e:
                 raise StateDirError(f"cannot recover session {r.id} ({len(r.history)} tokens, policy {r.policy_name}): "
                                     f"{e.message}; start with limits and policies that admit it") from None

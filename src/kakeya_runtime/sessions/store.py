@@ -104,7 +104,8 @@ class Journal(Protocol):
     """Where committed history is made durable (sessions.journal.StateDir); each hook raises OSError on failure."""
 
     def created(self, session_id: str, owner: str, policy_name: str, policy_params: dict[str, Any],
-                context_length: int, history: Sequence[int], settings: dict[str, Any] | None = None) -> None: ...
+                context_length: int, history: Sequence[int], settings: dict[str, Any] | None = None,
+                evicts: Sequence[str] = ()) -> None: ...
 
     def appended(self, session_id: str, tokens: Sequence[int]) -> None: ...
 
@@ -259,7 +260,8 @@ class SessionStore:
             if self.journal is not None and durable:  # durable before anything is evicted for it: a refusal changes nothing
                 with _journal_errors():
                     self.journal.created(sid, owner, policy.name, dict(policy.params), context_length,
-                                         session.history, session_settings(session))
+                                         session.history, session_settings(session),
+                                         evicts=[held[i].id for i in victims if held[i].durable])
             for i in victims:
                 self._end_locked(held[i], EndReason.LRU)
             self._sessions[sid] = session
@@ -267,10 +269,11 @@ class SessionStore:
         return session
 
     def adopt(self, session_id: str, owner: str, policy: PolicySpec, context_length: int, history: Sequence[int],
-              reserve_bytes: int = 0, snapshot: Any = None, speculation: Any = None) -> Session:
+              reserve_bytes: int = 0, snapshot: Any = None, speculation: Any = None, idle_s: float = 0.0) -> Session:
         """A session that already exists in the journal (a restart's recovery): admitted under the same limits as
         a new one, but never by evicting another (ResourceExhausted when it does not fit), with its own id. Its
-        cache is built by its first Generate, from `snapshot` when that verifies, else from the history."""
+        cache is built by its first Generate, from `snapshot` when that verifies, else from the history. `idle_s`:
+        how long it had been idle (since its journal's last write), so a restart does not reset its idle TTL."""
         if len(history) > context_length:
             raise ResourceExhausted(f"a history of {len(history)} tokens exceeds the context length {context_length}")
         with self._lock:
@@ -280,7 +283,8 @@ class SessionStore:
             plan_admission(held, [True] * len(held), owner, reserve_bytes, self.limits,
                            draining=list(self._draining.values()), evict=False)
             now = self.clock()
-            session = Session(session_id, owner, policy, context_length, created_at=now, last_access=now,
+            session = Session(session_id, owner, policy, context_length, created_at=now,
+                              last_access=now - max(0.0, idle_s),
                               history=list(history), reserved_bytes=reserve_bytes, snapshot=snapshot,
                               speculation=speculation, recovered=True)
             session.history_high_water = len(session.history)
