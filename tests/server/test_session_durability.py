@@ -413,3 +413,34 @@ def test_a_restart_keeps_each_sessions_idle_time(tmp_path: Path):
         with pytest.raises(SessionNotFound):
             client.session(old).info()
         assert client.session(fresh).info().history_length > 0
+
+
+def test_a_shutdown_mid_generate_streams_every_committed_token_then_fails_unavailable(tmp_path: Path):
+    """A Generate still running when the shutdown's grace period ends stops at a step boundary, streams every token
+    it committed and fails UNAVAILABLE: the journaled history is exactly what the client received (a stream cut
+    by the gRPC server's own cancel left a committed token the client never saw)."""
+    import threading
+
+    from kakeya.errors import Unavailable
+
+    from kakeya_runtime.server.grpc_app import ServedModel
+    from kakeya_runtime.server.testing import SlowModel
+
+    def served(delay_s: float) -> ServedModel:
+        return ServedModel("tiny-llama", SlowModel(tiny_model("llama"), delay_s=delay_s),
+                           tiny_served("llama").tokenizer_json, eos_ids=(2,))
+
+    state = tmp_path / "state"
+    got: list[int] = []
+    with running_server(served(0.02), state_dir=str(state), grace_s=0.3) as thread, \
+            Client(thread.address) as client:
+        s = client.create_session([5, 6, 7])
+        stopper = threading.Timer(0.5, thread.stop)
+        stopper.start()
+        with pytest.raises(Unavailable, match="shutting down"):
+            for token in s.generate(500, ignore_eos=True):
+                got.append(token)
+        stopper.join()
+    assert 5 < len(got) < 500
+    with running_server(served(0.0), state_dir=str(state)) as thread, Client(thread.address) as client:
+        assert list(client.session(s.id).info(include_history=True).history_token_ids) == [5, 6, 7, *got]

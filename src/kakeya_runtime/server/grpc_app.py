@@ -198,6 +198,9 @@ def request_bytes_for(context_length: int) -> int:
     return context_length * TOKEN_ID_WIRE_BYTES + REQUEST_HEADROOM_BYTES
 
 
+END_GRACE_S = 1.0  # at shutdown, after the grace period: for ended Generates to stream their last tokens
+
+
 class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     def __init__(self, service: SessionService, served: ServedModel, auth: ApiKeyAuth, config: ServerConfig) -> None:
         self.service = service
@@ -509,7 +512,15 @@ class RuntimeServer:
         if self.health is not None:  # NOT_SERVING while in-flight RPCs finish
             await self.health.enter_graceful_shutdown()
         if self._server is not None:
-            await self._server.stop(self.config.grace_s)
+            # New calls are refused at once; running ones get the grace period, then each Generate ends at a step
+            # boundary, streams every token it committed and fails UNAVAILABLE (END_GRACE_S to send that)
+            stopping = asyncio.ensure_future(self._server.stop(self.config.grace_s + END_GRACE_S))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.config.grace_s
+            while self.service.generating and loop.time() < deadline and not stopping.done():
+                await asyncio.sleep(0.02)
+            self.service.end_generations()
+            await stopping
             self._server = None
         await self.service.shutdown()
         self.metrics.stop_http()

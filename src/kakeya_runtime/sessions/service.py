@@ -298,6 +298,7 @@ class SessionService:
         self.store = SessionStore(idle_ttl_s=self.config.idle_ttl_s, observer=self.observer, clock=clock,
                                   limits=limits, journal=state)
         self._worst_case: dict[PolicySpec, int] = {}
+        self._ending = False  # end_generations was called: a cancelled Generate answers UNAVAILABLE
         self.scheduler = BatchScheduler(engine, max_batch=self.config.max_concurrent,
                                         step_tokens=self.config.step_tokens,
                                         short_prompt=self.config.short_prompt, deliveries=_deliveries)
@@ -320,6 +321,20 @@ class SessionService:
             await asyncio.sleep(interval)
             self.store.sweep()
             self._start_idle_compression()
+
+    @property
+    def generating(self) -> int:
+        """Generates running or queued now."""
+        return sum(1 for session in self.store.live_sessions() if session.generating)
+
+    def end_generations(self) -> None:
+        """Shutting down, the grace period over: every running Generate stops after its current step, streams every
+        token it committed, then fails UNAVAILABLE (not a cancel the client asked for; not a stream cut off with a
+        committed token it never sent)."""
+        self._ending = True
+        for session in self.store.live_sessions():
+            if session.generating and session.cancel is not None:
+                session.cancel.set()
 
     async def shutdown(self) -> None:
         tasks = [t for t in (self._sweeper, *self._compressions) if t is not None]
@@ -452,6 +467,9 @@ class SessionService:
                     self._end_job(job)
                     if isinstance(event, SessionError):
                         raise event
+                    if event.finish_reason is FinishReason.CANCELLED and self._ending:
+                        raise Unavailable(f"the server is shutting down; the session keeps every token streamed "
+                                          f"({event.history_length} in its history)")
                 yield event
                 if job.finished:
                     return
