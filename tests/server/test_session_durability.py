@@ -444,3 +444,30 @@ def test_a_shutdown_mid_generate_streams_every_committed_token_then_fails_unavai
     assert 5 < len(got) < 500
     with running_server(served(0.0), state_dir=str(state)) as thread, Client(thread.address) as client:
         assert list(client.session(s.id).info(include_history=True).history_token_ids) == [5, 6, 7, *got]
+
+
+def test_a_close_stays_closed_when_the_journal_cannot_be_deleted(tmp_path: Path, monkeypatch):
+    """CloseSession answers OK and the session must not come back, even where the directory refuses the delete
+    (read-only, immutable: here the OS error is injected, as root could delete anyway): an ENDED record goes
+    through the journal's open file, and recovery deletes that journal."""
+    state = tmp_path / "state"
+    unlink = Path.unlink
+
+    def refusing(self: Path, missing_ok: bool = False) -> None:
+        if self.suffix == ".journal":
+            raise PermissionError(1, "Operation not permitted", str(self))
+        unlink(self, missing_ok=missing_ok)
+
+    with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
+        closed, _ = _drive(client, ("full", {}))
+        kept, history = _drive(client, ("full", {}))
+        monkeypatch.setattr(Path, "unlink", refusing)
+        client.session(closed).close()
+        monkeypatch.setattr(Path, "unlink", unlink)
+        assert (state / "sessions" / f"{closed}.journal").exists()  # the delete was refused
+    with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
+        assert thread.server.recovery.sessions == 1
+        with pytest.raises(SessionNotFound):
+            client.session(closed).info()
+        assert list(client.session(kept).info(include_history=True).history_token_ids) == history
+    assert not (state / "sessions" / f"{closed}.journal").exists()

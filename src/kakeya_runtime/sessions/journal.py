@@ -216,15 +216,26 @@ class StateDir:
                 raise JournalWriteError(e.errno, f"cannot flush the session's journal: {e.strerror}") from None
 
     def ended(self, session_id: str) -> None:
-        """The session is gone (closed, evicted or failed): its files go too."""
+        """The session is gone (closed, evicted or failed): its files go too, durably (the directory is synced, so a
+        power cut does not bring it back). Where the directory refuses (read-only, immutable), an ENDED record
+        through the journal's open file keeps it from coming back; OSError when neither is possible."""
         with self._lock:
             writer = self._writers.pop(session_id, None)
-        if writer is not None:
-            with contextlib.suppress(OSError):
-                os.close(writer.fd)
-        for path in (self.journal_path(session_id), self.snapshot_path(session_id)):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+        try:
+            try:
+                for path in (self.journal_path(session_id), self.snapshot_path(session_id)):
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                if self.fsync is not FsyncPolicy.NEVER:
+                    _fsync_dir(self.sessions_dir)
+            except OSError:
+                if writer is None or not self.journal_path(session_id).exists():
+                    raise
+                self._write(writer, records.ended_record(), sync=True)
+        finally:
+            if writer is not None:
+                with contextlib.suppress(OSError):
+                    os.close(writer.fd)
 
     # ---- snapshots -----------------------------------------------------------------------------
 
@@ -294,6 +305,11 @@ class StateDir:
                            "%s.damaged", path.name, "bad magic" if parsed is None else parsed.problem or "no header",
                            path.name)
                 path.rename(path.with_name(path.name + ".damaged"))
+            return None
+        if parsed.records[-1].kind is RecordKind.ENDED:  # closed where the file could not be deleted then
+            _log.info("state dir: %s belongs to a session that was closed; deleted", path.name)
+            with contextlib.suppress(OSError):
+                path.unlink()
             return None
         try:
             header = parsed.records[0].json()

@@ -5,8 +5,8 @@ A file (or an archive byte stream) is MAGIC followed by records, each
     u32 payload length | u32 crc32(kind byte + payload) | u8 kind | payload      (little-endian)
 
 Kinds: HEADER (UTF-8 JSON: the session's id, owner, policy, context and the model it belongs to), TOKENS
-(int32 token ids, appended to the history in order) and KV (a snapshot of the session's cache: safetensors
-bytes, sessions.snapshot). A journal is HEADER then TOKENS records; a process killed mid-write leaves at most
+(int32 token ids, appended to the history in order), KV (a snapshot of the session's cache: safetensors
+bytes, sessions.snapshot) and ENDED (empty: the session was closed where its journal could not be deleted). A journal is HEADER then TOKENS records; a process killed mid-write leaves at most
 one torn record at the end, which a reader detects (short or failing its checksum) and drops: it was never
 acknowledged, because a record is written before the call that produced it answers.
 """
@@ -32,6 +32,7 @@ class RecordKind(enum.IntEnum):
     HEADER = 1
     TOKENS = 2
     KV = 3
+    ENDED = 4
 
 
 class RecordError(ValueError):
@@ -61,6 +62,10 @@ def encode(kind: RecordKind, payload: bytes) -> bytes:
 
 def header_record(fields: dict[str, Any]) -> bytes:
     return encode(RecordKind.HEADER, json.dumps(fields, sort_keys=True).encode("utf-8"))
+
+
+def ended_record() -> bytes:
+    return encode(RecordKind.ENDED, b"")
 
 
 def tokens_record(tokens: list[int] | tuple[int, ...]) -> bytes:
