@@ -4,6 +4,7 @@ thread count. Weights cycle through enough copies to leave L2 (as a decode step 
 (`--hot`). Median of `--reps` timed batches.
 
 PYTHONPATH=src python scripts/quant_few_microbench.py --out results/quant/few_rows.json
+(`--library OLD.so` times another build of the kernels, so two can be alternated.)
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--hot", action="store_true")
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--library", type=Path, help="a built cached_attention.so to load instead of this checkout's (A/B)")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
+    if a.library:
+        native.library_path = lambda: a.library  # this process's kernels: that build
     import psutil
 
     busy = round(psutil.cpu_percent(interval=0.5) / 100.0, 3)
