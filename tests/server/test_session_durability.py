@@ -395,24 +395,29 @@ def test_a_create_cut_before_its_magic_is_deleted_not_kept_as_damaged(tmp_path: 
 
 
 def test_a_restart_keeps_each_sessions_idle_time(tmp_path: Path):
-    """Idle time counts from the session's last write, not from the restart: a server restarted more often than
-    its idle TTL never reclaimed a session nobody used (or one whose create never answered)."""
+    """Idle time counts while a server runs: from the session's last write to when the last server was last seen
+    alive (its lock file's heartbeat), so a restart does not reset it (a server restarted more often than its idle
+    TTL never reclaimed a session nobody used, or one whose create never answered) and downtime does not add to it."""
     import os
-    import time
 
     served = tiny_served()
     state = tmp_path / "state"
     with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
         old, _ = _drive(client, ("full", {}))
         fresh, _ = _drive(client, ("full", {}))
-    stale = time.time() - 120
-    os.utime(state / "sessions" / f"{old}.journal", (stale, stale))
+    alive = (state / "lock").stat().st_mtime
+    for path, when in ((state / "sessions" / f"{old}.journal", alive - 120), (state / "lock", alive)):
+        os.utime(path, (when, when))
     with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
         assert client.session(old).info().idle_s >= 119 and client.session(fresh).info().idle_s < 60
+    down = (state / "lock").stat().st_mtime - 5000  # the last server was last seen 5,000 s ago: downtime
+    for path in (state / "sessions" / f"{fresh}.journal", state / "lock"):
+        os.utime(path, (down, down))
+    os.utime(state / "sessions" / f"{old}.journal", (down - 120, down - 120))
     with running_server(served, state_dir=str(state), idle_ttl_s=60) as thread, Client(thread.address) as client:
-        with pytest.raises(SessionNotFound):
+        with pytest.raises(SessionNotFound):  # idle 120 s while a server ran: past the TTL
             client.session(old).info()
-        assert client.session(fresh).info().history_length > 0
+        assert client.session(fresh).info().idle_s < 60  # the 5,000 s without a server do not count
 
 
 def test_a_shutdown_mid_generate_streams_every_committed_token_then_fails_unavailable(tmp_path: Path):

@@ -102,6 +102,10 @@ class StateDir:
         self._lock = threading.Lock()
         self.previous_weights: str | None = None  # the served weights of the last start, where they differ
         self.sessions_dir.mkdir(parents=True, exist_ok=True)
+        lock = self.root / "lock"
+        # When the last server here was last seen alive (its lock file's heartbeat, see `heartbeat`): a session's
+        # idle time at recovery counts up to then, not through the time no server ran
+        self.last_alive: float | None = lock.stat().st_mtime if lock.exists() else None
         self._lock_fd: int | None = self._take_lock()
         try:
             self._check_state()
@@ -124,6 +128,12 @@ class StateDir:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         return fd
+
+    def heartbeat(self) -> None:
+        """This server is alive now (the lock file's mtime; the service's sweeper calls it)."""
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self._lock_fd)
 
     def _release_lock(self) -> None:
         fd, self._lock_fd = self._lock_fd, None

@@ -319,6 +319,8 @@ class SessionService:
     async def _sweep_forever(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
+            if self.state is not None:
+                self.state.heartbeat()  # so a restart knows when this server was last alive (idle times)
             self.store.sweep()
             self._start_idle_compression()
 
@@ -356,6 +358,9 @@ class SessionService:
             return RecoveryStats(0, 0, 0, 0)
         found = self.state.recover()
         tokens = snapshots = dropped = 0
+        # Idle time counts while a server ran: from a session's last write to when the last server was last seen
+        # alive (its heartbeat, or the newest journal write), so neither a restart resets it nor downtime adds to it
+        alive = max([r.mtime for r in found] + [self.state.last_alive or 0.0])
         for r in found:
             try:
                 self._check_tokens(r.history, "the journal's history")  # a journal of another vocabulary
@@ -363,7 +368,7 @@ class SessionService:
                 speculation = r.settings.get("speculation")
                 default = None if speculation is None else parse_speculation(*speculation)
                 self.store.adopt(r.id, r.owner, spec, r.context_length, r.history, reserve_bytes=self.kv_reserve(spec),
-                                 snapshot=r.snapshot, speculation=default, idle_s=time.time() - r.mtime)
+                                 snapshot=r.snapshot, speculation=default, idle_s=alive - r.mtime)
             except SessionError as e:
                 raise StateDirError(f"cannot recover session {r.id} ({len(r.history)} tokens, policy {r.policy_name}): "
                                     f"{e.message}; start with limits and policies that admit it") from None
