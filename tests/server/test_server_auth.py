@@ -60,6 +60,8 @@ def test_missing_or_wrong_key_is_unauthenticated(secured):
                 client.create_session(initial_tokens=[1])
             with pytest.raises(Unauthenticated):
                 client.session("ses_x").generate(max_tokens=2).collect()
+            with pytest.raises(Unauthenticated):  # the client-streaming call too (it answered UNKNOWN)
+                client.import_session(b"KAKEYA-SESSION\x00\x01")
     with Client(secured.address, api_key=KEY_A) as client:
         assert client.model_info().vocab_size > 0
 

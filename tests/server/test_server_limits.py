@@ -110,3 +110,52 @@ def test_a_context_past_the_models_positions_is_refused_at_start():
         RuntimeServer(served, ServerConfig(port=0, metrics_port=0, context_length=limit + 1))
     with running_server(served, context_length=limit) as thread:
         assert thread.server.service.context_length == limit
+
+
+def test_imports_in_progress_share_a_byte_budget():
+    """ImportSession buffers its archive before reading it: together the imports in progress hold at most twice the
+    largest archive; one more answers RESOURCE_EXHAUSTED (limit "imports", on /metrics) instead of the server
+    buffering without bound (16 at once once took 7 GB and kept it). A file that does not start as an archive is
+    refused at its first bytes."""
+    import contextlib
+    import threading
+    import time
+
+    import grpc
+
+    from kakeya_runtime._proto import runtime_pb2 as pb
+    from kakeya_runtime._proto import runtime_pb2_grpc as pb_grpc
+    from kakeya_runtime.sessions import records
+
+    with running_server(tiny_served(context=128)) as thread:
+        cap = thread.server.servicer.max_import_bytes
+        piece = 256 * 1024  # under the per-message limit
+        parts = [records.MAGIC + b"\0" * (piece - len(records.MAGIC))] + [b"\0" * piece] * (int(cap * 0.9) // piece - 1)
+        total = sum(map(len, parts))
+        release = threading.Event()
+        channel = grpc.insecure_channel(thread.address)
+        stub = pb_grpc.RuntimeServiceStub(channel)
+
+        def holding():  # ~90% of the largest archive, then wait: its bytes stay buffered on the server
+            yield from (pb.ImportSessionRequest(data=p) for p in parts)
+            release.wait(30)
+
+        futures = [stub.ImportSession.future(holding()) for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 10
+            while thread.server.servicer._import_bytes < 2 * total and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ImportSession(pb.ImportSessionRequest(data=p) for p in parts)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "other imports" in e.value.details()
+            assert sample(scrape(thread), "kakeya_limit_refusals_total", '{limit="imports"}') == 1
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ImportSession(iter([pb.ImportSessionRequest(data=b"PK\x03\x04" + b"\0" * 100)]))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad magic" in e.value.details()
+        finally:
+            release.set()
+            for f in futures:
+                with contextlib.suppress(grpc.RpcError):
+                    f.result(30)
+            channel.close()
+        assert thread.server.servicer._import_bytes == 0

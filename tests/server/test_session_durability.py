@@ -476,3 +476,73 @@ def test_a_close_stays_closed_when_the_journal_cannot_be_deleted(tmp_path: Path,
             client.session(closed).info()
         assert list(client.session(kept).info(include_history=True).history_token_ids) == history
     assert not (state / "sessions" / f"{closed}.journal").exists()
+
+
+def _archive_with(archive: bytes, header: object = None, edit_kv=None, meta: dict | None = None) -> bytes:
+    """The archive re-framed with its header replaced (any JSON value), or its snapshot's tensors edited by
+    edit_kv(name, tensor) / its snapshot metadata updated with `meta`."""
+    import json as _json
+
+    from safetensors.torch import load, save
+
+    parsed = records.parse(archive)
+    hdr, toks = parsed.records[0], parsed.records[1]
+    kv = parsed.records[2].payload if len(parsed.records) == 3 else None
+    if edit_kv is not None or meta is not None:
+        tensors = {k: (edit_kv(k, v) if edit_kv else v) for k, v in load(kv).items()}
+        kv = save(tensors, metadata={**snapshot_meta(kv), **(meta or {})})
+    head = hdr.payload if header is None else _json.dumps(header).encode()
+    body = records.encode(records.RecordKind.HEADER, head) + records.encode(records.RecordKind.TOKENS, toks.payload)
+    if kv is not None:
+        body += records.encode(records.RecordKind.KV, kv)
+    return records.MAGIC + body
+
+
+def test_import_refuses_hostile_archives_with_typed_errors(tmp_path: Path):
+    """Found by a hostile-input audit: each answered INTERNAL, or was accepted as 'verified' and then gave other
+    tokens (a restore cache's own history swapped) or failed every Generate (ring positions out of range)."""
+    import json as _json
+
+    with running_server(tiny_served()) as thread, Client(thread.address) as client:
+        for policy in (("restore", {"sink": 4, "window": 16}), ("sparse", POLICIES[3][1])):
+            sid, _ = _drive(client, policy if policy[0] == "restore" else ("sparse", policy[1]))
+            archive = client.session(sid).export(include_kv=True)
+            header = _json.loads(records.parse(archive).records[0].payload)
+            hostile = [_archive_with(archive, header=[1, 2]),
+                       _archive_with(archive, header={**header, "context_length": float("inf")}),
+                       _archive_with(archive, meta={"cached_length": "many"})]
+            key = "0/restore.history" if policy[0] == "restore" else "0/hot_pos"
+            if policy[0] == "restore":
+                hostile.append(_archive_with(archive, edit_kv=lambda k, t, key=key: (t + 1) % 200 if k == key else t))
+                hostile.append(_archive_with(archive, edit_kv=lambda k, t: torch.full_like(t, 2**31 - 1)
+                                             if k == "0/slot_positions" else t))
+            else:
+                hostile.append(_archive_with(archive, edit_kv=lambda k, t, key=key: torch.full_like(t, 2**31 - 1)
+                                             if k == key else t))
+            before = len(thread.server.service.store)
+            for data in hostile:
+                with pytest.raises(InvalidArgument):
+                    client.import_session(data)
+            assert len(thread.server.service.store) == before
+            assert client.import_session(archive).kv_loaded  # the genuine one still loads
+        from kakeya import KvPolicy
+
+        with pytest.raises(InvalidArgument, match="must be an integer"):
+            client.create_session([1, 2], policy=KvPolicy("sink_window", {"sink": "9" * 5000}))
+
+
+def test_a_refused_import_evicts_nothing(tmp_path: Path):
+    """At the session limit an import makes room like a create does; one whose KV snapshot does not match its
+    history is refused before that (it evicted the key's least recently used session, and counted a close)."""
+    with running_server(tiny_served(), max_sessions=2) as thread, Client(thread.address) as client:
+        first, history = _drive(client, ("full", {}))
+        second, _ = _drive(client, ("full", {}))
+        parsed = arc.decode(client.session(second).export(include_kv=True))
+        lie = arc.encode(parsed.model, "full", {}, parsed.context_length, [9] + parsed.history[1:], parsed.kv,
+                         checkpoint=parsed.checkpoint)
+        with pytest.raises(InvalidArgument, match="not the session's first"):
+            client.import_session(lie)
+        assert list(client.session(first).info(include_history=True).history_token_ids) == history
+        text = scrape_metrics(thread)
+        assert metric_value(text, "kakeya_session_evicted_total", '{reason="lru"}') == 0
+        assert metric_value(text, "kakeya_session_evicted_total", '{reason="close"}') == 0

@@ -147,7 +147,8 @@ def _int(p: Mapping[str, Any], key: str, minimum: int) -> int:
         value = None
     elif isinstance(raw, int):
         value = raw
-    elif (isinstance(raw, float) and raw.is_integer()) or (isinstance(raw, str) and _INT_TEXT.fullmatch(raw.strip())):
+    elif (isinstance(raw, float) and raw.is_integer()) or (  # a string of thousands of digits: refused, not parsed
+            isinstance(raw, str) and len(raw) <= 40 and _INT_TEXT.fullmatch(raw.strip())):
         value = int(raw)
     if value is None:
         raise PolicyError(f"KV policy parameter {key!r} must be an integer, got {raw!r}")

@@ -29,6 +29,7 @@ from kakeya_runtime.server.auth import ApiKeyAuth, AuthInterceptor, check_key
 from kakeya_runtime.server.boundary import StatusBoundary
 from kakeya_runtime.server.health import add_health_and_reflection
 from kakeya_runtime.server.metrics import RpcMetricsInterceptor, RuntimeMetrics
+from kakeya_runtime.sessions import records
 from kakeya_runtime.sessions.batch import DEFAULT_MAX_BATCH, DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOKENS
 from kakeya_runtime.sessions.budget import default_kv_budget
 from kakeya_runtime.sessions.errors import InvalidArgument, ResourceExhausted, SessionError, quoted
@@ -198,6 +199,16 @@ def request_bytes_for(context_length: int) -> int:
     return context_length * TOKEN_ID_WIRE_BYTES + REQUEST_HEADROOM_BYTES
 
 
+# Imports buffer their archive before reading it: all of them together hold at most this many of the largest
+# archive (~380 MB at SmolLM2's context); more answers RESOURCE_EXHAUSTED (16 at once once took 7 GB and kept it).
+IMPORT_BUFFER_FACTOR = 2
+
+
+def _could_start_archive(head: bytes) -> bool:
+    n = min(len(head), len(records.MAGIC))
+    return head[:n] == records.MAGIC[:n]
+
+
 END_GRACE_S = 1.0  # at shutdown, after the grace period: for ended Generates to stream their last tokens
 
 
@@ -231,6 +242,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         # An archive holds at most the context's token ids and a snapshot of the largest cache (full) at the context.
         full = service.policies.resolve("full", {}, cfg, service.context_length)
         self.max_import_bytes = 4 * service.context_length + 2 * service.kv_reserve(full) + REQUEST_HEADROOM_BYTES
+        self._import_bytes = 0  # what the imports in progress have buffered, all together
 
     async def _owner(self, context: grpc.aio.ServicerContext) -> str:
         owner = self.auth.owner(context.invocation_metadata())
@@ -350,13 +362,25 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     async def ImportSession(self, request_iterator, context):
         owner = await self._owner(context)
         parts, size = [], 0
-        async for chunk in request_iterator:
-            size += len(chunk.data)
-            if size > self.max_import_bytes:
-                raise ResourceExhausted(f"the archive exceeds {self.max_import_bytes} bytes, the most a session of "
-                                        "this server's context can take", limit="request")
-            parts.append(chunk.data)
-        session, kv_loaded = await self.service.import_session(owner, b"".join(parts))
+        try:
+            async for chunk in request_iterator:
+                data = chunk.data
+                if size < len(records.MAGIC) and not _could_start_archive(b"".join(parts)[:size] + data):
+                    raise InvalidArgument("ImportSession: not a Kakeya session file (bad magic)")  # before buffering it
+                if size + len(data) > self.max_import_bytes:
+                    raise ResourceExhausted(f"the archive exceeds {self.max_import_bytes} bytes, the most a session "
+                                            "of this server's context can take", limit="request")
+                if self._import_bytes + len(data) > IMPORT_BUFFER_FACTOR * self.max_import_bytes:
+                    raise ResourceExhausted("other imports in progress hold the bytes archives may buffer at once; "
+                                            "retry shortly", limit="imports")
+                self._import_bytes += len(data)
+                size += len(data)
+                parts.append(data)
+            archive_bytes = b"".join(parts)
+            parts.clear()
+            session, kv_loaded = await self.service.import_session(owner, archive_bytes)
+        finally:
+            self._import_bytes -= size
         await self._unless_abandoned(context, owner, session.id)
         return pb.ImportSessionResponse(session_id=session.id, history_length=len(session.history),
                                         kv_loaded=kv_loaded, policy=_policy_pb(session.policy))
@@ -450,6 +474,7 @@ class RuntimeServer:
             self.metrics_port: int | None = None
             self.openai_port: int | None = None
             self.health: Any = None  # the grpc.health.v1 servicer while serving
+            self.servicer: RuntimeServicer | None = None  # the kakeya.v1 servicer while serving
             self._openai: Any = None  # the OpenAIShim, when configured
             if c.openai_port is not None:  # built now: a model it cannot serve fails before anything binds
                 from kakeya_runtime.server.openai_shim import OpenAIShim
@@ -481,9 +506,8 @@ class RuntimeServer:
         interceptors = [RpcMetricsInterceptor(self.metrics), AuthInterceptor(self.auth),
                         StatusBoundary(on_limit=self.metrics.limit_refused)]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        pb_grpc.add_RuntimeServiceServicer_to_server(
-            RuntimeServicer(self.service, self.served, self.auth, self.config), server
-        )
+        self.servicer = RuntimeServicer(self.service, self.served, self.auth, self.config)
+        pb_grpc.add_RuntimeServiceServicer_to_server(self.servicer, server)
         self.health = await add_health_and_reflection(server, pb.DESCRIPTOR.services_by_name["RuntimeService"].full_name)
         host = self.config.host
         bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host

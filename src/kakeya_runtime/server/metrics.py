@@ -46,7 +46,7 @@ REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, gr
                  grpc.StatusCode.INTERNAL)
 # What a RESOURCE_EXHAUSTED refusal names as exceeded (sessions.errors.ResourceExhausted.limit).
 LIMITS = ("context", "model_positions", "sessions", "sessions_per_key", "kv_budget", "kv_budget_per_key", "request",
-          "state_dir", "openai_queue")
+          "state_dir", "openai_queue", "imports")
 UNKNOWN_RPC = "unknown"  # the rpc label of calls to methods the server does not serve (bounded cardinality)
 
 

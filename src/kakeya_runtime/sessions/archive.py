@@ -60,6 +60,8 @@ def decode(data: bytes) -> SessionArchive:
                            f"{[k.name for k in kinds][:8]}")
     try:
         header = parsed.records[0].json()
+        if not isinstance(header, dict):
+            raise ArchiveError("the archive's header is not a JSON object")
         if header.get("kind") != "session-archive" or header.get("format") != ARCHIVE_FORMAT:
             raise ArchiveError(f"not a session archive of format {ARCHIVE_FORMAT}")
         announced = header.get("kv")  # absent in archives written before it was recorded
@@ -73,7 +75,7 @@ def decode(data: bytes) -> SessionArchive:
         return SessionArchive(str(header["model"]), name, params, int(header["context_length"]),
                               parsed.records[1].tokens(), parsed.records[2].payload if len(kinds) == 3 else None,
                               dict(header.get("settings") or {}), str(header.get("checkpoint") or ""))
-    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError, OverflowError, RecursionError) as e:
         if isinstance(e, ArchiveError):
             raise
         raise ArchiveError(f"the archive's header is unreadable ({type(e).__name__})") from None

@@ -538,6 +538,11 @@ class SessionService:
         if speculation is not None and not (isinstance(speculation, list) and len(speculation) == 2
                                             and isinstance(speculation[0], str) and isinstance(speculation[1], int)):
             raise InvalidArgument("ImportSession: the archive's speculation setting is not [proposer, max_draft_tokens]")
+        if arc.kv is not None:  # before admission: a refused import must not have evicted anyone to make room
+            try:
+                snapshot.check_header(arc.kv, arc.history, self.model_id, self.engine.config.num_hidden_layers)
+            except snapshot.SnapshotError as e:
+                raise InvalidArgument(f"ImportSession: {e}") from None
         session = await self.create(owner, arc.history, arc.policy_name, arc.policy_params,
                                     speculation=None if speculation is None else tuple(speculation))
         if arc.kv is None:

@@ -133,17 +133,47 @@ def metadata(data: bytes) -> dict[str, str]:
         raise SnapshotError("a KV snapshot whose header runs past its end")
     try:
         meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
-    except (ValueError, UnicodeDecodeError, AttributeError):
+    except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
         raise SnapshotError("a KV snapshot with an unreadable header") from None
+    if not isinstance(meta, dict):
+        raise SnapshotError("a KV snapshot whose metadata is not a map")
     missing = {"cached_length", "history_sha256", "model", "layers"} - set(meta)
     if missing:
         raise SnapshotError(f"a KV snapshot without {', '.join(sorted(missing))}")
+    for key in ("cached_length", "layers"):
+        if not (isinstance(meta[key], str) and meta[key].isascii() and meta[key].isdigit() and len(meta[key]) < 19):
+            raise SnapshotError(f"a KV snapshot whose {key} is not a count: {str(meta[key])[:40]!r}")
     return meta
 
 
-def load(cache: ModelKV, data: bytes, history: Sequence[int], model_id: str) -> int:
-    """Fill the fresh `cache` from a snapshot of this model's K/V of a prefix of `history`; returns that prefix's
-    length. SnapshotError (the cache then holds nothing usable: rebuild it) when anything disagrees."""
+POSITION_KEYS = ("slot_positions", "hot_pos")  # which position each ring slot holds (-1: none)
+
+
+def _check_structure(states: list[dict[str, torch.Tensor]], history: Sequence[int], n: int) -> None:
+    """What the history digest does not cover, checked against the history: a restore cache's own copy of the
+    tokens it recomputes from, and the positions each ring slot claims (in [0, n) or -1 for none, none twice).
+    A snapshot failing them would attend to the wrong positions or fail every Generate after a 'verified' load."""
+    for i, state in enumerate(states):
+        own = state.get("restore.history")
+        if own is not None and (own.dim() != 2 or own.shape[1] != n
+                                or own.reshape(-1, n).ne(torch.tensor(history[:n], dtype=own.dtype)).any()):
+            raise SnapshotError(f"the KV snapshot's layer {i} restore history is not the session's first {n} tokens")
+        for key in POSITION_KEYS:
+            pos = state.get(key)
+            if pos is None:
+                continue
+            if pos.is_floating_point() or pos.dim() != 1:
+                raise SnapshotError(f"the KV snapshot's layer {i} {key} is not a list of positions")
+            held = pos[pos >= 0]
+            if bool((pos < -1).any()) or bool((held >= n).any()) or held.unique().numel() != held.numel():
+                raise SnapshotError(f"the KV snapshot's layer {i} {key} names positions outside 0..{n - 1} or one "
+                                    "twice")
+
+
+def check_header(data: bytes, history: Sequence[int], model_id: str, layers: int) -> int:
+    """What a snapshot's header alone says, checked before anything is built for it (an import checks it before
+    admitting the session, so a refused one evicts nothing): these weights, a prefix of `history` (returns its
+    length), `layers` layers. SnapshotError otherwise."""
     meta = metadata(data)
     if meta["model"] != model_id:
         raise SnapshotError(f"the KV snapshot was computed by {meta['model']}, not {model_id}")
@@ -153,9 +183,16 @@ def load(cache: ModelKV, data: bytes, history: Sequence[int], model_id: str) -> 
                             "all but the last one at most)")
     if meta["history_sha256"] != history_digest(history[:n]):
         raise SnapshotError(f"the KV snapshot's {n} tokens are not the session's first {n}")
-    layers = int(meta["layers"])
-    if layers != len(cache):
-        raise SnapshotError(f"the KV snapshot has {layers} layers, the model {len(cache)}")
+    if int(meta["layers"]) != layers:
+        raise SnapshotError(f"the KV snapshot has {meta['layers']} layers, the model {layers}")
+    return n
+
+
+def load(cache: ModelKV, data: bytes, history: Sequence[int], model_id: str) -> int:
+    """Fill the fresh `cache` from a snapshot of this model's K/V of a prefix of `history`; returns that prefix's
+    length. SnapshotError (the cache then holds nothing usable: rebuild it) when anything disagrees."""
+    n = check_header(data, history, model_id, len(cache))
+    layers = len(cache)
     try:
         flat = st_load(data)
     except Exception as e:  # safetensors raises its own error types on malformed bytes
@@ -172,6 +209,7 @@ def load(cache: ModelKV, data: bytes, history: Sequence[int], model_id: str) -> 
                 raise SnapshotError(f"the KV snapshot's layer {i} {key} is {t.dtype}, this cache keeps {want[key].dtype}")
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise SnapshotError(f"the KV snapshot's layer {i} {key} holds NaN or infinite values")
+    _check_structure(states, history, n)
     try:
         cache.load_state(states)
     except (CacheError, ValueError, KeyError, RuntimeError, IndexError) as e:
