@@ -365,7 +365,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         try:
             async for chunk in request_iterator:
                 data = chunk.data
-                if size < len(records.MAGIC) and not _could_start_archive(b"".join(parts)[:size] + data):
+                if size < len(records.MAGIC) and not _could_start_archive(b"".join(parts) + data):
                     raise InvalidArgument("ImportSession: not a Kakeya session file (bad magic)")  # before buffering it
                 if size + len(data) > self.max_import_bytes:
                     raise ResourceExhausted(f"the archive exceeds {self.max_import_bytes} bytes, the most a session "

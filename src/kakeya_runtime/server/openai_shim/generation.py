@@ -24,7 +24,7 @@ from kakeya_runtime.engine.generate import FinishReason
 from kakeya_runtime.server.openai_shim.errors import OpenAIError, call, from_session_error
 from kakeya_runtime.server.openai_shim.parsing import ShimRequest
 from kakeya_runtime.server.openai_shim.responses import Finish, Piece
-from kakeya_runtime.sessions.errors import ResourceExhausted, SessionError
+from kakeya_runtime.sessions.errors import ResourceExhausted, SessionError, Unavailable
 from kakeya_runtime.sessions.service import DoneEvent, SessionService
 from kakeya_runtime.sessions.stops import Detokenize, StopMatcher, StreamDecoder
 
@@ -138,8 +138,8 @@ class SingleShot:
 
 
 def _shutting_down() -> OpenAIError:
-    return OpenAIError(503, "the server is shutting down; retry on another instance or after it restarts",
-                       type="server_error", code="unavailable", headers={"retry-after": "5"})
+    return from_session_error(Unavailable("the server is shutting down; retry on another instance or after it "
+                                          "restarts"))
 
 
 async def until_disconnect(request: Request, awaitable: Awaitable[Any]) -> Any:
