@@ -111,3 +111,24 @@ def test_sparse_counters_are_labelled_by_the_models_layer_index():
     text = generate_latest(metrics.registry).decode()
     assert [sample(text, "kakeya_sparse_blocks_selected_total", f'{{layer="{i}"}}') for i in (5, 11, 17)] == [2, 4, 6]
     assert 'layer="0"' not in text
+
+
+def test_generates_are_counted_by_finish_reason():
+    from kakeya_runtime.server.testing import TINY_VOCAB
+
+    with running_server(tiny_served()) as thread, Client(thread.address) as client:
+        text = scrape(thread)
+        assert [sample(text, "kakeya_generate_finished_total", f'{{reason="{r}"}}') for r in
+                ("stop", "length", "cancelled")] == [0, 0, 0]
+        s = client.create_session(initial_tokens=[5, 6, 7])
+        s.generate(max_tokens=3, ignore_eos=True).collect()
+        assert s.generate(max_tokens=9, stop_tokens=range(TINY_VOCAB)).collect()  # stops at its first token
+        gen = s.generate(max_tokens=400, ignore_eos=True)
+        next(iter(gen))
+        gen.cancel()
+        with pytest.raises(InvalidArgument):  # refused before it began: an error, not a finish
+            s.generate(max_tokens=3, temperature=-1.0).collect()
+        s.append([9])  # waits for the cancelled turn to end (its turn is taken after it)
+        text = scrape(thread)
+        assert [sample(text, "kakeya_generate_finished_total", f'{{reason="{r}"}}') for r in
+                ("stop", "length", "cancelled")] == [1, 1, 1]

@@ -56,3 +56,19 @@ def test_port_problem_passes_free_and_any_ports(busy_port):
     assert port_problem([Listen("--metrics-port", "127.0.0.1", busy_port)]) is not None
     bad_host = port_problem([Listen("--port", "no-such-host.invalid", 5)])
     assert bad_host is not None and "--host" in bad_host
+
+
+def test_serve_refuses_a_state_dir_in_use_before_loading(tmp_path):
+    from kakeya_runtime.sessions.journal import StateDir
+
+    state = StateDir(tmp_path / "state", "m", "c")  # this process holds its lock, as a running server would
+    try:
+        code, output = _serve("--port", str(_free_port()), "--metrics-port", str(_free_port()),
+                              "--state-dir", str(tmp_path / "state"))
+    finally:
+        state.close()
+    assert code == 1, output
+    assert "in use by another server" in output and "Loading" not in output, output
+    code, output = _serve("--port", str(_free_port()), "--metrics-port", str(_free_port()),
+                          "--state-dir", str(tmp_path / "state"))
+    assert "in use" not in output and "/no/such/model.gguf" in output, output  # once free, the load is reached

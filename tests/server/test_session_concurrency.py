@@ -175,6 +175,43 @@ def test_close_during_generate_cancels_it_and_frees_the_cache(durable, tmp_path)
         assert slow_server.server.service.store.kv_live_bytes() == 0
 
 
+@pytest.mark.parametrize("how", ["close", "client_gone"])
+def test_a_queued_generate_that_is_abandoned_leaves_the_queue_at_once(slow_server, how):
+    # Not when the engine reaches it: a closed session's reservation would be held for another turn's whole length.
+    store, scheduler = slow_server.server.service.store, slow_server.server.service.scheduler
+    with Client(slow_server.address) as client:
+        busy = client.create_session(initial_tokens=[1, 2])
+        running = iter(busy.generate(max_tokens=80, ignore_eos=True))
+        next(running)
+        s = client.create_session(initial_tokens=[3, 4])
+        reserved = store.kv_reserved_bytes()
+        with Client(slow_server.address) as other:
+            queued = other.session(s.id).generate(max_tokens=5, ignore_eos=True)  # the call starts here
+            waited = threading.Thread(target=lambda: list(queued))
+            waited.start()
+            deadline = time.time() + 5
+            while scheduler.queued == 0 and time.time() < deadline:
+                time.sleep(0.005)
+            assert scheduler.queued == 1
+            if how == "close":
+                client.session(s.id).close()
+            else:
+                queued.cancel()
+            waited.join(5)
+            assert not waited.is_alive()
+            if how == "close":
+                assert queued.finish_reason is FinishReason.CANCELLED
+        deadline = time.time() + 5
+        while scheduler.queued and time.time() < deadline:
+            time.sleep(0.005)
+        assert scheduler.queued == 0 and scheduler.backlog == 0
+        if how == "close":
+            assert store.kv_reserved_bytes() < reserved  # freed while the other turn still runs
+        assert scheduler.running == 1  # the other session's turn still decodes
+        rest = list(running)
+        assert len(rest) == 79
+
+
 def test_async_client_cancellation(slow_server):
     async def main():
         async with AsyncClient(slow_server.address) as client:
@@ -213,3 +250,38 @@ def test_shutdown_with_generations_in_flight_is_prompt():
             with pytest.raises(KakeyaError):
                 list(gen)
         client.close()
+
+
+def test_a_free_row_goes_to_the_key_running_the_fewest_before_another_turn_of_a_busy_key():
+    """FIFO would hand the row to key A's third turn (queued first); A runs one row already, B none: B's goes first."""
+    keys = ("key-a-0123456789abcdef", "key-b-0123456789abcdef")
+    slow = SlowModel(tiny_model(), DELAY)
+    with running_server(tiny_served(model=slow), max_concurrent=2, api_keys=keys) as thread, \
+            Client(thread.address, api_key=keys[0]) as a, Client(thread.address, api_key=keys[1]) as b:
+        scheduler = thread.server.service.scheduler
+        a1, a2, a3 = (a.create_session(initial_tokens=[1 + i, 2]) for i in range(3))
+        b1 = b.create_session(initial_tokens=[7, 8])
+        first = iter(a1.generate(max_tokens=12, ignore_eos=True))
+        long = iter(a2.generate(max_tokens=60, ignore_eos=True))
+        next(first), next(long)
+        ended: dict[str, float] = {}
+
+        def run(name, session):
+            session.generate(max_tokens=3, ignore_eos=True).collect()
+            ended[name] = time.perf_counter()
+
+        waiters = [threading.Thread(target=run, args=("a3", a3))]
+        waiters[0].start()
+        deadline = time.time() + 5
+        while scheduler.queued < 1 and time.time() < deadline:
+            time.sleep(0.002)
+        waiters.append(threading.Thread(target=run, args=("b1", b1)))
+        waiters[1].start()
+        while scheduler.queued < 2 and time.time() < deadline:
+            time.sleep(0.002)
+        assert scheduler.queued == 2  # a3 queued before b1
+        list(first)  # a1 ends: its row is free
+        for w in waiters:
+            w.join(30)
+        assert ended["b1"] < ended["a3"]
+        list(long)

@@ -159,6 +159,14 @@ def serve(
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
+    if state_dir is not None:  # another server on it: refused now, not after the model load
+        from kakeya_runtime.sessions.journal import StateDir, StateDirError
+
+        try:
+            StateDir.check_free(state_dir)
+        except StateDirError as e:
+            console.print(f"[red]error:[/] {e}", soft_wrap=True)
+            raise typer.Exit(1) from None
 
 
     try:

@@ -28,6 +28,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from kakeya_runtime.engine.generate import FinishReason
 from kakeya_runtime.kv.idle import IdleStats
 from kakeya_runtime.kv.spec import POLICIES
 from kakeya_runtime.sessions.batch import BatchScheduler
@@ -164,6 +165,14 @@ class RuntimeMetrics:
             "kakeya_generated_tokens_total", "Tokens sampled by Generates that finished (stop, length or cancel).",
             registry=r,
         )
+        self.generate_finished_total = Counter(
+            "kakeya_generate_finished_total", "Generates that ended with a final event, by finish reason: stop (an "
+            "end token or stop string), length (max_tokens or the context), cancelled (the client left, a deadline, a "
+            "close or the server's shutdown; counted even before the turn began). Errors: kakeya_rpc_errors_total.",
+            ["reason"], registry=r,
+        )
+        for reason in FinishReason:
+            self.generate_finished_total.labels(reason.value)
         self.session_kv_reserved_bytes = Gauge(
             "kakeya_session_kv_reserved_bytes", "KV bytes sessions reserve against the budget (each its worst case).",
             registry=r,
@@ -319,6 +328,9 @@ class RuntimeMetrics:
                 index = self.sparse_layers[i] if i < len(self.sparse_layers) else i
                 for name, counter in self.sparse_total.items():
                     counter.labels(str(index)).inc(layer[name])
+
+    def generate_done(self, reason: FinishReason) -> None:
+        self.generate_finished_total.labels(reason.value).inc()
 
     def rpc_finished(self, rpc: str, code: grpc.StatusCode) -> None:
         """A gRPC call ended (called on the server's event loop by RpcMetricsInterceptor)."""

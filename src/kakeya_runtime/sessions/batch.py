@@ -1,7 +1,8 @@
 """Continuous batching: one engine thread steps every running Generate.
 
-The loop admits Generates in FIFO order up to `max_batch` running at once (the rest wait in the queue) and then,
-step after step:
+The loop admits Generates up to `max_batch` running at once (the rest wait in the queue), FIFO within an API key
+and, across keys, the key with the fewest rows running first (a free row goes to a waiting key before another turn
+of a key that already runs more), and then, step after step:
 
 * every plain (non-speculative) row that has a sampled token to feed decodes it in ONE forward
   (`Engine.decode_rows`: projections and MLP batched, attention per row over the row's own cache; each row's
@@ -80,6 +81,7 @@ class Turn(Protocol):
 class _Row:
     turn: Turn
     future: Future
+    owner: str = ""  # the API key whose Generate this is (admission shares the batch between keys)
     stream: TokenStream | None = None  # plain rows
     steps: Iterator[list[int]] | None = None  # speculative rows
     done: bool = False
@@ -156,14 +158,38 @@ class BatchScheduler:
             self._cv.notify()
         return call.future
 
-    def submit_turn(self, turn: Turn) -> Future:
-        row = _Row(turn, Future())
+    def submit_turn(self, turn: Turn, owner: str = "") -> Future:
+        row = _Row(turn, Future(), owner)
         with self._cv:
             if self._closing:
                 raise RuntimeError("the scheduler is shut down")
             self._waiting.append(row)
             self._cv.notify()
         return row.future
+
+    def withdraw_cancelled(self) -> int:
+        """End now the queued Generates whose turn was cancelled (its client went away, its session was closed), not
+        when the loop reaches them: a closed session's cache and KV reservation are freed at once, and abandoned turns
+        stop counting as a backlog. Returns how many. A cancelled turn's begin() answers without touching the
+        session or the engine, so it runs here, on the caller's thread."""
+        with self._cv:
+            gone = [row for row in self._waiting if row.turn.cancelled()]
+            for row in gone:
+                self._waiting.remove(row)
+        for row in gone:
+            if not row.future.set_running_or_notify_cancel():
+                continue
+            try:
+                opened = row.turn.begin()  # answers CANCELLED
+            except Exception as e:
+                self._fail(row, e)
+                continue
+            if opened is not None:  # the Turn contract broke (a cancelled turn began): end it, never batch it from here
+                row.stream, row.steps = (opened, None) if isinstance(opened, TokenStream) else (None, opened)
+                self._fail(row, RuntimeError("a cancelled Generate began"))
+                continue
+            self._end(row)
+        return len(gone)
 
     @property
     def queued(self) -> int:
@@ -218,7 +244,7 @@ class BatchScheduler:
                 self._calls.clear()
                 admit: list[_Row] = []
                 while self._waiting and len(self._active) + len(admit) < self.max_batch:
-                    admit.append(self._waiting.popleft())
+                    admit.append(self._next_waiting(admit))
             for call in calls:
                 self._run_call(call)
             for row in admit:
@@ -226,6 +252,17 @@ class BatchScheduler:
             if self._active:
                 self._step()
                 self._active = [r for r in self._active if not r.done]
+
+    def _next_waiting(self, admitted: list[_Row]) -> _Row:
+        """FIFO within an owner; across owners, the first waiting turn of the owner with the fewest rows in the batch,
+        so one key's burst of Generates cannot take every row while another key's turn waits. (Under the lock.)"""
+        rows: dict[str, int] = {}
+        for row in (*self._active, *admitted):
+            if not row.done:
+                rows[row.owner] = rows.get(row.owner, 0) + 1
+        best = min(self._waiting, key=lambda r: rows.get(r.owner, 0))  # min keeps the first of equals: FIFO
+        self._waiting.remove(best)
+        return best
 
     def _run_call(self, call: _Call) -> None:
         if not call.future.set_running_or_notify_cancel():

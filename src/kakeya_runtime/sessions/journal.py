@@ -113,18 +113,39 @@ class StateDir:
             self._release_lock()
             raise
 
+    @staticmethod
+    def check_free(root: str | Path) -> None:
+        """Raise StateDirError when another server holds `root` now (creates nothing): `kakeya serve` asks before its
+        model load, so a second server on the same directory is refused at once. The lock taken at start-up decides."""
+        path = Path(root) / "lock"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # no lock file (a new directory) or unreadable: the start-up lock answers
+            return
+        try:
+            StateDir._flock_or_refuse(fd, Path(root))
+        finally:
+            os.close(fd)  # releases the probe's lock
+
+    @staticmethod
+    def _flock_or_refuse(fd: int, root: Path) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise StateDirError(f"the state directory {root} is in use by another server (pid {holder}); stop "
+                                "it, or pass another --state-dir") from None
+
     def _take_lock(self) -> int:
         """An exclusive lock on DIR/lock for this server's life: two servers journaling the same sessions would each
         append what the other never saw, and one's CloseSession would delete the other's journals."""
         path = self.root / "lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            self._flock_or_refuse(fd, self.root)
+        except StateDirError:
             os.close(fd)
-            raise StateDirError(f"the state directory {self.root} is in use by another server (pid {holder}); stop "
-                                "it, or pass another --state-dir") from None
+            raise
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         return fd

@@ -161,6 +161,9 @@ GenerateEvent = TokensEvent | DoneEvent
 class ServiceObserver(StoreObserver, Protocol):
     def generate_finished(self, stats: GenerateStats, history_tokens: int) -> None: ...
 
+    def generate_done(self, reason: FinishReason) -> None:
+        """Every Generate that answered its final event, by finish reason (one that began decoding, or not)."""
+
     def session_idle_compressed(self, stats: IdleStats) -> None: ...
 
     def kv_restored(self, source: str) -> None:
@@ -170,6 +173,9 @@ class ServiceObserver(StoreObserver, Protocol):
 
 class _NullServiceObserver(NullObserver):
     def generate_finished(self, stats: GenerateStats, history_tokens: int) -> None:
+        pass
+
+    def generate_done(self, reason: FinishReason) -> None:
         pass
 
     def session_idle_compressed(self, stats: IdleStats) -> None:
@@ -434,6 +440,7 @@ class SessionService:
 
     async def close(self, owner: str, session_id: str) -> None:
         self.store.close(owner, session_id)
+        self.scheduler.withdraw_cancelled()  # its queued Generate ends now, freeing the cache and reservation
 
     def info(self, owner: str, session_id: str, *, include_history: bool = False) -> SessionSnapshot:
         return self.store.snapshot(owner, session_id, include_history=include_history)
@@ -452,7 +459,7 @@ class SessionService:
         try:
             self._mutate(session, lambda: self.store.begin_generate(session, request.max_new_tokens, job.cancel))
             try:
-                future = self.scheduler.submit_turn(_Turn(self, job))
+                future = self.scheduler.submit_turn(_Turn(self, job), session.owner)
             except RuntimeError:  # the scheduler was shut down
                 handed_off = job.finished = True
                 self._end_job(job)
@@ -482,7 +489,8 @@ class SessionService:
             if not handed_off:
                 self._release_turn(session)
             elif not job.finished:
-                job.cancel.set()  # the client went away: stop after the current step
+                job.cancel.set()  # the client went away: stop after the current step, or leave the queue now
+                self.scheduler.withdraw_cancelled()
 
     # ---- export and import -------------------------------------------------------------------
 
@@ -777,7 +785,7 @@ class _Turn:
         self.queue_s = time.perf_counter() - job.submitted_at
         self.history_at_start = len(session.history)
         if job.cancel.is_set():  # client gone or session closed while queued: touch nothing
-            job.emit(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=self.queue_s), self.history_at_start))
+            self._done(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=self.queue_s), self.history_at_start))
             return None
         try:
             if session.cache is None:
@@ -804,6 +812,10 @@ class _Turn:
     def cancelled(self) -> bool:
         return self.job.cancel.is_set()
 
+    def _done(self, event: DoneEvent) -> None:
+        self.service.observer.generate_done(event.finish_reason)
+        self.job.emit(event)
+
     def deliver(self, tokens: list[int]) -> bool:
         session, store, job = self.job.session, self.service.store, self.job
         if isinstance(self.stream, SpeculativeStream):  # the cache already holds everything before the last token
@@ -822,7 +834,7 @@ class _Turn:
         assert stream is not None
         if isinstance(stream, TokenStream) and stream.prefill_left > 0:  # cancelled between prefill chunks
             store.keep_prefilled(session)  # the chunks read stay cached; nothing was committed
-            job.emit(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=self.queue_s, resume_s=self.resume_s),
+            self._done(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=self.queue_s, resume_s=self.resume_s),
                                self.history_at_start))
             return
         stop_string = None
@@ -857,7 +869,7 @@ class _Turn:
             speculation_pauses=spec.off_switches,
         )
         svc.observer.generate_finished(stats, self.history_at_start)
-        job.emit(DoneEvent(result.finish_reason, stats, len(session.history), stop_string))
+        self._done(DoneEvent(result.finish_reason, stats, len(session.history), stop_string))
 
     def fail(self, e: Exception) -> None:
         """An error after the turn began: an invariant violation fails the session; an engine error rolls it back
