@@ -546,3 +546,38 @@ def test_a_refused_import_evicts_nothing(tmp_path: Path):
         text = scrape_metrics(thread)
         assert metric_value(text, "kakeya_session_evicted_total", '{reason="lru"}') == 0
         assert metric_value(text, "kakeya_session_evicted_total", '{reason="close"}') == 0
+
+
+@pytest.mark.parametrize("cut_fails", [False, True])
+def test_an_append_whose_flush_fails_is_undone_or_says_it_was_applied(tmp_path: Path, monkeypatch, cut_fails):
+    """AppendTokens wrote its record, then fsync failed: the call answers UNAVAILABLE. A client that retries must not
+    duplicate the tokens, so the record is cut and the tokens dropped; where the journal cannot be cut either, the
+    tokens stay (memory = journal) and the error says they were appended."""
+    import os
+
+    from kakeya.errors import Unavailable
+
+    state = tmp_path / "state"
+    fsync, ftruncate = os.fsync, os.ftruncate
+
+    def failing(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    def refusing(fd: int, size: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
+        s = client.create_session([5, 6, 7])
+        monkeypatch.setattr(os, "fsync", failing)
+        if cut_fails:
+            monkeypatch.setattr(os, "ftruncate", refusing)
+        with pytest.raises(Unavailable, match="were appended" if cut_fails else "flush"):
+            s.append([8, 9])
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "ftruncate", ftruncate)
+        expected = [5, 6, 7, 8, 9] if cut_fails else [5, 6, 7]
+        assert list(s.info(include_history=True).history_token_ids) == expected
+        s.append([10])
+        expected.append(10)
+    with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
+        assert list(client.session(s.id).info(include_history=True).history_token_ids) == expected

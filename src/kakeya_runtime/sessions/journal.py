@@ -234,6 +234,20 @@ class StateDir:
         writer = self._writer(session_id)
         self._write(writer, records.tokens_record(list(tokens)), sync=self.fsync is FsyncPolicy.ALWAYS)
 
+    def size(self, session_id: str) -> int:
+        """Bytes of whole records in the session's journal (a mark `cut` returns to)."""
+        return self._writer(session_id).size
+
+    def cut(self, session_id: str, size: int) -> None:
+        """Drop the records written after `size` (a call that failed after writing them: it answers as never made,
+        so its records must not come back at recovery). OSError when the file cannot be cut."""
+        writer = self._writer(session_id)
+        os.ftruncate(writer.fd, size)
+        writer.size = size
+        if self.fsync is not FsyncPolicy.NEVER:  # best effort: the flush that failed just now may fail again
+            with contextlib.suppress(OSError):
+                os.fsync(writer.fd)
+
     def call_ended(self, session_id: str) -> None:
         """A call that wrote records is about to answer: under `call`, make them durable now."""
         if self.fsync is not FsyncPolicy.CALL:

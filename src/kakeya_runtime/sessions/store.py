@@ -109,6 +109,10 @@ class Journal(Protocol):
 
     def appended(self, session_id: str, tokens: Sequence[int]) -> None: ...
 
+    def size(self, session_id: str) -> int: ...
+
+    def cut(self, session_id: str, size: int) -> None: ...
+
     def call_ended(self, session_id: str) -> None: ...
 
     def ended(self, session_id: str) -> None: ...
@@ -446,10 +450,23 @@ class SessionStore:
                     f"history of {len(session.history)} + {len(tokens)} appended tokens exceeds the "
                     f"context length {session.context_length}"
                 )
+            mark = self._journal_size(session)
             self._journal_tokens(session, tokens)
+            try:
+                self.call_ended(session)  # flushed before the tokens count
+            except SessionError:  # written but not flushed: cut the record, so the answer "not appended" is true
+                try:
+                    if mark is not None:
+                        self.journal.cut(session.id, mark)
+                except OSError:  # the record stays: so do the tokens, and the answer says so
+                    session.history.extend(tokens)
+                    self.check(session)
+                    raise Unavailable(f"the server could not flush the session's journal; the {len(tokens)} tokens "
+                                      "were appended but may not survive a crash (see the session's history "
+                                      "length)") from None
+                raise
             session.history.extend(tokens)
             self.check(session)
-            self.call_ended(session)
             return len(session.history)
 
     def begin_generate(self, session: Session, max_tokens: int, cancel: threading.Event) -> None:
@@ -604,6 +621,12 @@ class SessionStore:
         if self.journal is not None and session.durable:
             with _journal_errors():
                 self.journal.call_ended(session.id)
+
+    def _journal_size(self, session: Session) -> int | None:
+        if self.journal is not None and session.durable and session.state is SessionState.ACTIVE:
+            with _journal_errors():
+                return self.journal.size(session.id)
+        return None
 
     def _journal_tokens(self, session: Session, tokens: Sequence[int]) -> None:
         # A session ended mid-step (closed, evicted) took its journal with it; its last step's tokens go nowhere.
