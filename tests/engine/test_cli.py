@@ -31,6 +31,8 @@ def test_streaming_decoder_keeps_multibyte_characters_whole(tiny_gguf, tmp_path)
     assert "".join(pieces) == "naïve café 😀 中文 — done "  # the special token is skipped
     assert not any("\ufffd" in p for p in pieces)
     assert len(pieces) > 5  # streamed, not buffered to the end
+    cut = tok.encode("café 😀").ids[:-1]  # the stream ends inside the emoji: shown as a whole decode spells it
+    assert "".join(iter_text(tok, cut)) == tok.decode(cut) and tok.decode(cut).endswith("\ufffd")
 
 
 def test_generate_raw_streams_the_greedy_tokens(tiny_gguf, tmp_path):

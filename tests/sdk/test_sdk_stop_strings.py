@@ -99,7 +99,7 @@ def test_history_before_the_call_is_never_matched(client, tok, reference):
 
 
 def test_bad_stop_strings_are_refused_and_change_nothing(client):
-    bad = [[""], ["x" * (MAX_STOP_STRING_CHARS + 1)], [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], [b"bytes"]]
+    bad = [[""], ["x" * (MAX_STOP_STRING_CHARS + 1)], [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], [b"bytes"], 5]
     with client.create_session(initial_tokens=[10, 11, 12]) as s:
         for stop in bad:
             with pytest.raises(InvalidArgument):
@@ -108,6 +108,7 @@ def test_bad_stop_strings_are_refused_and_change_nothing(client):
         assert list(info.history_token_ids) == [10, 11, 12] and info.generate_calls == 0
         ok = ["x" * MAX_STOP_STRING_CHARS] + [f"s{i}" for i in range(MAX_STOP_STRINGS - 1)]
         assert len(s.generate(max_tokens=3, ignore_eos=True, stop=ok + ok).collect()) == 3  # at the limits: fine
+        assert len(s.generate(max_tokens=2, ignore_eos=True, stop=None).collect()) == 2  # None: no stop strings
 
 
 def test_a_server_without_a_tokenizer_refuses_stop_strings():

@@ -72,6 +72,26 @@ def test_chat_raw_mode(server):
     assert result.exit_code == 0 and "prefill 27 tok" in result.output  # "be brief\n\n" first (it was dropped)
 
 
+def test_chat_raw_encodes_its_first_turn_as_the_tokenizer_does():
+    """A model whose BOS id is a chat token its tokenizer does not add to plain text (SmolLM2: <|im_start|>): the
+    raw first turn is the text's own tokens, as `kakeya generate --raw` sends, not BOS + them."""
+    import dataclasses
+
+    from kakeya_runtime.server.testing import running_server, tiny_served
+
+    with running_server(dataclasses.replace(tiny_served(), bos_id=1)) as thread:
+        result = CliRunner().invoke(_app(), ["chat", "--addr", thread.address, "--raw", "--max-tokens", "3"],
+                                    input="once upon a time\n")
+    assert result.exit_code == 0 and "prefill 17 tok" in result.output, result.output
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--max-tokens", "0"), ("--temperature", "-1"), ("--top-p", "2"),
+                                             ("--seed", "-1")])
+def test_chat_refuses_bad_settings_before_connecting(flag, value):
+    result = CliRunner().invoke(_app(), ["chat", "--addr", "127.0.0.1:1", flag, value], input="hi\n")
+    assert result.exit_code == 2 and flag in result.output and "cannot reach" not in result.output, result.output
+
+
 def test_chat_reports_an_unreachable_server():
     result = CliRunner().invoke(_app(), ["chat", "--addr", "127.0.0.1:1"], input="")
     assert result.exit_code == 1 and "cannot reach" in result.output

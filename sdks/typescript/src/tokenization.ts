@@ -209,6 +209,7 @@ export class StreamDecoder {
   private held = ""; // text that may still become a stop string
   private prefix = 0;
   private read = 0;
+  private sent = 0; // UTF-16 units after the read offset already emitted (before an incomplete character)
 
   constructor(tokenizer: Tokenizer, options: StreamDecoderOptions = {}) {
     this.tokenizer = tokenizer;
@@ -228,10 +229,19 @@ export class StreamDecoder {
     this.ids.push(tokenId);
     const before = this.decodeRange(this.ids.slice(this.prefix, this.read));
     const text = this.decodeRange(this.ids.slice(this.prefix));
+    const start = before.length + this.sent;
     if (text.length > before.length && !text.endsWith("\ufffd")) {
       this.prefix = this.read;
       this.read = this.ids.length;
-      return this.holdBack(text.slice(before.length));
+      this.sent = 0;
+      return this.holdBack(text.slice(start));
+    }
+    // A token may end complete characters and begin an incomplete one (a space and an emoji's first bytes):
+    // the complete ones go now (a stop string may end in them); only the incomplete tail waits.
+    const complete = text.replace(/\ufffd+$/u, "").length;
+    if (complete > start) {
+      this.sent += complete - start;
+      return this.holdBack(text.slice(start, complete));
     }
     return "";
   }
@@ -240,8 +250,10 @@ export class StreamDecoder {
   flush(): string {
     const before = this.decodeRange(this.ids.slice(this.prefix, this.read));
     const text = this.decodeRange(this.ids.slice(this.prefix));
+    const start = before.length + this.sent;
     this.prefix = this.read = this.ids.length;
-    let out = this.holdBack(text.slice(before.length));
+    this.sent = 0;
+    let out = this.holdBack(text.slice(start));
     if (this.stopString === null) {
       out += this.held;
       this.held = "";

@@ -105,6 +105,26 @@ describe("tokenization", () => {
     assert.equal(streamed.join(""), text);
   });
 
+  it("a token ending characters and starting another shows the complete ones at once", () => {
+    // The byte-level vocabulary plus one merge: a space with the first byte of a 4-byte character, as real BPE
+    // vocabularies have (SmolLM2's " " + an emoji's first three bytes). A stop string ending in the space
+    // completes on that token, not one token late, as the server matches it.
+    const spec = JSON.parse(tok.tokenizerJson);
+    spec.model.vocab["Ġð"] = Object.keys(spec.model.vocab).length;
+    spec.model.merges = [["Ġ", "ð"]];
+    const merged = new Tokenizer(JSON.stringify(spec));
+    const ids = merged.encode("a 😀 b");
+    const first = ids.indexOf(spec.model.vocab["Ġð"]);
+    assert.equal(merged.decode(ids.slice(first, first + 1)), " \ufffd");
+    const dec = merged.streamDecoder();
+    const pieces = ids.map((i) => dec.push(i));
+    assert.equal(pieces[first], " ");
+    assert.equal(pieces.join("") + dec.flush(), "a 😀 b");
+    const stopped = merged.streamDecoder({ stop: "a " });
+    assert.equal(ids.slice(0, first + 1).map((i) => stopped.push(i)).join(""), "");
+    assert.equal(stopped.stopString, "a ");
+  });
+
   it("the stream decoder holds back stop strings", async () => {
     const text = "say <<END>> and more";
     const ids = tok.encode(text);

@@ -113,14 +113,22 @@ def generate(
 def iter_text(tokenizer: Tokenizer, token_ids: Iterable[int]) -> Iterator[str]:
     """Text pieces as tokens arrive. A token that ends part-way through a UTF-8 character (byte-level BPE,
     byte-fallback pieces) yields nothing until the character is complete, so multi-byte text never comes
-    out as U+FFFD halves; special tokens are skipped."""
+    out as U+FFFD halves; special tokens are skipped. A character still incomplete when the tokens end comes out
+    as the whole decode spells it (U+FFFD), as the server and the SDKs show it, rather than being dropped."""
     from tokenizers.decoders import DecodeStream
 
     decoder = DecodeStream(skip_special_tokens=True)
+    ids: list[int] = []
+    emitted = 0
     for token_id in token_ids:
+        ids.append(token_id)
         piece = decoder.step(tokenizer, token_id)
         if piece:
+            emitted += len(piece)
             yield piece
+    rest = tokenizer.decode(ids, skip_special_tokens=True)[emitted:]
+    if rest:
+        yield rest
 
 
 def _chat_prompt_ids(loaded: LoadedModel, prompt: str) -> list[int]:

@@ -459,6 +459,15 @@ def chat(
         ) from None
     console = Console(highlight=False)
     out = sys.stdout
+    problem = next((text for bad, text in (
+        (max_tokens < 1, f"--max-tokens must be >= 1, got {max_tokens}"),
+        (not 0 <= temperature <= 100, f"--temperature must be in [0, 100], got {temperature}"),
+        (top_p is not None and not 0 < top_p <= 1, f"--top-p must be in (0, 1], got {top_p}"),
+        (seed is not None and not 0 <= seed < 2**63, f"--seed must be in [0, 2**63), got {seed}"),
+    ) if bad), None)
+    if problem:  # before connecting, not at the first reply
+        console.print(f"[red]error:[/] {problem}")
+        raise typer.Exit(2)
     if root_certificates is not None and not Path(root_certificates).is_file():
         console.print(f"[red]error:[/] --root-certificates {root_certificates!r} is not a readable file")
         raise typer.Exit(2)
@@ -516,9 +525,10 @@ def chat(
                         delta = tok.tokens_for_chat(messages)
                         console.print("[yellow]template re-render: new session, full prefill[/]")
                 else:
-                    bos = [info.bos_token_id] if not history and info.bos_token_id is not None else []
                     preamble = system + "\n\n" if system and not history else ""  # raw text: the system text first
-                    delta = bos + tok.encode(preamble + user + "\n")
+                    # the first turn with the tokenizer's own special tokens (BOS where the model wants one, as
+                    # `kakeya generate --raw` encodes): not bos_token_id always (SmolLM2's is <|im_start|>)
+                    delta = tok.encode(preamble + user + "\n", add_special_tokens=not history)
                 room = info.context_length - len(history) - len(delta)
                 if room < 1:
                     console.print("[red]context full:[/] /reset to start a new session")

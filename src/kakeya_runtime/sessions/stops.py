@@ -64,22 +64,32 @@ class StreamDecoder:
     ids: list[int] = field(default_factory=list)
     _prefix: int = 0
     _read: int = 0
+    _sent: int = 0  # characters after the window's read offset already emitted (before an incomplete one)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         before = self.decode(self.ids[self._prefix:self._read])
         text = self.decode(self.ids[self._prefix:])
+        start = len(before) + self._sent
         if len(text) > len(before) and not text.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self.ids)
-            return text[len(before):]
+            self._prefix, self._read, self._sent = self._read, len(self.ids), 0
+            return text[start:]
+        # A token may end complete characters and begin an incomplete one (a space and an emoji's first bytes):
+        # the complete ones go now (a stop string may end in them); only the incomplete tail waits.
+        complete = len(text.rstrip("\ufffd"))
+        if complete > start:
+            self._sent += complete - start
+            return text[start:complete]
         return ""
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the end of the stream)."""
         before = self.decode(self.ids[self._prefix:self._read])
         text = self.decode(self.ids[self._prefix:])
+        start = len(before) + self._sent
         self._prefix = self._read = len(self.ids)
-        return text[len(before):]
+        self._sent = 0
+        return text[start:]
 
 
 @dataclass(slots=True)

@@ -107,9 +107,12 @@ def create_request(initial_tokens: Iterable[int] | None, policy: KvPolicy | str 
 
 def generate_request(session_id: str, *, max_tokens: int, seed: int | None, temperature: float, top_k: int,
                      top_p: float | None, stop_tokens: Iterable[int], ignore_eos: bool,
-                     stop: str | Iterable[str] = (),
+                     stop: str | Iterable[str] | None = (),
                      speculation: Speculation | str | None = None) -> pb.GenerateRequest:
-    stops = [stop] if isinstance(stop, str) else list(stop)  # one string is one stop string, not its characters
+    try:  # one string is one stop string, not its characters; None is none, as for the other options
+        stops = [stop] if isinstance(stop, str) else [] if stop is None else list(stop)
+    except TypeError:  # not iterable (stop=5)
+        stops = [stop]
     if not all(isinstance(s, str) for s in stops):
         raise InvalidArgument("stop must be a string or an iterable of strings")
     spec = speculation_pb(speculation)

@@ -156,7 +156,7 @@ class AsyncSession:
 
     def generate(self, max_tokens: int = 256, *, seed: int | None = None, temperature: float = 0.0,
                  top_k: int = 0, top_p: float | None = None, stop_tokens: Iterable[int] = (),
-                 ignore_eos: bool = False, stop: str | Iterable[str] = (),
+                 ignore_eos: bool = False, stop: str | Iterable[str] | None = (),
                  speculation: Speculation | str | None = None) -> AsyncGeneration:
         """`async for token_id in session.generate(...)`; use `async with` to cancel on early exit.
 

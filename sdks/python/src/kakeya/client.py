@@ -124,7 +124,7 @@ class Session:
 
     def generate(self, max_tokens: int = 256, *, seed: int | None = None, temperature: float = 0.0,
                  top_k: int = 0, top_p: float | None = None, stop_tokens: Iterable[int] = (),
-                 ignore_eos: bool = False, stop: str | Iterable[str] = (),
+                 ignore_eos: bool = False, stop: str | Iterable[str] | None = (),
                  speculation: Speculation | str | None = None) -> Generation:
         """Start a Generate; iterate the result for token ids. Breaking out early cancels it.
 

@@ -188,6 +188,7 @@ class StreamDecoder:
         self._held = ""  # text that may still become a stop string
         self._prefix = 0
         self._read = 0
+        self._sent = 0  # characters after the read offset already emitted (before an incomplete one)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -196,17 +197,26 @@ class StreamDecoder:
         self.ids.append(token_id)
         before = self._decode(self.ids[self._prefix:self._read])
         text = self._decode(self.ids[self._prefix:])
+        start = len(before) + self._sent
         if len(text) > len(before) and not text.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self.ids)
-            return self._hold_back(text[len(before):])
+            self._prefix, self._read, self._sent = self._read, len(self.ids), 0
+            return self._hold_back(text[start:])
+        # A token may end complete characters and begin an incomplete one (a space and an emoji's first
+        # bytes): the complete ones go now (a stop string may end in them); only the incomplete tail waits.
+        complete = len(text.rstrip("\ufffd"))
+        if complete > start:
+            self._sent += complete - start
+            return self._hold_back(text[start:complete])
         return ""
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character, or text that did not become a stop string)."""
         before = self._decode(self.ids[self._prefix:self._read])
         text = self._decode(self.ids[self._prefix:])
+        start = len(before) + self._sent
         self._prefix = self._read = len(self.ids)
-        out = self._hold_back(text[len(before):])
+        self._sent = 0
+        out = self._hold_back(text[start:])
         if self.stop_string is None:
             out, self._held = out + self._held, ""
         return out
