@@ -75,3 +75,18 @@ def test_lattice_resident_layers_are_not_requantised(tiny_llama):
     compress_idle(cache, "d4")
     decompress(cache)
     assert _states_equal(before, cache.state())
+
+
+def test_the_sparse_policys_counters_survive_idle_compression(tiny_model):
+    """Running totals (blocks scored and selected, positions attended) are the session's history, not K/V: after a
+    compress / resume they go on from where they were (they once restarted from zero)."""
+    eng = Engine(tiny_model, prefill_chunk=16)
+    spec = PolicySpec.parse("sparse", {"sink": 2, "window": 8, "block": 4, "topk": 1})
+    cache = make_policy_cache(tiny_model.config, spec)
+    eng.prefill(cache, _ids(40, tiny_model.config.vocab_size))
+    eng.generate(cache, _ids(3, tiny_model.config.vocab_size, seed=1), GenerateRequest(4))
+    before, fraction = cache.counters(), cache.effective_attention_fraction
+    assert before.blocks_scored > 0
+    compress_idle(cache, "identity")
+    decompress(cache)
+    assert cache.counters() == before and cache.effective_attention_fraction == fraction

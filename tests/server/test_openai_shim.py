@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx2
 import openai
 import pytest
-from kakeya import Client
+from kakeya import Client, KakeyaError
 from kakeya.tokenization import Tokenizer
 
 from kakeya_runtime.server.grpc_app import (
@@ -368,6 +368,39 @@ def test_requests_in_flight_at_shutdown_end_with_a_503_in_openai_shape():
         assert whole_reply.status_code == 503 and whole_reply.json()["error"]["code"] == "unavailable"
         lines = got["stream"]
         assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][len("data: "):])["error"]["code"] == "unavailable"
+
+
+def test_grpc_reads_not_serving_and_refuses_new_calls_while_the_shim_drains():
+    """Shutdown with a shim request in flight: gRPC health turns NOT_SERVING and new gRPC calls are refused at once,
+    not after the shim's requests had their grace period (they were admitted all that time)."""
+    import threading
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    model = SlowModel(tiny_model("llama"), delay_s=0.02)
+    served = ServedModel("tiny-llama", model, tiny_served("llama").tokenizer_json, eos_ids=(2,))
+    with running_server(served, openai_port=0, grace_s=2.0) as thread:
+        body = {"model": MODEL, "prompt": "slow", "max_tokens": 400, "temperature": 0}
+        shim = threading.Thread(target=lambda: httpx2.post(f"{_base(thread)}/completions", json=body, timeout=60))
+        shim.start()
+        deadline = time.monotonic() + 10
+        while thread.server.service.scheduler.batch_size < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopper = threading.Thread(target=thread.stop)
+        stopper.start()
+        time.sleep(0.3)  # well inside the shim's 2 s grace
+        with grpc.insecure_channel(thread.address) as channel:
+            try:
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            except grpc.RpcError as e:  # the listener already refuses: as good
+                assert e.code() is grpc.StatusCode.UNAVAILABLE
+        with Client(thread.address, timeout=5) as client, pytest.raises(KakeyaError):
+            client.create_session(initial_tokens=[1, 2])
+        assert shim.is_alive()  # the shim's request still has its grace
+        stopper.join(30)
+        shim.join(30)
 
 
 def test_shutting_down_answers_503():

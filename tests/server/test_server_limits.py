@@ -18,6 +18,9 @@ def test_key_a_filling_its_quota_evicts_nothing_of_key_b():
     with (running_server(tiny_served(), api_keys=(KEY_A, KEY_B), max_sessions=8) as thread,
           Client(thread.address, api_key=KEY_A) as a, Client(thread.address, api_key=KEY_B) as b):
         assert thread.server.service.store.limits.key_sessions == 4  # an equal share of 8 between two keys
+        info = a.model_info()  # what a client plans around: its key's share, beside the server's total
+        assert (info.max_sessions, info.max_sessions_per_key) == (8, 4)
+        assert info.kv_budget_per_key_bytes == info.kv_budget_bytes // 2 > 0
         b_sessions = [b.create_session(initial_tokens=[5, i]) for i in range(4)]
         a_sessions = [a.create_session(initial_tokens=[6, i]) for i in range(10)]  # 6 over A's quota
         assert [s.info().history_length for s in b_sessions] == [2] * 4  # B's are all there

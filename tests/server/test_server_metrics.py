@@ -4,6 +4,7 @@ a label; requests and errors counted per RPC; generated tokens counted."""
 from __future__ import annotations
 
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -132,3 +133,45 @@ def test_generates_are_counted_by_finish_reason():
         text = scrape(thread)
         assert [sample(text, "kakeya_generate_finished_total", f'{{reason="{r}"}}') for r in
                 ("stop", "length", "cancelled")] == [1, 1, 1]
+
+
+def test_a_call_past_its_deadline_is_counted_as_deadline_exceeded_not_cancelled():
+    from kakeya_runtime._proto import runtime_pb2 as pb
+    from kakeya_runtime._proto import runtime_pb2_grpc as pb_grpc
+    from kakeya_runtime.server.testing import SlowModel, tiny_model
+
+    with running_server(tiny_served(model=SlowModel(tiny_model(), 0.03))) as thread, \
+            Client(thread.address) as client, grpc.insecure_channel(thread.address) as channel:
+        s = client.create_session(initial_tokens=[5, 6, 7])
+        calls = pb_grpc.RuntimeServiceStub(channel).Generate(
+            pb.GenerateRequest(session_id=s.id, max_tokens=300, ignore_eos=True), timeout=0.5)
+        with pytest.raises(grpc.RpcError) as e:
+            list(calls)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        s.append([9])  # after the turn ended
+        text = scrape(thread)
+        assert sample(text, "kakeya_rpc_errors_total", '{rpc="Generate",code="DEADLINE_EXCEEDED"}') == 1
+        assert 'rpc="Generate",code="CANCELLED"' not in text
+
+
+def test_idle_connections_to_metrics_are_bounded_and_closed(monkeypatch):
+    """Connections that never send a request held a thread each for ever: at most METRICS_CONNECTIONS are served
+    at once (more are closed unread), and one idle past the handler's timeout is closed."""
+    import socket
+    import threading
+
+    from kakeya_runtime.server import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module._MetricsHandler, "timeout", 0.5)
+    with running_server(tiny_served()) as thread:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", thread.server.metrics_port)) for _ in range(50)]
+        time.sleep(0.2)
+        assert threading.active_count() - before <= metrics_module.METRICS_CONNECTIONS
+        time.sleep(1.0)  # past the idle timeout: every one closed by the server
+        for sock in idle:
+            sock.settimeout(2)
+            assert sock.recv(1) == b""
+            sock.close()
+        assert threading.active_count() <= before + 1
+        assert _get(thread, "/metrics")[0] == 200

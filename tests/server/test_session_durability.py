@@ -155,6 +155,7 @@ def test_export_import_moves_a_session_with_its_cache(tmp_path: Path, policy):
         assert _continue(cb, moved.id) == _continue(ca, sid)
         light = cb.import_session(ca.session(sid).export())  # without KV: prefilled at the first Generate
         assert not light.kv_loaded and light.info().cached_length == 0
+        assert metric_value(scrape_metrics(b), "kakeya_session_kv_restored_total", '{source="snapshot"}') == 1
 
 
 def test_import_refuses_damaged_or_foreign_archives(tmp_path: Path):

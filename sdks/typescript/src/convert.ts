@@ -300,5 +300,8 @@ export function modelInfoFromPb(r: pb.GetModelInfoResponse): ModelInfo {
     fidelityTop1: r.fidelityTop1 ?? null,
     invariantNumerics: r.invariantNumerics,
     measuredDecodeTokS: r.measuredDecodeTokensPerSecond || null,
+    maxSessionsPerKey: r.maxSessionsPerKey || null,
+    kvBudgetBytes: Number(r.kvBudgetBytes) || null,
+    kvBudgetPerKeyBytes: Number(r.kvBudgetPerKeyBytes) || null,
   };
 }

@@ -162,4 +162,11 @@ export interface ModelInfo {
   invariantNumerics: boolean;
   /** Decode tokens/s measured at the server's start-up; null when not measured. */
   measuredDecodeTokS: number | null;
+  /** Sessions one API key holds at once (every key has the same; maxSessions is the server's total): a new one
+   * beyond it evicts that key's least recently used idle session. null from servers older than this field. */
+  maxSessionsPerKey: number | null;
+  /** KV bytes all sessions may reserve (each its policy's worst case at the context); null: not reported. */
+  kvBudgetBytes: number | null;
+  /** KV bytes one API key's sessions may reserve; null: not reported. */
+  kvBudgetPerKeyBytes: number | null;
 }

@@ -57,6 +57,9 @@ describe("client", () => {
     assert.equal(info.invariantNumerics, true);
     assert.equal(info.measuredDecodeTokS, null);
     assert.equal(info.maxSessions, 64);
+    assert.equal(info.maxSessionsPerKey, 32); // two keys: an equal share each
+    assert.ok(info.kvBudgetBytes !== null && info.kvBudgetBytes > 0);
+    assert.equal(info.kvBudgetPerKeyBytes, Math.floor(info.kvBudgetBytes / 2));
     assert.equal(info.maxConcurrent, 8); // the server's default max batch
     assert.equal(info.sessionIdleTtlS, 1800);
     assert.equal(await client.modelInfo(), info); // cached

@@ -47,6 +47,9 @@ class IdleLayer:
         self.rebuild = _rebuilder(layer)
         self.packed = packed  # state key -> the tensor as it was, or its encoding
         self.length = layer.length
+        # what the layer counted so far (the sparse policy's blocks and positions): a session's running totals,
+        # not K/V, so they come back with the layer rather than restart from zero
+        self.counts = layer.counts_state() if isinstance(layer, SparseLayerKV) else None
 
     @property
     def nbytes(self) -> int:
@@ -141,5 +144,7 @@ def decompress(cache) -> IdleStats:
         if isinstance(layer, IdleLayer):
             live = layer.rebuild()
             live.load_state(layer.unpacked_state())
+            if layer.counts is not None:
+                live.load_counts(layer.counts)
             cache.layers[i] = live
     return IdleStats(before, cache.nbytes, time.perf_counter() - t0)

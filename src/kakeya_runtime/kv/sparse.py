@@ -755,6 +755,13 @@ class SparseLayerKV:
         self._forget_decoded(self.n_blocks)
         self.length = length
 
+    def counts_state(self) -> Tensor:
+        """The running counters (SparseCounters' and the newest query's), apart from the K/V state."""
+        return self._counts.clone()
+
+    def load_counts(self, counts: Tensor) -> None:
+        self._counts.copy_(counts)
+
     def state(self) -> dict[str, Tensor]:
         self.flush_blocks()
         n = self.n_blocks

@@ -227,6 +227,9 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             tokenizer_json=served.tokenizer_json,
             chat_template=served.chat_template,
             max_sessions=config.max_sessions,
+            max_sessions_per_key=service.store.limits.key_sessions,
+            kv_budget_bytes=service.store.limits.kv_budget or 0,
+            kv_budget_per_key_bytes=service.store.limits.key_budget or 0,
             max_concurrent=config.max_concurrent,
             session_idle_ttl_seconds=config.idle_ttl_s,
             kv_policies=service.policies.names(),
@@ -531,16 +534,18 @@ class RuntimeServer:
                                                         grpc_address=self.address, tls=tls)
 
     async def stop(self) -> None:
-        if self._openai is not None:  # first: its in-flight requests are sessions of the service
-            await self._openai.stop()
-        if self.health is not None:  # NOT_SERVING while in-flight RPCs finish
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.grace_s
+        if self.health is not None:  # NOT_SERVING at once, while in-flight RPCs finish
             await self.health.enter_graceful_shutdown()
+        stopping = None
         if self._server is not None:
             # New calls are refused at once; running ones get the grace period, then each Generate ends at a step
             # boundary, streams every token it committed and fails UNAVAILABLE (END_GRACE_S to send that)
             stopping = asyncio.ensure_future(self._server.stop(self.config.grace_s + END_GRACE_S))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.config.grace_s
+        if self._openai is not None:  # its in-flight requests are the service's sessions: drained in the same grace
+            await self._openai.stop()
+        if stopping is not None:
             while self.service.generating and loop.time() < deadline and not stopping.done():
                 await asyncio.sleep(0.02)
             self.service.end_generations()

@@ -183,8 +183,8 @@ class RuntimeMetrics:
         self.session_kv_restored_total = Counter(
             "kakeya_session_kv_restored_total", "Recovered or imported sessions whose cache was built at their first "
             "Generate or import, by source: snapshot (loaded after verification), recompute (a snapshot refused: "
-            "the history was prefilled instead) or history (a recovered session with no snapshot, as after a crash: "
-            "its history was prefilled).", ["source"], registry=r,
+            "the history was prefilled instead) or history (a recovered session with no snapshot, as after a crash or "
+            "for one that had not generated yet: its history was prefilled).", ["source"], registry=r,
         )
         for source in ("snapshot", "recompute", "history"):
             self.session_kv_restored_total.labels(source)
@@ -362,7 +362,7 @@ class RuntimeMetrics:
         handler = type("MetricsHandler", (_MetricsHandler,), {"metrics": self, "key": key})
         bare = host.strip("[]")
         family = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]  # IPv4 or 6
-        server = type("MetricsServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
+        server = type("MetricsServer", (_MetricsServer,), {"address_family": family})
         self._http = server((bare, port), handler)
         threading.Thread(target=self._http.serve_forever, name="kakeya-metrics", daemon=True).start()
         return self._http.server_address[1]
@@ -374,9 +374,37 @@ class RuntimeMetrics:
             self._http = None
 
 
+METRICS_CONNECTIONS = 32  # connections /metrics serves at once; more are closed unread
+METRICS_IDLE_S = 10.0  # a connection that sends nothing this long is closed
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    """A thread per connection, as many as METRICS_CONNECTIONS at once: connections that never send a request
+    (or a key) must not hold a thread each for ever."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class _MetricsHandler(BaseHTTPRequestHandler):
     metrics: RuntimeMetrics
     key: str | None = None
+    timeout = METRICS_IDLE_S
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         self._answer(body=True)
@@ -454,7 +482,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 code = _code(context)
                 raise
             except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
+                code = _cancelled_code(context)
                 raise
             finally:
                 if not counting.counted:
@@ -479,7 +507,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 code = _code(context)
                 raise
             except (asyncio.CancelledError, GeneratorExit):
-                code = grpc.StatusCode.CANCELLED
+                code = _cancelled_code(context)
                 raise
             finally:
                 if not counting.counted:
@@ -506,6 +534,13 @@ class _CountingContext:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
+
+
+def _cancelled_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """A call gRPC cancelled: DEADLINE_EXCEEDED when the caller's deadline passed (what the client is told), else
+    CANCELLED (the client went away)."""
+    remaining = context.time_remaining()
+    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
 
 
 def _code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:

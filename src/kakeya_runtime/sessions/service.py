@@ -574,6 +574,7 @@ class SessionService:
         cache = self.policies.build(self.engine, session.policy, session.context_length)
         n = snapshot.load(cache, kv, session.history, self.model_id)
         self.store.attach_cache(session, cache, n)
+        self.observer.kv_restored("snapshot")
 
     # ---- idle compression --------------------------------------------------------------------
 
@@ -727,7 +728,7 @@ class SessionService:
                 _log.warning("session %s: KV snapshot refused (%s); recomputing it from the history", session.id, e)
                 self.observer.kv_restored("recompute")
                 session.snapshot = None
-        elif recovered:  # no snapshot (the last stop was a crash): the history is prefilled
+        elif recovered:  # no snapshot (a crash, or a session that never generated): the history is prefilled
             self.observer.kv_restored("history")
         self.store.attach_cache(session, self.policies.build(self.engine, session.policy, session.context_length))
 

@@ -391,8 +391,9 @@ class SessionStore:
             return list(self._sessions.values())
 
     def kv_live_bytes(self) -> int:
+        """K/V bytes held: live sessions' and those of ended ones whose running call has not freed them yet."""
         with self._lock:
-            return sum(s.kv_bytes for s in self._sessions.values())
+            return sum(s.kv_bytes for s in (*self._sessions.values(), *self._draining.values()))
 
     def kv_reserved_bytes(self) -> int:
         """KV bytes reserved against the budget: live sessions' and those of ended ones not yet freed."""

@@ -215,6 +215,9 @@ def model_info_from_pb(r: pb.GetModelInfoResponse) -> ModelInfo:
         fidelity_top1=r.fidelity_top1 if r.HasField("fidelity_top1") else None,
         invariant_numerics=r.invariant_numerics,
         measured_decode_tok_s=r.measured_decode_tokens_per_second or None,
+        max_sessions_per_key=r.max_sessions_per_key or None,
+        kv_budget_bytes=r.kv_budget_bytes or None,
+        kv_budget_per_key_bytes=r.kv_budget_per_key_bytes or None,
     )
 
 

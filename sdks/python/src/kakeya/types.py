@@ -157,3 +157,9 @@ class ModelInfo:
     fidelity_top1: float | None = None  # top-1 agreement with bf16 on the bench text
     invariant_numerics: bool = False  # INV-3: bit-exact whatever the step shapes
     measured_decode_tok_s: float | None = None  # decode rate measured at the server's start-up
+    # The caller's share (every key has the same; max_sessions is the server's total): sessions one key holds at
+    # once (a new one beyond it evicts that key's least recently used idle session), KV bytes all sessions and one
+    # key's may reserve. None from servers older than these fields.
+    max_sessions_per_key: int | None = None
+    kv_budget_bytes: int | None = None
+    kv_budget_per_key_bytes: int | None = None
