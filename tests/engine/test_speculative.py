@@ -245,6 +245,41 @@ def test_seeded_speculative_stream_is_reproducible(make_tiny_model) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_long_prompt_is_read_one_chunk_a_step_with_the_same_tokens(make_tiny_model, family: str) -> None:
+    """With `short_prompt`, a longer prompt is read one chunk per step (the budget sent, yielding no tokens) so a
+    scheduler can step other rows and check cancellation between chunks; the tokens are those of a whole read."""
+    model = make_tiny_model(family)
+    engine = Engine(model)
+    prompt = (PROMPT * 6)[:70]
+    req = GenerateRequest(24, SamplingParams(temperature=0.8, seed=5))
+
+    def stream(**kw) -> SpeculativeStream:
+        return SpeculativeStream(engine, engine.new_cache(capacity=128), torch.tensor([prompt]), req,
+                                 HistoryLookup(min_match=1), prompt, 4, **kw)
+
+    whole = [t for step in stream() for t in step]
+    chunked = stream(short_prompt=16)
+    steps = iter(chunked)
+    first = next(steps)  # nothing read yet: the first budget comes with the next step
+    assert first == [] and chunked.prefill_left == 70
+    got = []
+    for budget in [16, 16, 16, 16, 16, 16]:
+        got.append(steps.send(budget))
+    assert got[:4] == [[], [], [], []] and chunked.prefill_left == 0  # 64 read in four chunks, then the rest
+    tokens = [t for step in got for t in step] + [t for step in steps for t in step]
+    assert tokens == whole
+
+    stop = False
+    cancelled = stream(short_prompt=16, should_stop=lambda: stop)
+    steps = iter(cancelled)
+    next(steps), steps.send(16)
+    stop = True
+    with pytest.raises(StopIteration):
+        steps.send(16)
+    assert cancelled.result is None and cancelled.prefill_left == 70 - 32 and cancelled.cache.length == 32
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_seeded_stream_with_deterministic_drafts_is_plain_samplings(make_tiny_model, family: str) -> None:
     """History lookup also drafts from the owner's other sessions, so its drafts depend on more than the session:
     a seeded sampled stream must not. With guesses verified against the target's own samples it is plain

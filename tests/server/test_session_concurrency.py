@@ -285,3 +285,37 @@ def test_a_free_row_goes_to_the_key_running_the_fewest_before_another_turn_of_a_
             w.join(30)
         assert ended["b1"] < ended["a3"]
         list(long)
+
+
+def test_a_speculative_turns_long_prompt_is_read_in_chunks_between_the_others_steps():
+    """A speculative Generate read its whole prompt in one step: every session batched beside it stalled for the
+    read (seconds at a few thousand tokens) and a cancel or close waited for it. Now one chunk a step: the other
+    session's tokens go on arriving, and a cancel lands between chunks, keeping the chunks read."""
+    slow = SlowModel(tiny_model(), DELAY)
+    with running_server(tiny_served(model=slow), short_prompt=32) as thread, Client(thread.address) as client:
+        busy = client.create_session(initial_tokens=[1, 2])
+        running = iter(busy.generate(max_tokens=60, ignore_eos=True))
+        next(running)
+        long_prompt = [3 + i % 50 for i in range(420)]
+        s = client.create_session(initial_tokens=long_prompt)
+        gen = s.generate(max_tokens=5, ignore_eos=True, speculation="history")
+        reader = threading.Thread(target=lambda: list(gen))
+        reader.start()
+        (session,) = [x for x in thread.server.service.store.live_sessions() if x.id == s.id]
+
+        def read() -> int:  # positions its cache holds now (the engine thread writes them)
+            cache = session.cache
+            return 0 if cache is None else cache.length
+
+        deadline = time.time() + 10
+        while not 0 < read() < 420 and time.time() < deadline:
+            time.sleep(0.002)
+        gen.cancel()
+        reader.join(10)
+        s.append([9])  # after the cancelled turn ended
+        info = s.info()
+        assert 0 < info.cached_length < 420 and info.history_length == 421  # chunks kept, nothing generated
+        more = s.generate(max_tokens=4, ignore_eos=True, speculation="history").collect()
+        with client.create_session(initial_tokens=[*long_prompt, 9]) as fresh:
+            assert more == fresh.generate(max_tokens=4, ignore_eos=True).collect()
+        assert len(list(running)) == 59

@@ -43,7 +43,7 @@ counts tokens, never time, so a seeded stream stays reproducible.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -226,7 +226,7 @@ class SpeculativeStream:
     def __init__(self, engine: Engine, cache: ModelKV, new_ids: Tensor, request: GenerateRequest,
                  proposer: DraftProposer, context: Sequence[int], max_draft_tokens: int,
                  should_stop: Callable[[], bool] | None = None, governor: Governor | None = None,
-                 ends_at: Callable[[int], bool] | None = None) -> None:
+                 ends_at: Callable[[int], bool] | None = None, short_prompt: int | None = None) -> None:
         if cache.batch != 1 or new_ids.shape[0] != 1:
             raise GenerationError("speculative decoding takes one sequence (batch 1)")
         if not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -244,14 +244,17 @@ class SpeculativeStream:
         self.governor = governor or Governor.for_proposer(proposer, engine.verify_cost)
         self.stats = SpecStats()
         self.result: GenerationResult | None = None
+        # A prompt longer than this is read in chunks, one per step of the caller (see _steps); None: whole.
+        self.short_prompt = short_prompt
+        self.prefill_left = new_ids.shape[1]  # prompt tokens not read yet (0 once the first token was sampled)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Generator[list[int], int | None, None]:
         try:
             yield from self._steps()
         finally:
             self.cache.end_turn()
 
-    def _steps(self) -> Iterator[list[int]]:
+    def _steps(self) -> Generator[list[int], int | None, None]:
         eng, cache, req, stats, gov = self.engine, self.cache, self.request, self.stats, self.governor
         stop = set(req.stop_ids)
         gen = req.sampling.make_generator(eng.device)
@@ -260,10 +263,24 @@ class SpeculativeStream:
         t0 = time.perf_counter()
         # Room for the whole generation and a last verify's drafts now: no step after this one reallocates.
         cache.reserve(cache.length + self.new_ids.shape[1] + req.max_new_tokens + self.max_draft + 1)
+        ids = self.new_ids
+        if self.short_prompt is not None and ids.shape[1] > self.short_prompt:
+            # A long prompt: one chunk per step, of the tokens the caller sends (`steps.send(n)`; a plain next()
+            # reads eng.prefill_chunk), each step yielding no tokens, so rows batched beside this one go on decoding
+            # and a cancel lands between chunks (the chunks read stay cached). The bits do not depend on the chunks.
+            budget = (yield []) or eng.prefill_chunk
+            while ids.shape[1] > budget:
+                eng.prefill(cache, ids[:, :budget], logits=Logits.NONE)
+                ids = ids[:, budget:]
+                self.prefill_left = ids.shape[1]
+                if self.should_stop is not None and self.should_stop():
+                    return  # result stays None: the turn ended before its first token
+                budget = (yield []) or eng.prefill_chunk
         if wants_hidden:
-            out = eng.verify(cache, self.new_ids, logits=Logits.LAST, return_hidden=True)
+            out = eng.verify(cache, ids, logits=Logits.LAST, return_hidden=True)
         else:
-            out = eng.prefill(cache, self.new_ids)
+            out = eng.prefill(cache, ids)
+        self.prefill_left = 0
         result = GenerationResult([[]], FinishReason.LENGTH, prefill_tokens=self.new_ids.shape[1],
                                   prefill_s=time.perf_counter() - t0)
         self.result = result

@@ -23,8 +23,9 @@ of a key that already runs more), and then, step after step:
   prompts waiting ride along too, whole, up to one forward's worth (`Engine.prefill_chunk` tokens in all), and with
   nobody decoding the short prompts waiting are read together in one forward: turns that start together (8
   sessions' next messages) share forwards instead of taking one each;
-* a speculative row runs one verifier step of its own stream (its prefill is its first step, whole): its forward
-  is over [last token, drafts] of its own cache, so it is not batched with the others;
+* a speculative row runs one verifier step of its own stream: its forward is over [last token, drafts] of its own
+  cache, so it is not batched with the others. Its prompt is read whole when short, else one chunk a step
+  (`Engine.prefill_chunk` tokens alone, a quarter of that beside other rows), cancellation checked between chunks;
 * every row's step ends with the `Turn` committing and streaming its tokens, then checking stops and cancellation
   (checked between prefill chunks too).
 
@@ -41,7 +42,7 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ DEFAULT_SHORT_PROMPT = 512  # prompts up to this many tokens are read in one ste
 class Turn(Protocol):
     """One Generate as the loop drives it (the session service implements it); every method runs on the loop."""
 
-    def begin(self) -> TokenStream | Iterator[list[int]] | None:
+    def begin(self) -> TokenStream | Generator[list[int], int | None, None] | None:
         """Set up the session and open its stream: a TokenStream (batched rows) or a speculative stream's steps
         (one list of tokens per step); None when the turn answered already (cancelled while queued, or failed)."""
 
@@ -83,7 +84,8 @@ class _Row:
     future: Future
     owner: str = ""  # the API key whose Generate this is (admission shares the batch between keys)
     stream: TokenStream | None = None  # plain rows
-    steps: Iterator[list[int]] | None = None  # speculative rows
+    steps: Generator[list[int], int | None, None] | None = None  # speculative rows (sent prefill budgets)
+    began: bool = False  # a speculative row's first step was taken (from then on its steps are sent budgets)
     done: bool = False
 
 
@@ -326,8 +328,10 @@ class BatchScheduler:
         budget -= sum(chunk.ids.shape[1] for chunk in chunks)
         if decoding or chunks:
             self._decode(decoding, chunks)
+        # a speculative row's long prompt reads a forward's worth a step alone, a quarter of it beside other rows
+        chunk = self.engine.prefill_chunk if len(rows) == 1 else max(self.step_tokens, self.engine.prefill_chunk // 4)
         for row in speculative:
-            self._speculate(row)
+            self._speculate(row, chunk)
         for row in prefilling:
             if budget <= 0:
                 break
@@ -456,15 +460,18 @@ class BatchScheduler:
             return
         self._deliver(row, ids)
 
-    def _speculate(self, row: _Row) -> None:
+    def _speculate(self, row: _Row, chunk: int) -> None:
         steps = row.steps
-        try:
-            tokens = next(steps, None)
+        try:  # a long prompt's next chunk gets `chunk` tokens (SpeculativeStream reads it one chunk a step)
+            tokens = steps.send(chunk) if row.began else next(steps)
+            row.began = True
+        except StopIteration:  # the speculative stream ended by itself (stop, length, cancel)
+            self._finish(row)
+            return
         except Exception as e:
             self._fail(row, e)
             return
-        if tokens is None:  # the speculative stream ended by itself (stop, length, cancel)
-            self._finish(row)
+        if not tokens:  # a prefill chunk: nothing to commit yet
             return
         try:
             stop = row.turn.deliver(tokens)

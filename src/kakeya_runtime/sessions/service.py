@@ -28,7 +28,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -743,7 +743,8 @@ class SessionService:
                                                   owner_histories(self.store.live_sessions, session)))
         context = self.store.history_tokens(session)
         return SpeculativeStream(self.engine, session.cache, ids, job.request, session.drafts[1], context,
-                                 draft_tokens(spec, session.policy), should_stop=job.cancel.is_set, ends_at=ends_at)
+                                 draft_tokens(spec, session.policy), should_stop=job.cancel.is_set, ends_at=ends_at,
+                                 short_prompt=self.scheduler.short_prompt)
 
     def _draft_head(self) -> DraftHead:
         """Engine thread: the served model's EAGLE-style draft head, shared by sessions (random until trained)."""
@@ -779,7 +780,7 @@ class _Turn:
     resume_s: float = 0.0
     history_at_start: int = 0
 
-    def begin(self) -> TokenStream | Iterator[list[int]] | None:
+    def begin(self) -> TokenStream | Generator[list[int], int | None, None] | None:
         """Prefill history[cached_length:] next, then decode; None when the turn already answered."""
         job, svc = self.job, self.service
         session, store = job.session, svc.store
@@ -833,7 +834,7 @@ class _Turn:
         job, svc, stream = self.job, self.service, self.stream
         session, store = job.session, svc.store
         assert stream is not None
-        if isinstance(stream, TokenStream) and stream.prefill_left > 0:  # cancelled between prefill chunks
+        if stream.prefill_left > 0:  # cancelled between prefill chunks
             store.keep_prefilled(session)  # the chunks read stay cached; nothing was committed
             self._done(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=self.queue_s, resume_s=self.resume_s),
                                self.history_at_start))
