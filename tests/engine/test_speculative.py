@@ -371,6 +371,10 @@ def test_stop_token_inside_an_accepted_draft_ends_there(make_tiny_model) -> None
     assert out == want
     assert stream.result.finish_reason.value == "stop"
     assert cache.length == len(PROMPT) + len(want) - 1
+    # The stats count what was emitted: drafts verified past the stop token were cut off, not accepted
+    stats = stream.stats
+    assert stats.accepted == len(out) - 1 and stats.verified_tokens == len(out) - 1  # the bonus token was cut too
+    assert stats.tokens_per_verifier_step == (len(out) - 1) / stats.verifier_steps
 
 
 def test_history_lookup_drafts_follow_the_match() -> None:

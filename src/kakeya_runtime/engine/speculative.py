@@ -79,6 +79,7 @@ class SpecStats:
     verifier_steps: int = 0  # forwards that checked at least one draft
     plain_steps: int = 0  # single-token decode steps (no draft, or the off-switch was on)
     off_switches: int = 0  # times the governor turned speculation off
+    verified_tokens: int = 0  # tokens the verifier forwards emitted (accepted drafts + their own; none cut off)
 
     @property
     def acceptance_rate(self) -> float:
@@ -86,8 +87,9 @@ class SpecStats:
 
     @property
     def tokens_per_verifier_step(self) -> float:
-        """Tokens emitted per verifier forward (accepted drafts + the one the verifier adds)."""
-        return (self.accepted + self.verifier_steps) / self.verifier_steps if self.verifier_steps else 0.0
+        """Tokens emitted per verifier forward (accepted drafts + the one the verifier adds, less what a stop or the
+        length cut off)."""
+        return self.verified_tokens / self.verifier_steps if self.verifier_steps else 0.0
 
 
 def verify_greedy(logits: Tensor, draft: Sequence[int]) -> list[int]:
@@ -292,6 +294,7 @@ class SpeculativeStream:
         if wants_hidden:
             self.proposer.accepted(ctx, 0, out.hidden[0, -1:])
         emitted = [first]
+        accepted, verified = 0, False  # drafts the last step accepted (the first of `emitted`); was it a verifier's
         while True:
             # Commit this step's tokens: cut at a stop token or max_new_tokens, trim the cache to match.
             room = req.max_new_tokens - len(produced)
@@ -303,6 +306,9 @@ class SpeculativeStream:
                     break
             if len(cut) < len(emitted):  # keep the positions before the last kept token only
                 cache.trim(cache.length - (len(emitted) - len(cut)))
+                stats.accepted -= max(0, accepted - len(cut))  # drafts verified but cut off are not emitted
+                if verified:
+                    stats.verified_tokens -= len(emitted) - len(cut)
             produced.extend(cut)
             ctx.extend(cut)
             result.decode_tokens = len(produced)
@@ -330,6 +336,7 @@ class SpeculativeStream:
             if k == 0:
                 out = eng.decode_step(cache, ids) if not wants_hidden else eng.verify(cache, ids, return_hidden=True)
                 emitted = [int(sample(out.logits[:, -1], req.sampling, gen)[0])]
+                accepted, verified = 0, False
                 stats.plain_steps += 1
                 gov.plain_token()
                 if wants_hidden:
@@ -346,6 +353,8 @@ class SpeculativeStream:
                 cache.trim(L + n + 1)  # roll back the rejected drafts: the cache holds [.., x, d_1..d_n]
             stats.drafted += k
             stats.accepted += n
+            stats.verified_tokens += len(emitted)
+            accepted, verified = n, True
             stats.verifier_steps += 1
             gov.step(k, len(emitted))
             stats.off_switches = gov.switches
