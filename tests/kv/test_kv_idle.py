@@ -90,3 +90,19 @@ def test_the_sparse_policys_counters_survive_idle_compression(tiny_model):
     compress_idle(cache, "identity")
     decompress(cache)
     assert cache.counters() == before and cache.effective_attention_fraction == fraction
+
+
+@pytest.mark.parametrize("policy", [("sink_window", {"sink": 2, "window": 8, "spare": 4}),
+                                    ("restore", {"sink": 2, "window": 8})])
+def test_a_resumed_cache_can_be_trimmed_outside_inference_mode(tiny_model, policy):
+    """A speculative verifier trims the cache outside inference mode: a layer rebuilt by decompress must not hold
+    inference tensors (its ring's slot positions were, and the trim failed INTERNAL after every idle compression)."""
+    name, params = policy
+    eng = Engine(tiny_model, prefill_chunk=16)
+    cache = make_policy_cache(tiny_model.config, PolicySpec.parse(name, params),
+                              proposer=same_checkpoint_proposer(tiny_model, chunk=32))
+    eng.prefill(cache, _ids(30, tiny_model.config.vocab_size))
+    compress_idle(cache, "identity")
+    decompress(cache)
+    cache.trim(28)
+    assert cache.layer_lengths() == [28] * len(cache)

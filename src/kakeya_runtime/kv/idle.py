@@ -135,9 +135,11 @@ def compress_idle(cache, codec: CodecSpec | str = "d4", q: int = 38) -> IdleStat
     return IdleStats(before, cache.nbytes, time.perf_counter() - t0)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def decompress(cache) -> IdleStats:
-    """Unpack a cache packed by compress_idle, in place; a no-op on an uncompressed cache."""
+    """Unpack a cache packed by compress_idle, in place; a no-op on an uncompressed cache. Not in inference mode:
+    the rebuilt layers' tensors would be inference tensors, which a later in-place update outside it (a verifier's
+    trim of a ring's slot positions) refuses."""
     t0 = time.perf_counter()
     before = cache.nbytes
     for i, layer in enumerate(cache.layers):

@@ -76,7 +76,7 @@ class RecoveredSession:
     history: list[int]
     snapshot: Path | None  # its KV snapshot file, when one was written
     settings: dict[str, Any]  # what else the session was created with (its default speculation)
-    mtime: float  # the journal's last write: recovered sessions keep their least-recently-used order
+    mtime: float  # the session's last use (its journal's last write, or `accessed`): its idle time and LRU order
     dropped_bytes: int  # a torn or corrupt tail cut off the journal (never an acknowledged record)
     evicts: tuple[str, ...] = ()  # sessions its creation evicted (see StateDir.created)
 
@@ -149,6 +149,12 @@ class StateDir:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         return fd
+
+    def accessed(self, session_id: str, at: float) -> None:
+        """The session was last used at `at` (wall clock) by calls that write nothing (reads, exports): its journal's
+        mtime says so, so a restart counts its idle time (and orders it for eviction) from its last use."""
+        with contextlib.suppress(OSError):
+            os.utime(self.journal_path(session_id), (at, at))
 
     def heartbeat(self) -> None:
         """This server is alive now (the lock file's mtime; the service's sweeper calls it)."""

@@ -323,10 +323,12 @@ class SessionService:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(interval))
 
     async def _sweep_forever(self, interval: float) -> None:
+        since = self.store.clock()
         while True:
             await asyncio.sleep(interval)
             if self.state is not None:
                 self.state.heartbeat()  # so a restart knows when this server was last alive (idle times)
+                since = self._record_access(since)
             self.store.sweep()
             self._start_idle_compression()
 
@@ -355,6 +357,7 @@ class SessionService:
         await asyncio.to_thread(self.scheduler.shutdown)
         if self.state is not None:  # the engine is idle now: keep each live cache for the next start, then close
             await asyncio.to_thread(self._snapshot_all)
+            self._record_access(None)
             self.state.close()
 
     def recover(self) -> RecoveryStats:
@@ -382,6 +385,17 @@ class SessionService:
             snapshots += r.snapshot is not None
             dropped += r.dropped_bytes
         return RecoveryStats(len(found), tokens, snapshots, dropped, self.state.previous_weights)
+
+    def _record_access(self, since: float | None) -> float:
+        """Each durable session used since `since` (store clock; None: all) gets its last use onto its journal
+        (StateDir.accessed): reads keep a session alive but write nothing, and a restart counts idle time from the
+        journal. Returns the store clock now, the next call's `since`."""
+        assert self.state is not None
+        now, wall = self.store.clock(), time.time()
+        for session in self.store.live_sessions():
+            if session.durable and (since is None or session.last_access > since):
+                self.state.accessed(session.id, wall - (now - session.last_access))
+        return now
 
     def _snapshot_all(self) -> int:
         """At shutdown, on the (idle) engine: write a KV snapshot of every session holding a live cache."""
