@@ -155,6 +155,21 @@ def test_calibrate_measures_once_then_reads_the_cache(tmp_path, make_tiny_model,
     again = serving.calibrate(load, encode, "tiny", ("bf16", "int8", "int4"), calibration=serving.Calibration(path))
     assert loads == [] and all(c.cached for c in again)
     assert [(c.fidelity, c.speed) for c in again] == [(c.fidelity, c.speed) for c in first]
+    # all cached: nothing is written, so a read-only cache directory serves (it once failed with a traceback);
+    # a directory that refuses a write the calibration needs gets a warning, and the next start measures again
+    import errno
+    from pathlib import Path
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    assert all(c.cached for c in serving.calibrate(load, encode, "tiny", ("bf16", "int8", "int4"),
+                                                   calibration=serving.Calibration(path)))
+    unsaved = serving.Calibration(path)
+    unsaved.put_speed("m", "tiny", "bf16", serving.Speed(1.0, 1.0))
+    unsaved.save()
+    monkeypatch.undo()
     # another model (or machine) is measured afresh
     serving.calibrate(load, encode, "tiny-2", ("bf16",), calibration=serving.Calibration(path))
     assert loads == ["bf16"]
@@ -217,3 +232,28 @@ def test_compiled_step_probe_passes_an_exact_step_and_catches_an_inexact_one(mak
         return out
 
     assert not serving.compiled_step_invariant(model, off_by_a_bit, ids)
+
+
+def test_damaged_calibration_files_are_measured_again(tmp_path):
+    path = tmp_path / "calibration.json"
+    v = serving.CALIBRATION_VERSION
+    for text in ("null", "[]", f'{{"version": {v}}}', f'{{"version": {v}, "fidelity": {{"x": 1}}, "speed": []}}', "{"):
+        path.write_text(text)
+        cal = serving.Calibration(path)
+        assert cal.fidelity("m", "int8") is None and cal.speed("machine", "m", "int8") is None, text
+
+
+def test_a_model_directory_is_measured_again_when_a_file_in_it_changes(tmp_path):
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+    before = serving.model_key(model, "m")
+    assert serving.model_key(model, "m") == before
+    import os
+
+    st = weights.stat()
+    weights.write_bytes(b"b" * 64)  # the same size, another file: the directory's own stat does not move
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert serving.model_key(model, "m") != before

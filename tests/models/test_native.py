@@ -543,3 +543,20 @@ def test_rows_call_refuses_mismatched_rows():
     with pytest.raises(RuntimeError, match="disagree"):
         native.cached_attention_rows(q, [k, torch.randn(1, 2, 4, 32)], [k, torch.randn(1, 2, 4, 32)],
                                      [torch.arange(4)] * 2, torch.tensor([3, 3]), 0.1, window=[0, 0], sink=[0, 0])
+
+
+def test_a_damaged_kernel_library_is_named_before_it_is_loaded(tmp_path):
+    """A cut-short library (a full disk, a killed copy) mapped by the loader ended the process with SIGBUS at its
+    first call and no message: its ELF section headers must lie inside the file."""
+    import os
+    import shutil
+
+    built = native.load()
+    assert native._elf_problem(built) is None
+    cut = tmp_path / "cut.so"
+    shutil.copy(built, cut)
+    os.truncate(cut, cut.stat().st_size // 2)
+    assert "truncated" in native._elf_problem(cut)
+    empty = tmp_path / "empty.so"
+    empty.write_bytes(b"")
+    assert "not a 64-bit ELF" in native._elf_problem(empty)

@@ -89,6 +89,7 @@ def test_int8_served_through_grpc_equals_the_engine(tiny_gguf, calibration):
                         '{weights="int8",source="flag",compiled="false",invariant="true"}') == 1
     assert metric_value(metrics, "kakeya_serving_decode_tokens_per_second") > 0
     assert "Serving: weights int8 (flag); decode eager" in log
+    assert "int8's fidelity to bf16 was not measured here" in " ".join(log.split())  # a fresh calibration cache
 
 
 def test_int4_with_the_compiled_step_equals_the_eager_engine_here(tiny_gguf, calibration):

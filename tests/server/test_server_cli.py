@@ -123,6 +123,8 @@ def test_serve_refuses_values_that_once_crashed_or_passed_before_loading(tmp_pat
              (["--context", "-5"], "--context must be >= 1"), (["--context", "0"], "--context must be >= 1"),
              (["--ttl", "nan"], "--ttl"), (["--ttl", "0"], "--ttl"), (["--api-key", "abc"], "at least 8"),
              (["--api-key", "ключ-ключ-1"], "printable ASCII"), (["--metrics-key", "mk"], "metrics key must be at least 8"),
+             (["--api-key", ""], "is empty"), (["--api-key", "abcd efghij"], "without spaces"),
+             (["--api-key", "k" * 5000], "at most 4096"),
              (["--openai-max-queue", "-1"], "--openai-max-queue"),
              (["--tls-cert", str(junk), "--tls-key", str(junk)], "not a PEM")]
     for args, message in cases:

@@ -162,3 +162,11 @@ def test_imports_in_progress_share_a_byte_budget():
                     f.result(30)
             channel.close()
         assert thread.server.servicer._import_bytes == 0
+
+
+def test_a_repeated_key_counts_once_in_the_shares():
+    with running_server(tiny_served(), api_keys=(KEY_A, KEY_A), max_sessions=4) as thread, \
+            Client(thread.address, api_key=KEY_A) as a:
+        assert thread.server.service.store.limits.key_sessions == 4  # one key: the whole server, not half of it
+        sessions = [a.create_session(initial_tokens=[5, i]) for i in range(4)]
+        assert [s.info().history_length for s in sessions] == [2] * 4

@@ -72,3 +72,11 @@ def test_serve_refuses_a_state_dir_in_use_before_loading(tmp_path):
     code, output = _serve("--port", str(_free_port()), "--metrics-port", str(_free_port()),
                           "--state-dir", str(tmp_path / "state"))
     assert "in use" not in output and "/no/such/model.gguf" in output, output  # once free, the load is reached
+
+
+def test_serve_refuses_a_state_dir_it_cannot_make_before_loading(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, output = _serve("--port", str(_free_port()), "--metrics-port", str(_free_port()),
+                          "--state-dir", str(blocker / "state"))
+    assert code == 1 and "is not a directory" in output and "Loading" not in output, output

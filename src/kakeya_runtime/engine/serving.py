@@ -20,9 +20,11 @@ Both caches live in one JSON file under the kakeya cache dir; `recalibrate` meas
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -43,6 +45,8 @@ from kakeya_runtime.engine.weights import (
     quantize_model,
 )
 from kakeya_runtime.models import native
+
+_log = logging.getLogger(__name__)
 
 AUTO = "auto"
 FORMATS: tuple[str, ...] = tuple(f.value for f in WeightFormat)
@@ -295,13 +299,20 @@ def machine_key() -> str:
 
 
 def model_key(source: str | Path | None, name: str) -> str:
-    """A model file (or directory) identity: its path, size and mtime; a name alone for in-memory models."""
+    """A model file (or directory) identity: its path, size and mtime; for a directory (a Hugging Face model) every
+    file in it, so weights replaced inside it are measured again (the directory's own mtime does not move when a
+    file in it is overwritten); a name alone for in-memory models."""
     if source is None:
         return f"name:{name}"
     p = Path(source)
     try:
         st = p.stat()
-        return f"{p.resolve()}|{st.st_size}|{int(st.st_mtime)}"
+        key = f"{p.resolve()}|{st.st_size}|{int(st.st_mtime)}"
+        if p.is_dir():
+            files = sorted(f for f in p.iterdir() if f.is_file())
+            key += "|" + hashlib.sha256("\x1f".join(
+                f"{f.name}:{(s := f.stat()).st_size}:{s.st_mtime_ns}" for f in files).encode()).hexdigest()[:16]
+        return key
     except OSError:
         return f"name:{name}"
 
@@ -312,13 +323,15 @@ class Calibration:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.data: dict[str, Any] = {"version": CALIBRATION_VERSION, "fidelity": {}, "speed": {}}
+        self.dirty = False  # something was measured since the file was read
         if path is not None and path.is_file():
             try:
                 data = json.loads(path.read_text())
-                if data.get("version") == CALIBRATION_VERSION:
+                if (isinstance(data, dict) and data.get("version") == CALIBRATION_VERSION
+                        and isinstance(data.get("fidelity"), dict) and isinstance(data.get("speed"), dict)):
                     self.data = data
             except (OSError, ValueError):
-                pass  # unreadable: measure again and overwrite
+                pass  # unreadable or not ours: measure again and overwrite
 
     @staticmethod
     def _key(*parts: str) -> str:
@@ -326,27 +339,42 @@ class Calibration:
 
     def fidelity(self, model: str, fmt: str) -> Fidelity | None:
         d = self.data["fidelity"].get(self._key(model, fmt, torch.__version__, kernels_key()))
-        return None if d is None else Fidelity(d["positions"], d["kl_mean"], d["kl_max"], d["top1_agree"])
+        try:
+            return None if d is None else Fidelity(d["positions"], d["kl_mean"], d["kl_max"], d["top1_agree"])
+        except (KeyError, TypeError):  # a damaged entry: measured again
+            return None
 
     def speed(self, machine: str, model: str, fmt: str) -> Speed | None:
         d = self.data["speed"].get(self._key(machine, model, fmt))
-        return None if d is None else Speed(d["prefill_tok_s"], d["decode_tok_s"])
+        try:
+            return None if d is None else Speed(d["prefill_tok_s"], d["decode_tok_s"])
+        except (KeyError, TypeError):
+            return None
 
     def put_fidelity(self, model: str, fmt: str, value: Fidelity) -> None:
         self.data["fidelity"][self._key(model, fmt, torch.__version__, kernels_key())] = asdict(value) | {
             "model": model, "fmt": fmt, "kernels": kernels_key()}
+        self.dirty = True
 
     def put_speed(self, machine: str, model: str, fmt: str, value: Speed) -> None:
         self.data["speed"][self._key(machine, model, fmt)] = asdict(value) | {"machine": machine, "model": model,
                                                                               "fmt": fmt}
+        self.dirty = True
 
     def save(self) -> None:
-        if self.path is None:
+        """Write the file (a read-only or full cache directory: a warning, and the next start measures again)."""
+        if self.path is None or not self.dirty:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        os.replace(tmp, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.data, indent=1))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            _log.warning("could not save the serving calibration to %s (%s); the next start measures again",
+                         self.path, e)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -469,7 +469,15 @@ def load() -> Path:
             return _loaded
         path = library_path()
         if not path.exists():
-            build(path)
+            try:
+                build(path)
+            except OSError as e:  # a read-only or full cache directory
+                raise NativeKernelError(f"cannot build the kernels in {path.parent} ({e.strerror or e}); make it "
+                                        "writable, point KAKEYA_CACHE_DIR elsewhere, or set "
+                                        f"{BACKEND_ENV}=sdpa") from None
+        problem = _elf_problem(path)
+        if problem:  # mapping a cut-short library kills the process (SIGBUS) at its first call, with no message
+            raise NativeKernelError(f"{path} is damaged ({problem}); delete it to rebuild, or set {BACKEND_ENV}=sdpa")
         try:
             torch.ops.load_library(str(path))
         except OSError as e:
@@ -480,6 +488,27 @@ def load() -> Path:
         _apply(_cached_routes(path.parent / ROUTES_FILE))
         _loaded = path
         return path
+
+
+def _elf_problem(path: Path) -> str | None:
+    """Why `path` is not a whole 64-bit ELF file (None when it is): its section headers, which the linker writes
+    last, must lie inside it."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as e:
+        return e.strerror or str(e)
+    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:
+        return "not a 64-bit ELF library"
+    order = "<" if head[5] == 1 else ">"
+    (shoff,) = struct.unpack_from(order + "Q", head, 0x28)
+    shentsize, shnum = struct.unpack_from(order + "HH", head, 0x3A)
+    if shoff + shentsize * shnum > size:
+        return f"truncated: {size} bytes, its section headers end at {shoff + shentsize * shnum}"
+    return None
 
 
 def routes() -> Routes:

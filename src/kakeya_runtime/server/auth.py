@@ -22,20 +22,25 @@ def owner_of(key: str) -> str:
 
 
 MIN_KEY_LENGTH = 8
+MAX_KEY_LENGTH = 4096  # gRPC refuses request metadata past 8-16 KiB: a longer key could never be presented
 
 
 def check_key(key: str, what: str = "API keys") -> None:
-    """A key a client can send: gRPC metadata and HTTP headers carry printable ASCII only, ends trimmed."""
+    """A key a client can send: a bearer token in gRPC metadata and HTTP headers, so printable ASCII without spaces
+    (KAKEYA_API_KEY also splits several keys at spaces), at most MAX_KEY_LENGTH characters."""
     if len(key) < MIN_KEY_LENGTH:
         raise ValueError(f"{what} must be at least {MIN_KEY_LENGTH} characters long")
-    if not (key.isascii() and key.isprintable()) or key != key.strip():
-        raise ValueError(f"{what} must be printable ASCII without surrounding spaces (no client could send "
-                         "anything else in a header)")
+    if len(key) > MAX_KEY_LENGTH:
+        raise ValueError(f"{what} must be at most {MAX_KEY_LENGTH} characters long (no client could send a longer "
+                         "one in a request header)")
+    if not (key.isascii() and key.isprintable()) or any(ch.isspace() for ch in key):
+        raise ValueError(f"{what} must be printable ASCII without spaces (no client could send anything else as a "
+                         "bearer token)")
 
 
 class ApiKeyAuth:
     def __init__(self, keys: Iterable[str] = ()) -> None:
-        self._keys = [k for k in keys if k]
+        self._keys = list(dict.fromkeys(k for k in keys if k))
         for key in self._keys:
             check_key(key)
 

@@ -46,7 +46,8 @@ def serve(
         help="Require `Authorization: Bearer <key>` on /metrics (default: no key)."),
     api_key: list[str] = typer.Option(  # noqa: B008 - typer reads defaults at definition time
         [], "--api-key", envvar="KAKEYA_API_KEY",
-        help="Accepted bearer key (repeatable). Each key sees only the sessions it created.",
+        help="Accepted bearer key (repeatable; KAKEYA_API_KEY may hold several, separated by spaces): 8-4096 "
+        "printable ASCII characters without spaces. Each key sees only the sessions it created.",
     ),
     max_sessions: int = typer.Option(64, "--max-sessions", help="Sessions held at once, all keys together."),
     max_sessions_per_key: int | None = typer.Option(
@@ -80,7 +81,7 @@ def serve(
         "prompt."),
     context: int | None = typer.Option(None, "--context", help="Per-session context limit (default: the model's)."),
     dtype: str | None = typer.Option(None, "--dtype", help=f"Weights/activations dtype: {DTYPE_HELP} (the same as "
-                                     "--weights bf16 / fp32; fp16 is served as loaded)."),
+                                     "--weights bf16 / fp32)."),
     weights: str = typer.Option(
         "auto", "--weights", help="Projection weight format: auto, bf16, fp32, int8, int4 or int4-mixed (each GGUF "
         "tensor in the fewest bits that hold it exactly: int4, int5 or int8). auto (the "
@@ -99,7 +100,8 @@ def serve(
     ),
     idle_codec: str = typer.Option(
         "d4", "--idle-codec",
-        help="Idle-compression codec for sessions that name none: identity, d4, e8 (or none: only those that do).",
+        help="Idle-compression codec for sessions that name none: identity, d4, e8, int8 (or none: only those that "
+        "do).",
     ),
     idle_q: int = typer.Option(38, "--idle-q", help="Lattice range of the d4/e8 idle codec."),
     state_dir: str | None = typer.Option(
@@ -245,14 +247,14 @@ def _load_draft_head(model: Any, path: str, console: Console) -> Any:
 
 
 def resolve_weights(weights: str, dtype: str | None) -> str:
-    """--weights with --dtype folded in: --dtype bf16/fp32 alone means that format, fp16 is served as loaded
-    ("fp16"); both given must agree. ValueError (a clear message) otherwise."""
+    """--weights with --dtype folded in: --dtype bf16/fp32 alone means that format; both given must agree.
+    ValueError (a clear message) otherwise."""
     from kakeya_runtime.engine.serving import AUTO, parse_weights
 
     fmt = parse_weights(weights)
     if dtype is None:
         return fmt
-    as_format = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[dtype_name(dtype)]
+    as_format = {"bfloat16": "bf16", "float32": "fp32"}[dtype_name(dtype)]
     if fmt == AUTO:
         return as_format
     if fmt != as_format:
@@ -325,6 +327,14 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, r
         if fmt != "fp16":
             serving.check_requested(fmt)
             fidelity = None if fmt == "bf16" else cal.fidelity(key, fmt)
+        if fmt not in ("bf16", "fp32", "fp16"):  # served as asked; say how close to bf16 it is, where known
+            if fidelity is None:
+                console.print(f"[yellow]note:[/] {fmt}'s fidelity to bf16 was not measured here (`--weights auto` "
+                              "measures every format once and keeps the result)", soft_wrap=True)
+            elif not fidelity.faithful:
+                console.print(f"[yellow]warning:[/] {fmt} is not faithful to bf16 on this model (next-token KL "
+                              f"{fidelity.kl_mean:.4f}, top-1 {fidelity.top1_agree:.3f}; auto requires KL <= "
+                              f"{serving.FIDELITY_KL_MAX} and top-1 >= {serving.FIDELITY_TOP1_MIN})", soft_wrap=True)
     if fmt == first and fmt not in ("bf16", "fp32", "fp16"):  # --weights int...: the first load was fp32 for this
         with console.status(f"Converting to {fmt}…", spinner="dots"):
             serving.apply_format(loaded.model, fmt)
@@ -373,8 +383,8 @@ async def _serve_forever(server: Any, console: Console) -> None:
     console.print(f"Kakeya serving [bold]{server.served.name}[/] on [bold cyan]{server.address}[/] "
                   f"(max_sessions={cfg.max_sessions}, ttl={cfg.idle_ttl_s:g}s, max_batch={cfg.max_concurrent}, "
                   f"step_tokens={cfg.step_tokens}, short_prompt={cfg.short_prompt}, "
-                  f"auth={'on' if cfg.api_keys else 'off'}, kv policies={','.join(server.service.policies.names())}, "
-                  f"idle compression={_idle_text(server)}, max request={server.max_request_bytes / 2**20:.2f} MiB)")
+                  f"auth={'on' if server.auth.enabled else 'off'}, kv policies={','.join(server.service.policies.names())}, "
+                  f"idle compression={_idle_text(server)}, max request={_bytes(server.max_request_bytes)})")
     limits = server.service.store.limits
     console.print(f"TLS {'on' if server.tls else 'off'}; limits: {limits.max_sessions} sessions, "
                   f"{limits.key_sessions} per key; KV budget {_size(limits.kv_budget or 0)}, "
@@ -421,6 +431,13 @@ def parse_size(text: str | None, flag: str) -> int | None:
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n else "none"
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
 
 
 def _idle_text(server: Any) -> str:

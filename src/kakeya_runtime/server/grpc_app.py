@@ -159,12 +159,13 @@ class ServerConfig:
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"--context must be >= 1, got {self.context_length}")
         if not (math.isfinite(self.idle_ttl_s) and self.idle_ttl_s > 0):
-            raise ValueError(f"--ttl must be a number of seconds > 0, got {self.idle_ttl_s}")
+            raise ValueError(f"--ttl must be a finite number of seconds > 0, got {self.idle_ttl_s}")
         if self.openai_max_queue < 0:
             raise ValueError(f"--openai-max-queue must be >= 0, got {self.openai_max_queue}")
         for key in self.api_keys:
-            if key:
-                check_key(key)
+            if not key:  # `--api-key "$KEY"` with KEY unset: serving without keys is not what was asked
+                raise ValueError("an --api-key is empty (an unset variable?): give the key, or leave the flag out")
+            check_key(key)
         if not is_loopback(self.host) and self.tls_cert is None and not self.insecure:
             raise InsecureBindError(
                 f"refusing to listen on non-loopback host {self.host!r} without TLS (--tls-cert/--tls-key): API keys "
@@ -183,15 +184,18 @@ class ServerConfig:
             raise ValueError(f"--short-prompt must be >= 0, got {self.short_prompt}")
         if self.idle_compress_after_s is not None and not (math.isfinite(self.idle_compress_after_s)
                                                            and self.idle_compress_after_s > 0):
-            raise ValueError(f"idle_compress_after_s must be > 0, got {self.idle_compress_after_s}")
+            raise ValueError(f"--idle-compress-after must be a finite number of seconds > 0 (idle_compress_after_s), "
+                             f"got {self.idle_compress_after_s}")
         if self.idle_codec is not None and self.idle_codec.lower() not in (*CODEC_KINDS, "none"):
-            raise ValueError(f"idle_codec must be one of {', '.join((*CODEC_KINDS, 'none'))}, got {self.idle_codec!r}")
+            raise ValueError(f"--idle-codec (idle_codec) must be one of {', '.join((*CODEC_KINDS, 'none'))}, got "
+                             f"{self.idle_codec!r}")
         if self.fsync not in {p.value for p in FsyncPolicy}:
-            raise ValueError(f"fsync must be one of {', '.join(p.value for p in FsyncPolicy)}, got {self.fsync!r}")
+            raise ValueError(f"--fsync must be one of {', '.join(p.value for p in FsyncPolicy)}, got {self.fsync!r}")
         if self.state_dir is not None and Path(self.state_dir).exists() and not Path(self.state_dir).is_dir():
             raise ValueError(f"the state directory {self.state_dir!r} is not a directory")
         if self.max_request_bytes is not None and not 0 < self.max_request_bytes < 2**31:
-            raise ValueError(f"max_request_bytes must be in [1, 2**31), got {self.max_request_bytes}")
+            raise ValueError(f"--max-request-bytes (max_request_bytes) must be in [1, 2**31), got "
+                             f"{self.max_request_bytes}")
 
 
 def request_bytes_for(context_length: int) -> int:
@@ -441,7 +445,7 @@ class RuntimeServer:
         c = self.config
         # Per-key limits left unset are an equal share of the server's among the keys (one key, or none: all).
         limits = Limits.fair_share(
-            sum(1 for k in c.api_keys if k), max_sessions=c.max_sessions, max_sessions_per_key=c.max_sessions_per_key,
+            len(set(c.api_keys)), max_sessions=c.max_sessions, max_sessions_per_key=c.max_sessions_per_key,
             kv_budget=c.kv_budget or default_kv_budget(served.model, self.engine.device),
             kv_budget_per_key=c.kv_budget_per_key, evict_across_keys=c.evict_across_keys)
         self.tls = None if c.tls_cert is None else (Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())

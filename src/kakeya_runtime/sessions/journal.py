@@ -116,7 +116,15 @@ class StateDir:
     @staticmethod
     def check_free(root: str | Path) -> None:
         """Raise StateDirError when another server holds `root` now (creates nothing): `kakeya serve` asks before its
-        model load, so a second server on the same directory is refused at once. The lock taken at start-up decides."""
+        model load, so a second server on the same directory is refused at once (and one it could not write). The lock
+        taken at start-up decides."""
+        existing = Path(root)
+        while not existing.exists() and existing != existing.parent:  # created at start-up: its parent must allow it
+            existing = existing.parent
+        if not existing.is_dir():
+            raise StateDirError(f"the state directory {root} cannot be made: {existing} is not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise StateDirError(f"the state directory {root} is not writable ({existing}): sessions could not be kept")
         path = Path(root) / "lock"
         try:
             fd = os.open(path, os.O_RDONLY)
