@@ -52,3 +52,14 @@ def test_calibrated_profile_loads_and_runs(smollm2, tmp_path, monkeypatch):
     engine.prefill(cache, ids[:, :-1])
     tokens = [step[0] for step in engine.stream(cache, ids[:, -1:], GenerateRequest(4, stop_ids=()))]
     assert len(tokens) == 4 and cache.counters().blocks_selected > 0  # the tripwires held every step
+
+
+def test_lengths_too_short_to_tell_the_modes_apart_are_refused(smollm2, tmp_path, monkeypatch):
+    """At most sink + window + topk x block positions, a sparse head attends to everything, so no head can show it
+    is dense: such a run once wrote an all-sparse profile that replaced the shipped one."""
+    from kakeya_runtime.bench.options import BenchInputError
+
+    monkeypatch.setenv("KAKEYA_CACHE_DIR", str(tmp_path))
+    with pytest.raises(BenchInputError, match="too short"):
+        calibrate_heads(loaded=smollm2, lengths=(120, 600), depths=(0.5,), sink=4, window=64, block=16, topk=4)
+    assert not (tmp_path / "heads").exists()

@@ -365,3 +365,35 @@ def test_deferred_block_encode_leaves_the_state_immediate_encoding_does(tiny_mod
     immediate.trim(57)
     same(engine.prefill(deferred, ids[:, 57:80]).logits, engine.prefill(immediate, ids[:, 57:80]).logits)
     assert sum(flushed) > 0  # some steps did leave blocks for the end of the step
+
+
+def test_a_session_is_bound_to_the_head_profile_it_was_built_with(tiny_llama, tmp_path, monkeypatch):
+    """heads=profile resolves, at the session's creation, to profile:<digest>, which its journal and archive keep: a
+    recalibrated profile then refuses to rebuild it (it gave other tokens after a restart or an import, unnoticed),
+    and a damaged profile file is a typed error naming the file (it was INTERNAL)."""
+    from kakeya_runtime.kv.policy import check_head_profile
+
+    native.load()
+    monkeypatch.setenv("KAKEYA_CACHE_DIR", str(tmp_path))
+    modes = {0: ["streaming", "dense"], 1: ["sparse", "streaming"], 2: ["dense", "sparse"]}
+    _write_profile(tiny_llama.config, modes, tmp_path / "heads")
+    params = {**SMALL, "codec": "identity", "heads": "profile"}
+    bound = check_head_profile(tiny_llama.config, PolicySpec.parse("sparse", params))
+    assert bound.heads.startswith("profile:") and len(bound.heads) == len("profile:") + 12
+    again = PolicySpec.parse("sparse", bound.params)  # as a journal or an archive gives it back
+    assert again == bound and check_head_profile(tiny_llama.config, again) == bound
+    make_policy_cache(tiny_llama.config, again)
+    _write_profile(tiny_llama.config, {**modes, 0: ["dense", "dense"]}, tmp_path / "heads")  # recalibrated
+    for check in (lambda: check_head_profile(tiny_llama.config, again),
+                  lambda: make_policy_cache(tiny_llama.config, again)):
+        with pytest.raises(PolicyError, match="built with the head profile"):
+            check()
+    assert check_head_profile(tiny_llama.config, PolicySpec.parse("sparse", params)).heads != bound.heads
+    path = next((tmp_path / "heads").iterdir())
+    for text in ("{", "[]", '{"schema": "kakeya.heads", "schema_version": 1}',
+                 '{"schema": "kakeya.heads", "schema_version": 1, "fingerprint": "x", "modes": ["a"]}'):
+        path.write_text(text)
+        with pytest.raises(PolicyError, match=str(path)):
+            check_head_profile(tiny_llama.config, PolicySpec.parse("sparse", params))
+    with pytest.raises(PolicyError, match="12 hex digits"):
+        PolicySpec.parse("sparse", {**params, "heads": "profile:xyz"})

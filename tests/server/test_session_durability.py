@@ -150,6 +150,7 @@ def test_export_import_moves_a_session_with_its_cache(tmp_path: Path, policy):
         moved = cb.import_session(tmp_path / "s.kakeya")
         assert moved.kv_loaded and moved.id != sid
         info = moved.info(include_history=True)
+        assert (info.sparse is not None) == (policy[0] == "sparse")  # its bytes shown before a first Generate
         assert list(info.history_token_ids) == history
         assert info.cached_length == len(history) - 4  # the 3 appended tokens and the last sampled one are pending
         assert _continue(cb, moved.id) == _continue(ca, sid)

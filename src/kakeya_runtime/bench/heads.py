@@ -14,6 +14,7 @@ architecture fingerprint, with every score, the settings, the machine and the co
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import time
@@ -49,6 +50,13 @@ def calibrate_heads(model: str = "smollm2", *, dtype: str = "bf16", lengths: tup
     too_long = [n for n in lengths if n > limit]
     if too_long:  # once cut to the limit silently, with the requested length recorded
         raise BenchInputError(f"lengths {too_long} do not fit {model}'s context ({limit} positions for a prompt)")
+    # At most sink + window + topk blocks of history a sparse head attends to everything: no head can show it needs
+    # more (a 1,024-token run called every head streaming or sparse, and its profile replaced the shipped one)
+    floor = sink + window + topk * block
+    too_short = [n for n in lengths if n <= floor]
+    if too_short:
+        raise BenchInputError(f"lengths {too_short} are too short to tell the head modes apart: a sparse head attends "
+                              f"to every position up to sink + window + topk x block = {floor}; give longer ones")
     window_mass: dict[int, list[list[float]]] = {}  # layer -> per step, per query head
     sparse_mass: dict[int, list[list[float]]] = {}
     started = time.time()
@@ -98,7 +106,9 @@ def calibrate_heads(model: str = "smollm2", *, dtype: str = "bf16", lengths: tup
     }
     path = Path(out) if out is not None else user_dir() / f"{fingerprint(cfg)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # a server reading the profile never sees half of it
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)
     result["path"] = str(path)
     return result
 

@@ -19,6 +19,7 @@ from kakeya_runtime.models.config import ModelConfig
 SCHEMA = "kakeya.heads"
 SCHEMA_VERSION = 1
 MODES = ("streaming", "sparse", "dense")
+DIGEST_CHARS = 12
 SHIPPED = Path(__file__).parent / "profiles"
 
 
@@ -44,15 +45,27 @@ class HeadProfile:
             raise HeadProfileError(f"the head profile has no entry for layer {layer}")
         return tuple({"streaming": 0, "sparse": topk, "dense": all_blocks}[m] for m in self.layers[layer])
 
+    @property
+    def digest(self) -> str:
+        """What a session built with this profile records (policy param heads=profile:<digest>): the same modes, the
+        same digest, so a session is never rebuilt on another profile's modes unnoticed."""
+        text = json.dumps({"fingerprint": self.fingerprint, "modes": {str(k): list(v) for k, v in
+                                                                      sorted(self.layers.items())}}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:DIGEST_CHARS]
+
     @classmethod
     def from_json(cls, data: dict) -> HeadProfile:
-        if data.get("schema") != SCHEMA or data.get("schema_version") != SCHEMA_VERSION:
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("schema_version") != SCHEMA_VERSION:
             raise HeadProfileError(f"not a {SCHEMA} v{SCHEMA_VERSION} profile")
-        layers = {int(k): tuple(v) for k, v in data["modes"].items()}
+        try:
+            layers = {int(k): tuple(v) for k, v in data["modes"].items()}
+            fp = str(data["fingerprint"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise HeadProfileError(f"a damaged {SCHEMA} profile ({type(e).__name__}: {e})") from None
         bad = sorted({m for modes in layers.values() for m in modes} - set(MODES))
         if bad:
             raise HeadProfileError(f"unknown head modes {bad} (known: {', '.join(MODES)})")
-        return cls(data["fingerprint"], layers)
+        return cls(fp, layers)
 
 
 def user_dir() -> Path:
@@ -75,7 +88,10 @@ def load_profile(config: ModelConfig) -> HeadProfile:
     if path is None:
         raise HeadProfileError(f"no head profile for this model ({fingerprint(config)}); run `kakeya calibrate heads "
                                "--model ...` first, or use heads=all")
-    profile = HeadProfile.from_json(json.loads(path.read_text()))
+    try:
+        profile = HeadProfile.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:  # HeadProfileError is a ValueError: say which file
+        raise HeadProfileError(f"{path}: {e}; run `kakeya calibrate heads` again or delete it") from None
     if profile.fingerprint != fingerprint(config):
         raise HeadProfileError(f"{path} is for {profile.fingerprint}, not {fingerprint(config)}")
     for layer, modes in profile.layers.items():

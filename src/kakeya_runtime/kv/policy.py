@@ -19,11 +19,13 @@ memory_stats). Errors: PolicyError (INVALID_ARGUMENT) for bad specs, PositionLim
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kakeya_runtime.kv.cache import CacheError, FullLayerKV, SlidingLayerKV, make_cache, sliding_spare
 from kakeya_runtime.kv.compress import make_codec
-from kakeya_runtime.kv.heads import HeadProfileError, load_profile
+from kakeya_runtime.kv.heads import HeadProfile, HeadProfileError, load_profile
 from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
 from kakeya_runtime.kv.restore import RestoreKV, RestoreLayerKV
 from kakeya_runtime.kv.sink_window import PositionLimitError, SinkWindowKV, SinkWindowLayerKV
@@ -49,17 +51,33 @@ def check_fits(spec: PolicySpec, context: int) -> None:
         raise PolicyError(f"{', '.join(too_big)} exceeds the context of {context} positions")
 
 
-def check_head_profile(config: ModelConfig, spec: PolicySpec) -> None:
-    """PolicyError unless a sparse spec with heads=profile finds this model's profile, covering every governed layer
-    (what building its cache needs: checked when the session is created, not at its first Generate)."""
-    if spec.name != "sparse" or spec.heads != "profile":
-        return
+def check_head_profile(config: ModelConfig, spec: PolicySpec) -> PolicySpec:
+    """`spec` bound to this model's head profile (heads=profile -> profile:<digest>, so a restart, an import or a
+    rebuilt cache use the same modes or refuse); PolicyError unless the profile is found and covers every governed
+    layer (what building its cache needs: checked when the session is created, not at its first Generate), or when
+    a bound spec's profile has changed since (another calibration)."""
+    if spec.name != "sparse" or not spec.heads.startswith("profile"):
+        return spec
+    profile = _profile_for(config, spec)
     try:
-        profile = load_profile(config)
         for i in governed_layers(config):
             profile.head_topk(i, spec.topk, 1)
     except HeadProfileError as e:
         raise PolicyError(str(e)) from None
+    return dataclasses.replace(spec, heads=f"profile:{profile.digest}")
+
+
+def _profile_for(config: ModelConfig, spec: PolicySpec) -> HeadProfile:
+    try:
+        profile = load_profile(config)
+    except HeadProfileError as e:
+        raise PolicyError(str(e)) from None
+    bound = spec.heads.partition(":")[2]
+    if bound and bound != profile.digest:
+        raise PolicyError(f"this session was built with the head profile {bound}; the model's profile is now "
+                          f"{profile.digest} (recalibrated?), which would change its tokens: put that profile back "
+                          "or start a new session")
+    return profile
 
 
 def governed_layers(config: ModelConfig) -> list[int]:
@@ -93,12 +111,7 @@ def make_policy_cache(config: ModelConfig, spec: PolicySpec, *, batch: int = 1, 
     shape = (batch, config.num_key_value_heads, config.head_dim)
     if spec.name == "sparse":
         check_fits(spec, cap)
-        profile = None
-        if spec.heads == "profile":
-            try:
-                profile = load_profile(config)
-            except HeadProfileError as e:
-                raise PolicyError(str(e)) from None
+        profile = _profile_for(config, spec) if spec.heads.startswith("profile") else None
         every = cap // spec.block + 1  # a dense head keeps every cold block
 
         def sparse_layer(i: int) -> SparseLayerKV:

@@ -62,7 +62,8 @@ class PolicySpec:
     block: int = 0  # sparse: positions per cold block
     topk: int = 0  # sparse: cold blocks each query attends to (at least)
     budget: float = 0.0  # sparse: share of its selectable cold blocks a query attends to when that exceeds topk
-    heads: str = "all"  # sparse: "all" heads use the cold tier, or per head as the model's profile says (kv.heads)
+    heads: str = "all"  # sparse: "all" heads use the cold tier, or per head as the model's profile says (kv.heads):
+    # "profile", bound at the session's creation to "profile:<digest>" of the profile it was built with
     granularity: str = "per_step"  # restore: recompute every decode step, or once per generation
     chunk: int = 512  # restore: proposer forward chunk (bounds its activations)
     codec: CodecSpec = CodecSpec()  # resident-cache codec (sink_window, restore)
@@ -95,7 +96,7 @@ class PolicySpec:
             return cls(name, spare=_int(p, "spare", 0), **common)
         if name == "sparse":
             return cls(name, spare=_int(p, "spare", 0), block=_int(p, "block", 1), topk=_int(p, "topk", 1),
-                       heads=_choice(p, "heads", HEADS), budget=_fraction(p, "budget"), **common)
+                       heads=_heads(p), budget=_fraction(p, "budget"), **common)
         return cls(name, granularity=_choice(p, "granularity", GRANULARITIES), chunk=_int(p, "chunk", 1), **common)
 
     @property
@@ -128,7 +129,7 @@ class PolicySpec:
                 parts.append(self.granularity)
             if self.name == "sparse":
                 parts.append(f"top {self.topk} x {self.block}" + (f" or {self.budget:g} of them" if self.budget else "")
-                             + (", per-head profile" if self.heads == "profile" else ""))
+                             + (", per-head profile" if self.heads.startswith("profile") else ""))
             if self.codec.kind != "identity":
                 parts.append(self.codec.label)
             inner = ", ".join(parts)
@@ -173,6 +174,18 @@ def _fraction(p: Mapping[str, Any], key: str) -> float:
     if value is None or not 0.0 <= value <= 1.0:  # NaN fails both comparisons
         raise PolicyError(f"KV policy parameter {key!r} must be a number in [0, 1], got {raw!r}")
     return value
+
+
+def _heads(p: Mapping[str, Any]) -> str:
+    """"all", "profile" (the model's profile, bound to its digest when the session is made: kv.policy), or
+    "profile:<digest>" (a session's, as journaled and archived)."""
+    raw = p["heads"]
+    if isinstance(raw, str) and raw.lower().startswith("profile:"):
+        digest = raw[len("profile:"):].lower()
+        if len(digest) == 12 and all(c in "0123456789abcdef" for c in digest):
+            return "profile:" + digest
+        raise PolicyError(f"KV policy parameter 'heads' names a profile by 12 hex digits (profile:<digest>), got {raw!r}")
+    return _choice(p, "heads", HEADS)
 
 
 def _choice(p: Mapping[str, Any], key: str, options: tuple[str, ...]) -> str:

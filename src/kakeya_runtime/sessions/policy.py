@@ -65,7 +65,7 @@ class PolicyRegistry:
                     check_codec(spec.codec, "codec", config.head_dim)
                 if spec.idle_codec is not None:
                     check_codec(spec.idle_codec, "idle_codec", config.head_dim)
-                check_head_profile(config, spec)
+                spec = check_head_profile(config, spec)  # heads=profile: bound to the profile's digest
             if context_length is not None:
                 check_fits(spec, context_length)
                 _check_window_fits(spec, context_length)

@@ -588,6 +588,7 @@ class SessionService:
         cache = self.policies.build(self.engine, session.policy, session.context_length)
         n = snapshot.load(cache, kv, session.history, self.model_id)
         self.store.attach_cache(session, cache, n)
+        self._record_attention(session)  # GetSessionInfo shows the sparse policy's bytes before a first Generate
         self.observer.kv_restored("snapshot")
 
     # ---- idle compression --------------------------------------------------------------------
@@ -736,6 +737,7 @@ class SessionService:
                 cache = self.policies.build(self.engine, session.policy, session.context_length)
                 n = snapshot.load(cache, data, session.history, self.model_id)
                 self.store.attach_cache(session, cache, n)
+                self._record_attention(session)
                 self.observer.kv_restored("snapshot")
                 return
             except (OSError, ValueError) as e:  # SnapshotError, RecordError: the history is the truth, recompute
@@ -768,7 +770,8 @@ class SessionService:
 
     @staticmethod
     def _record_attention(session: Session) -> float:
-        """Engine thread, after a Generate: remember the newest query's attention fraction for GetSessionInfo."""
+        """Engine thread, after a Generate or a snapshot load: remember the newest query's attention fraction and the
+        sparse policy's counters and bytes for GetSessionInfo."""
         cache = session.cache
         if cache is not None and not is_compressed(cache):
             with contextlib.suppress(Exception):
