@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from kakeya_runtime.models import bundled, loader
 from kakeya_runtime.models.base import Logits
+from kakeya_runtime.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigError, ModelConfig
 from kakeya_runtime.models.loader import ModelLoadError, load_model
 from kakeya_runtime.models.registry import build_model
 
@@ -188,6 +189,23 @@ def test_hf_directory(make_tiny_config, make_hf_state, tmp_path, tiny_gguf):
     torch.testing.assert_close(loaded.model.embed_tokens.weight, sd["model.embed_tokens.weight"].to(torch.bfloat16)
                                .float(), rtol=0, atol=0)
 
+    # values a file states but we cannot honour, or of the wrong kind: refused, never served another way
+    good = cfg.to_hf()
+    for bad, message in (({"eos_token_id": 99999}, "outside the vocabulary"), ({"bos_token_id": 99999}, "bos 99999"),
+                         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"RoPE scaling \(llama3\)"),
+                         ({"rope_scaling": {"type": "linear", "factor": 4.0}}, r"RoPE scaling \(linear\)"),
+                         ({"num_attention_heads": "nine"}, "wrong kind"), ({"num_attention_heads": None}, "wrong kind"),
+                         ({"num_attention_heads": 0}, "positive integers"), ({"hidden_act": "relu2"}, "relu2")):
+        (d / "config.json").write_text(json.dumps({**good, **bad}))
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(d, dtype=torch.float32)
+    (d / "config.json").write_text(json.dumps([good]))
+    with pytest.raises(ModelLoadError, match="not a JSON object"):
+        load_model(d, dtype=torch.float32)
+    (d / "config.json").write_text(json.dumps({**good, "rope_scaling": {"rope_type": "default"}}))
+    load_model(d, dtype=torch.float32)
+
+
     (d / "tokenizer.json").write_text("{not json")
     broken = load_model(d, dtype=torch.float32)  # the tokenizer is parsed on first use ...
     with pytest.raises(ModelLoadError, match="invalid tokenizer.json"):
@@ -268,3 +286,40 @@ def test_real_models_load_fast_from_the_cache(name, model_type, layers, vocab, e
         assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17]
         assert (cfg.sliding_window, cfg.head_dim, cfg.query_pre_attn_scalar) == (512, 256, 256)
         assert 106 in loaded.eos_ids  # <end_of_turn>
+
+
+def test_a_gemma3_config_without_layer_types_slides_by_its_pattern(make_tiny_config):
+    """transformers 4.50's Gemma 3 configs say which layers slide by sliding_window_pattern (every 6th global), with
+    no layer_types: read as every layer global, the model gave other tokens with no error."""
+    cfg = make_tiny_config("gemma3")
+    hf = cfg.to_hf()
+    assert cfg.layer_types == (SLIDING_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION)
+    del hf["layer_types"]
+    assert ModelConfig.from_hf({**hf, "sliding_window_pattern": 3}) == cfg  # every 3rd layer global, as stated
+    six = ModelConfig.from_hf({**hf, "sliding_window_pattern": 6})
+    assert FULL_ATTENTION not in six.layer_types
+    with pytest.raises(ConfigError, match="sliding_window_pattern"):
+        ModelConfig.from_hf(hf)
+
+
+def test_gguf_headers_that_cannot_be_served_are_refused():
+    """A head count of 0 divided by zero and an end-of-text id past the vocabulary indexed out of range: both ended
+    `kakeya serve` with a traceback. And the request limit a huge stated context gives stays an int32 for gRPC."""
+    from types import SimpleNamespace
+
+    from kakeya_runtime.server.grpc_app import request_bytes_for
+
+    meta = {"llama.embedding_length": 64, "llama.attention.head_count": 4, "llama.block_count": 2,
+            "llama.feed_forward_length": 128, "llama.context_length": 512,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5, "tokenizer.ggml.tokens": [f"t{i}" for i in range(100)],
+            "tokenizer.ggml.eos_token_id": 2}
+    tensors = {"token_embd.weight": SimpleNamespace(shape=(64, 100))}
+    assert loader._config_from_gguf(meta, "llama", tensors, Path("m.gguf")).eos_token_ids == (2,)
+    for bad, message in (({"llama.attention.head_count": 0}, "head counts"),
+                         ({"llama.attention.head_count_kv": 0}, "head counts"),
+                         ({"tokenizer.ggml.eos_token_id": 99999}, "eos 99999"),
+                         ({"tokenizer.ggml.bos_token_id": 100}, "bos 100"),
+                         ({"llama.context_length": 0}, "positive integers")):
+        with pytest.raises(ModelLoadError, match=message):
+            loader._config_from_gguf({**meta, **bad}, "llama", tensors, Path("m.gguf"))
+    assert request_bytes_for(2**31) == 2**31 - 1

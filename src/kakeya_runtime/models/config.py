@@ -42,6 +42,13 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        sizes = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_hidden_layers":
+                 self.num_hidden_layers, "num_attention_heads": self.num_attention_heads, "num_key_value_heads":
+                 self.num_key_value_heads, "head_dim": self.head_dim, "max_position_embeddings":
+                 self.max_position_embeddings}
+        bad_sizes = [f"{k}={v!r}" for k, v in sizes.items() if not isinstance(v, int) or v < 1]
+        if bad_sizes:
+            raise ConfigError(f"sizes must be positive integers: {', '.join(bad_sizes)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -66,7 +73,19 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dict (the fields we use; others go to `extra`)."""
+        """Build from a Hugging Face config.json dict (the fields we use; others go to `extra`); ConfigError for
+        anything it cannot serve as written (never a config read some other way than the checkpoint means)."""
+        if not isinstance(raw, dict):
+            raise ConfigError("config.json is not a JSON object")
+        try:
+            return cls._from_hf(raw)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:  # "nine" heads, null, 0
+            raise ConfigError(f"config.json has a value of the wrong kind ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type")
         if model_type is None:
             raise ConfigError("config has no model_type")
@@ -82,8 +101,19 @@ class ModelConfig:
         rope_params = raw.get("rope_parameters") or {}
         if rope_theta is None:
             rope_theta = (rope_params.get("full_attention") or rope_params).get("rope_theta", 10000.0)
+        scaling = raw.get("rope_scaling")
+        kind = (scaling.get("rope_type") or scaling.get("type")) if isinstance(scaling, dict) else scaling
+        if kind not in (None, "default", "none"):  # llama3 / linear / yarn ...: other frequencies than ours
+            raise ConfigError(f"RoPE scaling ({kind}) is not supported")
         layer_types = tuple(raw.get("layer_types") or ())
         sliding_window = raw.get("sliding_window")
+        if model_type in ("gemma3", "gemma3_text") and not layer_types:
+            # Older Gemma 3 configs say it by a pattern: every `pattern`-th layer global, the others sliding
+            pattern = raw.get("sliding_window_pattern")
+            if not pattern:
+                raise ConfigError("a Gemma 3 config needs layer_types or sliding_window_pattern (which layers slide)")
+            layer_types = tuple(FULL_ATTENTION if (i + 1) % int(pattern) == 0 else SLIDING_ATTENTION
+                                for i in range(int(raw["num_hidden_layers"])))
         if model_type in ("llama", "qwen2", "mistral") and not layer_types and sliding_window:
             # Mistral-style: every layer slides.
             layer_types = (SLIDING_ATTENTION,) * int(raw["num_hidden_layers"])

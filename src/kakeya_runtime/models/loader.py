@@ -310,6 +310,8 @@ def _config_from_gguf(meta: Mapping[str, Any], arch: str, tensors: Mapping[str, 
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     num_layers = int(get("block_count"))
+    if num_heads < 1 or int(get("attention.head_count_kv", num_heads)) < 1:
+        raise ModelLoadError(f"{path}: attention head counts must be >= 1")
     head_dim = int(get("attention.key_length", hidden // num_heads))
     rope_dim = int(get("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
@@ -319,6 +321,11 @@ def _config_from_gguf(meta: Mapping[str, Any], arch: str, tensors: Mapping[str, 
     if len(tokens) > vocab_size:
         raise ModelLoadError(f"{path}: tokenizer has {len(tokens)} tokens, embedding only {vocab_size} rows")
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos_ids = _eos_ids(meta, tokens)
+    special = [("bos", bos), *(("eos", i) for i in eos_ids)]
+    outside = [f"{what} {v}" for what, v in special if v is not None and not 0 <= int(v) < (len(tokens) or vocab_size)]
+    if outside:
+        raise ModelLoadError(f"{path}: special token ids outside the vocabulary: {', '.join(outside)}")
     common: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": hidden,
@@ -331,7 +338,7 @@ def _config_from_gguf(meta: Mapping[str, Any], arch: str, tensors: Mapping[str, 
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": None if bos is None else int(bos),
-        "eos_token_ids": _eos_ids(meta, tokens),
+        "eos_token_ids": eos_ids,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
     try:
@@ -478,8 +485,11 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype = torch.bfloat16,
     mapped = {t.data_ptr() for t in state.values()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some checkpoints save the tied head too
-    with _params_on_meta():
-        model = cls(config)
+    try:
+        with _params_on_meta():
+            model = cls(config)
+    except ValueError as e:  # e.g. an activation our layers do not have
+        raise ModelLoadError(f"{directory}: {e}") from None
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
@@ -509,6 +519,11 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype = torch.bfloat16,
         if int(i) not in eos:
             eos.append(int(i))
     bos = config.bos_token_id if config.bos_token_id is not None else gen_config.get("bos_token_id")
+    outside = [f"{what} {i}" for what, ids in (("eos", eos), ("bos", [] if bos is None else [bos]))
+               for i in ids if not 0 <= int(i) < config.vocab_size]
+    if outside:  # an id no step can produce (generation would only end at max_tokens), or none to prepend
+        raise ModelLoadError(f"{directory}: special token ids outside the vocabulary of {config.vocab_size}: "
+                             f"{', '.join(outside)}")
     return LoadedModel(
         model=model, config=config, tokenizer_json=tokenizer_json,
         chat_template=_chat_template(directory, tok_config), eos_ids=tuple(eos),

@@ -200,7 +200,7 @@ class ServerConfig:
 
 def request_bytes_for(context_length: int) -> int:
     """The default receive limit: what the largest valid request (a context of token ids) needs, plus headroom."""
-    return context_length * TOKEN_ID_WIRE_BYTES + REQUEST_HEADROOM_BYTES
+    return min(context_length * TOKEN_ID_WIRE_BYTES + REQUEST_HEADROOM_BYTES, 2**31 - 1)  # gRPC takes an int32
 
 
 # Imports buffer their archive before reading it: all of them together hold at most this many of the largest
