@@ -18,6 +18,7 @@ from kakeya_runtime.engine.dtypes import DTYPE_HELP, dtype_name
 from kakeya_runtime.engine.heap import freeze_heap
 from kakeya_runtime.server.ports import Listen, port_problem
 from kakeya_runtime.sessions.batch import DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOKENS
+from kakeya_runtime.sessions.limits import size_text
 
 
 def register(app: typer.Typer) -> None:
@@ -384,7 +385,7 @@ async def _serve_forever(server: Any, console: Console) -> None:
                   f"(max_sessions={cfg.max_sessions}, ttl={cfg.idle_ttl_s:g}s, max_batch={cfg.max_concurrent}, "
                   f"step_tokens={cfg.step_tokens}, short_prompt={cfg.short_prompt}, "
                   f"auth={'on' if server.auth.enabled else 'off'}, kv policies={','.join(server.service.policies.names())}, "
-                  f"idle compression={_idle_text(server)}, max request={_bytes(server.max_request_bytes)})")
+                  f"idle compression={_idle_text(server)}, max request={size_text(server.max_request_bytes)})")
     limits = server.service.store.limits
     console.print(f"TLS {'on' if server.tls else 'off'}; limits: {limits.max_sessions} sessions, "
                   f"{limits.key_sessions} per key; KV budget {_size(limits.kv_budget or 0)}, "
@@ -431,13 +432,6 @@ def parse_size(text: str | None, flag: str) -> int | None:
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n else "none"
-
-
-def _bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} bytes"
 
 
 def _idle_text(server: Any) -> str:

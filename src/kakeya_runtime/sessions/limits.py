@@ -78,8 +78,8 @@ def plan_admission(held: Sequence[Held], busy: Sequence[bool], owner: str, cost:
                                 (limits.kv_budget, "of the server", "kv_budget")):
         if budget is not None and cost > budget:  # would not fit in an empty store: evict nothing
             raise ResourceExhausted(
-                f"this session may need up to {_size(cost)} of KV cache, more than the whole KV budget {what} "
-                f"({_size(budget)}): choose a bounded KV policy or a shorter context", limit=limit)
+                f"this session may need up to {size_text(cost)} of KV cache, more than the whole KV budget {what} "
+                f"({size_text(budget)}): choose a bounded KV policy or a shorter context", limit=limit)
     use = _Usage(held, owner, draining)
     own = [i for i, s in enumerate(held) if s.owner == owner and not busy[i]] if evict else []
     others = ([i for i, s in enumerate(held) if s.owner != owner and not busy[i]]
@@ -128,8 +128,8 @@ def _key_over(use: _Usage, cost: int, limits: Limits) -> tuple[str, str] | None:
     if use.key_count + 1 > limits.key_sessions:
         return "sessions_per_key", f"the session quota of {limits.key_sessions} per API key is reached"
     if limits.key_budget is not None and use.key_total + cost > limits.key_budget:
-        return "kv_budget_per_key", (f"the KV budget of {_size(limits.key_budget)} per API key is exhausted "
-                                     f"({_size(use.key_total)} reserved, this session may need up to {_size(cost)})")
+        return "kv_budget_per_key", (f"the KV budget of {size_text(limits.key_budget)} per API key is exhausted "
+                                     f"({size_text(use.key_total)} reserved, this session may need up to {size_text(cost)})")
     return None
 
 
@@ -137,12 +137,13 @@ def _server_over(use: _Usage, cost: int, limits: Limits) -> tuple[str, str] | No
     if use.count + 1 > limits.max_sessions:
         return "sessions", f"the server's limit of {limits.max_sessions} sessions is reached"
     if limits.kv_budget is not None and use.total + cost > limits.kv_budget:
-        return "kv_budget", (f"the server's KV budget of {_size(limits.kv_budget)} is exhausted ({_size(use.total)} "
-                             f"reserved, this session may need up to {_size(cost)})")
+        return "kv_budget", (f"the server's KV budget of {size_text(limits.kv_budget)} is exhausted ({size_text(use.total)} "
+                             f"reserved, this session may need up to {size_text(cost)})")
     return None
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """A byte count for people: 1.5 GiB, 12.0 MiB, 300 bytes."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
