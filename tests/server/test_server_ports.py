@@ -63,13 +63,13 @@ def test_serve_refuses_a_state_dir_in_use_before_loading(tmp_path):
 
     state = StateDir(tmp_path / "state", "m", "c")  # this process holds its lock, as a running server would
     try:
-        code, output = _serve("--port", str(_free_port()), "--metrics-port", str(_free_port()),
+        code, output = _serve("--port", "0", "--no-metrics",
                               "--state-dir", str(tmp_path / "state"))
     finally:
         state.close()
     assert code == 1, output
     assert "in use by another server" in output and "Loading" not in output, output
-    code, output = _serve("--port", str(_free_port()), "--metrics-port", str(_free_port()),
+    code, output = _serve("--port", "0", "--no-metrics",
                           "--state-dir", str(tmp_path / "state"))
     assert "in use" not in output and "/no/such/model.gguf" in output, output  # once free, the load is reached
 
@@ -77,6 +77,31 @@ def test_serve_refuses_a_state_dir_in_use_before_loading(tmp_path):
 def test_serve_refuses_a_state_dir_it_cannot_make_before_loading(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    code, output = _serve("--port", str(_free_port()), "--metrics-port", str(_free_port()),
+    code, output = _serve("--port", "0", "--no-metrics",
                           "--state-dir", str(blocker / "state"))
     assert code == 1 and "is not a directory" in output and "Loading" not in output, output
+
+
+def test_serve_refuses_a_context_past_the_models_before_loading(tiny_gguf, tmp_path, monkeypatch):
+    """--context beyond the model's positions was refused only after the load and the weight calibration (minutes on
+    a first start): the positions a model directory or a converted GGUF states are read first."""
+    import torch
+
+    from kakeya_runtime.models.loader import declared_context, load_model
+
+    monkeypatch.setenv("KAKEYA_CACHE_DIR", str(tmp_path / "cache"))
+    path = tiny_gguf("llama").path
+    assert declared_context(path) is None  # not converted yet: the load checks it
+    positions = load_model(path, dtype=torch.float32).config.max_position_embeddings
+    assert declared_context(path) == positions and declared_context(tmp_path / "nope") is None
+    code, output = _serve_model(str(path), "--port", "0", "--no-metrics",
+                                "--context", str(positions + 1))
+    assert code == 2 and f"--context {positions + 1} exceeds the model's {positions} positions" in " ".join(
+        output.split()) and "Loading" not in output, output
+
+
+def _serve_model(model: str, *args: str) -> tuple[int, str]:
+    app = typer.Typer()
+    cli.register(app)
+    result = CliRunner().invoke(app, ["serve", "--model", model, *args])
+    return result.exit_code, result.output

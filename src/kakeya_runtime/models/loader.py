@@ -128,6 +128,22 @@ def load_model(source: str | Path = bundled.DEFAULT_MODEL, *, dtype: torch.dtype
     return loaded
 
 
+def declared_context(source: str | Path, cache_dir: str | Path | None = None) -> int | None:
+    """The positions `source` says it has (a model directory's config.json, or a GGUF's cached conversion), read
+    without loading weights; None when that cannot be read cheaply (a GGUF not converted yet: the load checks)."""
+    try:
+        root = cache_root(cache_dir)
+        path = resolve_source(source, root)
+        if not path.is_dir():
+            path = _converted_dir(path, root, path.stat())[0]
+            if not (path / "kakeya.json").is_file():
+                return None
+        raw = json.loads((path / "config.json").read_text())
+        return int(raw.get("max_position_embeddings", 2048)) if isinstance(raw, dict) else None
+    except Exception:  # any unreadable source: the real load reports it properly
+        return None
+
+
 def resolve_source(source: str | Path, cache_dir: Path) -> Path:
     """A bundled name becomes its GGUF path; anything else must be an existing file or directory."""
     if isinstance(source, str) and bundled.is_bundled(source):
@@ -150,13 +166,19 @@ def resolve_source(source: str | Path, cache_dir: Path) -> Path:
 # GGUF -> cached safetensors directory
 
 
+def _converted_dir(gguf_path: Path, cache_dir: Path, st: os.stat_result) -> tuple[Path, str]:
+    """Where this exact GGUF file (as `st` says it is) has its conversion (complete once it holds kakeya.json), and
+    its key."""
+    key_src = f"{CONVERTER_VERSION}|{STORAGE_DTYPE}|{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    return cache_dir / "converted" / f"{gguf_path.stem}-{key}", key
+
+
 def convert_gguf_cached(gguf_path: Path, cache_dir: Path) -> Path:
     """The converted directory for this GGUF, converting it first if this exact file has not been."""
     st = gguf_path.stat()
-    key_src = f"{CONVERTER_VERSION}|{STORAGE_DTYPE}|{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    parent = cache_dir / "converted"
-    target = parent / f"{gguf_path.stem}-{key}"
+    target, key = _converted_dir(gguf_path, cache_dir, st)
+    parent = target.parent
     if (target / "kakeya.json").is_file():
         return target
     parent.mkdir(parents=True, exist_ok=True)

@@ -162,6 +162,14 @@ def serve(
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
+    if context is not None:  # past the model's positions: refused now, not after the load and calibration
+        from kakeya_runtime.models.loader import declared_context
+
+        positions = declared_context(model)
+        if positions is not None and context > positions:
+            console.print(f"[red]error:[/] --context {context} exceeds the model's {positions} positions (leave it "
+                          "out for the model's)")
+            raise typer.Exit(2)
     if state_dir is not None:  # another server on it: refused now, not after the model load
         from kakeya_runtime.sessions.journal import StateDir, StateDirError
 
