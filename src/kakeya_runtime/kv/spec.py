@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kakeya_runtime.kv.cache import ModelKV
+from kakeya_runtime.kv.heads import DIGEST_CHARS
 from kakeya_runtime.kv.lattice import LatticeError, check_lattice
 
 POLICIES = ("full", "sink_window", "restore", "sparse")
@@ -182,9 +183,10 @@ def _heads(p: Mapping[str, Any]) -> str:
     raw = p["heads"]
     if isinstance(raw, str) and raw.lower().startswith("profile:"):
         digest = raw[len("profile:"):].lower()
-        if len(digest) == 12 and all(c in "0123456789abcdef" for c in digest):
+        if len(digest) == DIGEST_CHARS and all(c in "0123456789abcdef" for c in digest):
             return "profile:" + digest
-        raise PolicyError(f"KV policy parameter 'heads' names a profile by 12 hex digits (profile:<digest>), got {raw!r}")
+        raise PolicyError(f"KV policy parameter 'heads' names a profile by {DIGEST_CHARS} hex digits "
+                          f"(profile:<digest>), got {raw!r}")
     return _choice(p, "heads", HEADS)
 
 

@@ -273,13 +273,10 @@ def resolve_weights(weights: str, dtype: str | None) -> str:
 
 def first_load_dtype(weights: str) -> Any:
     """The dtype `kakeya serve` loads a model in for a resolved --weights: bf16 for auto (what calibration measures
-    the other formats against), fp16 as given, else what the format is converted from."""
-    import torch
-
+    the other formats against), else what the format is converted from."""
     from kakeya_runtime.engine import serving
 
-    first = "bf16" if weights == serving.AUTO else weights
-    return torch.float16 if first == "fp16" else serving.load_dtype(first)
+    return serving.load_dtype("bf16" if weights == serving.AUTO else weights)
 
 
 def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, recalibrate: bool,
@@ -333,10 +330,9 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, r
         fmt, source, fidelity, speed = best.fmt, "auto", best.fidelity, best.speed
     else:
         fmt, source = weights, "flag"
-        if fmt != "fp16":
-            serving.check_requested(fmt)
-            fidelity = None if fmt == "bf16" else cal.fidelity(key, fmt)
-        if fmt not in ("bf16", "fp32", "fp16"):  # served as asked; say how close to bf16 it is, where known
+        serving.check_requested(fmt)
+        fidelity = None if fmt == "bf16" else cal.fidelity(key, fmt)
+        if fmt not in ("bf16", "fp32"):  # served as asked; say how close to bf16 it is, where known
             if fidelity is None:
                 console.print(f"[yellow]note:[/] {fmt}'s fidelity to bf16 was not measured here (`--weights auto` "
                               "measures every format once and keeps the result)", soft_wrap=True)
@@ -344,7 +340,7 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, r
                 console.print(f"[yellow]warning:[/] {fmt} is not faithful to bf16 on this model (next-token KL "
                               f"{fidelity.kl_mean:.4f}, top-1 {fidelity.top1_agree:.3f}; auto requires KL <= "
                               f"{serving.FIDELITY_KL_MAX} and top-1 >= {serving.FIDELITY_TOP1_MIN})", soft_wrap=True)
-    if fmt == first and fmt not in ("bf16", "fp32", "fp16"):  # --weights int...: the first load was fp32 for this
+    if fmt == first and fmt not in ("bf16", "fp32"):  # --weights int...: the first load was fp32 for this
         with console.status(f"Converting to {fmt}…", spinner="dots"):
             serving.apply_format(loaded.model, fmt)
     elif fmt != first:  # auto chose another format than the bf16 it measured against
