@@ -76,3 +76,14 @@ def test_ceiling_bounds_the_indexer(smollm2):
         assert 0 <= need["mean"] <= need["max"] <= need["selectable"] == (640 - 64) // 32 - 1
     assert o["ceiling_mean"] > o["mean"]  # two blocks of seventeen: the indexer's picks are not all the best
     assert 64 / 640 < o["attended_for_0.99"] <= 1.0
+
+
+def test_the_shared_q_goes_only_to_lattice_codecs():
+    """`kakeya bench sparse --codec identity,d4 --q 20`: the identity policy takes no q (it would be refused)."""
+    from kakeya_runtime.bench.sparse import _for_codec
+    from kakeya_runtime.kv.spec import PolicySpec
+
+    shared = {"window": 64, "q": 20}
+    assert _for_codec(shared, "identity") == {"window": 64, "codec": "identity"}
+    assert _for_codec(shared, "d4") == {"window": 64, "q": 20, "codec": "d4"}
+    assert PolicySpec.parse("sparse", _for_codec(shared, "int8")).codec.kind == "int8"

@@ -22,7 +22,7 @@ def test_defaults_and_normalised_params():
     assert PolicySpec.parse(r.name, r.params) == r
     idle = PolicySpec.parse("full", {"idle_codec": "d4"})
     assert idle.idle_codec == CodecSpec("d4", 38) and idle.params == {"idle_codec": "d4", "idle_q": 38}
-    int8 = PolicySpec.parse("sink_window", {"window": 64, "codec": "int8", "q": 5, "idle_codec": "int8", "idle_q": 7})
+    int8 = PolicySpec.parse("sink_window", {"window": 64, "codec": "int8", "idle_codec": "int8"})
     assert "q" not in int8.params and "idle_q" not in int8.params  # int8 has no q: not echoed back as if it had
 
 
@@ -47,6 +47,12 @@ def test_defaults_and_normalised_params():
     ("full", {"idle_q": "garbage"}, "integer"),
     ("sparse", {"idle_q": -5}, ">= 1"),
     ("full", {"idle_q": 38}, "none is set"),
+    # a range for a codec that takes none is refused, not dropped (the session would not be what was asked)
+    ("sink_window", {"codec": "int8", "q": 5}, "'int8' takes none"),
+    ("sparse", {"codec": "identity", "q": 20}, "'identity' takes none"),
+    ("restore", {"q": 20}, "'identity' takes none"),  # the default codec
+    ("full", {"idle_codec": "int8", "idle_q": 7}, "idle_codec 'int8' takes none"),
+    ("sparse", {"idle_codec": "identity", "idle_q": 7}, "idle_codec 'identity' takes none"),
 ])
 def test_invalid_specs_raise_policy_error(name, params, match):
     with pytest.raises(PolicyError, match=match):

@@ -135,6 +135,27 @@ def test_d4_idle_compression_shrinks_live_bytes_and_reports_agreement(servers):
         assert not a.info().kv_compressed
 
 
+def test_sparse_bytes_while_compressed_are_the_bytes_held(servers):
+    """A compressed sparse session reports its hot set as packed (it read the pre-compression bytes), its cold tier
+    and index as kept, and the three add up to what its cache holds."""
+    comp, _ = servers
+    start = sample(scrape(comp), "kakeya_session_idle_compressed_total")
+    policy = KvPolicy("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2, "codec": "identity"})
+    with Client(comp.address) as cc, cc.create_session(initial_tokens=_tokens(90, 3), policy=policy) as a:
+        a.generate(max_tokens=4, ignore_eos=True).collect()
+        live = a.info().sparse
+        _wait_compressed(comp, start + 1)
+        packed = a.info()
+        assert packed.kv_compressed and packed.sparse is not None
+        got = packed.sparse
+        assert (got.cold_bytes, got.index_bytes) == (live.cold_bytes, live.index_bytes) and got.cold_bytes > 0
+        assert 0 < got.hot_bytes < live.hot_bytes / 3  # fp32 hot set packed with d4/q38: ~0.27x
+        assert got.hot_bytes + got.cold_bytes + got.index_bytes == packed.kv_live_bytes  # every layer sparse here
+        assert got.total == live.total  # counters as they were
+        a.generate(max_tokens=2, ignore_eos=True).collect()
+        assert a.info().sparse.hot_bytes == live.hot_bytes  # unpacked again
+
+
 def test_sessions_without_a_codec_or_a_cache_are_not_compressed():
     model = tiny_model("llama")
     with running_server(tiny_served(model=model), idle_compress_after_s=0.1, sweep_interval_s=0.03,

@@ -32,6 +32,7 @@ from kakeya_runtime.bench.options import dtype_of
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
 from kakeya_runtime.kv.policy import PolicySpec, make_policy_cache
 from kakeya_runtime.kv.sparse import OracleProbe, SparseKV, SparseLayerKV
+from kakeya_runtime.kv.spec import LATTICE_KINDS
 
 SCHEMA = "kakeya.bench.sparse"
 SCHEMA_VERSION = 1
@@ -57,6 +58,15 @@ class SparseBenchError(ValueError):
     """A length the model's context cannot hold with the bench's own decode steps."""
 
 
+def _for_codec(params: dict[str, Any], codec: str | None) -> dict[str, Any]:
+    """One codec's sparse params: the command's shared q goes only to a lattice codec (the others take none)."""
+    if codec is None:
+        return params
+    if codec not in LATTICE_KINDS:
+        params = {k: v for k, v in params.items() if k != "q"}
+    return {**params, "codec": codec}
+
+
 def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048, 4096, 7680), dtype: str = "bf16",
                      params: dict[str, Any] | None = None, sink_window: dict[str, Any] | None = None,
                      oracle_steps: int = 8, decode_tokens: int = 32, prefill_chunk: int = 512,
@@ -75,7 +85,7 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
     cfg = loaded.config
     params = dict(params or {})
     codecs = [c for c in str(params.pop("codec", "")).split(",") if c] or [None]
-    specs = {c: PolicySpec.parse("sparse", {**params, **({"codec": c} if c else {})}) for c in codecs}
+    specs = {c: PolicySpec.parse("sparse", _for_codec(params, c)) for c in codecs}
     first = next(iter(specs.values()))
     floor = PolicySpec.parse("sink_window", sink_window or {"sink": first.sink, "window": first.window})
     engine = Engine(loaded.model, prefill_chunk=prefill_chunk)

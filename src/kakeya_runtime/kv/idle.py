@@ -51,6 +51,14 @@ class IdleLayer:
         # not K/V, so they come back with the layer rather than restart from zero
         self.counts = layer.counts_state() if isinstance(layer, SparseLayerKV) else None
 
+    def packed_nbytes(self, prefixes: tuple[str, ...]) -> int:
+        """Bytes held for the state keys under `prefixes` ("k": a sparse layer's hot set), packed or as they were."""
+        total = 0
+        for key, v in self.packed.items():
+            if key.split(".")[0] in prefixes:
+                total += sum(t.nbytes for t in v.stored.values()) if isinstance(v, _Encoded) else v.nbytes
+        return total
+
     @property
     def nbytes(self) -> int:
         """K/V bytes held (like a live layer's nbytes: bookkeeping such as slot positions not counted), including
@@ -99,6 +107,15 @@ def _rebuilder(layer):
 def _is_kv(key: str, t: Tensor) -> bool:
     """Raw K/V in a layer state: FullLayerKV/SlidingLayerKV "k"/"v", an identity SlotStore "k.x"/"v.x"."""
     return (key in ("k", "v") or key in ("k.x", "v.x")) and t.dim() == 4 and t.is_floating_point()
+
+
+def sparse_packed_bytes(cache) -> dict[str, int]:
+    """A compressed sparse cache's hot, cold and index bytes as held now (SparseKV.memory_stats' split: the hot set
+    packed by the idle codec, the cold tier and its index kept as they were)."""
+    layers = [x for x in cache.layers if isinstance(x, IdleLayer) and x.counts is not None]
+    return {"hot_bytes": sum(x.packed_nbytes(("k", "v")) for x in layers),
+            "cold_bytes": sum(x.packed_nbytes(("cold_k", "cold_v")) for x in layers),
+            "index_bytes": sum(x.packed_nbytes(("kmin", "kmax")) for x in layers)}
 
 
 def is_compressed(cache) -> bool:

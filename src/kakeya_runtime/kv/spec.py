@@ -22,12 +22,20 @@ from kakeya_runtime.kv.lattice import LatticeError, check_lattice
 POLICIES = ("full", "sink_window", "restore", "sparse")
 GRANULARITIES = ("per_step", "per_turn")
 CODEC_KINDS = ("identity", "d4", "e8", "int8")
+LATTICE_KINDS = ("d4", "e8")  # the codecs that take a range q
 HEADS = ("all", "profile")
 DEFAULT_Q = 38  # D4 at head_dim 64: 54 bytes/vector = 0.42x bf16 (tests/kv/test_lattice.py)
 
 
 class PolicyError(ValueError):
     """An unknown KV policy or invalid policy parameters (maps to INVALID_ARGUMENT)."""
+
+
+def _refuse_unused_q(given: Mapping[str, Any], key: str, codec_key: str, kind: str) -> None:
+    """A range for a codec that takes none would be silently dropped: refuse it instead."""
+    if key in given and kind in ("identity", "int8"):
+        raise PolicyError(f"KV policy parameter {key!r} sets the range of a lattice {codec_key} "
+                          f"({', '.join(LATTICE_KINDS)}); {codec_key} {kind!r} takes none")
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,12 +93,14 @@ class PolicySpec:
         if idle_kind == "none" and "idle_q" in given:  # it would change nothing: the server's idle codec has its own
             raise PolicyError("KV policy parameter 'idle_q' sets the q of the session's idle_codec, and none is set "
                               "(the server's default idle codec takes `kakeya serve --idle-q`)")
+        _refuse_unused_q(given, "idle_q", "idle_codec", idle_kind)
         idle = None if idle_kind == "none" else CodecSpec(idle_kind, idle_q)
         if idle is not None:
             check_codec(idle, "idle_codec")
         if name == "full":
             return cls(name, idle_codec=idle)
         codec = CodecSpec(_choice(p, "codec", CODEC_KINDS), _int(p, "q", 1))
+        _refuse_unused_q(given, "q", "codec", codec.kind)
         check_codec(codec, "codec")
         common = dict(sink=_int(p, "sink", 0), window=_int(p, "window", 1), codec=codec, idle_codec=idle)
         if name == "sink_window":

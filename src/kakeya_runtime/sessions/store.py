@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kakeya_runtime.kv.cache import ModelKV
-from kakeya_runtime.kv.idle import is_compressed
+from kakeya_runtime.kv.idle import is_compressed, sparse_packed_bytes
 from kakeya_runtime.sessions.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -191,6 +191,13 @@ class Session:
     def kv_compressed(self) -> bool:
         cache = self.cache
         return cache is not None and is_compressed(cache)
+
+    @property
+    def sparse_info(self) -> dict[str, Any] | None:
+        """The sparse policy's counters and bytes as of the last Generate, with the bytes held now while compressed."""
+        if self.sparse is None or not self.kv_compressed:
+            return self.sparse
+        return {**self.sparse, **sparse_packed_bytes(self.cache)}
 
 
 @dataclass(slots=True, frozen=True)
@@ -432,7 +439,7 @@ class SessionStore:
                 effective_attention_fraction=s.attention_fraction,
                 kv_compressed=s.kv_compressed,
                 idle_compressions=s.idle_compressions,
-                sparse=s.sparse,
+                sparse=s.sparse_info,
                 speculation=s.speculation,
             )
 
