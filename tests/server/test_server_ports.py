@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import typer
@@ -91,13 +92,29 @@ def test_serve_refuses_a_context_past_the_models_before_loading(tiny_gguf, tmp_p
 
     monkeypatch.setenv("KAKEYA_CACHE_DIR", str(tmp_path / "cache"))
     path = tiny_gguf("llama").path
-    assert declared_context(path) is None  # not converted yet: the load checks it
+    unconverted = declared_context(path)  # read from the GGUF header as a stream
+    code, output = _serve_model(str(path), "--port", "0", "--no-metrics", "--context", str(unconverted + 1))
+    assert code == 2 and f"exceeds the model's {unconverted} positions" in " ".join(output.split()), output
+    assert "Loading" not in output and not (tmp_path / "cache").exists(), output  # refused before any conversion
     positions = load_model(path, dtype=torch.float32).config.max_position_embeddings
-    assert declared_context(path) == positions and declared_context(tmp_path / "nope") is None
+    assert declared_context(path) == positions == unconverted and declared_context(tmp_path / "nope") is None
     code, output = _serve_model(str(path), "--port", "0", "--no-metrics",
                                 "--context", str(positions + 1))
     assert code == 2 and f"--context {positions + 1} exceeds the model's {positions} positions" in " ".join(
         output.split()) and "Loading" not in output, output
+
+
+def test_gguf_context_length_reads_the_bundled_models_headers(smollm2_bf16):
+    """The streaming header read agrees with the loaded model on both real models, and gives None for what is not a
+    GGUF."""
+    from kakeya_runtime.models import bundled
+    from kakeya_runtime.models.loader import cache_root, gguf_context_length
+
+    path = bundled.bundled_gguf_path("smollm2", cache_root(None))
+    assert gguf_context_length(path) == smollm2_bf16.config.max_position_embeddings == 8192
+    # Gemma 3 270M states 32k positions (loading it here would cost more than this test is worth)
+    assert gguf_context_length(bundled.bundled_gguf_path("gemma3-270m", cache_root(None))) == 32768
+    assert gguf_context_length(Path(__file__)) is None
 
 
 def _serve_model(model: str, *args: str) -> tuple[int, str]:

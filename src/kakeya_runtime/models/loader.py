@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -129,19 +130,64 @@ def load_model(source: str | Path = bundled.DEFAULT_MODEL, *, dtype: torch.dtype
 
 
 def declared_context(source: str | Path, cache_dir: str | Path | None = None) -> int | None:
-    """The positions `source` says it has (a model directory's config.json, or a GGUF's cached conversion), read
-    without loading weights; None when that cannot be read cheaply (a GGUF not converted yet: the load checks)."""
+    """The positions `source` says it has (a model directory's config.json, a GGUF's cached conversion, else the
+    GGUF's header), read without loading weights; None when it cannot be read (the load then checks)."""
     try:
         root = cache_root(cache_dir)
         path = resolve_source(source, root)
         if not path.is_dir():
-            path = _converted_dir(path, root, path.stat())[0]
-            if not (path / "kakeya.json").is_file():
-                return None
+            converted = _converted_dir(path, root, path.stat())[0]
+            if not (converted / "kakeya.json").is_file():
+                return gguf_context_length(path)
+            path = converted
         raw = json.loads((path / "config.json").read_text())
         return int(raw.get("max_position_embeddings", 2048)) if isinstance(raw, dict) else None
     except Exception:  # any unreadable source: the real load reports it properly
         return None
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_context_length(path: Path) -> int | None:
+    """`<architecture>.context_length` read from a GGUF header as a stream, stopping once found (the tokenizer's
+    arrays usually come after it), without the reader's parse of the whole header; None where it is absent."""
+    def read(fmt: str):
+        raw = f.read(struct.calcsize(fmt))
+        if len(raw) != struct.calcsize(fmt):
+            raise EOFError
+        return struct.unpack(fmt, raw)[0]
+
+    def string() -> bytes:
+        return f.read(read("<Q"))
+
+    def skip(kind: int, count: int = 1) -> None:
+        if kind == _GGUF_STRING:
+            for _ in range(count):
+                f.seek(read("<Q"), os.SEEK_CUR)
+        elif kind in _GGUF_SCALARS:
+            f.seek(count * struct.calcsize("<" + _GGUF_SCALARS[kind]), os.SEEK_CUR)
+        else:
+            raise ValueError(f"GGUF value type {kind} inside an array")
+
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF" or read("<I") < 2:
+            return None
+        read("<Q")  # tensors
+        arch = None
+        for _ in range(min(read("<Q"), 1 << 16)):
+            key, kind = string().decode("utf-8", "replace"), read("<I")
+            if kind == _GGUF_STRING and key == "general.architecture":
+                arch = string().decode("utf-8", "replace")
+            elif kind in _GGUF_SCALARS and arch is not None and key == f"{arch}.context_length":
+                return int(read("<" + _GGUF_SCALARS[kind]))
+            elif kind == _GGUF_ARRAY:
+                inner = read("<I")
+                skip(inner, read("<Q"))
+            else:
+                skip(kind)
+    return None
 
 
 def resolve_source(source: str | Path, cache_dir: Path) -> Path:
