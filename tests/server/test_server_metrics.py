@@ -29,6 +29,15 @@ def _get(thread, path: str, headers: dict[str, str] | None = None) -> tuple[int,
         return e.code, e.read().decode()
 
 
+def test_serve_warns_when_metrics_are_open_beyond_this_machine():
+    from kakeya_runtime.server.cli import open_metrics_warning
+
+    assert open_metrics_warning(ServerConfig()) is None  # loopback
+    assert open_metrics_warning(ServerConfig(metrics_host="::1")) is None
+    assert "--metrics-key" in open_metrics_warning(ServerConfig(metrics_host="0.0.0.0"))
+    assert open_metrics_warning(ServerConfig(metrics_host="0.0.0.0", metrics_key="k" * 16)) is None
+
+
 def test_only_the_metrics_path_is_served_on_loopback_by_default():
     assert ServerConfig().metrics_host == "127.0.0.1"
     with running_server(tiny_served()) as thread:

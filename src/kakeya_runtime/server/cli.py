@@ -381,6 +381,16 @@ def _listens(config: Any, no_metrics: bool) -> list[Listen]:
             *([] if config.openai_port is None else [Listen("--openai-port", config.host, config.openai_port)])]
 
 
+def open_metrics_warning(config: Any) -> str | None:
+    """What to say when /metrics is reachable beyond this machine with no key (None: it is not)."""
+    from kakeya_runtime.server.grpc_app import is_loopback
+
+    if config.metrics_key or is_loopback(config.metrics_host):
+        return None
+    return (f"/metrics on {config.metrics_host} needs no key: anyone who can reach it reads the server's counters "
+            "(no session content); --metrics-key sets one")
+
+
 async def _serve_forever(server: Any, console: Console) -> None:
     freeze_heap()  # everything built so far lives as long as the process: never walked by the collector again
     await server.start()
@@ -399,6 +409,8 @@ async def _serve_forever(server: Any, console: Console) -> None:
         host = cfg.metrics_host if ":" not in cfg.metrics_host else f"[{cfg.metrics_host}]"
         console.print(f"Metrics on http://{host}:{server.metrics_port}/metrics"
                       f"{' (bearer key required)' if cfg.metrics_key else ''}")
+        if (warning := open_metrics_warning(cfg)) is not None:
+            console.print(f"[yellow]warning:[/] {warning}")
     if server.openai_port is not None:
         scheme = "https" if server.tls else "http"
         console.print(f"Deprecated OpenAI-style API on {scheme}://{cfg.host}:{server.openai_port}/v1 (single-shot)")
