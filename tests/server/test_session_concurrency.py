@@ -319,3 +319,75 @@ def test_a_speculative_turns_long_prompt_is_read_in_chunks_between_the_others_st
         with client.create_session(initial_tokens=[*long_prompt, 9]) as fresh:
             assert more == fresh.generate(max_tokens=4, ignore_eos=True).collect()
         assert len(list(running)) == 59
+
+
+KEYS = ("key-a-0123456789abcdef", "key-b-0123456789abcdef")
+
+
+def test_a_key_holding_every_row_yields_one_to_another_keys_turn():
+    """Key A runs both rows with long turns; key B's turn used to wait for one of them to end. Now A's newest row is
+    parked (kept, not restarted), B's turn runs at once, and A's parked turn resumes with the tokens it would have
+    produced anyway."""
+    slow = SlowModel(tiny_model(), DELAY)
+    with running_server(tiny_served(model=slow), max_concurrent=2, api_keys=KEYS) as thread, \
+            Client(thread.address, api_key=KEYS[0]) as a, Client(thread.address, api_key=KEYS[1]) as b:
+        sessions = [a.create_session(initial_tokens=[1 + i, 2]) for i in range(2)]
+        streams, firsts = [], []
+        for s, speculation in zip(sessions, (None, "history"), strict=True):  # the newest (parked) one speculates
+            streams.append(iter(s.generate(max_tokens=80, ignore_eos=True, speculation=speculation)))
+            firsts.append(next(streams[-1]))
+        with b.create_session(initial_tokens=[7, 8]) as quick:
+            t0 = time.perf_counter()
+            quick.generate(max_tokens=3, ignore_eos=True).collect()
+            waited = time.perf_counter() - t0
+        got = [[first, *it] for first, it in zip(firsts, streams, strict=True)]
+        assert waited < 80 * DELAY / 2, waited  # far less than A's turns (80 steps each)
+        assert thread.server.service.scheduler.stats.parked >= 1
+        assert thread.server.metrics.engine_parked_total._value.get() >= 1
+        for i in range(2):  # the parked turn as well as the other: as if each had run alone (speculation is exact)
+            assert got[i] == _reference(slow.inner, [([1 + i, 2], 80)])[0], i
+
+
+def _park_one(thread, a, b) -> tuple[list, list]:
+    """Key A's two 300-token turns fill both rows, then key B's turn parks A's newest: (A's sessions, the three
+    generations) with each having delivered its first token."""
+    s1, s2 = (a.create_session(initial_tokens=[1 + i, 2]) for i in range(2))
+    s3 = b.create_session(initial_tokens=[7, 8])
+    streams = []  # kept: a dropped iterator cancels its Generate
+    for s in (s1, s2, s3):  # one after the other (generate() sends at once): A's two turns run, then B's arrives
+        streams.append(iter(s.generate(max_tokens=300, ignore_eos=True)))
+        next(streams[-1])
+    scheduler = thread.server.service.scheduler
+    assert scheduler.stats.parked == 1 and scheduler.queued == 1
+    return [s1, s2], streams
+
+
+def test_a_parked_turn_can_be_cancelled_and_goes_on_from_what_it_kept():
+    slow = SlowModel(tiny_model(), DELAY)
+    with running_server(tiny_served(model=slow), max_concurrent=2, api_keys=KEYS) as thread, \
+            Client(thread.address, api_key=KEYS[0]) as a, Client(thread.address, api_key=KEYS[1]) as b:
+        (s1, s2), (g1, g2, g3) = _park_one(thread, a, b)  # (iterators: cancelled by closing them)
+        g2.close()  # the parked one: A's newest
+        deadline = time.time() + 5
+        while s2.info().generating and time.time() < deadline:
+            time.sleep(0.01)
+        assert not s2.info().generating and thread.server.service.scheduler.queued == 0
+        g1.close()  # a row for s2's next turn
+        history = s2.info(include_history=True).history_token_ids
+        with b.create_session(initial_tokens=history) as twin:  # s2 goes on from the history it kept
+            assert s2.generate(max_tokens=4, ignore_eos=True).collect() == \
+                twin.generate(max_tokens=4, ignore_eos=True).collect()
+        g3.close()
+
+
+def test_a_server_stops_promptly_with_a_parked_turn():
+    slow = SlowModel(tiny_model(), DELAY)
+    with running_server(tiny_served(model=slow), max_concurrent=2, api_keys=KEYS, grace_s=0.2) as thread, \
+            Client(thread.address, api_key=KEYS[0]) as a, Client(thread.address, api_key=KEYS[1]) as b:
+        _, gens = _park_one(thread, a, b)
+        t0 = time.perf_counter()
+        thread.stop()
+        assert time.perf_counter() - t0 < 3.0
+        for g in gens:
+            with pytest.raises(KakeyaError):
+                list(g)

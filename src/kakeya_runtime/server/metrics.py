@@ -257,6 +257,10 @@ class RuntimeMetrics:
             "kakeya_engine_decode_batch_rows", "Sessions decoded together per engine step (one batched forward).",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r,
         )
+        self.engine_parked_total = Counter(
+            "kakeya_engine_parked", "Running Generates taken out of a full batch so another API key's waiting turn "
+            "could start (each resumes where it left off).", registry=r,
+        )
         self._http: ThreadingHTTPServer | None = None
 
     def bind_store(self, store: SessionStore, policies: list[str] | tuple[str, ...] = POLICIES) -> None:
@@ -270,6 +274,7 @@ class RuntimeMetrics:
         self.engine_queue_depth.set_function(lambda: scheduler.queued)
         self.engine_batch_size.set_function(lambda: scheduler.batch_size)
         scheduler.on_step = self.engine_decode_batch_rows.observe
+        scheduler.on_park = self.engine_parked_total.inc
 
     def serving(self, choice: Any) -> None:
         """kakeya_serving_info{weights, source, compiled, invariant} 1 (engine.serving.ServingChoice), and the

@@ -86,6 +86,7 @@ class _Row:
     stream: TokenStream | None = None  # plain rows
     steps: Generator[list[int], int | None, None] | None = None  # speculative rows (sent prefill budgets)
     began: bool = False  # a speculative row's first step was taken (from then on its steps are sent budgets)
+    parked: bool = False  # begun, then taken out of the batch for another key's turn: waits with its state kept
     done: bool = False
 
 
@@ -114,6 +115,7 @@ class StepStats:
     prefill_chunks: int = 0
     fused_chunks: int = 0  # prefill chunks that rode a decode forward
     isolated_errors: int = 0  # batched forwards that raised and were replayed row by row
+    parked: int = 0  # running Generates taken out of a full batch for another key's waiting turn
 
 
 class BatchScheduler:
@@ -135,6 +137,7 @@ class BatchScheduler:
         self.step_tokens = step_tokens
         self.short_prompt = min(short_prompt, engine.prefill_chunk)  # read whole: one forward's worth at most
         self.on_step = on_step  # called with the rows decoded in each step that decoded any
+        self.on_park: Callable[[], None] | None = None  # called for each row parked for another key's turn
         # entered around a batched step's deliveries (the turns may hand their events on once for all of them)
         self.deliveries = deliveries or contextlib.nullcontext
         self.stats = StepStats()
@@ -174,8 +177,8 @@ class BatchScheduler:
         when the loop reaches them: a closed session's cache and KV reservation are freed at once, and abandoned turns
         stop counting as a backlog. Returns how many. A cancelled turn's begin() answers without touching the
         session or the engine, so it runs here, on the caller's thread."""
-        with self._cv:
-            gone = [row for row in self._waiting if row.turn.cancelled()]
+        with self._cv:  # (a parked row has begun: the engine thread ends it)
+            gone = [row for row in self._waiting if row.turn.cancelled() and not row.parked]
             for row in gone:
                 self._waiting.remove(row)
         for row in gone:
@@ -195,7 +198,7 @@ class BatchScheduler:
 
     @property
     def queued(self) -> int:
-        """Generates and engine calls waiting to start."""
+        """Generates and engine calls waiting for the engine (Generates parked for another key's turn included)."""
         return len(self._waiting) + len(self._calls)
 
     @property
@@ -220,12 +223,12 @@ class BatchScheduler:
         return self._closing
 
     def shutdown(self, *, wait: bool = True) -> None:
-        """Queued Generates and calls are dropped (their futures cancelled); running Generates go on until they
-        end (the server cancels them), then the thread exits."""
+        """Queued Generates and calls are dropped (their futures cancelled); running Generates (parked ones too) go on
+        until they end (the server cancels them), then the thread exits."""
         with self._cv:
             self._closing = True
-            dropped = [*self._waiting, *self._calls]
-            self._waiting.clear()
+            dropped = [*(r for r in self._waiting if not r.parked), *self._calls]
+            self._waiting = deque(r for r in self._waiting if r.parked)
             self._calls.clear()
             self._cv.notify()
         for item in dropped:
@@ -240,13 +243,20 @@ class BatchScheduler:
             with self._cv:
                 while not (self._calls or self._waiting or self._active or self._closing):
                     self._cv.wait()
-                if self._closing and not self._active:
+                if self._closing and not self._active and not self._waiting:
                     return
                 calls = list(self._calls)
                 self._calls.clear()
+                gone = [r for r in self._waiting if r.parked and r.turn.cancelled()]  # ended here, on this thread
+                for row in gone:
+                    self._waiting.remove(row)
+                if not self._closing:
+                    self._park_for_fairness()
                 admit: list[_Row] = []
                 while self._waiting and len(self._active) + len(admit) < self.max_batch:
                     admit.append(self._next_waiting(admit))
+            for row in gone:
+                self._end_parked(row)
             for call in calls:
                 self._run_call(call)
             for row in admit:
@@ -266,6 +276,38 @@ class BatchScheduler:
         self._waiting.remove(best)
         return best
 
+    def _park_for_fairness(self) -> None:
+        """Batch full, and the key running the most rows runs at least two more than a key whose turn waits: its
+        newest row leaves the batch (keeping its stream, cache and tokens) and waits first in line among its key's,
+        so the waiting key's turn takes the row now instead of after the busy key's turns end. One row per step, so
+        the batch evens out gradually; a parked row's tokens are those it would have produced in the batch (the
+        engine's rows do not depend on their neighbours). (Under the lock.)"""
+        if len(self._active) < self.max_batch or not self._waiting:
+            return
+        rows: dict[str, int] = {}
+        for row in self._active:
+            rows[row.owner] = rows.get(row.owner, 0) + 1
+        busiest = max(rows, key=rows.__getitem__)
+        if rows[busiest] - min(rows.get(r.owner, 0) for r in self._waiting) < 2:
+            return
+        victim = next(r for r in reversed(self._active) if r.owner == busiest)
+        self._active.remove(victim)
+        victim.parked = True
+        self._waiting.appendleft(victim)
+        self.stats.parked += 1
+        if self.on_park is not None:
+            self.on_park()
+
+    def _end_parked(self, row: _Row) -> None:
+        """A parked turn cancelled while it waited ends as its next step would have ended it, without the step."""
+        row.parked = False
+        if row.steps is not None:  # a speculative stream sees the cancel at its next step and ends itself there
+            self._active.append(row)
+            return
+        if row.stream.prefill_left == 0:
+            row.stream.ended()  # sees the cancel: the finish reason is CANCELLED
+        self._finish(row)
+
     def _run_call(self, call: _Call) -> None:
         if not call.future.set_running_or_notify_cancel():
             return
@@ -278,6 +320,10 @@ class BatchScheduler:
             self._in_call = False
 
     def _admit(self, row: _Row) -> None:
+        if row.parked:  # back where it left off
+            row.parked = False
+            self._active.append(row)
+            return
         if not row.future.set_running_or_notify_cancel():
             return
         try:
