@@ -147,3 +147,21 @@ def test_codes_do_not_depend_on_the_batch(kind, q, d):
         one_code, one_scales = c.encode(x[i : i + 1])
         assert torch.equal(one_code[0], code[i]) and torch.equal(one_scales[0], scales[i])
         assert torch.equal(c.decode(code[i : i + 1], scales[i : i + 1], torch.bfloat16)[0], dec[i])
+
+
+@pytest.mark.parametrize("kind", ["d4", "e8", "int8"])
+def test_kv_past_what_fp16_scales_hold_is_refused_not_stored_shrunk(kind):
+    """A vector whose norm (lattice) or absmax/127 (int8) passes fp16's 65504 came back shrunk (the norm clamped) or
+    as NaN (an inf scale): refused with a typed error instead. A NaN K/V still decodes as NaN, as it came."""
+    from kakeya_runtime.kv.compress import make_codec
+    from kakeya_runtime.kv.lattice import CodecRangeError
+
+    codec = make_codec(kind, 38, 64, torch.device("cpu"))
+    fine = torch.full((2, 64), 7500.0)  # norm 60,000 (int8: scale 59): stored as it is
+    assert torch.isfinite(codec.decode(codec.encode(fine), torch.float32)).all()
+    big = torch.zeros(2, 64)
+    big[1, 0] = 1e7 if kind == "int8" else 1.7e5
+    with pytest.raises(CodecRangeError, match="65504"):
+        codec.encode(big)
+    nan = torch.full((1, 64), float("nan"))
+    assert torch.isnan(codec.decode(codec.encode(nan), torch.float32)).all()

@@ -44,3 +44,18 @@ def test_d4_native_points_of_any_bit_pattern_equal_the_digits(q):
     scale = scales[:, 1].float().unsqueeze(1) / float(q)
     want = (codec.point(idx) * scale.unsqueeze(-1)).reshape(600, -1)
     assert torch.equal(got, want)
+
+
+def test_d4_decode_without_the_kernel_builds_nothing(monkeypatch):
+    """KAKEYA_ATTENTION=sdpa (native disabled): the decode takes the Python chain instead of building the kernel
+    library for its points (it built it, or failed where the kernel cache could not be written). The values agree
+    to rounding (the rotation's matmul takes another path without the kernel)."""
+    from kakeya_runtime.models import native
+
+    codec = LatticeCodec("d4", 38, 64)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    code, scales = codec.encode(x)
+    with_kernel = codec.decode(code, scales, torch.bfloat16)
+    monkeypatch.setattr(native, "enabled", lambda: False)
+    monkeypatch.setattr(native, "d4_points", lambda *a, **k: pytest.fail("the kernel was called"))
+    torch.testing.assert_close(codec.decode(code, scales, torch.bfloat16), with_kernel, atol=1e-3, rtol=1e-2)

@@ -241,6 +241,16 @@ def test_bad_dtypes_raise():
         native.cached_attention(q.float(), k.float(), k.float(), pos.int(), k_pos, 0.1)
 
 
+
+def test_negative_windows_and_sinks_raise():
+    """window -3 ran as no window and sink -5 as 0 (the batched rows' call refused both already)."""
+    q, k = torch.randn(1, 1, 1, 64), torch.randn(1, 1, 5, 64)
+    pos, k_pos = torch.tensor([4]), torch.arange(5)
+    for window, sink in ((-3, 0), (4, -5)):
+        with pytest.raises(RuntimeError, match="window and sink must be >= 0"):
+            native.cached_attention(q, k, k, pos, k_pos, 0.1, window=window, sink=sink)
+
+
 def _ran_native(fn) -> bool:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from kakeya_runtime.kv.lattice import LatticeCodec
+from kakeya_runtime.kv.lattice import LatticeCodec, check_scale_range
 
 CODECS = ("identity", "d4", "e8", "int8")
 _ENCODE_ROWS = 4096  # vectors per encode/decode call: bounds the codec's transient memory
@@ -124,7 +124,9 @@ class Int8Codec:
 
     def encode(self, x: Tensor) -> dict[str, Tensor]:
         xf = x.float()
-        scale = (xf.abs().amax(-1) / 127.0).to(torch.float16)  # the stored scale is the one decode uses
+        scale = xf.abs().amax(-1) / 127.0
+        check_scale_range(scale, "int8 scale")
+        scale = scale.to(torch.float16)  # the stored scale is the one decode uses
         safe = torch.where(scale > 0, scale.float(), 1.0).unsqueeze(-1)
         code = torch.round(xf / safe).clamp(-127, 127).to(torch.int8)
         return {"code": code, "scale": scale}

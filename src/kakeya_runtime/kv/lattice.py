@@ -39,6 +39,23 @@ class LatticeError(ValueError):
     """An unsupported lattice, range or head dimension."""
 
 
+class CodecRangeError(ValueError):
+    """K/V values a codec cannot store: a scale past fp16's largest finite value (65504) would be stored clamped
+    (the vector decoded shrunk) or as inf (decoded as NaN). Raised, never stored wrong."""
+
+
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def check_scale_range(scales: Tensor, what: str) -> None:
+    """Refuse scales fp16 cannot hold (one reduction per encode: little beside a lattice search or a quantisation)."""
+    too_large = scales.abs() > FP16_MAX  # (NaN compares false: a NaN K/V decodes as NaN, as it came)
+    if bool(too_large.any()):
+        worst = float(scales.abs()[too_large].max())
+        raise CodecRangeError(f"a K/V vector's {what} ({worst:.4g}) is past what the codec stores (fp16, at most "
+                              f"{FP16_MAX:g}); this model's K/V do not fit a packed codec: use codec identity")
+
+
 def block_bits(kind: str, q: int) -> int:
     """Bits per lattice block (the reference's accounting)."""
     if kind == "d4":
@@ -129,7 +146,8 @@ class LatticeCodec:
         flat = x.reshape(-1, self.head_dim).float()
         eps = torch.finfo(torch.float32).eps
         norms = flat.norm(dim=1, keepdim=True).clamp(min=eps)
-        norms16 = norms.clamp(max=torch.finfo(torch.float16).max).to(torch.float16)
+        check_scale_range(norms, "norm")
+        norms16 = norms.to(torch.float16)
         y = _rotate(flat / norms, self.h)
         qmax16 = y.abs().amax(dim=1, keepdim=True).clamp(min=eps).to(torch.float16)
         scale = qmax16.float() / float(self.q)
@@ -192,7 +210,7 @@ class LatticeCodec:
 
     def decode(self, code: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         lead = code.shape[:-1]
-        if self.kind == "d4" and code.is_cpu:  # the points in one native call: the same bits
+        if self.kind == "d4" and code.is_cpu and native.enabled():  # the points in one native call: the same bits
             s = scales.reshape(-1, 2)
             y_hat = native.d4_points(code.reshape(-1, self.code_bytes).contiguous(), s.contiguous(), q=self.q,
                                      bits=self.bits, codes=self.num_blocks)

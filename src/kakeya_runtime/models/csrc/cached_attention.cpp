@@ -1523,8 +1523,9 @@ void check_source(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(k.sizes() == v.sizes(), "cached_attention: k and v differ in shape");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "cached_attention: q (B, Hk, R, D) and k (B, Hk, S, D) disagree");
-  TORCH_CHECK(k_pos.dim() == 1 && k_pos.scalar_type() == at::kLong && k_pos.is_contiguous(),
-              "cached_attention: k_pos (S,) must be contiguous int64");
+  TORCH_CHECK(k_pos.dim() == 1 && k_pos.scalar_type() == at::kLong && k_pos.is_contiguous() &&
+                  k_pos.device().is_cpu(),
+              "cached_attention: k_pos (S,) must be contiguous int64 on the CPU");
   TORCH_CHECK(pos_prefix ? k_pos.size(0) >= k.size(2) : k_pos.size(0) == k.size(2), "cached_attention: k_pos has ",
               k_pos.size(0), " positions for ",
               k.size(2), " keys");
@@ -1534,8 +1535,9 @@ void check_source(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 void check_query(const at::Tensor& q, const at::Tensor& q_pos) {
   TORCH_CHECK(q.device().is_cpu(), "cached_attention: CPU only");
   TORCH_CHECK(q.dim() == 4, "cached_attention: q must be 4-D");
-  TORCH_CHECK(q_pos.dim() == 1 && q_pos.scalar_type() == at::kLong && q_pos.is_contiguous(),
-              "cached_attention: q_pos (T,) must be contiguous int64");
+  TORCH_CHECK(q_pos.dim() == 1 && q_pos.scalar_type() == at::kLong && q_pos.is_contiguous() &&
+                  q_pos.device().is_cpu(),
+              "cached_attention: q_pos (T,) must be contiguous int64 on the CPU");
   TORCH_CHECK(q_pos.size(0) >= 1 && q.size(2) % q_pos.size(0) == 0,
               "cached_attention: the query rows must be a multiple of the new tokens (q_pos)");
   TORCH_CHECK(q.stride(3) == 1 && q.stride(2) == q.size(3), "cached_attention: q rows must be packed");
@@ -1568,6 +1570,7 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& k_pos, int64_t window, int64_t sink, double scale) {
   check_query(q, q_pos);
   check_source(q, k, v, k_pos);
+  TORCH_CHECK(window >= 0 && sink >= 0, "cached_attention: window and sink must be >= 0 (window 0: none)");
   auto out = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return out;
   if (k.size(2) == 0) return out.zero_();
