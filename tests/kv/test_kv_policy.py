@@ -22,6 +22,10 @@ def test_defaults_and_normalised_params():
     assert PolicySpec.parse(r.name, r.params) == r
     idle = PolicySpec.parse("full", {"idle_codec": "d4"})
     assert idle.idle_codec == CodecSpec("d4", 38) and idle.params == {"idle_codec": "d4", "idle_q": 38}
+    never = PolicySpec.parse("full", {"idle_codec": "none"})  # asked for: never compressed (not the server's default)
+    assert never.idle_codec == CodecSpec("none") and never.params == {"idle_codec": "none"}
+    assert PolicySpec.parse("full", never.params) == never and never.label == "full() idle:none"
+    assert PolicySpec.parse("full").idle_codec is None
     int8 = PolicySpec.parse("sink_window", {"window": 64, "codec": "int8", "idle_codec": "int8"})
     assert "q" not in int8.params and "idle_q" not in int8.params  # int8 has no q: not echoed back as if it had
 

@@ -73,15 +73,15 @@ def test_identity_idle_compression_resumes_bit_identically(servers):
         info = cc.model_info()
         assert info.idle_compress_after_s == pytest.approx(AFTER_S) and info.idle_codec == "d4/q38"
         assert tc.model_info().idle_compress_after_s is None
-        pairs = {}
+        pairs, live = {}, {}
         for i, (name, policy) in enumerate(IDENTITY_POLICIES.items()):
             a = cc.create_session(initial_tokens=_tokens(70, i), policy=policy)
             b = tc.create_session(initial_tokens=_tokens(70, i), policy=policy)
             assert a.generate(max_tokens=10, ignore_eos=True).collect() == \
                 b.generate(max_tokens=10, ignore_eos=True).collect()
             pairs[name] = (a, b)
-        live = {name: a.info() for name, (a, _) in pairs.items()}  # touches them: idle starts now
-        assert not any(i.kv_compressed for i in live.values())
+            live[name] = a.info()  # at once: idle since its Generate, well under AFTER_S
+            assert not live[name].kv_compressed
         _wait_compressed(comp, start + len(pairs))
         for name, (a, b) in pairs.items():
             packed = a.info()
@@ -172,6 +172,22 @@ def test_sessions_without_a_codec_or_a_cache_are_not_compressed():
         assert opted.info().kv_compressed and not plain.info().kv_compressed
         assert never_generated.info().kv_live_bytes == 0 and not never_generated.info().kv_compressed
         assert sample(scrape(thread), "kakeya_session_idle_compressed_bytes_saved_total") > 0
+
+
+def test_a_session_asking_for_no_idle_codec_is_never_compressed(servers):
+    """idle_codec "none" on a session was taken as "the server's default", so it was compressed anyway."""
+    comp, _ = servers
+    start = sample(scrape(comp), "kakeya_session_idle_compressed_total")
+    with Client(comp.address) as cc:
+        never = cc.create_session(initial_tokens=_tokens(30, 2), policy=KvPolicy("full", {"idle_codec": "none"}))
+        default = cc.create_session(initial_tokens=_tokens(30, 2))
+        assert never.info().policy.params == {"idle_codec": "none"} and never.info().policy_label == "full() idle:none"
+        for s in (never, default):
+            s.generate(max_tokens=2, ignore_eos=True).collect()
+        _wait_compressed(comp, start + 1)
+        time.sleep(5 * AFTER_S)  # several more sweeps
+        assert default.info().kv_compressed and not never.info().kv_compressed
+        assert sample(scrape(comp), "kakeya_session_idle_compressed_total") == start + 1
 
 
 def test_a_session_used_while_queued_for_compression_is_left_alone():

@@ -197,7 +197,7 @@ def test_policy_that_cannot_roll_back_refuses_with_a_typed_error(tiny_server: Se
             assert list(session.generate(60, ignore_eos=True)) == spec == auto  # past the window: rollbacks exact
 
 
-@pytest.mark.parametrize("bad", [Speculation("nope"), Speculation("history", 17), "lookahead"])
+@pytest.mark.parametrize("bad", [Speculation("nope"), Speculation("history", 17), "lookahead", Speculation("off", 17)])
 def test_bad_speculation_is_invalid_argument(tiny_server: ServerThread, bad) -> None:
     with Client(tiny_server.address) as client, client.create_session([5, 6, 7]) as session:
         with pytest.raises(InvalidArgument):

@@ -40,12 +40,12 @@ def _refuse_unused_q(given: Mapping[str, Any], key: str, codec_key: str, kind: s
 
 @dataclass(slots=True, frozen=True)
 class CodecSpec:
-    kind: str = "identity"  # identity | d4 | e8 | int8
-    q: int = DEFAULT_Q  # lattice range (ignored by identity and int8)
+    kind: str = "identity"  # identity | d4 | e8 | int8; as an idle codec also "none": never compressed
+    q: int = DEFAULT_Q  # lattice range (ignored by the others)
 
     @property
     def label(self) -> str:
-        return self.kind if self.kind in ("identity", "int8") else f"{self.kind}/q{self.q}"
+        return f"{self.kind}/q{self.q}" if self.kind in LATTICE_KINDS else self.kind
 
 
 SPARSE_BUDGET = 0.125  # sparse: at >= 8k a query then reads <= 25% of the history (defaults)
@@ -76,7 +76,7 @@ class PolicySpec:
     granularity: str = "per_step"  # restore: recompute every decode step, or once per generation
     chunk: int = 512  # restore: proposer forward chunk (bounds its activations)
     codec: CodecSpec = CodecSpec()  # resident-cache codec (sink_window, restore)
-    idle_codec: CodecSpec | None = None  # codec for compress_idle(); None: not configured
+    idle_codec: CodecSpec | None = None  # codec for compress_idle(); None: the server's; kind "none": never
 
     @classmethod
     def parse(cls, name: str | None, params: Mapping[str, Any] | None = None) -> PolicySpec:
@@ -94,8 +94,10 @@ class PolicySpec:
             raise PolicyError("KV policy parameter 'idle_q' sets the q of the session's idle_codec, and none is set "
                               "(the server's default idle codec takes `kakeya serve --idle-q`)")
         _refuse_unused_q(given, "idle_q", "idle_codec", idle_kind)
-        idle = None if idle_kind == "none" else CodecSpec(idle_kind, idle_q)
-        if idle is not None:
+        if idle_kind == "none":  # asked for: this session is never compressed; not given: the server's default
+            idle = CodecSpec("none") if "idle_codec" in given else None
+        else:
+            idle = CodecSpec(idle_kind, idle_q)
             check_codec(idle, "idle_codec")
         if name == "full":
             return cls(name, idle_codec=idle)
@@ -125,7 +127,7 @@ class PolicySpec:
             out.update(granularity=self.granularity, chunk=self.chunk)
         if self.idle_codec is not None:
             out["idle_codec"] = self.idle_codec.kind
-            if self.idle_codec.kind not in ("identity", "int8"):
+            if self.idle_codec.kind in LATTICE_KINDS:
                 out["idle_q"] = self.idle_codec.q
         return out
 
@@ -208,7 +210,7 @@ def _choice(p: Mapping[str, Any], key: str, options: tuple[str, ...]) -> str:
 
 
 def check_codec(codec: CodecSpec, key: str, head_dim: int | None = None) -> None:
-    if codec.kind in ("identity", "int8"):
+    if codec.kind not in LATTICE_KINDS:
         return
     try:
         check_lattice(codec.kind, codec.q, head_dim)

@@ -24,7 +24,7 @@ from typing import Any
 from kakeya_runtime.engine.generate import Engine
 from kakeya_runtime.engine.proposers import ModelProposer, same_checkpoint_proposer
 from kakeya_runtime.kv.policy import PolicyKV, check_fits, check_head_profile, make_policy_cache
-from kakeya_runtime.kv.spec import POLICIES, CodecSpec, PolicyError, PolicySpec, check_codec
+from kakeya_runtime.kv.spec import LATTICE_KINDS, POLICIES, CodecSpec, PolicyError, PolicySpec, check_codec
 from kakeya_runtime.models.config import ModelConfig
 from kakeya_runtime.sessions.errors import InvalidArgument, quoted
 
@@ -108,7 +108,8 @@ def parse_codec(kind: str | None, q: int, config: ModelConfig | None = None) -> 
     if kind is None or kind.lower() == "none":
         return None
     try:
-        spec = PolicySpec.parse("full", {"idle_codec": kind, "idle_q": q}).idle_codec
+        lattice = kind.lower() in LATTICE_KINDS  # --idle-q has a default: given to the codecs that take one
+        spec = PolicySpec.parse("full", {"idle_codec": kind, **({"idle_q": q} if lattice else {})}).idle_codec
         if config is not None and spec is not None:
             check_codec(spec, "idle_codec", config.head_dim)
     except PolicyError as e:

@@ -594,8 +594,12 @@ class SessionService:
     # ---- idle compression --------------------------------------------------------------------
 
     def idle_codec_for(self, session: Session) -> CodecSpec | None:
-        """The session's own idle_codec, else the server default (None: the session is never compressed)."""
-        return session.policy.idle_codec or self.idle_codec
+        """The session's own idle_codec, else the server default (None: the session is never compressed, as its
+        idle_codec "none" asks)."""
+        own = session.policy.idle_codec
+        if own is None:
+            return self.idle_codec
+        return None if own.kind == "none" else own
 
     def _start_idle_compression(self) -> None:
         after = self.config.idle_compress_after_s

@@ -42,15 +42,15 @@ def parse_speculation(proposer: str, max_draft_tokens: int = 0,
                       available: tuple[str, ...] = PROPOSERS) -> SpeculationSpec | None:
     """The validated setting (None: off); InvalidArgument for an unknown proposer or a draft length out of range."""
     name = proposer.strip().lower()
+    k = max_draft_tokens
+    if not 0 <= k <= MAX_DRAFT_TOKENS:  # checked with speculation off too: a typo is not silently dropped
+        raise InvalidArgument(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}] (0: adaptive), "
+                              f"got {max_draft_tokens}")
     if name in OFF:
         return None
     if name not in available:
         raise InvalidArgument(f"unknown speculation proposer {quoted(proposer)} (available: off, "
                               f"{', '.join(available)})")
-    k = max_draft_tokens
-    if not 0 <= k <= MAX_DRAFT_TOKENS:
-        raise InvalidArgument(f"max_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}] (0: adaptive), "
-                              f"got {max_draft_tokens}")
     return SpeculationSpec(name, k)
 
 

@@ -419,8 +419,9 @@ class SessionStore:
     def snapshot(self, owner: str, session_id: str, *, include_history: bool = False) -> SessionSnapshot:
         with self._lock:
             s = self._lookup_locked(owner, session_id)
-            idle_s = 0.0 if self._busy(s) else self.clock() - s.last_access  # before this call touches it
-            self._touch_locked(s)
+            # a read is not use: a monitor polling GetSessionInfo neither keeps a session from TTL eviction or
+            # idle compression nor moves it in the LRU order
+            idle_s = 0.0 if self._busy(s) else self.clock() - s.last_access
             return SessionSnapshot(
                 session_id=s.id,
                 history_length=len(s.history),
