@@ -153,9 +153,15 @@ def test_export_import_moves_a_session_with_its_cache(tmp_path: Path, policy):
         assert (info.sparse is not None) == (policy[0] == "sparse")  # its bytes shown before a first Generate
         assert list(info.history_token_ids) == history
         assert info.cached_length == len(history) - 4  # the 3 appended tokens and the last sampled one are pending
-        assert _continue(cb, moved.id) == _continue(ca, sid)
+        moved_next = _continue(cb, moved.id)
+        assert moved_next == _continue(ca, sid)
         light = cb.import_session(ca.session(sid).export())  # without KV: prefilled at the first Generate
         assert not light.kv_loaded and light.info().cached_length == 0
+        untrusted = cb.import_session(archive, load_kv=False)  # its KV left out: recomputed from the history
+        assert not untrusted.kv_loaded and untrusted.info().cached_length == 0
+        assert _continue(cb, untrusted.id) == moved_next  # the same bits (turn by turn = one shot)
+        with pytest.raises(TypeError, match="load_kv"):
+            cb.import_session(archive, load_kv="no")
         assert metric_value(scrape_metrics(b), "kakeya_session_kv_restored_total", '{source="snapshot"}') == 1
 
 

@@ -162,15 +162,19 @@ export class Client {
 
   /**
    * A new session (a new id, owned by this client's key) from an archive `Session.export` made, as bytes or a file
-   * path, on this server or another serving the same model. A KV snapshot in the archive is verified against the
-   * history and loaded (`session.kvLoaded`); a mismatching one rejects with InvalidArgument and creates nothing.
+   * path, on this server or another serving the same model. A KV snapshot in the archive is checked against the
+   * history it records and loaded (`session.kvLoaded`); a mismatching one rejects with InvalidArgument and creates
+   * nothing. Its values are trusted: `{ loadKv: false }` for an archive from a source you do not trust (the server
+   * recomputes the cache from the history).
    */
-  async importSession(archive: Uint8Array | string, options: CallSignal = {}): Promise<Session> {
+  async importSession(archive: Uint8Array | string, options: { loadKv?: boolean } & CallSignal = {}): Promise<Session> {
+    cv.checkOptions(options, ["loadKv", "signal"], "importSession");
+    const ignoreKv = !cv.flag(options.loadKv, "loadKv", true);
     const data = typeof archive === "string" ? readFileSync(archive) : Buffer.from(archive);
     const r = await this.unary<pb.ImportSessionResponse>((md, o, cb) => {
       const call = this.stub.importSession(md, o, cb);
       for (let at = 0; at < Math.max(data.length, 1); at += ARCHIVE_CHUNK_BYTES) {
-        call.write({ data: data.subarray(at, at + ARCHIVE_CHUNK_BYTES) });
+        call.write({ data: data.subarray(at, at + ARCHIVE_CHUNK_BYTES), ignoreKv });
       }
       call.end();
       return call as unknown as ClientUnaryCall;

@@ -367,6 +367,10 @@ describe("API keys", () => {
     assert.deepEqual(await s.generate({ maxTokens: 4, ignoreEos: true }).collect(), next);
     const light = await client.importSession(await s.export());
     assert.equal(light.kvLoaded, false);
+    const untrusted = await client.importSession(archive, { loadKv: false }); // its KV left out: recomputed
+    assert.equal(untrusted.kvLoaded, false);
+    assert.equal((await untrusted.info()).cachedLength, 0);
+    await assert.rejects(client.importSession(archive, { loadKv: "no" as unknown as boolean }), InvalidArgument);
     const e = await client.importSession(archive.subarray(0, archive.length - 7)).then(() => undefined, (err: unknown) => err);
     assert.ok(e instanceof InvalidArgument);
     const foreign = new Client(server.address, { apiKey: OTHER_KEY });

@@ -368,10 +368,11 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
 
     async def ImportSession(self, request_iterator, context):
         owner = await self._owner(context)
-        parts, size = [], 0
+        parts, size, ignore_kv = [], 0, False
         try:
             async for chunk in request_iterator:
                 data = chunk.data
+                ignore_kv = ignore_kv or chunk.ignore_kv
                 if size < len(records.MAGIC) and not _could_start_archive(b"".join(parts) + data):
                     raise InvalidArgument("ImportSession: not a Kakeya session file (bad magic)")  # before buffering it
                 if size + len(data) > self.max_import_bytes:
@@ -385,7 +386,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                 parts.append(data)
             archive_bytes = b"".join(parts)
             parts.clear()
-            session, kv_loaded = await self.service.import_session(owner, archive_bytes)
+            session, kv_loaded = await self.service.import_session(owner, archive_bytes, load_kv=not ignore_kv)
         finally:
             self._import_bytes -= size
         await self._unless_abandoned(context, owner, session.id)

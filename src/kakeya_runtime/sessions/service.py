@@ -539,15 +539,18 @@ class SessionService:
         except (OSError, ValueError):  # RecordError, SnapshotError: the history is the truth
             return None
 
-    async def import_session(self, owner: str, data: bytes) -> tuple[Session, bool]:
+    async def import_session(self, owner: str, data: bytes, *, load_kv: bool = True) -> tuple[Session, bool]:
         """A new session (a new id, owned by `owner`) from an archive of this checkpoint (in any weight format); with
-        a KV snapshot of these weights, the snapshot is verified against the history and loaded now, and a bad one
-        refuses the import (nothing is created). A snapshot of other weights (another format or build) is not used:
-        the first Generate computes the cache. Returns the session and whether its cache came from the snapshot."""
+        a KV snapshot of these weights, the snapshot is checked against the history it records and loaded now, and a
+        bad one refuses the import (nothing is created). A snapshot of other weights (another format or build), or
+        any with `load_kv` False, is not used: the first Generate computes the cache. Returns the session and whether
+        its cache came from the snapshot."""
         try:
             arc = archive.decode(data)
         except archive.ArchiveError as e:
             raise InvalidArgument(f"ImportSession: {e}") from None
+        if not load_kv:
+            arc.kv = None
         theirs, ours = snapshot.compared_checkpoints(self.checkpoint, arc.checkpoint, arc.model)
         if theirs != ours:
             raise FailedPrecondition(f"the archive holds a session of the model {quoted(theirs)}, this server "

@@ -247,9 +247,12 @@ def archive_bytes(archive: bytes | str | os.PathLike[str]) -> bytes:
     return Path(archive).read_bytes()
 
 
-def archive_chunks(data: bytes) -> Iterator[pb.ImportSessionRequest]:
-    for at in range(0, max(len(data), 1), ARCHIVE_CHUNK_BYTES):
-        yield pb.ImportSessionRequest(data=data[at : at + ARCHIVE_CHUNK_BYTES])
+def archive_chunks(data: bytes, load_kv: bool = True) -> Iterator[pb.ImportSessionRequest]:
+    """The ImportSession request stream (`load_kv` checked now, before any call)."""
+    if not isinstance(load_kv, bool):
+        raise TypeError(f"load_kv must be True or False, got {load_kv!r}")
+    return (pb.ImportSessionRequest(data=data[at : at + ARCHIVE_CHUNK_BYTES], ignore_kv=not load_kv)
+            for at in range(0, max(len(data), 1), ARCHIVE_CHUNK_BYTES))
 
 
 def save_archive(data: bytes, path: str | os.PathLike[str] | None) -> None:

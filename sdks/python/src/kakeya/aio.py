@@ -76,12 +76,12 @@ class AsyncClient(ChannelOwner):
     def session(self, session_id: str) -> AsyncSession:
         return AsyncSession(self, cv.session_id(session_id))
 
-    async def import_session(self, archive: bytes | str | os.PathLike[str]) -> AsyncSession:
+    async def import_session(self, archive: bytes | str | os.PathLike[str], *, load_kv: bool = True) -> AsyncSession:
         """As `Client.import_session`."""
         data = cv.archive_bytes(archive)
+        chunks = cv.archive_chunks(data, load_kv)
         try:
-            resp = await self.stub.ImportSession(cv.archive_chunks(data), metadata=self._metadata,
-                                                  timeout=self.timeout)
+            resp = await self.stub.ImportSession(chunks, metadata=self._metadata, timeout=self.timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         session = AsyncSession(self, resp.session_id, history_length=resp.history_length,

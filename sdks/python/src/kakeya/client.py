@@ -76,14 +76,16 @@ class Client(ChannelOwner):
         """A handle on an existing session id (no RPC; the first call tells whether it exists)."""
         return Session(self, cv.session_id(session_id))
 
-    def import_session(self, archive: bytes | str | os.PathLike[str]) -> Session:
+    def import_session(self, archive: bytes | str | os.PathLike[str], *, load_kv: bool = True) -> Session:
         """A new session (a new id, owned by this client's key) from an archive `Session.export` made, as bytes
         or a file path, on this server or another serving the same model. A KV snapshot in the archive is
-        verified against the history and loaded (`session.kv_loaded`); a mismatching one raises InvalidArgument
-        and creates nothing."""
+        checked against the history it records and loaded (`session.kv_loaded`); a mismatching one raises
+        InvalidArgument and creates nothing. Its values are trusted: `load_kv=False` for an archive from a source
+        you do not trust (the server recomputes the cache from the history)."""
         data = cv.archive_bytes(archive)
+        chunks = cv.archive_chunks(data, load_kv)
         try:
-            resp = self.stub.ImportSession(cv.archive_chunks(data), metadata=self._metadata, timeout=self.timeout)
+            resp = self.stub.ImportSession(chunks, metadata=self._metadata, timeout=self.timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         session = Session(self, resp.session_id, history_length=resp.history_length,
