@@ -25,7 +25,7 @@ kernel: $(STAMP)
 	$(PY) -m kakeya_runtime.models.native
 
 run: setup
-	$(VENV)/bin/kakeya serve
+	$(VENV)/bin/kakeya serve $(ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check .

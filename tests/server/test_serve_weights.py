@@ -126,6 +126,9 @@ def test_auto_picks_a_faithful_invariant_format_and_caches_its_measurements(tiny
         assert ("turn" in rest) != ("not faithful" in rest), (fmt, rest)
     assert calibration.is_file()
     assert "(cached)" not in log
+    # a log file (not a terminal) shows what runs while the bar cannot: minutes on a real model's first start
+    assert "Choosing the weight format (first start on this machine only" in " ".join(log.split())
+    assert re.search(r"^  int8: .*done$", log, re.MULTILINE), log
     log2, info2, _ = start()  # the second start measures nothing
     assert info2.weight_format == chosen
     assert all(line.endswith("(cached)") for line in re.findall(r"^\s+[* ] (?:bf16|fp32|int8|int4\S*) .*$", log2,

@@ -97,6 +97,18 @@ def test_chat_reports_an_unreachable_server():
     assert result.exit_code == 1 and "cannot reach" in result.output
 
 
+def test_chat_reports_a_refused_key_as_such_not_as_unreachable(monkeypatch):
+    from kakeya_runtime.server.testing import running_server, tiny_served
+
+    monkeypatch.delenv("KAKEYA_API_KEY", raising=False)
+    with running_server(tiny_served(), api_keys=("key-a-0123456789abcdef",)) as thread:
+        for extra in ([], ["--api-key", "wrong-key-0123456789"]):
+            result = CliRunner().invoke(_app(), ["chat", "--addr", thread.address, *extra], input="")
+            out = " ".join(result.output.split())
+            assert result.exit_code == 1 and "refused the API key" in out and "--api-key" in out, result.output
+            assert "cannot reach" not in out
+
+
 def test_serve_refuses_non_loopback_without_tls_or_insecure_before_loading():
     result = CliRunner().invoke(_app(), ["serve", "--host", "0.0.0.0", "--api-key", "key-0123456789",
                                          "--model", "does-not-matter"])

@@ -188,7 +188,7 @@ class ServingChoice:
         if self.fidelity is not None:
             parts.append(f"KL vs bf16 {self.fidelity.kl_mean:.4f}, top-1 {self.fidelity.top1_agree:.3f}")
         if self.decode_tok_s:
-            parts.append(f"decode {self.decode_tok_s:.1f} tok/s")
+            parts.append(f"decode {self.decode_tok_s:.1f} tok/s (the served step, measured now)")
         if self.compile_s is not None:
             parts.append(f"compiled in {self.compile_s:.0f} s")
         if self.verify_cost is not None:

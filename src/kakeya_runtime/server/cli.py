@@ -311,7 +311,13 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, r
         with Progress(*columns, console=console, transient=False) as bar:
             task = bar.add_task("Choosing the weight format", total=len(formats))
 
+            if not console.is_terminal:  # a log file: the bar shows only when done, so say what runs meanwhile
+                console.print("Choosing the weight format (first start on this machine only: minutes; the result "
+                              "is kept for the next start)", soft_wrap=True)
+
             def step(msg: str) -> None:
+                if not console.is_terminal:
+                    console.print(f"  {msg}", soft_wrap=True, highlight=False)
                 bar.update(task, description=f"Choosing the weight format: {msg}")
                 if msg.endswith(": done"):
                     bar.advance(task)
@@ -478,7 +484,7 @@ def chat(
     /info, /exit.
     """
     try:
-        from kakeya import Client, KakeyaError
+        from kakeya import Client, KakeyaError, Unauthenticated, Unavailable
         from kakeya.tokenization import ChatTemplateMismatch, Tokenizer
     except ImportError as e:
         raise SystemExit(
@@ -501,8 +507,14 @@ def chat(
     with Client(addr, api_key=api_key, tls=tls, root_certificates=root_certificates) as client:
         try:
             info = client.model_info()
-        except KakeyaError as e:
+        except Unauthenticated as e:  # reached: the key is what is wrong
+            console.print(f"[red]{addr} refused the API key:[/] {e} (pass --api-key or set KAKEYA_API_KEY)")
+            raise typer.Exit(1) from None
+        except Unavailable as e:
             console.print(f"[red]cannot reach {addr}:[/] {e}")
+            raise typer.Exit(1) from None
+        except KakeyaError as e:
+            console.print(f"[red]{addr} answered:[/] {e}")
             raise typer.Exit(1) from None
         tok = Tokenizer.from_model_info(info)
         use_template = tok.has_chat_template and not raw

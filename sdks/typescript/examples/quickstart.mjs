@@ -5,7 +5,7 @@ const tok = await client.tokenizer(); // the model's tokenizer and chat template
 const messages = [{ role: "user", content: "What is the capital of France?" }];
 const session = await client.createSession({ initialTokens: tok.tokensForChat(messages) });
 for await (const text of tok.decodeStream(session.generate({ maxTokens: 48 }))) process.stdout.write(text);
-messages.push({ role: "assistant", content: tok.decode(session.lastResult!.tokenIds) }, { role: "user", content: "And of Italy?" });
-await session.append(tok.chatDelta((await session.info({ includeHistory: true })).historyTokenIds!, messages));
+messages.push({ role: "assistant", content: tok.decode(session.lastResult.tokenIds) }, { role: "user", content: "And of Italy?" });
+await session.append(tok.chatDelta((await session.info({ includeHistory: true })).historyTokenIds, messages));
 for await (const text of tok.decodeStream(session.generate({ maxTokens: 48 }))) process.stdout.write(text);
 await session.close(); client.close();
