@@ -190,3 +190,24 @@ def test_per_policy_metrics_and_attention_histogram():
         for s in (sw, full, full2):
             s.close()
         assert sample(scrape(thread), "kakeya_session_active_by_policy", '{policy="full"}') == 0
+
+
+def test_kv_a_packed_codec_cannot_store_is_a_typed_error_and_rolls_back():
+    """K/V past what a codec's fp16 scales hold were stored shrunk (lattice) or as NaN (int8); now the Generate
+    fails FAILED_PRECONDITION naming the fix, and the session is as it was."""
+    from kakeya import FailedPrecondition
+
+    from kakeya_runtime.server.testing import tiny_model
+
+    model = tiny_model()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(1e7)  # V (and Q, K) ~1e7: an int8 scale past 65504
+    with running_server(tiny_served(model=model)) as thread, Client(thread.address) as client:
+        s = client.create_session(_tokens(20, 1), policy=KvPolicy("sink_window", {"window": 16, "codec": "int8"}))
+        with pytest.raises(FailedPrecondition, match="codec identity"):
+            s.generate(max_tokens=3, ignore_eos=True).collect()
+        info = s.info()
+        assert info.history_length == 20 and info.cached_length == 0 and not info.generating
+        plain = client.create_session(_tokens(20, 1), policy=KvPolicy("sink_window", {"window": 16}))
+        assert len(plain.generate(max_tokens=3, ignore_eos=True).collect()) == 3  # identity stores them as they are

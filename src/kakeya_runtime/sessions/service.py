@@ -41,6 +41,7 @@ from kakeya_runtime.engine.sampling import SamplingError, SamplingParams
 from kakeya_runtime.engine.self_draft import DraftHead
 from kakeya_runtime.engine.speculative import SpecStats, SpeculativeStream
 from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
+from kakeya_runtime.kv.lattice import CodecRangeError
 from kakeya_runtime.kv.sink_window import PositionLimitError
 from kakeya_runtime.kv.sparse import SparseKV
 from kakeya_runtime.kv.spec import DEFAULT_Q
@@ -919,6 +920,8 @@ class _Turn:
                                        limit="model_positions"))
         elif isinstance(e, SessionError):  # e.g. the journal could not be written: its own typed status
             job.emit(e)
+        elif isinstance(e, CodecRangeError):  # this model's K/V and the session's packed codec do not fit
+            job.emit(FailedPrecondition(f"{e}; the session was rolled back to its last committed token"))
         else:
             _log.error("Generate on session %s failed; the session was rolled back", session.id, exc_info=e)
             job.emit(InternalError(f"generation failed ({type(e).__name__}); the session was rolled back to "
