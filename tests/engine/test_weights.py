@@ -244,7 +244,8 @@ def test_compiled_decode_compiles_nothing_after_warmup(make_tiny_model):
     """After warm-up, real generations compile nothing more: one crossing a ring's slot 0 from a prompt longer than
     the ring, made as the engine bench makes it (the cache reserved before prefill, outside inference mode), one on
     a session's cache (the full policy), a short one whose cache has no rings and one from a one-token prompt (its
-    first step at length 1, a value Dynamo could specialise on). The window (300) is past the 256
+    first step at length 1, a value Dynamo could specialise on), and one under another policy (decoded eagerly: on
+    its cache object, each policy and layer was a variant compiled at its first request). The window (300) is past the 256
     positions a full layer starts with, as on Gemma 3 (512): a warm-up prefill then grew the full layers inside
     inference mode, and the real generation's step, on tensors of the other kind, compiled anew; so did the step
     writing slot 0. Tokens stay the eager engine's."""
@@ -266,7 +267,10 @@ def test_compiled_decode_compiles_nothing_after_warmup(make_tiny_model):
         return [run(engine.new_cache(capacity=600 + 41), long_ids, 40),
                 run(make_policy_cache(engine.config, PolicySpec(), capacity=1024), long_ids[:, :400], 8),
                 run(engine.new_cache(capacity=40), long_ids[:, :20], 12),
-                run(engine.new_cache(capacity=40), long_ids[:, :1], 4)]
+                run(engine.new_cache(capacity=40), long_ids[:, :1], 4),
+                # another policy decodes eagerly: compiled on its cache object, it compiled at its first request
+                run(make_policy_cache(engine.config, PolicySpec.parse("sink_window", {"window": 64}), capacity=1024),
+                    long_ids[:, :200], 6)]
 
     eager = runs()
     compiled = CompiledDecode(model)

@@ -125,8 +125,10 @@ class CompiledDecode:
     layers' K/V and position tensors, one shared length and the ring sizes; the step rebuilds each layer's
     one-token update from them (_FullStep, _RingStep: the same writes and views as kv.cache) and the layers'
     lengths advance after it. RoPE rows are gathered eagerly before the call (their table lookup reads a position
-    as a Python int, which would split the graph). Other caches (sink_window, restore, sparse) take the object
-    path: `tensor_args=False` forces it everywhere (the bench's "before").
+    as a Python int, which would split the graph). Other caches (sink_window, restore, sparse) decode eagerly:
+    compiled on the cache object, each policy and layer index was a variant compiled at its first request (a
+    restore session's first decode took minutes, past Dynamo's recompile limit). `tensor_args=False` compiles
+    every cache on its object (the bench's "before").
     """
 
     def __init__(self, model: DecoderModel, options: CompileOptions | None = None, *,
@@ -167,6 +169,9 @@ class CompiledDecode:
             return self.model(token_ids, positions, cache, logits=logits, trace_layer=trace_layer)
         layout = _tensor_layout(cache) if self.tensor_args else None
         if layout is None:
+            if self.tensor_args:  # another policy's cache: eager. Compiled on its object, each policy and layer
+                # was a variant Dynamo compiled on the request path (minutes, past its recompile limit)
+                return self.model(token_ids, positions, cache, logits=logits)
             with _keep_mv():
                 return self._fn(token_ids, positions, cache)
         slots, tensors, length = layout
