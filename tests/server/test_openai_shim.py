@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
 import time
@@ -494,3 +495,39 @@ def test_a_non_loopback_shim_follows_the_grpc_bind_rules(tmp_path):
         RuntimeServer(tiny_served("llama"), ServerConfig(host="0.0.0.0", port=0, api_keys=(KEY,), openai_port=0))
     with pytest.raises(InsecureBindError, match="API key"):
         RuntimeServer(tiny_served("llama"), ServerConfig(host="0.0.0.0", port=0, openai_port=0, insecure=True))
+
+
+def test_connections_that_never_finish_a_request_are_closed(monkeypatch, caplog):
+    """uvicorn closed a connection idle between requests but not one that sent nothing, half its headers or part of
+    its body: each was held for ever (19,800 of them took the process to its file-descriptor limit). A request must
+    now arrive whole within transport.READ_S; one read whole keeps its connection however long its answer takes."""
+    import socket
+    import time
+
+    from kakeya_runtime.server.openai_shim import transport
+    from kakeya_runtime.server.testing import SlowModel, tiny_model
+
+    monkeypatch.setattr(transport, "READ_S", 0.5)
+    slow = tiny_served("llama", model=SlowModel(tiny_model(), 0.05))
+    with running_server(slow, api_keys=(KEY,), openai_port=0) as thread:
+        port = thread.server.openai_port
+        body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 4}).encode()
+        stalls = {"nothing": b"", "half headers": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n",
+                  "part of the body": (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+                                       f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                                       ).encode() + body[:10]}
+        socks = {}
+        for name, sent in stalls.items():
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(sent)
+            socks[name] = s
+        time.sleep(1.5)
+        assert "bug id" not in caplog.text  # a client cut off mid-body is not a failure of ours
+        for name, s in socks.items():
+            s.settimeout(3)
+            with contextlib.suppress(ConnectionResetError):  # closed by the server (a reset says so too)
+                assert s.recv(1) == b"", name
+            s.close()
+        t0 = time.monotonic()  # a whole request is answered, though its answer takes longer than READ_S
+        reply = _client(thread).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=20, temperature=0)
+        assert reply.usage.completion_tokens >= 12 and time.monotonic() - t0 > 0.5, reply.usage

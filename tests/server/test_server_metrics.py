@@ -3,6 +3,7 @@ a label; requests and errors counted per RPC; generated tokens counted."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 import urllib.error
@@ -176,7 +177,7 @@ def test_idle_connections_to_metrics_are_bounded_and_closed(monkeypatch):
         before = threading.active_count()
         idle = [socket.create_connection(("127.0.0.1", thread.server.metrics_port)) for _ in range(50)]
         time.sleep(0.2)
-        assert threading.active_count() - before <= metrics_module.METRICS_CONNECTIONS
+        assert threading.active_count() - before <= 2 * metrics_module.METRICS_CONNECTIONS  # each with its deadline
         time.sleep(1.0)  # past the idle timeout: every one closed by the server
         for sock in idle:
             sock.settimeout(2)
@@ -184,3 +185,37 @@ def test_idle_connections_to_metrics_are_bounded_and_closed(monkeypatch):
             sock.close()
         assert threading.active_count() <= before + 1
         assert _get(thread, "/metrics")[0] == 200
+
+
+def test_metrics_stay_reachable_while_every_slot_trickles_headers(monkeypatch):
+    """32 clients each sending a header line every few seconds (never idle for the idle timeout) held every slot,
+    and no scrape got through: a request must now arrive whole within METRICS_READ_S of its connection."""
+    import socket
+    import threading
+
+    from kakeya_runtime.server import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "METRICS_READ_S", 0.5)
+    with running_server(tiny_served()) as thread:
+        stop = threading.Event()
+        socks = [socket.create_connection(("127.0.0.1", thread.server.metrics_port))
+                 for _ in range(metrics_module.METRICS_CONNECTIONS)]
+
+        def trickle():
+            for s in socks:
+                s.sendall(b"GET /metrics HTTP/1.0\r\n")
+            while not stop.wait(0.2):
+                for s in socks:
+                    with contextlib.suppress(OSError):
+                        s.sendall(b"X-Slow: 1\r\n")
+
+        t = threading.Thread(target=trickle, daemon=True)
+        t.start()
+        try:
+            time.sleep(1.0)  # past the read deadline: the tricklers were closed, their slots free
+            assert _get(thread, "/metrics")[0] == 200
+        finally:
+            stop.set()
+            t.join(5)
+            for s in socks:
+                s.close()

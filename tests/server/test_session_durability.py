@@ -429,21 +429,21 @@ def test_a_restart_keeps_each_sessions_idle_time(tmp_path: Path):
 
 
 def test_a_session_kept_alive_by_reads_keeps_its_idle_time_across_a_restart(tmp_path: Path):
-    """Reads (GetSessionInfo, ExportSession) keep a session alive but write nothing: a restart measured its idle time
-    from the last journal write, so a session read a moment before a restart came back long idle (or TTL-evicted).
-    The journal now carries the last use."""
+    """An ExportSession uses a session (keeps it alive) but writes nothing: a restart measured its idle time from the
+    last journal write, so a session exported a moment before a restart came back long idle (or TTL-evicted). The
+    journal now carries the last use. (GetSessionInfo is a read, not a use: it keeps nothing alive.)"""
     import time
 
     served = tiny_served()
     state = tmp_path / "state"
     with running_server(served, state_dir=str(state), idle_ttl_s=4.0) as thread, Client(thread.address) as client:
         sid, _ = _drive(client, ("full", {}))  # its last write
-        for _ in range(2):  # reads keep it alive past the TTL; the server's heartbeat runs every 2 s
+        for _ in range(2):  # exports keep it alive past the TTL; the server's heartbeat runs every 2 s
             time.sleep(1.6)
-            client.session(sid).info()
+            client.session(sid).export()
         time.sleep(1.2)
     with running_server(served, state_dir=str(state), idle_ttl_s=4.0) as thread, Client(thread.address) as client:
-        assert client.session(sid).info().idle_s < 2.5  # idle since the last read, not since the last write
+        assert client.session(sid).info().idle_s < 2.5  # idle since the last export, not since the last write
 
 
 def test_a_shutdown_mid_generate_streams_every_committed_token_then_fails_unavailable(tmp_path: Path):

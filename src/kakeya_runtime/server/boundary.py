@@ -151,6 +151,15 @@ class StatusBoundary(grpc.aio.ServerInterceptor):
         else:
             _log.error("%s failed with an unexpected error", rpc, exc_info=error)
             code, message = grpc.StatusCode.INTERNAL, f"{rpc} failed ({type(error).__name__}); see the server log"
+        # the abort chains this error, whose traceback (and those of the errors it chains) keeps the failed call's
+        # frames, an import's buffered archive among them, in a cycle only a full collection frees: answered and
+        # logged, they are not needed any more
+        chained: BaseException | None = error
+        for _ in range(64):  # (a chain is short; the bound only guards against a cycle)
+            if chained is None:
+                break
+            chained.__traceback__ = None
+            chained = chained.__cause__ or chained.__context__
         await context.abort(code, details(message))
 
 

@@ -206,6 +206,8 @@ def request_bytes_for(context_length: int) -> int:
 # Imports buffer their archive before reading it: all of them together hold at most this many of the largest
 # archive (~380 MB at SmolLM2's context); more answers RESOURCE_EXHAUSTED (16 at once once took 7 GB and kept it).
 IMPORT_BUFFER_FACTOR = 2
+# With API keys, one key's imports hold at most one largest archive: another key always has room for its own.
+IMPORT_STALL_S = 30.0  # an import that sends nothing this long is refused (it held its buffered bytes for ever)
 
 
 def _could_start_archive(head: bytes) -> bool:
@@ -250,6 +252,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         full = service.policies.resolve("full", {}, cfg, service.context_length)
         self.max_import_bytes = 4 * service.context_length + 2 * service.kv_reserve(full) + REQUEST_HEADROOM_BYTES
         self._import_bytes = 0  # what the imports in progress have buffered, all together
+        self._import_bytes_by_key: dict[str, int] = {}  # ... and each API key's
 
     async def _owner(self, context: grpc.aio.ServicerContext) -> str:
         owner = self.auth.owner(context.invocation_metadata())
@@ -369,8 +372,10 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     async def ImportSession(self, request_iterator, context):
         owner = await self._owner(context)
         parts, size, ignore_kv = [], 0, False
+        archive_bytes = b""
+        keyed = self.auth.enabled  # one key's imports may not take every other key's room
         try:
-            async for chunk in request_iterator:
+            async for chunk in _unless_stalled(request_iterator, IMPORT_STALL_S):
                 data = chunk.data
                 ignore_kv = ignore_kv or chunk.ignore_kv
                 if size < len(records.MAGIC) and not _could_start_archive(b"".join(parts) + data):
@@ -378,10 +383,14 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                 if size + len(data) > self.max_import_bytes:
                     raise ResourceExhausted(f"the archive exceeds {self.max_import_bytes} bytes, the most a session "
                                             "of this server's context can take", limit="request")
+                if keyed and self._import_bytes_by_key.get(owner, 0) + len(data) > self.max_import_bytes:
+                    raise ResourceExhausted("this key's other imports in progress hold the bytes one archive may "
+                                            "buffer; retry when they end", limit="imports")
                 if self._import_bytes + len(data) > IMPORT_BUFFER_FACTOR * self.max_import_bytes:
                     raise ResourceExhausted("other imports in progress hold the bytes archives may buffer at once; "
                                             "retry shortly", limit="imports")
                 self._import_bytes += len(data)
+                self._import_bytes_by_key[owner] = self._import_bytes_by_key.get(owner, 0) + len(data)
                 size += len(data)
                 parts.append(data)
             archive_bytes = b"".join(parts)
@@ -389,9 +398,27 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             session, kv_loaded = await self.service.import_session(owner, archive_bytes, load_kv=not ignore_kv)
         finally:
             self._import_bytes -= size
+            left = self._import_bytes_by_key.pop(owner, 0) - size
+            if left:
+                self._import_bytes_by_key[owner] = left
+            parts.clear()  # a failed import's traceback keeps this frame: its buffers must not stay with it
+            archive_bytes = data = chunk = None  # noqa: F841
         await self._unless_abandoned(context, owner, session.id)
         return pb.ImportSessionResponse(session_id=session.id, history_length=len(session.history),
                                         kv_loaded=kv_loaded, policy=_policy_pb(session.policy))
+
+
+async def _unless_stalled(requests: AsyncIterator[Any], stall_s: float) -> AsyncIterator[Any]:
+    """The request stream, refused (INVALID_ARGUMENT) once it sends nothing for `stall_s` seconds."""
+    it = aiter(requests)
+    while True:
+        try:
+            yield await asyncio.wait_for(anext(it), stall_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise InvalidArgument(f"ImportSession: no data for {stall_s:g} s; send the archive without pausing") \
+                from None
 
 
 MAX_PARAM_MAGNITUDE = 2.0**53  # beyond it a JSON number is not an exact integer

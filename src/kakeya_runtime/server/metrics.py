@@ -381,6 +381,7 @@ class RuntimeMetrics:
 
 METRICS_CONNECTIONS = 32  # connections /metrics serves at once; more are closed unread
 METRICS_IDLE_S = 10.0  # a connection that sends nothing this long is closed
+METRICS_READ_S = 5.0  # ... and one whose request is not whole this soon after it opened (a trickle of headers)
 
 
 class _MetricsServer(ThreadingHTTPServer):
@@ -407,9 +408,26 @@ class _MetricsServer(ThreadingHTTPServer):
 
 
 class _MetricsHandler(BaseHTTPRequestHandler):
+    """One request per connection (HTTP/1.0), which must arrive whole within METRICS_READ_S: the idle timeout alone
+    let 32 clients sending a header line every few seconds hold every slot, and no scrape got through."""
+
     metrics: RuntimeMetrics
     key: str | None = None
     timeout = METRICS_IDLE_S
+
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = threading.Timer(METRICS_READ_S, self._too_slow)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _too_slow(self) -> None:
+        with contextlib.suppress(OSError):  # the blocked read sees the end of the stream and the handler ends
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         self._answer(body=True)
@@ -418,6 +436,7 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         self._answer(body=False)
 
     def _answer(self, *, body: bool) -> None:
+        self._deadline.cancel()  # the request is read: the answer may take its time
         if self.path.split("?", 1)[0] != "/metrics":
             self._send(404, b"not found: metrics are served at /metrics\n", "text/plain; charset=utf-8", body)
         elif self.key is not None and not _bearer_ok(self.headers.get("authorization", ""), self.key):

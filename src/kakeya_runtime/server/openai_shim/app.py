@@ -20,11 +20,12 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kakeya_runtime.server.auth import ApiKeyAuth
+from kakeya_runtime.server.openai_shim import transport
 from kakeya_runtime.server.openai_shim.errors import OpenAIError, http_error, internal
 from kakeya_runtime.server.openai_shim.generation import ClientGone, SingleShot, until_disconnect
 from kakeya_runtime.server.openai_shim.parsing import RequestParser, ShimRequest
@@ -147,7 +148,8 @@ class OpenAIShim:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.create_server((host.strip("[]"), port), family=family)
         ssl = {} if tls is None else {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]}
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", http="h11",
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                http=transport.BoundedH11Protocol, limit_concurrency=transport.MAX_CONNECTIONS,
                                 ws="none", timeout_graceful_shutdown=grace_s, **ssl)
         self.scheme = "http" if tls is None else "https"
         self._grace_s = grace_s
@@ -191,8 +193,9 @@ class OpenAIShim:
                 return await handler(request, owner)
             except OpenAIError as e:
                 return e.response()
-            except ClientGone:
-                return Response(status_code=499)  # nobody reads it; uvicorn just closes the connection
+            except (ClientGone, ClientDisconnect):  # (the latter: gone while its body was read, or cut off for
+                # sending it too slowly): not a failure of ours, and nobody reads the answer
+                return Response(status_code=499)  # uvicorn just closes the connection
             except Exception:
                 return internal("OpenAI shim request failed").response()
 
