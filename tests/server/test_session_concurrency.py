@@ -346,31 +346,39 @@ def test_a_key_holding_every_row_yields_one_to_another_keys_turn():
         assert thread.server.metrics.engine_parked_total._value.get() >= 1
         for i in range(2):  # the parked turn as well as the other: as if each had run alone (speculation is exact)
             assert got[i] == _reference(slow.inner, [([1 + i, 2], 80)])[0], i
+        # its pause is a wait for a row (queue_s), not decode time: it read as a third of the decode rate
+        parked, ran = sessions[1].last_result.stats, sessions[0].last_result.stats
+        assert parked.queue_s >= 3 * DELAY > ran.queue_s
+        assert parked.decode_tokens_per_s > 0.5 * ran.decode_tokens_per_s, (parked, ran)
 
 
-def _park_one(thread, a, b) -> tuple[list, list]:
-    """Key A's two 300-token turns fill both rows, then key B's turn parks A's newest: (A's sessions, the three
-    generations) with each having delivered its first token."""
+def _park_one(thread, a, b, speculation=None) -> tuple[list, list]:
+    """Key A's two 300-token turns fill both rows, then key B's turn parks A's newest (speculating as asked): (A's
+    sessions, the three generations) with each having delivered its first token."""
     s1, s2 = (a.create_session(initial_tokens=[1 + i, 2]) for i in range(2))
     s3 = b.create_session(initial_tokens=[7, 8])
     streams = []  # kept: a dropped iterator cancels its Generate
     for s in (s1, s2, s3):  # one after the other (generate() sends at once): A's two turns run, then B's arrives
-        streams.append(iter(s.generate(max_tokens=300, ignore_eos=True)))
+        streams.append(iter(s.generate(max_tokens=300, ignore_eos=True, speculation=speculation if s is s2 else None)))
         next(streams[-1])
     scheduler = thread.server.service.scheduler
     assert scheduler.stats.parked == 1 and scheduler.queued == 1
     return [s1, s2], streams
 
 
-def test_a_parked_turn_can_be_cancelled_and_goes_on_from_what_it_kept():
+@pytest.mark.parametrize("speculation", [None, "history"])
+def test_a_parked_turn_can_be_cancelled_and_goes_on_from_what_it_kept(speculation):
     slow = SlowModel(tiny_model(), DELAY)
     with running_server(tiny_served(model=slow), max_concurrent=2, api_keys=KEYS) as thread, \
             Client(thread.address, api_key=KEYS[0]) as a, Client(thread.address, api_key=KEYS[1]) as b:
-        (s1, s2), (g1, g2, g3) = _park_one(thread, a, b)  # (iterators: cancelled by closing them)
+        (s1, s2), (g1, g2, g3) = _park_one(thread, a, b, speculation)  # (iterators: cancelled by closing them)
+        scheduler, most = thread.server.service.scheduler, []
         g2.close()  # the parked one: A's newest
         deadline = time.time() + 5
         while s2.info().generating and time.time() < deadline:
-            time.sleep(0.01)
+            most.append(scheduler.batch_size)
+            time.sleep(0.002)
+        assert max(most) <= 2  # a parked speculative turn ended outside the batch (it went back in, one over)
         assert not s2.info().generating and thread.server.service.scheduler.queued == 0
         g1.close()  # a row for s2's next turn
         history = s2.info(include_history=True).history_token_ids

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
@@ -74,6 +75,9 @@ class Turn(Protocol):
     def finish(self) -> None:
         """The stream ended (stop, length, cancel: also a cancel before the prefill completed)."""
 
+    def resumed(self, parked_s: float) -> None:
+        """The turn was parked for another key's turn this long (a wait for a row, not engine time)."""
+
     def fail(self, error: Exception) -> None:
         """The turn's engine work raised: roll its session back and answer the error."""
 
@@ -87,6 +91,7 @@ class _Row:
     steps: Generator[list[int], int | None, None] | None = None  # speculative rows (sent prefill budgets)
     began: bool = False  # a speculative row's first step was taken (from then on its steps are sent budgets)
     parked: bool = False  # begun, then taken out of the batch for another key's turn: waits with its state kept
+    parked_at: float = 0.0  # perf_counter when it was last parked
     done: bool = False
 
 
@@ -292,17 +297,25 @@ class BatchScheduler:
             return
         victim = next(r for r in reversed(self._active) if r.owner == busiest)
         self._active.remove(victim)
-        victim.parked = True
+        victim.parked, victim.parked_at = True, time.perf_counter()
         self._waiting.appendleft(victim)
         self.stats.parked += 1
         if self.on_park is not None:
             self.on_park()
 
-    def _end_parked(self, row: _Row) -> None:
-        """A parked turn cancelled while it waited ends as its next step would have ended it, without the step."""
+    def _unpark(self, row: _Row) -> None:
         row.parked = False
-        if row.steps is not None:  # a speculative stream sees the cancel at its next step and ends itself there
-            self._active.append(row)
+        row.turn.resumed(time.perf_counter() - row.parked_at)
+
+    def _end_parked(self, row: _Row) -> None:
+        """A parked turn cancelled while it waited ends as its next step would have ended it, outside the batch
+        (its room went to another row): a plain row without a step, a speculative one in the send that sees the
+        cancel (in its decode, before any forward; in its prompt, after one more chunk)."""
+        self._unpark(row)
+        if row.steps is not None:
+            self._speculate(row, self.engine.prefill_chunk)
+            if not row.done:  # (it always ends there; should it not, it goes on as a row like any other)
+                self._active.append(row)
             return
         if row.stream.prefill_left == 0:
             row.stream.ended()  # sees the cancel: the finish reason is CANCELLED
@@ -321,7 +334,7 @@ class BatchScheduler:
 
     def _admit(self, row: _Row) -> None:
         if row.parked:  # back where it left off
-            row.parked = False
+            self._unpark(row)
             self._active.append(row)
             return
         if not row.future.set_running_or_notify_cancel():

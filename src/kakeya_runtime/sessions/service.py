@@ -804,6 +804,16 @@ class _Turn:
     queue_s: float = 0.0
     resume_s: float = 0.0
     history_at_start: int = 0
+    parked_before_first_s: float = 0.0  # parked for another key's turn (sessions.batch): before its first token
+    parked_after_first_s: float = 0.0  # ... and after it
+
+    def resumed(self, parked_s: float) -> None:
+        """Time parked is a wait for a row (queue_s), not prefill or decode time."""
+        result = None if self.stream is None else self.stream.result
+        if result is not None and result.decode_tokens > 0:
+            self.parked_after_first_s += parked_s
+        else:
+            self.parked_before_first_s += parked_s
 
     def begin(self) -> TokenStream | Generator[list[int], int | None, None] | None:
         """Prefill history[cached_length:] next, then decode; None when the turn already answered."""
@@ -861,7 +871,8 @@ class _Turn:
         assert stream is not None
         if stream.prefill_left > 0:  # cancelled between prefill chunks
             store.keep_prefilled(session)  # the chunks read stay cached; nothing was committed
-            self._done(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=self.queue_s, resume_s=self.resume_s),
+            waited = self.queue_s + self.parked_before_first_s
+            self._done(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=waited, resume_s=self.resume_s),
                                self.history_at_start))
             return
         stop_string = None
@@ -876,15 +887,17 @@ class _Turn:
             result.finish_reason = FinishReason.STOP
         n = result.decode_tokens
         spec = stream.stats if isinstance(stream, SpeculativeStream) else SpecStats()
+        before, after = self.parked_before_first_s, self.parked_after_first_s
+        decode_s = max(0.0, result.decode_s - after)
         stats = GenerateStats(
             prefill_tokens=result.prefill_tokens,
-            prefill_s=result.prefill_s,
-            decode_s=result.decode_s,
+            prefill_s=max(0.0, result.prefill_s - before),
+            decode_s=decode_s,
             decode_tokens=n,
-            decode_tokens_per_s=(n - 1) / result.decode_s if n > 1 and result.decode_s > 0 else 0.0,
-            queue_s=self.queue_s,
+            decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            queue_s=self.queue_s + before + after,
             resume_s=self.resume_s,
-            ttft_s=self.resume_s + result.ttft_s,
+            ttft_s=self.resume_s + max(0.0, result.ttft_s - before),
             effective_attention_fraction=eaf,
             sparse=_sparse_delta(session.sparse, sparse_before) if session.sparse else None,
             speculation="" if job.speculation is None else job.speculation.proposer,
