@@ -126,6 +126,8 @@ def test_a_torn_journal_tail_is_cut_and_nothing_acknowledged_is_lost(tmp_path: P
         assert list(client.session(sid).info(include_history=True).history_token_ids) == history
         client.session(sid).append([7])  # appends land after the cut, readable by the next recovery
     assert journal.read_bytes().startswith(good)
+    # a crash's cut and damage at the end look alike: the file was kept before anything was cut
+    assert (state / "sessions" / f"{sid}.journal.damaged").read_bytes() == good + records.tokens_record([1, 2, 3])[:-3]
     with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
         assert list(client.session(sid).info(include_history=True).history_token_ids) == history + [7]
 
@@ -330,6 +332,37 @@ def test_journals_damaged_on_disk_are_kept_aside_and_stray_snapshots_removed(tmp
     assert (sessions / f"{damaged}.journal.damaged").stat().st_mode & 0o777 == 0o600  # a journal's mode, not umask's
     assert (sessions / f"{headless}.journal.damaged").exists() and not headless_path.exists()
     assert not (sessions / "ses_gone.kv").exists() and not (sessions / f"{headless}.kv").exists()
+
+
+def test_strays_among_the_journals_are_set_aside_and_the_rest_recovered(tmp_path: Path):
+    """A FIFO named like a journal hung the start (its read blocked), and a directory, a dangling link or a copy of a
+    journal under another session's name refused it; a second damage to one session overwrote the copy the first
+    one kept. Each stray is now moved aside and every other session recovered; copies are never overwritten."""
+    import os
+
+    served = tiny_served()
+    state = tmp_path / "state"
+    with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+        sid, history = _drive(client, ("full", {}))
+    sessions = state / "sessions"
+    journal = sessions / f"{sid}.journal"
+    os.mkfifo(sessions / "ses_fifo.journal")
+    (sessions / "ses_dir.journal").mkdir()
+    (sessions / "ses_dangling.journal").symlink_to(sessions / "nowhere")
+    (sessions / "ses_backup.journal").write_bytes(journal.read_bytes())  # a copy under another name
+    good = journal.read_bytes()
+    for _ in range(2):  # the same session damaged at its end twice, restarting in between: its last record goes
+        journal.write_bytes(journal.read_bytes()[:-2])
+        with running_server(served, state_dir=str(state)) as thread, Client(thread.address) as client:
+            assert thread.server.recovery.sessions == 1
+            got = list(client.session(sid).info(include_history=True).history_token_ids)
+            assert got == history[: len(got)] and len(got) < len(history)
+            history = got
+    for name in ("ses_fifo", "ses_dir", "ses_dangling", "ses_backup"):
+        assert (sessions / f"{name}.journal.damaged").exists() or (sessions / f"{name}.journal.damaged").is_symlink()
+        assert not (sessions / f"{name}.journal").exists() and not (sessions / f"{name}.journal").is_symlink()
+    assert (sessions / f"{sid}.journal.damaged").read_bytes() == good[:-2]
+    assert (sessions / f"{sid}.journal.damaged.2").exists()  # the first copy kept
 
 
 def _with_kv(archive: bytes, edit) -> bytes:
@@ -607,3 +640,20 @@ def test_an_append_whose_flush_fails_is_undone_or_says_it_was_applied(tmp_path: 
         expected.append(10)
     with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
         assert list(client.session(s.id).info(include_history=True).history_token_ids) == expected
+
+
+def test_a_journal_removed_while_the_server_runs_refuses_writes(tmp_path: Path):
+    """Writes went on through the open descriptor of an unlinked journal, acknowledged and lost at the restart; now
+    the call is refused UNAVAILABLE and the session keeps what it had."""
+    from kakeya.errors import Unavailable
+
+    state = tmp_path / "state"
+    with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
+        s = client.create_session([5, 6, 7])
+        (state / "sessions" / f"{s.id}.journal").unlink()
+        with pytest.raises(Unavailable, match="removed from the state directory"):
+            s.append([8])
+        with pytest.raises(Unavailable, match="removed from the state directory"):
+            s.generate(max_tokens=3, ignore_eos=True).collect()
+        assert list(s.info(include_history=True).history_token_ids) == [5, 6, 7]
+        assert len(client.create_session([1]).generate(max_tokens=2, ignore_eos=True).collect()) == 2  # others go on

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import fcntl
 import json
 import logging
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -229,7 +231,7 @@ class StateDir:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
         except OSError as e:
-            raise JournalWriteError(e.errno, f"cannot create the journal of a new session: {e.strerror}") from None
+            raise JournalWriteError(e.errno, f"the new session's journal cannot be created ({e.strerror})") from None
         writer = _Writer(fd, 0)
         try:
             self._write(writer, records.MAGIC + body, sync=self.fsync is not FsyncPolicy.NEVER)
@@ -272,7 +274,7 @@ class StateDir:
             try:
                 os.fsync(writer.fd)
             except OSError as e:
-                raise JournalWriteError(e.errno, f"cannot flush the session's journal: {e.strerror}") from None
+                raise JournalWriteError(e.errno, f"flushing it failed ({e.strerror})") from None
 
     def ended(self, session_id: str) -> None:
         """The session is gone (closed, evicted or failed): its files go too, durably (the directory is synced, so a
@@ -323,7 +325,15 @@ class StateDir:
         snapshots without a journal are deleted."""
         found: list[RecoveredSession] = []
         for path in sorted(self.sessions_dir.glob("*.journal")):
-            session = self._recover_one(path)
+            if not stat.S_ISREG(path.lstat().st_mode):  # a directory, link or FIFO (reading one would block start-up)
+                _log.error("state dir: %s is not a regular file; not recovered, moved to %s", path.name,
+                           _set_aside(path, move=True).name)
+                continue
+            try:
+                session = self._recover_one(path)
+            except _NotThisSessions as e:  # (a copy under another name, an unreadable header): the others go on
+                _log.error("state dir: %s; not recovered, moved to %s", e, _set_aside(path, move=True).name)
+                continue
             if session is not None:
                 found.append(session)
         for tmp in self.sessions_dir.glob("*.tmp"):  # an interrupted snapshot write
@@ -355,15 +365,12 @@ class StateDir:
         except records.RecordError:
             parsed = None
         if parsed is None or not parsed.records or parsed.records[0].kind is not RecordKind.HEADER:
-            if parsed is not None and not parsed.records and parsed.torn_write:
-                _log.warning("state dir: %s has no whole header (a CreateSession that never answered); deleted",
-                             path.name)
-                path.unlink()
-            else:
-                _log.error("state dir: %s is damaged (%s); its session is not recovered, and the file is kept as "
-                           "%s.damaged", path.name, "bad magic" if parsed is None else parsed.problem or "no header",
-                           path.name)
-                path.rename(path.with_name(path.name + ".damaged"))
+            # (a header cut short by a crash is a create that never answered, but a damaged one looks the same:
+            # the file is kept either way)
+            problem = "bad magic" if parsed is None else parsed.problem or "no header"
+            _log.error("state dir: %s has no whole header (%s: a CreateSession a crash cut short, or damage); its "
+                       "session is not recovered, and the file is kept as %s", path.name, problem,
+                       _set_aside(path, move=True).name)
             return None
         if parsed.records[-1].kind is RecordKind.ENDED:  # closed where the file could not be deleted then
             _log.info("state dir: %s belongs to a session that was closed; deleted", path.name)
@@ -376,20 +383,21 @@ class StateDir:
             context = int(header["context_length"])
             history = [t for r in parsed.records[1:] if r.kind is RecordKind.TOKENS for t in r.tokens()]
         except (KeyError, TypeError, ValueError) as e:
-            raise StateDirError(f"{path}: unreadable journal header or records ({e})") from None
+            raise _NotThisSessions(f"{path.name} has an unreadable header or records ({e})") from None
         theirs, ours = compared_checkpoints(self.checkpoint, header.get("checkpoint"), str(header.get("model")))
         if theirs != ours:
             raise StateDirError(f"{path} belongs to the model {theirs!r}, not {ours!r}")
-        if path.name != f"{_safe_id(sid)}.journal":
-            raise StateDirError(f"{path} holds the journal of session {sid!r}")
-        if parsed.torn_bytes and parsed.torn_write:
-            _log.warning("state dir: %s ends with %s (%d bytes, never acknowledged); cut off", path.name,
-                         parsed.problem, parsed.torn_bytes)
+        if not isinstance(sid, str) or not sid or not set(sid) <= _ID_CHARS or path.name != f"{sid}.journal":
+            raise _NotThisSessions(f"{path.name} holds the journal of session {sid!r} (a copy under another name?)")
+        if parsed.torn_bytes and parsed.torn_write:  # a crash mid-write, or damage at the end after a clean stop:
+            # either way the file is kept before anything is cut
+            _log.warning("state dir: %s ends with %s (%d bytes: a write a crash cut short, or damage); cut off, the "
+                         "whole file kept as %s", path.name, parsed.problem, parsed.torn_bytes,
+                         _set_aside(path, move=False).name)
         elif parsed.torn_bytes:  # whole records after a bad one: damaged on disk, and some of it was acknowledged
-            shutil.copy2(path, path.with_name(path.name + ".damaged"))  # its mode too: it holds the conversation
             _log.error("state dir: %s has %s with whole records after it (damaged on disk); session %s is recovered "
-                       "up to it (%d bytes cut), and the whole file is kept as %s.damaged", path.name, parsed.problem,
-                       sid, parsed.torn_bytes, path.name)
+                       "up to it (%d bytes cut), and the whole file is kept as %s", path.name, parsed.problem,
+                       sid, parsed.torn_bytes, _set_aside(path, move=False).name)
         if parsed.torn_bytes:
             os.truncate(path, parsed.good_bytes)
         mtime = path.stat().st_mtime
@@ -423,6 +431,14 @@ class StateDir:
 
     @staticmethod
     def _write(writer: _Writer, data: bytes, *, sync: bool) -> None:
+        """(A JournalWriteError's message is the cause alone: the caller says which write failed.)"""
+        try:
+            removed = os.fstat(writer.fd).st_nlink == 0
+        except OSError:
+            removed = False  # the write below reports what is wrong
+        if removed:  # the file was removed (or its directory): what is written now would be lost at a restart
+            _log.error("state dir: a session's journal was removed while the server ran; its calls are refused")
+            raise JournalWriteError(errno.ENOENT, "it was removed from the state directory while the server ran")
         try:
             view = memoryview(data)
             while view:
@@ -432,8 +448,31 @@ class StateDir:
         except OSError as e:
             with contextlib.suppress(OSError):  # a partial record must not sit before the next good one
                 os.ftruncate(writer.fd, writer.size)
-            raise JournalWriteError(e.errno, f"cannot write the session's journal: {e.strerror}") from None
+            raise JournalWriteError(e.errno, e.strerror or str(e)) from None
         writer.size += len(data)
+
+
+class _NotThisSessions(Exception):
+    """A journal file that cannot be its session's (set aside; the other sessions are recovered)."""
+
+
+def _set_aside(path: Path, *, move: bool) -> Path:
+    """Keep `path` as <name>.damaged (.damaged.2, .3 ... when that exists: an earlier damage's copy is never
+    overwritten), moved or copied (mode and times too: it holds a conversation). Returns the new path."""
+    for n in range(1, 10_000):
+        target = path.with_name(path.name + ".damaged" + ("" if n == 1 else f".{n}"))
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # claims the name
+        except FileExistsError:
+            continue
+        os.close(fd)
+        if move:  # (a directory cannot replace the placeholder: the name is released, then taken)
+            os.unlink(target)
+            os.rename(path, target)
+        else:
+            shutil.copy2(path, target)
+        return target
+    raise StateDirError(f"{path}: too many damaged copies beside it")
 
 
 def _safe_id(session_id: str) -> str:
