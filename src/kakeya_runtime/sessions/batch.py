@@ -282,18 +282,22 @@ class BatchScheduler:
         return best
 
     def _park_for_fairness(self) -> None:
-        """Batch full, and the key running the most rows runs at least two more than a key whose turn waits: its
-        newest row leaves the batch (keeping its stream, cache and tokens) and waits first in line among its key's,
-        so the waiting key's turn takes the row now instead of after the busy key's turns end. One row per step, so
-        the batch evens out gradually; a parked row's tokens are those it would have produced in the batch (the
-        engine's rows do not depend on their neighbours). (Under the lock.)"""
-        if len(self._active) < self.max_batch or not self._waiting:
+        """Batch full, and the key running the most rows runs at least two more than a key whose turn waits (and was
+        not abandoned): its newest row leaves the batch (keeping its stream, cache and tokens) and waits at the head
+        of the queue, so the waiting key's turn takes the row now instead of after the busy key's turns end (the
+        parked row comes back when its key runs the fewest). One row per step, so the batch evens out gradually; a
+        parked row's tokens are those it would have produced in the batch (the engine's rows do not depend on their
+        neighbours). (Under the lock.)"""
+        if len(self._active) < self.max_batch:
+            return
+        waiting = [r.owner for r in self._waiting if not r.turn.cancelled()]
+        if not waiting:
             return
         rows: dict[str, int] = {}
         for row in self._active:
             rows[row.owner] = rows.get(row.owner, 0) + 1
         busiest = max(rows, key=rows.__getitem__)
-        if rows[busiest] - min(rows.get(r.owner, 0) for r in self._waiting) < 2:
+        if rows[busiest] - min(rows.get(owner, 0) for owner in waiting) < 2:
             return
         victim = next(r for r in reversed(self._active) if r.owner == busiest)
         self._active.remove(victim)
