@@ -205,8 +205,8 @@ def request_bytes_for(context_length: int) -> int:
 
 # Imports buffer their archive before reading it: all of them together hold at most this many of the largest
 # archive (~380 MB at SmolLM2's context); more answers RESOURCE_EXHAUSTED (16 at once once took 7 GB and kept it).
-IMPORT_BUFFER_FACTOR = 2
 # With API keys, one key's imports hold at most one largest archive: another key always has room for its own.
+IMPORT_BUFFER_FACTOR = 2
 IMPORT_STALL_S = 30.0  # an import that sends nothing this long is refused (it held its buffered bytes for ever)
 
 

@@ -320,9 +320,9 @@ class StateDir:
 
     def recover(self) -> list[RecoveredSession]:
         """Every journaled session, least recently written first; journals cut back to their last whole record
-        and reopened for appending. A journal whose header a crash cut short (a create that never answered) is
-        deleted; one damaged on disk is never destroyed: set aside whole as <file>.damaged (see _recover_one). KV
-        snapshots without a journal are deleted."""
+        and reopened for appending. Nothing is destroyed: a journal cut back, or not recovered (no whole header,
+        not a regular file, not its session's), is kept whole as <file>.damaged (.damaged.2 ...; see _set_aside).
+        KV snapshots without a journal are deleted."""
         found: list[RecoveredSession] = []
         for path in sorted(self.sessions_dir.glob("*.journal")):
             if not stat.S_ISREG(path.lstat().st_mode):  # a directory, link or FIFO (reading one would block start-up)
