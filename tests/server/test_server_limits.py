@@ -286,3 +286,39 @@ def test_a_failed_import_frees_its_archive_without_a_collection():
             gc.enable()
             channel.close()
         assert grown < 5 * piece, f"{grown / piece:.0f} MB left behind by three failed imports"
+
+
+def test_a_create_session_cancelled_by_its_caller_leaves_no_session_behind():
+    """A CreateSession cancelled while the server made the session left it behind (the server answered before it saw
+    the cancel, and the client dropped the answer): nobody knew its id, and it held a slot and the key's quota until
+    its TTL. The AsyncClient now lets such a call finish and closes what it made (the server closes one whose cancel
+    it does see). 30 creates, cancelled at various moments: nothing is left."""
+    import asyncio
+    import time
+
+    from kakeya import AsyncClient
+
+    with running_server(tiny_served(context=512)) as thread:
+        store = thread.server.service.store
+
+        async def main() -> int:
+            async with AsyncClient(thread.address) as client:
+                await client.model_info()
+                kept = 0
+                for k in range(30):
+                    task = asyncio.create_task(client.create_session([3 + i % 200 for i in range(400)]))
+                    await asyncio.sleep(0.0005 * (k % 6))
+                    task.cancel()
+                    try:
+                        await (await task).close()
+                    except asyncio.CancelledError:
+                        pass
+                    else:
+                        kept += 1
+                return kept
+
+        kept = asyncio.run(main())
+        deadline = time.monotonic() + 5
+        while len(store) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(store) == 0, f"{len(store)} sessions left behind by cancelled creates ({kept} got back and closed)"

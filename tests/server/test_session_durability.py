@@ -162,7 +162,7 @@ def test_export_import_moves_a_session_with_its_cache(tmp_path: Path, policy):
         untrusted = cb.import_session(archive, load_kv=False)  # its KV left out: recomputed from the history
         assert not untrusted.kv_loaded and untrusted.info().cached_length == 0
         assert _continue(cb, untrusted.id) == moved_next  # the same bits (turn by turn = one shot)
-        with pytest.raises(TypeError, match="load_kv"):
+        with pytest.raises(InvalidArgument, match="load_kv"):
             cb.import_session(archive, load_kv="no")
         assert metric_value(scrape_metrics(b), "kakeya_session_kv_restored_total", '{source="snapshot"}') == 1
 

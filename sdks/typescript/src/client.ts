@@ -8,7 +8,7 @@ import {
 import { readFileSync } from "node:fs";
 
 import * as cv from "./convert.js";
-import { FailedPrecondition, fromServiceError, InvalidArgument, SessionNotFound } from "./errors.js";
+import { Cancelled, FailedPrecondition, fromServiceError, InvalidArgument, SessionNotFound } from "./errors.js";
 import * as pb from "./rpc.js";
 import { Tokenizer } from "./tokenization.js";
 import type {
@@ -71,6 +71,8 @@ export class Client {
   private readonly apiKey: string | undefined;
   private cachedModelInfo: ModelInfo | undefined;
   private isClosed = false;
+  /** @internal Generations whose stream is open: close() stops them (grpc-js lets open calls run on). */
+  readonly live = new Set<Generation>();
 
   constructor(address = "127.0.0.1:50051", options: ClientOptions = {}) {
     cv.checkOptions(options, CLIENT_OPTIONS, "Client");
@@ -100,7 +102,12 @@ export class Client {
   }
 
   /** @internal */
-  unary<Res>(start: StartUnary<Res>, signal?: AbortSignal): Promise<Res> {
+  /**
+   * `madeSession`: the call makes a session (its id in the answer). Aborted, such a call is not cancelled: the
+   * server may have made the session already, and nobody would learn its id. The promise rejects at once and the
+   * session the call makes is closed when it answers.
+   */
+  unary<Res>(start: StartUnary<Res>, signal?: AbortSignal, madeSession?: (response: Res) => string): Promise<Res> {
     return new Promise<Res>((resolve, reject) => {
       if (signal?.aborted) {
         reject(signal.reason);
@@ -108,14 +115,34 @@ export class Client {
       }
       const options: CallOptions = this.timeoutMs === undefined ? {} : { deadline: Date.now() + this.timeoutMs };
       let call: ClientUnaryCall | undefined;
-      const onAbort = () => call?.cancel();
+      let abandoned = false;
+      const onAbort = () => {
+        if (madeSession === undefined) {
+          call?.cancel();
+          setImmediate(() => call?.cancel()); // grpc-js 1.14 still sends a call cancelled in the tick it started
+        } else {
+          abandoned = true;
+          reject(signal?.reason);
+        }
+      };
       signal?.addEventListener("abort", onAbort, { once: true });
       call = start(this.metadata(), options, (error, response) => {
         signal?.removeEventListener("abort", onAbort);
-        if (error) reject(signal?.aborted && error.code === status.CANCELLED ? signal.reason : fromServiceError(error));
-        else resolve(response as Res);
+        if (abandoned) {
+          if (!error && response !== undefined) this.closeQuietly(madeSession!(response as Res));
+        } else if (error) {
+          reject(signal?.aborted && error.code === status.CANCELLED ? signal.reason : fromServiceError(error));
+        } else {
+          resolve(response as Res);
+        }
       });
     });
+  }
+
+  private closeQuietly(sessionId: string): void {
+    const md = new Metadata();
+    if (this.apiKey) md.set("authorization", `Bearer ${this.apiKey}`);
+    this.stub.closeSession({ sessionId }, md, {}, () => undefined);
   }
 
   /** Vocab, EOS/BOS, context length, tokenizer.json and chat template (cached after the first call). */
@@ -148,7 +175,7 @@ export class Client {
       speculation: cv.speculationToPb(options.speculation),
     };
     const r = await this.unary<pb.CreateSessionResponse>((md, o, cb) => this.stub.createSession(request, md, o, cb),
-      options.signal);
+      options.signal, (made) => made.sessionId);
     return new Session(this, r.sessionId, { historyLength: r.historyLength, policy: cv.policyFromPb(r.policy) });
   }
 
@@ -178,14 +205,16 @@ export class Client {
       }
       call.end();
       return call as unknown as ClientUnaryCall;
-    }, options.signal);
+    }, options.signal, (made) => made.sessionId);
     const session = new Session(this, r.sessionId, { historyLength: r.historyLength, policy: cv.policyFromPb(r.policy) });
     session.kvLoaded = r.kvLoaded;
     return session;
   }
 
+  /** Closes the connection; open Generate streams stop (the server's work too) and reject with Cancelled. */
   close(): void {
     this.isClosed = true;
+    for (const generation of [...this.live]) generation.stopForClose();
     this.stub.close();
   }
 }
@@ -254,7 +283,10 @@ export class Session {
     if (options.signal?.aborted) throw options.signal.reason; // as every other call: nothing is sent
     const call = this.client.stub.exportSession({ sessionId: this.id, includeKv },
       this.client.metadata());
-    const onAbort = () => call.cancel();
+    const onAbort = () => {
+      call.cancel();
+      setImmediate(() => call.cancel()); // (grpc-js 1.14: see Generation.cancel)
+    };
     options.signal?.addEventListener("abort", onAbort, { once: true });
     const parts: Buffer[] = [];
     try {
@@ -307,6 +339,7 @@ export class Generation implements AsyncIterable<number> {
   private wake: (() => void) | undefined;
   private iterated = false;
   private cancelled = false;
+  private closedClient = false;
   private readonly onAbort = () => this.cancel();
 
   /** @internal `start` opens the RPC (not at all when `signal` is already aborted). */
@@ -324,11 +357,17 @@ export class Generation implements AsyncIterable<number> {
     }
     const call = start();
     this.call = call;
+    const client = session.client;
+    const ended = () => {  // the stream is over: nothing left to stop (a never-iterated one leaves no listener)
+      client.live.delete(this);
+      signal?.removeEventListener("abort", this.onAbort);
+    };
     // Listen from the start: grpc-js emits 'error' whether or not anyone listens (an unheard one would crash the
     // process), and a failure before iteration must still reach the caller.
     call.on("data", (message: pb.GenerateResponse) => push({ kind: "message", message }));
-    call.on("error", (error: unknown) => push({ kind: "error", error }));
-    call.on("end", () => push({ kind: "end" }));
+    call.on("error", (error: unknown) => { ended(); push({ kind: "error", error }); });
+    call.on("end", () => { ended(); push({ kind: "end" }); });
+    client.live.add(this);
     signal?.addEventListener("abort", this.onAbort, { once: true });
   }
 
@@ -371,6 +410,7 @@ export class Generation implements AsyncIterable<number> {
         if (event.kind === "end") return;
         if (event.kind === "error") {
           if (this.signal?.aborted) throw this.signal.reason;
+          if (this.closedClient) throw new Cancelled("the client was closed during the generation");
           if (this.cancelled && isServiceError(event.error) && event.error.code === status.CANCELLED) return;
           throw isServiceError(event.error) ? fromServiceError(event.error) : event.error;
         }
@@ -405,6 +445,17 @@ export class Generation implements AsyncIterable<number> {
     if (this.result === undefined && !this.cancelled) {
       this.cancelled = true;
       this.call?.cancel();
+      // grpc-js 1.14 still sends a call cancelled in the tick it started (its metadata callback does not check that
+      // the call ended): the server then generated every token. Cancelled again once that tick is over, it stops.
+      setImmediate(() => this.call?.cancel());
+    }
+  }
+
+  /** @internal The client closed: stop, and fail the stream with Cancelled (as the Python SDK does). */
+  stopForClose(): void {
+    if (this.result === undefined) {
+      this.closedClient = true;
+      this.cancel();
     }
   }
 }

@@ -328,6 +328,59 @@ describe("cancellation", () => {
     assert.deepEqual(info.historyTokenIds!.slice(3, 3 + got.length), got);
     await s.close();
   });
+
+  it("cancel() in the tick generate() started stops the server (grpc-js sent the call anyway)", async () => {
+    const s = await client.createSession({ initialTokens: [50, 51] });
+    const gen = s.generate({ maxTokens: 150, ignoreEos: true });
+    gen.cancel();
+    assert.deepEqual(await gen.collect(), []);
+    await new Promise((resolve) => setTimeout(resolve, 300)); // 30 steps' time, were it generating
+    const info = await s.info();
+    assert.ok(info.historyLength <= 3 && !info.generating, `history ${info.historyLength}`);
+    await s.close();
+  });
+
+  it("an aborted createSession leaves no session behind", async () => {
+    // The server may have made the session when the abort comes; the call was cancelled and nobody learnt the id:
+    // orphans held the key's quota (here 3 sessions) and evicted its real, idle session. Now each is closed.
+    const small = await startTinyServer({ maxSessions: 3 });
+    const c = new Client(small.address);
+    try {
+      const kept = await c.createSession({ initialTokens: [1, 2] });
+      for (let i = 0; i < 6; i++) {
+        const controller = new AbortController();
+        const made = c.createSession({ initialTokens: [1, 2, 3], signal: controller.signal });
+        controller.abort(new Error("changed my mind"));
+        const error = await made.then(() => undefined, (e: unknown) => e);
+        assert.ok(error instanceof Error && error.message === "changed my mind");
+        await new Promise((resolve) => setTimeout(resolve, 150)); // its answer came, its session was closed
+      }
+      assert.equal((await kept.info()).historyLength, 2); // not evicted by orphans
+    } finally {
+      c.close();
+      await small.stop();
+    }
+  });
+
+  it("closing the client stops its open streams, which reject Cancelled", async () => {
+    const c = new Client(server.address, { apiKey: KEY });
+    const s = await c.createSession({ initialTokens: [60, 61] });
+    const reader = client.session(s.id);
+    const gen = s.generate({ maxTokens: 300, ignoreEos: true });
+    const got: number[] = [];
+    const failure = (async () => {
+      for await (const t of gen) {
+        got.push(t);
+        if (got.length === 2) c.close();
+      }
+    })().then(() => undefined, (e: unknown) => e);
+    const error = await failure;
+    assert.ok(error instanceof KakeyaError && error.constructor.name === "Cancelled", String(error));
+    await new Promise((resolve) => setTimeout(resolve, 300));
+    const info = await reader.info();
+    assert.ok(info.historyLength < 2 + 300 && !info.generating, `history ${info.historyLength}`);
+    await reader.close();
+  });
 });
 
 describe("API keys", () => {

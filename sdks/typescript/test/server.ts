@@ -55,9 +55,10 @@ export async function startServer(args: string[], timeoutMs = 180_000): Promise<
 
 /** The tiny random llama (vocab 259: ChatML specials + bytes, context 512, EOS 2). */
 export function startTinyServer(
-  options: { apiKeys?: string[]; stepDelayS?: number; tlsDir?: string } = {},
+  options: { apiKeys?: string[]; stepDelayS?: number; tlsDir?: string; maxSessions?: number } = {},
 ): Promise<RunningServer> {
   const args = ["-m", "kakeya_runtime.server.testing_serve"];
+  if (options.maxSessions) args.push("--max-sessions", String(options.maxSessions));
   for (const key of options.apiKeys ?? []) args.push("--api-key", key);
   if (options.stepDelayS) args.push("--step-delay", String(options.stepDelayS));
   if (options.tlsDir) args.push("--tls-dir", options.tlsDir); // a self-signed certificate in tlsDir/server.crt

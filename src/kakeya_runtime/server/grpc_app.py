@@ -253,6 +253,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         self.max_import_bytes = 4 * service.context_length + 2 * service.kv_reserve(full) + REQUEST_HEADROOM_BYTES
         self._import_bytes = 0  # what the imports in progress have buffered, all together
         self._import_bytes_by_key: dict[str, int] = {}  # ... and each API key's
+        self._closing: set[asyncio.Task] = set()  # sessions being closed for callers that cancelled their create
 
     async def _owner(self, context: grpc.aio.ServicerContext) -> str:
         owner = self.auth.owner(context.invocation_metadata())
@@ -263,13 +264,26 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     async def _unless_abandoned(self, context: grpc.aio.ServicerContext, owner: str, session_id: str) -> None:
         """A session made for a caller whose deadline passed (or who cancelled) meanwhile is closed again: the
         caller is told the call failed and never learns the id, so the session would only hold a slot (and the
-        key's quota, evicting its real sessions) until its idle TTL."""
+        key's quota, evicting its real sessions) until its idle TTL. A cancel the server has not seen yet (the
+        create never yielded to the loop) or that comes before the answer leaves is caught when the call ends."""
+        context.add_done_callback(lambda ctx: self._close_if_cancelled(ctx, owner, session_id))
         left = context.time_remaining()
         if context.cancelled() or (left is not None and left <= 0):
             with contextlib.suppress(SessionError):
                 await self.service.close(owner, session_id)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "the call's deadline passed while the session was made; it was closed again")
+
+    def _close_if_cancelled(self, context: grpc.aio.ServicerContext, owner: str, session_id: str) -> None:
+        if not context.cancelled():
+            return
+        task = asyncio.get_running_loop().create_task(self._close_quietly(owner, session_id))
+        self._closing.add(task)  # (held until done: the loop keeps only weak references to tasks)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_quietly(self, owner: str, session_id: str) -> None:
+        with contextlib.suppress(SessionError):  # (closed already: the deadline path above, or the client)
+            await self.service.close(owner, session_id)
 
     # SessionErrors raised here become their typed statuses at the StatusBoundary interceptor. Token id lists
     # go to the service as protobuf containers: it checks their length against the context before copying.

@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", action="append", default=[], help="Accepted bearer key (repeatable).")
     parser.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
                         help="Every forward takes at least this long (makes cancellation observable).")
+    parser.add_argument("--max-sessions", type=int, default=64, help="Sessions the server holds at most.")
     parser.add_argument("--tls-dir", metavar="DIR",
                         help="Serve TLS only, with a fresh self-signed certificate written to DIR/server.crt.")
     args = parser.parse_args(argv)
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.tls_dir:
         cert, key = self_signed_cert(Path(args.tls_dir))
         tls = {"tls_cert": str(cert), "tls_key": str(key)}
-    with running_server(served, api_keys=tuple(args.api_key), metrics_port=None, **tls) as thread:
+    with running_server(served, api_keys=tuple(args.api_key), metrics_port=None, max_sessions=args.max_sessions,
+                        **tls) as thread:
         print(thread.address, flush=True)
         sys.stdin.read()
 

@@ -249,8 +249,7 @@ def archive_bytes(archive: bytes | str | os.PathLike[str]) -> bytes:
 
 def archive_chunks(data: bytes, load_kv: bool = True) -> Iterator[pb.ImportSessionRequest]:
     """The ImportSession request stream (`load_kv` checked now, before any call)."""
-    if not isinstance(load_kv, bool):
-        raise TypeError(f"load_kv must be True or False, got {load_kv!r}")
+    flag(load_kv, "load_kv")
     return (pb.ImportSessionRequest(data=data[at : at + ARCHIVE_CHUNK_BYTES], ignore_kv=not load_kv)
             for at in range(0, max(len(data), 1), ARCHIVE_CHUNK_BYTES))
 

@@ -42,12 +42,34 @@ class AsyncClient(ChannelOwner):
         self._stub = pb_grpc.RuntimeServiceStub(self._channel)
         self._model_info: ModelInfo | None = None
         self._closed = False
+        self._orphans: set[asyncio.Future] = set()  # creates whose caller cancelled, until their session is closed
 
     async def _unary(self, method: Any, request: Any) -> Any:
         try:
             return await method(request, metadata=self._metadata, timeout=self.timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+
+    async def _making_session(self, call: Coroutine[Any, Any, Any]) -> Any:
+        """A call that makes a session, its id in the answer. Cancelled by its caller, it is not cancelled itself: the
+        server may have made the session already, and nobody would learn its id (it would hold the key's quota, and
+        evict its real sessions, until its TTL). It finishes in the background and the session it made is closed."""
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._orphans.add(task)
+            task.add_done_callback(self._close_orphan)
+            raise
+
+    def _close_orphan(self, task: asyncio.Future) -> None:
+        self._orphans.discard(task)
+        if task.cancelled() or task.exception() is not None or self._closed:
+            return
+        closing = asyncio.ensure_future(self._unary(self.stub.CloseSession,
+                                                    pb.CloseSessionRequest(session_id=task.result().session_id)))
+        self._orphans.add(closing)
+        closing.add_done_callback(lambda t: (self._orphans.discard(t), t.cancelled() or t.exception()))
 
     async def model_info(self, *, refresh: bool = False) -> ModelInfo:
         if self._model_info is None or refresh:
@@ -69,7 +91,7 @@ class AsyncClient(ChannelOwner):
         return SessionCreation(self, request)
 
     async def _create_session(self, request: Any) -> AsyncSession:
-        resp = await self._unary(self.stub.CreateSession, request)
+        resp = await self._making_session(self._unary(self.stub.CreateSession, request))
         return AsyncSession(self, resp.session_id, history_length=resp.history_length,
                             policy=cv.policy_from_pb(resp.policy))
 
@@ -80,10 +102,7 @@ class AsyncClient(ChannelOwner):
         """As `Client.import_session`."""
         data = cv.archive_bytes(archive)
         chunks = cv.archive_chunks(data, load_kv)
-        try:
-            resp = await self.stub.ImportSession(chunks, metadata=self._metadata, timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        resp = await self._making_session(self._unary(self.stub.ImportSession, chunks))
         session = AsyncSession(self, resp.session_id, history_length=resp.history_length,
                                policy=cv.policy_from_pb(resp.policy))
         session.kv_loaded = resp.kv_loaded
