@@ -528,6 +528,21 @@ def test_connections_that_never_finish_a_request_are_closed(monkeypatch, caplog)
             with contextlib.suppress(ConnectionResetError):  # closed by the server (a reset says so too)
                 assert s.recv(1) == b"", name
             s.close()
+        def request(max_tokens: int) -> bytes:
+            body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": max_tokens, "temperature": 0}).encode()
+            return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+        # two requests in one write (pipelined): the second, read whole with the first, was taken for unread when the
+        # first was answered and cut off READ_S later, its answer still being generated
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.settimeout(30)
+            s.sendall(request(2) + request(20))
+            got = b""
+            while got.count(b"HTTP/1.1 200") < 2 or not got.endswith(b"}"):
+                chunk = s.recv(65536)
+                assert chunk, f"closed after {got.count(b'HTTP/1.1 200')} answer(s)"
+                got += chunk
         t0 = time.monotonic()  # a whole request is answered, though its answer takes longer than READ_S
         reply = _client(thread).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=20, temperature=0)
         assert reply.usage.completion_tokens >= 12 and time.monotonic() - t0 > 0.5, reply.usage

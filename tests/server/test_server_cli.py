@@ -28,7 +28,9 @@ def test_serve_rejects_unknown_dtype():
 
 def test_serve_rejects_bad_idle_compression_settings_before_loading():
     for args, message in ((["--idle-codec", "zip"], "idle_codec"), (["--idle-compress-after", "0"], "idle_compress"),
-                          (["--idle-codec", "d4", "--idle-q", "1000000"], "q=")):
+                          (["--idle-codec", "d4", "--idle-q", "1000000"], "q="),
+                          # an --idle-q the codec does not use was dropped without a word
+                          (["--idle-codec", "identity", "--idle-q", "20"], "takes none")):
         result = CliRunner().invoke(_app(), ["serve", "--model", "does-not-matter", *args])
         assert result.exit_code == 2 and message in result.output, (args, result.output)
 

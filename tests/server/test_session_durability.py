@@ -657,3 +657,41 @@ def test_a_journal_removed_while_the_server_runs_refuses_writes(tmp_path: Path):
             s.generate(max_tokens=3, ignore_eos=True).collect()
         assert list(s.info(include_history=True).history_token_ids) == [5, 6, 7]
         assert len(client.create_session([1]).generate(max_tokens=2, ignore_eos=True).collect()) == 2  # others go on
+
+
+def _as_written_before_2026_12_01(path: Path) -> None:
+    """Rewrite a journal's header as Kakeya wrote an int8 session's policy until 2026-12-01: with "q": 38."""
+    parsed = records.parse(path.read_bytes())
+    out = records.MAGIC
+    for r in parsed.records:
+        if r.kind is records.RecordKind.HEADER:
+            header = r.json()
+            header["policy"]["params"]["q"] = 38
+            out += records.header_record(header)
+        else:
+            out += records.encode(r.kind, r.payload)
+    path.write_bytes(out)
+
+
+def test_sessions_stored_with_a_q_their_codec_ignores_still_come_back(tmp_path: Path):
+    """Until 2026-12-01 a journal or an archive held "q" beside an int8 codec; a request with one is now refused,
+    and so was the restart of a state dir holding one (no setting could start it) and the import of such an
+    archive. Stored policies drop what their codec does not use."""
+    from kakeya import KvPolicy
+
+    state = tmp_path / "state"
+    policy = KvPolicy("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2, "codec": "int8"})
+    with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
+        s = client.create_session([5, 6, 7], policy=policy)
+        s.generate(max_tokens=3, ignore_eos=True).collect()
+        sid = s.id
+    _as_written_before_2026_12_01(state / "sessions" / f"{sid}.journal")
+    with running_server(tiny_served(), state_dir=str(state)) as thread, Client(thread.address) as client:
+        restored = client.session(sid)
+        assert restored.info().policy.params["codec"] == "int8" and "q" not in restored.info().policy.params
+        archive = restored.export()
+    old = arc.decode(archive)
+    stale = arc.encode(old.model, old.policy_name, {**old.policy_params, "q": 38}, old.context_length, old.history,
+                       old.kv, old.settings, checkpoint=old.checkpoint)
+    with running_server(tiny_served()) as thread, Client(thread.address) as client:
+        assert client.import_session(stale).info().policy.params["codec"] == "int8"

@@ -98,3 +98,21 @@ def test_stop_token_finishes_with_stop():
         await svc.shutdown()
 
     run(main())
+
+
+def test_a_parked_turns_pause_is_filed_where_its_clock_was_running():
+    """Parked before its prompt's first chunk, a turn's prefill clock has not started: the pause is queue time alone
+    (it was also taken off a prefill and ttft that never held it). Parked while its prompt is read, it comes off
+    prefill and ttft; after its first token, off decode."""
+    from types import SimpleNamespace
+
+    from kakeya_runtime.sessions.service import _Turn
+
+    turn = _Turn(None, None)  # type: ignore[arg-type]
+    turn.stream = SimpleNamespace(result=None)  # admitted, no chunk read yet
+    turn.resumed(1.0)
+    turn.stream = SimpleNamespace(result=SimpleNamespace(decode_tokens=0))  # reading its prompt
+    turn.resumed(2.0)
+    turn.stream = SimpleNamespace(result=SimpleNamespace(decode_tokens=3))  # decoding
+    turn.resumed(4.0)
+    assert (turn.parked_unread_s, turn.parked_before_first_s, turn.parked_after_first_s) == (1.0, 2.0, 4.0)

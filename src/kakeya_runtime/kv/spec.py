@@ -31,6 +31,17 @@ class PolicyError(ValueError):
     """An unknown KV policy or invalid policy parameters (maps to INVALID_ARGUMENT)."""
 
 
+def stored_params(params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A policy's params as an earlier Kakeya stored them (a journal, an archive): until 2026-12-01 it wrote q and
+    idle_q beside int8 too, which a request is now refused for; what a codec does not use is dropped here."""
+    out = dict(params or {})
+    if "q" in out and str(out.get("codec", "")).strip().lower() in ("identity", "int8"):
+        del out["q"]
+    if "idle_q" in out and str(out.get("idle_codec", "")).strip().lower() in ("identity", "int8"):
+        del out["idle_q"]
+    return out
+
+
 def _refuse_unused_q(given: Mapping[str, Any], key: str, codec_key: str, kind: str) -> None:
     """A range for a codec that takes none would be silently dropped: refuse it instead."""
     if key in given and kind in ("identity", "int8"):

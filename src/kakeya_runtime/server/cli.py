@@ -104,7 +104,7 @@ def serve(
         help="Idle-compression codec for sessions that name none: identity, d4, e8, int8 (or none: only those that "
         "do).",
     ),
-    idle_q: int = typer.Option(38, "--idle-q", help="Lattice range of the d4/e8 idle codec."),
+    idle_q: int | None = typer.Option(None, "--idle-q", help="Lattice range of the d4/e8 idle codec (default 38)."),
     state_dir: str | None = typer.Option(
         None, "--state-dir", metavar="DIR",
         help="Keep sessions across restarts and crashes: each session's token history is journaled here before a "
@@ -124,6 +124,7 @@ def serve(
     ),
 ) -> None:
     """Serve a model over gRPC (kakeya.v1) with server-owned sessions."""
+    from kakeya_runtime.kv.spec import DEFAULT_Q, LATTICE_KINDS
     from kakeya_runtime.server.grpc_app import RuntimeServer, ServedModel, ServerConfig
     from kakeya_runtime.sessions.policy import parse_codec
 
@@ -138,7 +139,8 @@ def serve(
                           api_keys=tuple(api_key), max_sessions=max_sessions, idle_ttl_s=ttl,
                           max_concurrent=max_concurrent, step_tokens=step_tokens, short_prompt=short_prompt,
                           context_length=context,
-                          idle_compress_after_s=idle_compress_after, idle_codec=idle_codec, idle_q=idle_q,
+                          idle_compress_after_s=idle_compress_after, idle_codec=idle_codec,
+                          idle_q=DEFAULT_Q if idle_q is None else idle_q,
                           max_request_bytes=max_request_bytes, openai_port=openai_port,
                           openai_max_queue=openai_max_queue, max_sessions_per_key=max_sessions_per_key,
                           kv_budget=budget, kv_budget_per_key=budget_per_key, evict_across_keys=evict_across_keys,
@@ -146,7 +148,10 @@ def serve(
                           metrics_key=metrics_key, state_dir=state_dir, fsync=fsync)
     try:
         config.validate()  # before the (slow) model load: a refused bind should fail at once
-        parse_codec(idle_codec, idle_q)  # the model-independent checks (head_dim is checked once loaded)
+        parse_codec(idle_codec, config.idle_q)  # the model-independent checks (head_dim is checked once loaded)
+        if idle_q is not None and str(idle_codec).lower() not in LATTICE_KINDS:  # it would change nothing
+            raise ValueError(f"--idle-q sets the range of a lattice --idle-codec ({', '.join(LATTICE_KINDS)}); "
+                             f"--idle-codec {idle_codec} takes none")
     except ValueError as e:  # InsecureBindError included
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None

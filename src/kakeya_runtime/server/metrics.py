@@ -417,11 +417,13 @@ class _MetricsHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self._cut = False
         self._deadline = threading.Timer(METRICS_READ_S, self._too_slow)
         self._deadline.daemon = True
         self._deadline.start()
 
     def _too_slow(self) -> None:
+        self._cut = True  # (the headers' read ends at the cut as if they were whole: nobody to answer)
         with contextlib.suppress(OSError):  # the blocked read sees the end of the stream and the handler ends
             self.connection.shutdown(socket.SHUT_RDWR)
 
@@ -437,6 +439,9 @@ class _MetricsHandler(BaseHTTPRequestHandler):
 
     def _answer(self, *, body: bool) -> None:
         self._deadline.cancel()  # the request is read: the answer may take its time
+        if self._cut:
+            self.close_connection = True
+            return
         if self.path.split("?", 1)[0] != "/metrics":
             self._send(404, b"not found: metrics are served at /metrics\n", "text/plain; charset=utf-8", body)
         elif self.key is not None and not _bearer_ok(self.headers.get("authorization", ""), self.key):

@@ -44,7 +44,7 @@ from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_comp
 from kakeya_runtime.kv.lattice import CodecRangeError
 from kakeya_runtime.kv.sink_window import PositionLimitError
 from kakeya_runtime.kv.sparse import SparseKV
-from kakeya_runtime.kv.spec import DEFAULT_Q
+from kakeya_runtime.kv.spec import DEFAULT_Q, stored_params
 from kakeya_runtime.sessions import archive, snapshot
 from kakeya_runtime.sessions.batch import (
     DEFAULT_MAX_BATCH,
@@ -374,7 +374,8 @@ class SessionService:
         for r in found:
             try:
                 self._check_tokens(r.history, "the journal's history")  # a journal of another vocabulary
-                spec = self.policies.resolve(r.policy_name, r.policy_params, self.engine.config, r.context_length)
+                spec = self.policies.resolve(r.policy_name, stored_params(r.policy_params), self.engine.config,
+                                             r.context_length)
                 speculation = r.settings.get("speculation")
                 default = None if speculation is None else parse_speculation(*speculation)
                 self.store.adopt(r.id, r.owner, spec, r.context_length, r.history, reserve_bytes=self.kv_reserve(spec),
@@ -569,7 +570,7 @@ class SessionService:
                 snapshot.check_header(arc.kv, arc.history, self.model_id, self.engine.config.num_hidden_layers)
             except snapshot.SnapshotError as e:
                 raise InvalidArgument(f"ImportSession: {e}") from None
-        session = await self.create(owner, arc.history, arc.policy_name, arc.policy_params,
+        session = await self.create(owner, arc.history, arc.policy_name, stored_params(arc.policy_params),
                                     speculation=None if speculation is None else tuple(speculation))
         if arc.kv is None:
             return session, False
@@ -804,16 +805,20 @@ class _Turn:
     queue_s: float = 0.0
     resume_s: float = 0.0
     history_at_start: int = 0
-    parked_before_first_s: float = 0.0  # parked for another key's turn (sessions.batch): before its first token
-    parked_after_first_s: float = 0.0  # ... and after it
+    parked_unread_s: float = 0.0  # parked for another key's turn (sessions.batch) before its prompt's first chunk
+    parked_before_first_s: float = 0.0  # ... while its prompt was read (inside prefill_s and ttft_s)
+    parked_after_first_s: float = 0.0  # ... after its first token (inside decode_s)
 
     def resumed(self, parked_s: float) -> None:
         """Time parked is a wait for a row (queue_s), not prefill or decode time."""
-        result = None if self.stream is None else self.stream.result
+        stream = self.stream
+        result = None if stream is None else stream.result
         if result is not None and result.decode_tokens > 0:
             self.parked_after_first_s += parked_s
-        else:
+        elif result is not None or isinstance(stream, SpeculativeStream):  # (a speculative row parks once begun)
             self.parked_before_first_s += parked_s
+        else:  # no chunk read yet: its prefill clock has not started
+            self.parked_unread_s += parked_s
 
     def begin(self) -> TokenStream | Generator[list[int], int | None, None] | None:
         """Prefill history[cached_length:] next, then decode; None when the turn already answered."""
@@ -871,7 +876,7 @@ class _Turn:
         assert stream is not None
         if stream.prefill_left > 0:  # cancelled between prefill chunks
             store.keep_prefilled(session)  # the chunks read stay cached; nothing was committed
-            waited = self.queue_s + self.parked_before_first_s
+            waited = self.queue_s + self.parked_unread_s + self.parked_before_first_s
             self._done(DoneEvent(FinishReason.CANCELLED, GenerateStats(queue_s=waited, resume_s=self.resume_s),
                                self.history_at_start))
             return
@@ -895,7 +900,7 @@ class _Turn:
             decode_s=decode_s,
             decode_tokens=n,
             decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
-            queue_s=self.queue_s + before + after,
+            queue_s=self.queue_s + self.parked_unread_s + before + after,
             resume_s=self.resume_s,
             ttft_s=self.resume_s + max(0.0, result.ttft_s - before),
             effective_attention_fraction=eaf,

@@ -149,8 +149,7 @@ class OpenAIShim:
         sock = socket.create_server((host.strip("[]"), port), family=family)
         ssl = {} if tls is None else {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]}
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                http=transport.BoundedH11Protocol, limit_concurrency=transport.MAX_CONNECTIONS,
-                                ws="none", timeout_graceful_shutdown=grace_s, **ssl)
+                                http=transport.BoundedH11Protocol, ws="none", timeout_graceful_shutdown=grace_s, **ssl)
         self.scheme = "http" if tls is None else "https"
         self._grace_s = grace_s
         self._server = _Server(config)

@@ -4,7 +4,8 @@ uvicorn closes a connection idle between requests (its keep-alive timeout) but n
 sends its headers a line at a time, or stops in the middle of its body: each such connection was held for ever, and
 enough of them ran the process out of file descriptors. Here a request must arrive whole (headers and body) within
 READ_S of its connection opening or of the previous response ending; past that the connection is closed. A request
-read whole is never cut, however long its answer takes (a generation).
+read whole is never cut, however long its answer takes (a generation). (No cap on connections: uvicorn's counts
+connections that sent nothing, so a few hundred idle sockets would turn every real request away.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 READ_S = 10.0
-MAX_CONNECTIONS = 256  # connections and requests at once; past that uvicorn answers 503 (the engine queue is smaller)
 
 
 class BoundedH11Protocol(H11Protocol):
@@ -26,8 +26,9 @@ class BoundedH11Protocol(H11Protocol):
         self._arm(None)
 
     def on_response_complete(self) -> None:
+        answered = self.cycle  # (before super(): it starts a pipelined request's cycle at once)
         super().on_response_complete()
-        self._arm(self.cycle)
+        self._arm(answered)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._read_deadline is not None:
