@@ -187,3 +187,21 @@ def test_lattice_resident_holds_codes_of_the_exact_kv(tiny_llama):
         with torch.inference_mode():
             unstaged = tiny_llama(torch.tensor([[tok]]), pos, direct).logits
         torch.testing.assert_close(via_engine, unstaged, atol=1e-5, rtol=1e-5)
+
+
+def test_a_chunk_after_a_wrapped_ring_is_trimmed_back_reads_no_emptied_slot(tiny_llama):
+    """A ring that wrapped (its first slot re-used) and was trimmed back to at most its slots, as a speculative
+    verify's rollback does, handed a chunk every slot below its length, the emptied one (position -1) among them:
+    the kernel refused it ("negative key position") and the Generate failed. The chunk's logits equal a cache that
+    reached the same length without the detour."""
+    spec = PolicySpec.parse("sink_window", {"sink": 2, "window": 8, "spare": 4})  # 2 + 12 slots
+    eng = Engine(tiny_llama, prefill_chunk=16)
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(3))
+    cache = make_policy_cache(tiny_llama.config, spec, capacity=64)
+    eng.prefill(cache, ids[:, :15])  # one past the 14 slots: position 14 took slot 2
+    cache.trim(12)  # position 14's slot emptied; 12 <= 14 slots
+    got = eng.prefill(cache, ids[:, 12:17], logits=Logits.ALL).logits
+    ref = make_policy_cache(tiny_llama.config, spec, capacity=64)
+    eng.prefill(ref, ids[:, :12])
+    want = eng.prefill(ref, ids[:, 12:17], logits=Logits.ALL).logits
+    assert torch.equal(got, want)

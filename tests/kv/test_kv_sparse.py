@@ -397,3 +397,22 @@ def test_a_session_is_bound_to_the_head_profile_it_was_built_with(tiny_llama, tm
             check_head_profile(tiny_llama.config, PolicySpec.parse("sparse", params))
     with pytest.raises(PolicyError, match="12 hex digits"):
         PolicySpec.parse("sparse", {**params, "heads": "profile:xyz"})
+
+
+@pytest.mark.parametrize("step", ["decode", "chunk"])
+def test_a_step_after_a_wrapped_hot_ring_is_trimmed_back_reads_no_emptied_slot(tiny_llama, step):
+    """A hot ring that wrapped and was trimmed back to at most its slots (a speculative verify's rollback) handed a
+    step its first `length` slots, an emptied one (position -1) among them: the kernel refused it and the session
+    failed every later Generate. The step's logits equal a cache that reached the same length without the detour."""
+    spec = PolicySpec.parse("sparse", {**SMALL, "spare": 4})
+    eng = Engine(tiny_llama, prefill_chunk=16)
+    cache = make_policy_cache(tiny_llama.config, spec, capacity=64)
+    n = next(x for x in cache.layers if isinstance(x, SparseLayerKV)).hot_pos.shape[0]
+    ids = _ids(n + 8, seed=4)
+    eng.prefill(cache, ids[:, : n + 1])  # one past the ring: its first ring slot re-used
+    cache.trim(n - 2)
+    ref = make_policy_cache(tiny_llama.config, spec, capacity=64)
+    eng.prefill(ref, ids[:, : n - 2])
+    more = ids[:, n - 2 : n - 1] if step == "decode" else ids[:, n - 2 : n + 3]
+    got = eng.prefill(cache, more, logits=Logits.ALL).logits
+    assert torch.equal(got, eng.prefill(ref, more, logits=Logits.ALL).logits)

@@ -294,6 +294,7 @@ def test_a_create_session_cancelled_by_its_caller_leaves_no_session_behind():
     its TTL. The AsyncClient now lets such a call finish and closes what it made (the server closes one whose cancel
     it does see). 30 creates, cancelled at various moments: nothing is left."""
     import asyncio
+    import contextlib
     import time
 
     from kakeya import AsyncClient
@@ -317,7 +318,17 @@ def test_a_create_session_cancelled_by_its_caller_leaves_no_session_behind():
                         kept += 1
                 return kept
 
+        async def closing_at_once() -> None:  # the client closed right after the cancel: its channel went first
+            for k in range(8):
+                async with AsyncClient(thread.address) as client:
+                    task = asyncio.create_task(client.create_session([3 + i % 200 for i in range(400)]))
+                    await asyncio.sleep(0.0005 * (k % 4))
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await (await task).close()
+
         kept = asyncio.run(main())
+        asyncio.run(closing_at_once())
         deadline = time.monotonic() + 5
         while len(store) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -73,6 +73,9 @@ export class Client {
   private isClosed = false;
   /** @internal Generations whose stream is open: close() stops them (grpc-js lets open calls run on). */
   readonly live = new Set<Generation>();
+  /** Aborted calls that make a session, not answered yet: the channel stays open until their sessions are closed. */
+  private abandoned = 0;
+  private closeWhenAnswered = false;
 
   constructor(address = "127.0.0.1:50051", options: ClientOptions = {}) {
     cv.checkOptions(options, CLIENT_OPTIONS, "Client");
@@ -122,27 +125,38 @@ export class Client {
           setImmediate(() => call?.cancel()); // grpc-js 1.14 still sends a call cancelled in the tick it started
         } else {
           abandoned = true;
+          this.abandoned += 1;
           reject(signal?.reason);
         }
       };
-      signal?.addEventListener("abort", onAbort, { once: true });
       call = start(this.metadata(), options, (error, response) => {
         signal?.removeEventListener("abort", onAbort);
         if (abandoned) {
-          if (!error && response !== undefined) this.closeQuietly(madeSession!(response as Res));
+          if (!error && response !== undefined) this.closeQuietly(madeSession!(response as Res), () => this.answered());
+          else this.answered();
         } else if (error) {
           reject(signal?.aborted && error.code === status.CANCELLED ? signal.reason : fromServiceError(error));
         } else {
           resolve(response as Res);
         }
       });
+      signal?.addEventListener("abort", onAbort, { once: true }); // (after start: a closed client's throw leaves none)
     });
   }
 
-  private closeQuietly(sessionId: string): void {
+  private closeQuietly(sessionId: string, then: () => void): void {
     const md = new Metadata();
     if (this.apiKey) md.set("authorization", `Bearer ${this.apiKey}`);
-    this.stub.closeSession({ sessionId }, md, {}, () => undefined);
+    try {
+      this.stub.closeSession({ sessionId }, md, {}, () => then());
+    } catch {
+      then(); // the channel is gone: nothing more to do
+    }
+  }
+
+  private answered(): void {
+    this.abandoned -= 1;
+    if (this.abandoned === 0 && this.closeWhenAnswered) this.stub.close();
   }
 
   /** Vocab, EOS/BOS, context length, tokenizer.json and chat template (cached after the first call). */
@@ -215,7 +229,8 @@ export class Client {
   close(): void {
     this.isClosed = true;
     for (const generation of [...this.live]) generation.stopForClose();
-    this.stub.close();
+    if (this.abandoned > 0) this.closeWhenAnswered = true; // the channel closes once their sessions are closed
+    else this.stub.close();
   }
 }
 
@@ -453,7 +468,7 @@ export class Generation implements AsyncIterable<number> {
 
   /** @internal The client closed: stop, and fail the stream with Cancelled (as the Python SDK does). */
   stopForClose(): void {
-    if (this.result === undefined) {
+    if (this.result === undefined && !this.cancelled) { // (cancelled by its caller first: it ends quietly)
       this.closedClient = true;
       this.cancel();
     }

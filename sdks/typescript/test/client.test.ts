@@ -356,6 +356,18 @@ describe("cancellation", () => {
         await new Promise((resolve) => setTimeout(resolve, 150)); // its answer came, its session was closed
       }
       assert.equal((await kept.info()).historyLength, 2); // not evicted by orphans
+      // closed right after the abort: the channel stays until the create answered and its session was closed (it
+      // threw "Channel has been shut down" from the call's callback, crashing the process)
+      const other = new Client(small.address);
+      const controller = new AbortController();
+      const made = other.createSession({ initialTokens: [1, 2, 3], signal: controller.signal });
+      controller.abort(new Error("nah"));
+      await made.then(() => undefined, () => undefined);
+      other.close();
+      await new Promise((resolve) => setTimeout(resolve, 300));
+      const more = [await c.createSession(), await c.createSession()]; // the quota's other two: no orphan in the way
+      assert.equal((await kept.info()).historyLength, 2);
+      for (const s of more) await s.close();
     } finally {
       c.close();
       await small.stop();
@@ -376,6 +388,14 @@ describe("cancellation", () => {
     })().then(() => undefined, (e: unknown) => e);
     const error = await failure;
     assert.ok(error instanceof KakeyaError && error.constructor.name === "Cancelled", String(error));
+    // cancelled by its caller first, then the client closed: it ends quietly, as a cancel does
+    const c2 = new Client(server.address, { apiKey: KEY });
+    const s2 = await c2.createSession({ initialTokens: [62, 63] });
+    const gen2 = s2.generate({ maxTokens: 300, ignoreEos: true });
+    for await (const _ of gen2) {
+      gen2.cancel();
+      c2.close();
+    }
     await new Promise((resolve) => setTimeout(resolve, 300));
     const info = await reader.info();
     assert.ok(info.historyLength < 2 + 300 && !info.generating, `history ${info.historyLength}`);

@@ -116,9 +116,11 @@ class SinkWindowLayerKV:
         return torch.tensor(slots, device=self.store.slot_positions.device)
 
     def _held_slots(self) -> Tensor | slice:
-        """Every slot holding a position (for a chunk: the mask picks what each query sees)."""
+        """Every slot holding a position (for a chunk: the mask picks what each query sees). The first `length`
+        slots are not enough: a ring that wrapped and was then trimmed back to at most its slots (a speculative
+        verify's rollback) has an evicted, emptied slot among them, whose position -1 the kernel refuses."""
         n = min(self.length, self.num_slots)
-        if self.length <= self.num_slots or bool((self.store.slot_positions >= 0).all()):
+        if bool((self.store.slot_positions[:n] >= 0).all()):
             return slice(0, n)
         return (self.store.slot_positions >= 0).nonzero().squeeze(1)
 

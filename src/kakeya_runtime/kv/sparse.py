@@ -162,6 +162,9 @@ class SparseLayerKV:
         self._fused_decoded = (isinstance(codec, PackedLatticeCodec) and codec.lattice.kind == "d4"
                                and dtype in (torch.float32, torch.bfloat16) and self.k_hot.is_cpu)
         self._ring_full = False  # every hot slot holds a position (known without a tensor read once true)
+        # a slot below `length` emptied by a trim after the ring wrapped (until the ring is full again): the first
+        # `length` slots are then not what a step reads
+        self._holes = False
         self._hot_all = (self.k_hot, self.v_hot, self.hot_pos)
 
     def _alloc_cold(self, blocks: int) -> None:
@@ -560,11 +563,8 @@ class SparseLayerKV:
             n = self.hot_pos.shape[0]
             if not self._ring_full and end >= n:  # after a trim the ring has holes until it wraps once more
                 self._ring_full = bool((self.hot_pos >= 0).all())
-            if self._ring_full:
-                hot = self._hot_all
-            else:
-                held = slice(0, end) if end <= n else (self.hot_pos >= 0).nonzero()[:, 0]
-                hot = (self.k_hot[:, :, held], self.v_hot[:, :, held], self.hot_pos[held])
+                self._holes = self._holes and not self._ring_full
+            hot = self._hot_all if self._ring_full else self._hot_held(end)
         else:
             held = (self.hot_pos >= 0).nonzero()[:, 0]
             hot = (torch.cat((self.k_hot.index_select(2, held), k), dim=2),
@@ -640,7 +640,8 @@ class SparseLayerKV:
         """"direct" or "decoded" where the next decode row's step can run in one native call, else None."""
         end = self.length + 1
         # a ring not yet full is read as its first `end` slots, as attend reads it (positions 0.. in slots 0..)
-        if (not self.fused or (not self._ring_full and end >= self.hot_pos.shape[0]) or self.probe is not None
+        if (not self.fused or (not self._ring_full and (end >= self.hot_pos.shape[0] or self._holes))
+                or self.probe is not None
                 or end > self.max_positions or h.shape[0] != 1 or self.k_hot.shape[0] != 1 or not self.k_hot.is_cpu
                 or h.dtype != self.dtype):
             return None
@@ -675,6 +676,7 @@ class SparseLayerKV:
             self._dec_step += 1
             lattice = (self._dec_step, lat.q, lat.bits, lat.num_blocks)
         self.length = end
+        # (the ring itself: the kernel writes the step's K/V into it and skips slots whose position is -1)
         hot = self._hot_all if self._ring_full else (self.k_hot[:, :, :end], self.v_hot[:, :, :end],
                                                      self.hot_pos[:end])
         return ((*hot, self._counts), cold, (self.kmin, self.kmax, self._topk_t, self._cold_head_t),
@@ -735,6 +737,15 @@ class SparseLayerKV:
 
     # -- rollback and state --------------------------------------------------------------------------------
 
+    def _hot_held(self, end: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The ring's slots holding a position, the cache `end` long and the ring not full: its first `end` slots,
+        unless a ring that wrapped was trimmed back to at most its slots (a speculative verify's rollback), which
+        leaves an evicted, emptied slot (position -1, refused by the kernel) among them."""
+        if end <= self.hot_pos.shape[0] and not self._holes:
+            return self.k_hot[:, :, :end], self.v_hot[:, :, :end], self.hot_pos[:end]
+        held = (self.hot_pos >= 0).nonzero()[:, 0]
+        return self.k_hot[:, :, held], self.v_hot[:, :, held], self.hot_pos[held]
+
     def trim(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise CacheError(f"cannot trim a cache of length {self.length} to {length}")
@@ -750,6 +761,7 @@ class SparseLayerKV:
                                  "positions with the `spare` parameter)")
         self.hot_pos[self.hot_pos >= length] = -1
         self._ring_full = False
+        self._holes = not bool((self.hot_pos[: min(length, self.hot_pos.shape[0])] >= 0).all())
         self.n_blocks = min(self.n_blocks, max(0, length - self.sink) // self.block)
         self._deferred = min(self._deferred, self.n_blocks)  # flushed above: nothing the ring lost stays pending
         self._forget_decoded(self.n_blocks)
@@ -781,6 +793,7 @@ class SparseLayerKV:
         self.v_hot.copy_(state["v"])
         self.hot_pos.copy_(state["hot_pos"])
         self._ring_full = False
+        self._holes = not bool((self.hot_pos[: min(int(state["length"]), self.hot_pos.shape[0])] >= 0).all())
         self.kmin[:, :, :n], self.kmax[:, :, :n] = state["kmin"], state["kmax"]
         for prefix, store in (("cold_k", self.cold_k), ("cold_v", self.cold_v)):
             for name, t in store.items():

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from kakeya.tokenization import Tokenizer
 
 
+ORPHAN_CLOSE_S = 5.0  # close() waits at most this long for cancelled creates to answer and their sessions to close
+
+
 class AsyncClient(ChannelOwner):
     """A connection to one runtime (as `Client`: `api_key`, `tls`, `root_certificates`)."""
 
@@ -64,9 +67,9 @@ class AsyncClient(ChannelOwner):
 
     def _close_orphan(self, task: asyncio.Future) -> None:
         self._orphans.discard(task)
-        if task.cancelled() or task.exception() is not None or self._closed:
+        if task.cancelled() or task.exception() is not None:
             return
-        closing = asyncio.ensure_future(self._unary(self.stub.CloseSession,
+        closing = asyncio.ensure_future(self._unary(self._stub.CloseSession,  # (also while close() waits)
                                                     pb.CloseSessionRequest(session_id=task.result().session_id)))
         self._orphans.add(closing)
         closing.add_done_callback(lambda t: (self._orphans.discard(t), t.cancelled() or t.exception()))
@@ -110,6 +113,12 @@ class AsyncClient(ChannelOwner):
 
     async def close(self) -> None:
         self._closed = True
+        # cancelled creates still running, and the closes of what they made: the channel stays until they end
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ORPHAN_CLOSE_S
+        while self._orphans and loop.time() < deadline:
+            await asyncio.wait(list(self._orphans), timeout=max(0.0, deadline - loop.time()))
+            await asyncio.sleep(0)  # their done callbacks run: a finished create starts its close
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:
