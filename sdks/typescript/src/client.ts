@@ -99,6 +99,10 @@ export class Client {
   /** @internal */
   metadata(): Metadata {
     if (this.isClosed) throw new FailedPrecondition("this client is closed");
+    return this.keyMetadata();
+  }
+
+  private keyMetadata(): Metadata {
     const md = new Metadata();
     if (this.apiKey) md.set("authorization", `Bearer ${this.apiKey}`);
     return md;
@@ -145,10 +149,8 @@ export class Client {
   }
 
   private closeQuietly(sessionId: string, then: () => void): void {
-    const md = new Metadata();
-    if (this.apiKey) md.set("authorization", `Bearer ${this.apiKey}`);
-    try {
-      this.stub.closeSession({ sessionId }, md, {}, () => then());
+    try { // (also after close(): the channel stays open for it)
+      this.stub.closeSession({ sessionId }, this.keyMetadata(), {}, () => then());
     } catch {
       then(); // the channel is gone: nothing more to do
     }
