@@ -23,6 +23,7 @@ POLICIES = ("full", "sink_window", "restore", "sparse")
 GRANULARITIES = ("per_step", "per_turn")
 CODEC_KINDS = ("identity", "d4", "e8", "int8")
 LATTICE_KINDS = ("d4", "e8")  # the codecs that take a range q
+RANGELESS_KINDS = tuple(k for k in CODEC_KINDS if k not in LATTICE_KINDS)  # ... and those that take none
 HEADS = ("all", "profile")
 DEFAULT_Q = 38  # D4 at head_dim 64: 54 bytes/vector = 0.42x bf16 (tests/kv/test_lattice.py)
 
@@ -35,16 +36,16 @@ def stored_params(params: Mapping[str, Any] | None) -> dict[str, Any]:
     """A policy's params as an earlier Kakeya stored them (a journal, an archive): until 2026-12-01 it wrote q and
     idle_q beside int8 too, which a request is now refused for; what a codec does not use is dropped here."""
     out = dict(params or {})
-    if "q" in out and str(out.get("codec", "")).strip().lower() in ("identity", "int8"):
+    if "q" in out and str(out.get("codec", "")).strip().lower() in RANGELESS_KINDS:
         del out["q"]
-    if "idle_q" in out and str(out.get("idle_codec", "")).strip().lower() in ("identity", "int8"):
+    if "idle_q" in out and str(out.get("idle_codec", "")).strip().lower() in RANGELESS_KINDS:
         del out["idle_q"]
     return out
 
 
 def _refuse_unused_q(given: Mapping[str, Any], key: str, codec_key: str, kind: str) -> None:
     """A range for a codec that takes none would be silently dropped: refuse it instead."""
-    if key in given and kind in ("identity", "int8"):
+    if key in given and kind in RANGELESS_KINDS:
         raise PolicyError(f"KV policy parameter {key!r} sets the range of a lattice {codec_key} "
                           f"({', '.join(LATTICE_KINDS)}); {codec_key} {kind!r} takes none")
 
@@ -128,7 +129,7 @@ class PolicySpec:
         out: dict[str, Any] = {}
         if self.name != "full":
             out.update(sink=self.sink, window=self.window, codec=self.codec.kind)
-            if self.codec.kind not in ("identity", "int8"):  # a lattice codec's q; the others have none
+            if self.codec.kind in LATTICE_KINDS:  # a lattice codec's q; the others have none
                 out["q"] = self.codec.q
         if self.name in ("sink_window", "sparse"):
             out["spare"] = self.spare
