@@ -221,3 +221,38 @@ def test_sync_and_async_agree(server):
             return out
 
     assert asyncio.run(main()) == sync_out
+
+
+def test_export_keeps_the_client_wide_deadline(server):
+    """An export is a finite call like an import: the client's `timeout` bounds it whole (it ran unbounded, so a
+    stalled server hung the caller however short a timeout it had set)."""
+    import asyncio
+
+    from kakeya import AsyncClient, DeadlineExceeded
+
+    service = server.server.service
+    real = service.export
+
+    async def slow_export(*args, **kwargs):
+        await asyncio.sleep(1.0)
+        return await real(*args, **kwargs)
+
+    with Client(server.address, timeout=5) as client:
+        session = client.create_session([1, 2, 3])
+    service.export = slow_export
+    try:
+        with Client(server.address, timeout=0.3) as client, pytest.raises(DeadlineExceeded):
+            client.session(session.id).export()
+
+        async def main() -> None:
+            async with AsyncClient(server.address, timeout=0.3) as aclient:
+                with pytest.raises(DeadlineExceeded):
+                    await aclient.session(session.id).export()
+
+        asyncio.run(main())
+    finally:
+        service.export = real
+    with Client(server.address, timeout=5) as client:  # a caller that waits gets its archive
+        archive = client.session(session.id).export()
+        assert client.import_session(archive).info().history_length == 3
+        client.session(session.id).close()

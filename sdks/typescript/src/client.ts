@@ -108,6 +108,11 @@ export class Client {
     return md;
   }
 
+  /** @internal A call's options: the client-wide deadline, if any (every call but Generate's stream). */
+  callOptions(): CallOptions {
+    return this.timeoutMs === undefined ? {} : { deadline: Date.now() + this.timeoutMs };
+  }
+
   /** @internal */
   /**
    * `madeSession`: the call makes a session (its id in the answer). Aborted, such a call is not cancelled: the
@@ -120,7 +125,7 @@ export class Client {
         reject(signal.reason);
         return;
       }
-      const options: CallOptions = this.timeoutMs === undefined ? {} : { deadline: Date.now() + this.timeoutMs };
+      const options = this.callOptions();
       let call: ClientUnaryCall | undefined;
       let abandoned = false;
       const onAbort = () => {
@@ -298,8 +303,8 @@ export class Session {
     cv.checkOptions(options, ["includeKv", "signal"], "export");
     const includeKv = cv.flag(options.includeKv, "includeKv");
     if (options.signal?.aborted) throw options.signal.reason; // as every other call: nothing is sent
-    const call = this.client.stub.exportSession({ sessionId: this.id, includeKv },
-      this.client.metadata());
+    const call = this.client.stub.exportSession({ sessionId: this.id, includeKv }, this.client.metadata(),
+      this.client.callOptions());
     const onAbort = () => {
       call.cancel();
       setImmediate(() => call.cancel()); // (grpc-js 1.14: see Generation.cancel)

@@ -3,12 +3,13 @@
 import assert from "node:assert/strict";
 import { after, before, describe, it } from "node:test";
 
-import { status } from "@grpc/grpc-js";
+import { Server, ServerCredentials, status } from "@grpc/grpc-js";
 
 import {
-  Client, FailedPrecondition, InvalidArgument, KakeyaError, ResourceExhausted, SessionNotFound, Unauthenticated,
-  Unavailable,
+  Client, DeadlineExceeded, FailedPrecondition, InvalidArgument, KakeyaError, ResourceExhausted, SessionNotFound,
+  Unauthenticated, Unavailable,
 } from "../src/index.js";
+import { runtimeProto } from "../src/rpc.js";
 import { startTinyServer, type RunningServer } from "./server.js";
 
 const KEY = "test-key-alice-0001";
@@ -205,6 +206,21 @@ describe("client", () => {
     assert.equal(local.code, status.INVALID_ARGUMENT);
     assert.equal(new KakeyaError("plain").code, undefined);
     assert.throws(() => client.session("x").generate({ seed: -1 }), InvalidArgument);
+  });
+
+  it("an export keeps the client-wide deadline", async () => {
+    // A server whose export never answers: the client's timeoutMs bounds the call whole (it ran unbounded).
+    const stalled = new Server();
+    stalled.addService(runtimeProto().kakeya.v1.RuntimeService.service, { exportSession: () => {} });
+    const port = await new Promise<number>((res, rej) =>
+      stalled.bindAsync("127.0.0.1:0", ServerCredentials.createInsecure(), (e, p) => (e ? rej(e) : res(p))));
+    const c = new Client(`127.0.0.1:${port}`, { timeoutMs: 300 });
+    try {
+      await assert.rejects(c.session("ses_any").export(), DeadlineExceeded);
+    } finally {
+      c.close();
+      stalled.forceShutdown();
+    }
   });
 
   it("an unreachable server is Unavailable", async () => {

@@ -210,7 +210,8 @@ class AsyncSession:
         """As `Session.export`."""
         req = pb.ExportSessionRequest(session_id=self.id, include_kv=cv.flag(include_kv, "include_kv"))
         try:
-            chunks = [c.data async for c in self.client.stub.ExportSession(req, metadata=self.client._metadata)]
+            chunks = [c.data async for c in self.client.stub.ExportSession(req, metadata=self.client._metadata,
+                                                                           timeout=self.client.timeout)]
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         data = b"".join(chunks)

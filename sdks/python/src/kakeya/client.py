@@ -40,7 +40,7 @@ class Client(ChannelOwner):
                  timeout: float | None = None, options: list[tuple[str, Any]] | None = None, tls: bool = False,
                  root_certificates: RootCertificates | None = None) -> None:
         self.addr = addr
-        self.timeout = timeout  # per unary call; Generate streams are not time-limited
+        self.timeout = timeout  # per call, exports and imports whole; Generate streams are not time-limited
         self._metadata = cv.auth_metadata(api_key)
         self._channel = open_channel(addr, tls=tls, root_certificates=root_certificates, options=options)
         self._stub = pb_grpc.RuntimeServiceStub(self._channel)
@@ -163,7 +163,8 @@ class Session:
         it back, on any server of the same model."""
         req = pb.ExportSessionRequest(session_id=self.id, include_kv=cv.flag(include_kv, "include_kv"))
         try:
-            data = b"".join(c.data for c in self.client.stub.ExportSession(req, metadata=self.client._metadata))
+            data = b"".join(c.data for c in self.client.stub.ExportSession(req, metadata=self.client._metadata,
+                                                                            timeout=self.client.timeout))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         cv.save_archive(data, path)
