@@ -64,3 +64,64 @@ def test_async_with_closes_the_session_when_the_body_raises(server):
             assert len(server.server.service.store) == 0
 
     asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def slow_server():
+    from kakeya_runtime.server.testing import SlowModel, running_server, tiny_served
+
+    served = tiny_served("llama")
+    served.model = SlowModel(served.model, 0.01)  # every forward >= 10 ms: a Generate runs for seconds
+    with running_server(served) as thread:
+        yield thread
+
+
+def _stops_when_dropped(history_length) -> None:
+    """The history stops growing soon after the generation was dropped, well short of its max_tokens."""
+    import time
+
+    deadline, last = time.monotonic() + 10, -1
+    while time.monotonic() < deadline:
+        now = history_length()
+        if now == last:
+            assert now < 3 + 300
+            return
+        last = now
+        time.sleep(0.5)
+    raise AssertionError(f"the dropped generation kept running ({last} tokens)")
+
+
+def test_a_dropped_generation_stops_the_servers_work(slow_server):
+    """A Generation dropped without being iterated (or before its end) stops the Generate, sync and async alike:
+    the async one ran every token for nobody."""
+    import gc
+    import time
+
+    from kakeya import Client
+
+    with Client(slow_server.address, timeout=10) as client:
+        session = client.create_session([1, 2, 3])
+        gen = session.generate(max_tokens=300, ignore_eos=True)
+        while session.info().history_length < 6:
+            time.sleep(0.02)
+        del gen
+        gc.collect()
+        _stops_when_dropped(lambda: session.info().history_length)
+
+    async def main() -> None:
+        async with AsyncClient(slow_server.address, timeout=10) as client:
+            session = await client.create_session([1, 2, 3])
+            gen = session.generate(max_tokens=300, ignore_eos=True)
+            while (await session.info()).history_length < 6:
+                await asyncio.sleep(0.02)
+            del gen
+            gc.collect()
+            lengths = []
+            for _ in range(20):
+                lengths.append((await session.info()).history_length)
+                if len(lengths) > 1 and lengths[-1] == lengths[-2]:
+                    break
+                await asyncio.sleep(0.5)
+            assert lengths[-1] == lengths[-2] and lengths[-1] < 3 + 300, lengths
+
+    asyncio.run(main())

@@ -292,6 +292,13 @@ class AsyncGeneration:
             self._cancelled = True
             self._call.cancel()
 
+    def __del__(self) -> None:
+        # Dropped before its end (never iterated, say): stop the server's work, as the sync Generation does. grpc.aio
+        # keeps the call alive on its own, so without this the server generated every token for nobody.
+        if getattr(self, "_call", None) is not None and self.result is None and not self._cancelled:
+            with contextlib.suppress(Exception):  # the loop may be closed by now: nothing left to stop
+                self._call.cancel()
+
     async def __aenter__(self) -> AsyncGeneration:
         return self
 
