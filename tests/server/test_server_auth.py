@@ -93,3 +93,24 @@ def test_async_client_sends_the_key(secured):
                 await anonymous.model_info()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_connection_that_never_handshakes_is_closed(tls, cert, monkeypatch):
+    """A TCP connection that sends nothing was held for gRPC's default 60 s, so a few thousand of them took the
+    server to its file-descriptor limit. The TLS and HTTP/2 handshake must now finish within HANDSHAKE_S."""
+    import socket
+    import time
+
+    from kakeya_runtime.server import grpc_app
+
+    monkeypatch.setattr(grpc_app, "HANDSHAKE_S", 1.0)
+    extra = {"tls_cert": str(cert[0]), "tls_key": str(cert[1])} if tls else {}
+    with running_server(tiny_served(), **extra) as thread:
+        host, port = thread.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as conn:
+            conn.settimeout(20)
+            started = time.monotonic()
+            while conn.recv(4096):  # plaintext: the server's SETTINGS, then its GOAWAY; TLS: nothing
+                pass
+            assert time.monotonic() - started < 10

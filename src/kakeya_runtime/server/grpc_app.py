@@ -59,6 +59,9 @@ MAX_SEND_BYTES = 256 * 1024 * 1024
 TOKEN_ID_WIRE_BYTES = 5
 REQUEST_HEADROOM_BYTES = 1024 * 1024
 ARCHIVE_CHUNK_BYTES = 1024 * 1024  # ExportSession's chunks: under any receive limit request_bytes_for allows
+# A connection must finish its TLS and HTTP/2 handshake within this (gRPC's default, 60 s, let connections that
+# send nothing pile up towards the file-descriptor limit); the OpenAI shim gives a request as long.
+HANDSHAKE_S = 10.0
 _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -547,6 +550,7 @@ class RuntimeServer:
             ("grpc.so_reuseport", 0),  # two servers must never share a port silently
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
             ("grpc.max_receive_message_length", self.max_request_bytes),
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_S * 1000)),
             *self.config.extra_options,
         ]
         # Metrics outermost (every call and its final status, by RPC); then auth (a caller without a key learns
