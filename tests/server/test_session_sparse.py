@@ -56,6 +56,9 @@ def test_sparse_sessions_reproduce_and_report():
         assert 0 < info.effective_attention_fraction < 0.3
         assert sp.total["queries"] == 2 * 2 * (166 + 29)  # layers x KV heads x query tokens
         assert client.create_session(initial_tokens=history).info().sparse is None  # full: no sparse stats
+        fresh = client.create_session(initial_tokens=history, policy=SPARSE).info().sparse  # before a Generate
+        assert fresh is not None and len(fresh.layers) == 2 and fresh.total["steps"] == 0
+        assert fresh.hot_bytes == fresh.cold_bytes == fresh.index_bytes == 0  # no cache built yet: nothing held
 
         text = scrape(thread)
         for name in ("blocks_scored", "blocks_selected", "positions_attended", "positions_visible"):

@@ -71,8 +71,11 @@ export function policyToPb(policy: KvPolicy | string | undefined | null): pb.KvP
 }
 
 /** undefined: unset (Generate: the session default; createSession: off); a string names the proposer. */
-export function speculationToPb(s: Speculation | string | undefined): pb.SpeculationIn | undefined {
-  if (s === undefined) return undefined;
+export function speculationToPb(s: Speculation | string | null | undefined): pb.SpeculationIn | undefined {
+  if (s == null) return undefined; // null, like undefined, leaves it unset (as for every other option)
+  if (typeof s !== "string" && !isPlainObject(s)) {
+    throw new InvalidArgument(`speculation must be a proposer name or { proposer, maxDraftTokens }, got ${describe(s)}`);
+  }
   const spec = typeof s === "string" ? { proposer: s } : s;
   const k = spec.maxDraftTokens ?? 0;
   if (typeof spec.proposer !== "string") throw new InvalidArgument("speculation.proposer must be a string");
@@ -164,7 +167,8 @@ export function generateRequest(sessionId: string, o: GenerateOptions): pb.Gener
   let seed: bigint | undefined;
   if (o.seed != null) { // null, like undefined, leaves it unset (as for every other option)
     if (!(typeof o.seed === "bigint" || (typeof o.seed === "number" && Number.isSafeInteger(o.seed)))) {
-      throw new InvalidArgument(`bad generate parameters: seed must be an integer or a bigint, got ${describe(o.seed)}`);
+      throw new InvalidArgument("bad generate parameters: seed must be a safe integer (a bigint above 2**53 - 1), " +
+        `got ${describe(o.seed)}`);
     }
     seed = BigInt(o.seed);
     if (seed < 0n || seed >= 2n ** 64n) throw new InvalidArgument(`bad generate parameters: seed out of range`);

@@ -23,12 +23,18 @@ export class SessionNotFound extends KakeyaError {
   static readonly statusCode = status.NOT_FOUND;
 }
 
-/** The history would exceed the context, or the server has no free session slot. */
+/**
+ * The history would exceed the context; no free session slot (or none left for this key); the KV byte budget cannot
+ * hold the session; the state directory's disk is full; an archive or a request too large.
+ */
 export class ResourceExhausted extends KakeyaError {
   static readonly statusCode = status.RESOURCE_EXHAUSTED;
 }
 
-/** An invariant violation (the session was failed and freed) or Generate on an empty history. */
+/**
+ * An invariant violation (the session was failed and freed); Generate on an empty history; a Generate's speculation
+ * the session's policy cannot roll back; K/V past its packed codec's range (rolled back); an archive of another model.
+ */
 export class FailedPrecondition extends KakeyaError {
   static readonly statusCode = status.FAILED_PRECONDITION;
 }

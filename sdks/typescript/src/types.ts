@@ -26,7 +26,8 @@ export interface KvPolicy {
  * text), "self" (a layer-skipping draft from the served model itself), "draft_head" (an EAGLE-style head; untrained
  * unless the server has one: exact but slow), "off". `maxDraftTokens` in [1, 16]; 0 or absent: adaptive (history
  * drafts up to 15 tokens, more the longer its match; self and draft_head up to 4). The session's KV policy must be able to roll a draft back (full and restore can; sink_window and sparse need
- * spare >= maxDraftTokens and the identity codec), else FailedPrecondition.
+ * spare >= maxDraftTokens and the identity codec), else InvalidArgument at createSession and FailedPrecondition for
+ * one generate.
  */
 export interface Speculation {
   proposer: string;

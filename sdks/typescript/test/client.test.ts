@@ -311,8 +311,15 @@ describe("cancellation", () => {
       { seed: 1.5 }, { topP: "0.9" }]) {
       assert.throws(() => s.generate(options as never), InvalidArgument, JSON.stringify(options));
     }
-    const unset = { maxTokens: 2, seed: null, topP: null, ignoreEos: true, temperature: 0.5 } as never;
-    assert.equal((await s.generate(unset).collect()).length, 2); // null leaves seed and topP unset
+    const unset = { maxTokens: 2, seed: null, topP: null, ignoreEos: true, temperature: 0.5, speculation: null } as never;
+    assert.equal((await s.generate(unset).collect()).length, 2); // null leaves seed, topP and speculation unset
+    const plain = await client.createSession({ initialTokens: [5], speculation: null as never });
+    assert.equal((await plain.info()).speculation, null);
+    await plain.close();
+    for (const speculation of [5, ["history"], true]) {
+      assert.throws(() => s.generate({ maxTokens: 1, speculation } as never), InvalidArgument, String(speculation));
+      await assert.rejects(client.createSession({ initialTokens: [5], speculation } as never), InvalidArgument);
+    }
     await assert.rejects(s.info({ includeHistory: "false" as never }), InvalidArgument);
     await assert.rejects(s.export({ includeKv: "0" as never }), InvalidArgument);
     assert.throws(() => client.session(123 as never), InvalidArgument);

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -42,8 +43,9 @@ from kakeya_runtime.engine.self_draft import DraftHead
 from kakeya_runtime.engine.speculative import SpecStats, SpeculativeStream
 from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
 from kakeya_runtime.kv.lattice import CodecRangeError
+from kakeya_runtime.kv.policy import governed_layers
 from kakeya_runtime.kv.sink_window import PositionLimitError
-from kakeya_runtime.kv.sparse import SparseKV
+from kakeya_runtime.kv.sparse import SparseCounters, SparseKV
 from kakeya_runtime.kv.spec import DEFAULT_Q, stored_params
 from kakeya_runtime.sessions import archive, snapshot
 from kakeya_runtime.sessions.batch import (
@@ -305,6 +307,7 @@ class SessionService:
         self.store = SessionStore(idle_ttl_s=self.config.idle_ttl_s, observer=self.observer, clock=clock,
                                   limits=limits, journal=state)
         self._worst_case: dict[PolicySpec, int] = {}
+        self._governed = governed_layers(engine.config)  # the layers a sparse cache counts (kv.policy)
         self._ending = False  # end_generations was called: a cancelled Generate answers UNAVAILABLE
         self.scheduler = BatchScheduler(engine, max_batch=self.config.max_concurrent,
                                         step_tokens=self.config.step_tokens,
@@ -459,7 +462,12 @@ class SessionService:
         self.scheduler.withdraw_cancelled()  # its queued Generate ends now, freeing the cache and reservation
 
     def info(self, owner: str, session_id: str, *, include_history: bool = False) -> SessionSnapshot:
-        return self.store.snapshot(owner, session_id, include_history=include_history)
+        snap = self.store.snapshot(owner, session_id, include_history=include_history)
+        if snap.sparse is None and snap.policy.name == "sparse":  # no cache yet: nothing counted, nothing held
+            zero = SparseCounters().as_dict()
+            snap = dataclasses.replace(snap, sparse={"total": zero, "layers": [zero] * len(self._governed),
+                                                     "hot_bytes": 0, "cold_bytes": 0, "index_bytes": 0})
+        return snap
 
     async def generate(self, owner: str, session_id: str, params: GenerateParams) -> AsyncIterator[GenerateEvent]:
         """Stream TokensEvent per committed token, then one DoneEvent. Leaving early cancels."""

@@ -30,13 +30,16 @@ class SessionNotFound(KakeyaError):
 
 
 class ResourceExhausted(KakeyaError):
-    """The history would exceed the context, or the server has no free session slot."""
+    """The history would exceed the context; no free session slot (or none left for this key); the KV byte budget
+    cannot hold the session; the state directory's disk is full; an archive or a request too large."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class FailedPrecondition(KakeyaError):
-    """An invariant violation (the session was failed and freed) or Generate on an empty history."""
+    """An invariant violation (the session was failed and freed); Generate on an empty history; a Generate's
+    speculation the session's policy cannot roll back; K/V past its packed codec's range (rolled back); an archive
+    of another model."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 
