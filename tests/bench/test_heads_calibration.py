@@ -63,3 +63,20 @@ def test_lengths_too_short_to_tell_the_modes_apart_are_refused(smollm2, tmp_path
     with pytest.raises(BenchInputError, match="too short"):
         calibrate_heads(loaded=smollm2, lengths=(120, 600), depths=(0.5,), sink=4, window=64, block=16, topk=4)
     assert not (tmp_path / "heads").exists()
+
+
+def test_calibrate_refuses_an_output_it_cannot_write_before_any_work(tmp_path, monkeypatch):
+    """--out is checked before minutes of calibration: a path without .json (taken for a folder and made one) or a
+    folder ended the run in a traceback with a stray temp file, and so did a cache dir whose heads/ is a file."""
+    from typer.testing import CliRunner
+
+    from kakeya_runtime.cli import app
+
+    for out in (tmp_path / "profile", tmp_path):
+        result = CliRunner().invoke(app, ["calibrate", "heads", "--out", str(out)])
+        assert result.exit_code == 2 and "ending in .json" in " ".join(result.output.split()), result.output
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+    monkeypatch.setenv("KAKEYA_CACHE_DIR", str(tmp_path))
+    (tmp_path / "heads").write_text("not a folder")
+    result = CliRunner().invoke(app, ["calibrate", "heads"])
+    assert result.exit_code == 2 and "cannot write there" in " ".join(result.output.split()), result.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -250,7 +251,7 @@ def test_batched_decode_rows_equal_single(tiny_llama):
         assert torch.equal(single[0], together[i])
 
 
-def _write_profile(config, modes: dict[int, list[str]], folder) -> None:
+def _write_profile(config, modes: dict[int, list[str]], folder, sizes: dict[str, int] = SMALL) -> None:
     import json
 
     from kakeya_runtime.kv.heads import SCHEMA, SCHEMA_VERSION, fingerprint
@@ -258,7 +259,7 @@ def _write_profile(config, modes: dict[int, list[str]], folder) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{fingerprint(config)}.json").write_text(json.dumps(
         {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "fingerprint": fingerprint(config),
-         "modes": {str(k): v for k, v in modes.items()}}))
+         "modes": {str(k): v for k, v in modes.items()}, "settings": dict(sizes)}))
 
 
 def test_head_profile_streaming_sparse_dense(tiny_llama, tmp_path, monkeypatch):
@@ -383,15 +384,41 @@ def test_a_session_is_bound_to_the_head_profile_it_was_built_with(tiny_llama, tm
     again = PolicySpec.parse("sparse", bound.params)  # as a journal or an archive gives it back
     assert again == bound and check_head_profile(tiny_llama.config, again) == bound
     make_policy_cache(tiny_llama.config, again)
+
+    def first_layer_topk(spec):
+        return next(x for x in make_policy_cache(tiny_llama.config, spec).layers if isinstance(x, SparseLayerKV))
+
+    before = first_layer_topk(again).head_topk
     _write_profile(tiny_llama.config, {**modes, 0: ["dense", "dense"]}, tmp_path / "heads")  # recalibrated
+    # the session keeps the modes it was built with: a copy was kept when it bound them (a recalibration left every
+    # earlier session unable to generate, and a state dir holding both kinds unable to start)
+    assert check_head_profile(tiny_llama.config, again) == bound
+    assert first_layer_topk(again).head_topk == before
+    recalibrated = check_head_profile(tiny_llama.config, PolicySpec.parse("sparse", params))
+    assert recalibrated.heads != bound.heads and first_layer_topk(recalibrated).head_topk != before
+    kept = tmp_path / "heads" / "bound"
+    assert len(list(kept.iterdir())) == 2
+    for copy in kept.iterdir():
+        copy.unlink()
     for check in (lambda: check_head_profile(tiny_llama.config, again),
                   lambda: make_policy_cache(tiny_llama.config, again)):
         with pytest.raises(PolicyError, match="built with the head profile"):
             check()
-    assert check_head_profile(tiny_llama.config, PolicySpec.parse("sparse", params)).heads != bound.heads
-    path = next((tmp_path / "heads").iterdir())
+    # measured for other sizes, or for layers the policy does not govern: refused, naming both
+    _write_profile(tiny_llama.config, modes, tmp_path / "heads", sizes={**SMALL, "window": 16})
+    with pytest.raises(PolicyError, match="measured for sink 3, window 16, block 4, topk 3"):
+        check_head_profile(tiny_llama.config, PolicySpec.parse("sparse", params))
+    _write_profile(tiny_llama.config, {**modes, 7: ["dense", "dense"]}, tmp_path / "heads")
+    with pytest.raises(PolicyError, match=r"layers \[7\]"):
+        check_head_profile(tiny_llama.config, PolicySpec.parse("sparse", params))
+    path = next(p for p in (tmp_path / "heads").iterdir() if p.is_file())
+    good = {"schema": "kakeya.heads", "schema_version": 1, "fingerprint": "x", "settings": SMALL}
     for text in ("{", "[]", '{"schema": "kakeya.heads", "schema_version": 1}',
-                 '{"schema": "kakeya.heads", "schema_version": 1, "fingerprint": "x", "modes": ["a"]}'):
+                 '{"schema": "kakeya.heads", "schema_version": 1, "fingerprint": "x", "modes": ["a"]}',
+                 json.dumps({**good, "modes": {"0": [1, "sparse"], "1": [None, "x"]}}),  # a TypeError, untyped
+                 json.dumps({**good, "modes": {"0": {"dense": 1, "sparse": 2}}}),  # a dict read as its keys
+                 json.dumps({**good, "modes": {"-1": ["dense", "dense"]}}),
+                 json.dumps({**good, "settings": {"window": 8}, "modes": {"0": ["dense", "dense"]}})):
         path.write_text(text)
         with pytest.raises(PolicyError, match=str(path)):
             check_head_profile(tiny_llama.config, PolicySpec.parse("sparse", params))

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import typer
 
-from kakeya_runtime.bench.options import answers_bad_input, check_model, csv, floats_in, items, positive_ints
+from kakeya_runtime.bench.options import (
+    answers_bad_input,
+    check_model,
+    csv,
+    floats_in,
+    items,
+    make_out_dirs,
+    positive_ints,
+)
 from kakeya_runtime.kv.spec import SPARSE_BUDGET
 
 bench_app = typer.Typer(help="Benchmarks that write evidence JSON under results/.", no_args_is_help=True)
@@ -339,9 +347,14 @@ def calibrate_heads_cmd(
     import sys
 
     from kakeya_runtime.bench.heads import calibrate_heads
+    from kakeya_runtime.kv.heads import user_dir
 
     if dtype not in ("bf16", "fp32"):
         raise typer.BadParameter(f"--dtype must be bf16 or fp32, got {dtype!r}")
+    if out and (not out.endswith(".json") or Path(out).expanduser().is_dir()):
+        raise typer.BadParameter(f"--out is the profile's file, a path ending in .json, got {out!r}")
+    if not out:  # the cache dir's heads/ must be a folder we can write, before minutes of work
+        make_out_dirs(str(user_dir() / "profile.json"))
     if not 0 < target <= 1:
         raise typer.BadParameter(f"--target is a share of attention mass in (0, 1], got {target}")
     r = calibrate_heads(model, dtype=dtype, lengths=positive_ints(lengths, "--lengths"),

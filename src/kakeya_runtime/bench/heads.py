@@ -107,8 +107,11 @@ def calibrate_heads(model: str = "smollm2", *, dtype: str = "bf16", lengths: tup
     path = Path(out) if out is not None else user_dir() / f"{fingerprint(cfg)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # a server reading the profile never sees half of it
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     result["path"] = str(path)
     return result
 

@@ -4,14 +4,18 @@ cold blocks) or `dense` (every cold block: heads whose attention the top-k does 
 
 `kakeya calibrate heads` (kakeya_runtime.bench.heads) measures the modes on synthetic passkey prompts and writes a
 profile; the policy loads it by model (`heads=profile`), found by the model's architecture fingerprint in the
-user's cache dir (heads/) and then among the profiles shipped with the package (kv/profiles/).
+user's cache dir (heads/) and then among the profiles shipped with the package (kv/profiles/). A session binds the
+profile it was created with by digest, and a copy of that profile is kept under heads/bound/, so a recalibration
+leaves the sessions made before it as they were (a restart, an import or a rebuilt cache finds their modes there).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kakeya_runtime.models.config import ModelConfig
@@ -21,6 +25,9 @@ SCHEMA_VERSION = 1
 MODES = ("streaming", "sparse", "dense")
 DIGEST_CHARS = 12
 SHIPPED = Path(__file__).parent / "profiles"
+SIZES = ("sink", "window", "block", "topk")  # the policy sizes a profile is measured for (its settings)
+
+_log = logging.getLogger(__name__)
 
 
 class HeadProfileError(ValueError):
@@ -38,6 +45,8 @@ def fingerprint(config: ModelConfig) -> str:
 class HeadProfile:
     fingerprint: str
     layers: dict[int, tuple[str, ...]]  # governed layer index -> one mode per KV head
+    sizes: dict[str, int] = field(default_factory=dict)  # SIZES it was measured for
+    text: str = field(default="", compare=False)  # the file it was read from, as kept for bound sessions
 
     def head_topk(self, layer: int, topk: int, all_blocks: int) -> tuple[int, ...]:
         """Blocks each KV head keeps at `layer`: 0 streaming, topk sparse, all_blocks dense."""
@@ -54,18 +63,24 @@ class HeadProfile:
         return hashlib.sha256(text.encode()).hexdigest()[:DIGEST_CHARS]
 
     @classmethod
-    def from_json(cls, data: dict) -> HeadProfile:
+    def from_json(cls, data: dict, text: str = "") -> HeadProfile:
         if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("schema_version") != SCHEMA_VERSION:
             raise HeadProfileError(f"not a {SCHEMA} v{SCHEMA_VERSION} profile")
-        try:
-            layers = {int(k): tuple(v) for k, v in data["modes"].items()}
-            fp = str(data["fingerprint"])
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise HeadProfileError(f"a damaged {SCHEMA} profile ({type(e).__name__}: {e})") from None
-        bad = sorted({m for modes in layers.values() for m in modes} - set(MODES))
+        modes, settings = data.get("modes"), data.get("settings")
+        if not isinstance(modes, dict) or not all(isinstance(v, list) for v in modes.values()):
+            raise HeadProfileError("a damaged profile: `modes` must map each layer to a list of head modes")
+        if not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in modes):
+            raise HeadProfileError(f"a damaged profile: layer keys must be layer numbers, got {sorted(map(repr, modes))}")
+        bad = sorted({repr(m) for v in modes.values() for m in v if not isinstance(m, str) or m not in MODES})
         if bad:
-            raise HeadProfileError(f"unknown head modes {bad} (known: {', '.join(MODES)})")
-        return cls(fp, layers)
+            raise HeadProfileError(f"unknown head modes {', '.join(bad)} (known: {', '.join(MODES)})")
+        if not isinstance(settings, dict) or not all(type(settings.get(k)) is int for k in SIZES):
+            raise HeadProfileError(f"a damaged profile: its settings must record the {', '.join(SIZES)} it was "
+                                   "measured for")
+        if not isinstance(data.get("fingerprint"), str):
+            raise HeadProfileError("a damaged profile: no model fingerprint")
+        return cls(data["fingerprint"], {int(k): tuple(v) for k, v in modes.items()},
+                   {k: settings[k] for k in SIZES}, text)
 
 
 def user_dir() -> Path:
@@ -84,12 +99,18 @@ def profile_path(config: ModelConfig) -> Path | None:
 
 
 def load_profile(config: ModelConfig) -> HeadProfile:
+    """The model's current profile (the user's calibration, else the shipped one)."""
     path = profile_path(config)
     if path is None:
         raise HeadProfileError(f"no head profile for this model ({fingerprint(config)}); run `kakeya calibrate heads "
                                "--model ...` first, or use heads=all")
+    return _read(path, config)
+
+
+def _read(path: Path, config: ModelConfig) -> HeadProfile:
     try:
-        profile = HeadProfile.from_json(json.loads(path.read_text()))
+        text = path.read_text()
+        profile = HeadProfile.from_json(json.loads(text), text)
     except (OSError, ValueError) as e:  # HeadProfileError is a ValueError: say which file
         raise HeadProfileError(f"{path}: {e}; run `kakeya calibrate heads` again or delete it") from None
     if profile.fingerprint != fingerprint(config):
@@ -99,3 +120,32 @@ def load_profile(config: ModelConfig) -> HeadProfile:
             raise HeadProfileError(f"{path}: layer {layer} has {len(modes)} heads, the model "
                                    f"{config.num_key_value_heads}")
     return profile
+
+
+def _bound_path(config: ModelConfig, digest: str) -> Path:
+    return user_dir() / "bound" / f"{fingerprint(config)}-{digest}.json"
+
+
+def keep_bound(config: ModelConfig, profile: HeadProfile) -> None:
+    """Keep a copy of a profile a session is bound to (once per digest; never removed: sessions and archives outlive
+    calibrations). A cache dir that cannot be written only loses that: the session then needs the current file."""
+    path = _bound_path(config, profile.digest)
+    if path.exists():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(profile.text)
+        os.replace(tmp, path)
+    except OSError as e:
+        _log.warning("could not keep a copy of head profile %s (%s): sessions bound to it need the current profile "
+                     "file to stay as it is", profile.digest, e)
+
+
+def load_bound(config: ModelConfig, digest: str) -> HeadProfile | None:
+    """The kept copy of the profile with this digest, if there is one and it still has that digest."""
+    path = _bound_path(config, digest)
+    if not path.exists():
+        return None
+    profile = _read(path, config)
+    return profile if profile.digest == digest else None

@@ -25,7 +25,15 @@ import torch
 
 from kakeya_runtime.kv.cache import CacheError, FullLayerKV, SlidingLayerKV, make_cache, sliding_spare
 from kakeya_runtime.kv.compress import make_codec
-from kakeya_runtime.kv.heads import HeadProfile, HeadProfileError, load_profile
+from kakeya_runtime.kv.heads import (
+    SIZES,
+    HeadProfile,
+    HeadProfileError,
+    keep_bound,
+    load_bound,
+    load_profile,
+    user_dir,
+)
 from kakeya_runtime.kv.idle import IdleStats, compress_idle, decompress, is_compressed
 from kakeya_runtime.kv.restore import RestoreKV, RestoreLayerKV
 from kakeya_runtime.kv.sink_window import PositionLimitError, SinkWindowKV, SinkWindowLayerKV
@@ -59,24 +67,39 @@ def check_head_profile(config: ModelConfig, spec: PolicySpec) -> PolicySpec:
     if spec.name != "sparse" or not spec.heads.startswith("profile"):
         return spec
     profile = _profile_for(config, spec)
-    try:
-        for i in governed_layers(config):
-            profile.head_topk(i, spec.topk, 1)
-    except HeadProfileError as e:
-        raise PolicyError(str(e)) from None
+    keep_bound(config, profile)  # so a recalibration leaves this session's modes where a rebuild finds them
     return dataclasses.replace(spec, heads=f"profile:{profile.digest}")
 
 
 def _profile_for(config: ModelConfig, spec: PolicySpec) -> HeadProfile:
+    """The profile `spec` names: the model's current one for heads=profile; for a bound profile:<digest>, the current
+    one if it has that digest, else the copy kept when a session bound it. Checked against the model's governed
+    layers and the spec's sizes."""
+    bound = spec.heads.partition(":")[2]
     try:
         profile = load_profile(config)
+        if bound and bound != profile.digest:
+            kept = load_bound(config, bound)
+            if kept is None:
+                raise PolicyError(f"this session was built with the head profile {bound}, which is neither the "
+                                  f"model's profile now ({profile.digest}) nor kept in {user_dir() / 'bound'}: put "
+                                  "that profile back or start a new session")
+            profile = kept
+        governed = governed_layers(config)
+        stray = sorted(set(profile.layers) - set(governed))
+        if stray:
+            raise HeadProfileError(f"the head profile has entries for layers {stray}, which the policy does not "
+                                   "govern (a profile of another model?)")
+        for i in governed:
+            profile.head_topk(i, spec.topk, 1)
     except HeadProfileError as e:
         raise PolicyError(str(e)) from None
-    bound = spec.heads.partition(":")[2]
-    if bound and bound != profile.digest:
-        raise PolicyError(f"this session was built with the head profile {bound}; the model's profile is now "
-                          f"{profile.digest} (recalibrated?), which would change its tokens: put that profile back "
-                          "or start a new session")
+    asked = {k: getattr(spec, k) for k in SIZES}
+    if profile.sizes != asked:
+        measured = ", ".join(f"{k} {v}" for k, v in profile.sizes.items())
+        raise PolicyError(f"the head profile {profile.digest} was measured for {measured}; this policy asks for "
+                          f"{', '.join(f'{k} {v}' for k, v in asked.items())}: use those sizes, or calibrate for "
+                          "these (`kakeya calibrate heads --window ... --block ... --topk ...`)")
     return profile
 
 
