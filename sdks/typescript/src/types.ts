@@ -170,4 +170,6 @@ export interface ModelInfo {
   kvBudgetBytes: number | null;
   /** KV bytes one API key's sessions may reserve; null: not reported. */
   kvBudgetPerKeyBytes: number | null;
+  /** The server's kakeya-runtime version; null from servers older than this field. */
+  runtimeVersion: string | null;
 }

@@ -61,6 +61,7 @@ describe("client", () => {
     assert.equal(info.maxSessionsPerKey, 32); // two keys: an equal share each
     assert.ok(info.kvBudgetBytes !== null && info.kvBudgetBytes > 0);
     assert.equal(info.kvBudgetPerKeyBytes, Math.floor(info.kvBudgetBytes / 2));
+    assert.match(info.runtimeVersion ?? "", /^\d+\.\d+\.\d+/);
     assert.equal(info.maxConcurrent, 8); // the server's default max batch
     assert.equal(info.sessionIdleTtlS, 1800);
     assert.equal(await client.modelInfo(), info); // cached

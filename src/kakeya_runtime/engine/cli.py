@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from kakeya_runtime.engine.dtypes import DTYPE_HELP, parse_dtype
+from kakeya_runtime.sdk import sdk_missing
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -60,6 +61,10 @@ def generate(
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     except SamplingError as e:
         raise typer.BadParameter(str(e)) from None
+    problem = None if chat is False else sdk_missing("the chat template (on by default; --raw sends plain text)")
+    if problem:  # before the model load, not after it
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(2)
     try:
         loaded = load_model(model, dtype=torch_dtype, cache_dir=cache_dir)
     except ModelLoadError as e:
@@ -137,11 +142,8 @@ def _chat_prompt_ids(loaded: LoadedModel, prompt: str) -> list[int]:
     if not loaded.chat_template:
         typer.echo(f"error: {loaded.name} has no chat template; use --raw", err=True)
         raise typer.Exit(2)
-    try:
-        from kakeya.tokenization import ChatTemplateError, Tokenizer
-    except ImportError as e:
-        typer.echo(f"error: --chat needs the kakeya SDK with its tokenize extra: {e}", err=True)
-        raise typer.Exit(2) from None
+    from kakeya.tokenization import ChatTemplateError, Tokenizer  # checked before the load (sdk_missing)
+
     tok = Tokenizer(loaded.tokenizer_json, chat_template=loaded.chat_template, bos_token_id=loaded.bos_id,
                     eos_token_ids=loaded.eos_ids)
     try:

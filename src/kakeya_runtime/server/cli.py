@@ -16,6 +16,7 @@ from rich.console import Console
 
 from kakeya_runtime.engine.dtypes import DTYPE_HELP, dtype_name
 from kakeya_runtime.engine.heap import freeze_heap
+from kakeya_runtime.sdk import sdk_missing
 from kakeya_runtime.server.ports import Listen, port_problem
 from kakeya_runtime.sessions.batch import DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOKENS
 from kakeya_runtime.sessions.limits import size_text
@@ -159,6 +160,8 @@ def serve(
         console.print(f"[red]error:[/] --draft-head {draft_head}: no such file")
         raise typer.Exit(2)
     problem = port_problem(_listens(config, no_metrics))  # before the model load, not after it
+    if not problem and openai_port is not None:
+        problem = sdk_missing("--openai-port (the shim renders chat prompts)")
     if problem:
         console.print(f"[red]error:[/] {problem}", soft_wrap=True)
         raise typer.Exit(2)
@@ -488,13 +491,11 @@ def chat(
     tokens were prefilled (the incremental delta, not the whole conversation). Commands: /reset,
     /info, /exit.
     """
-    try:
-        from kakeya import Client, KakeyaError, Unauthenticated, Unavailable
-        from kakeya.tokenization import ChatTemplateMismatch, Tokenizer
-    except ImportError as e:
-        raise SystemExit(
-            f"kakeya chat needs the SDK with its tokenize extra (pip install -e 'sdks/python[tokenize]'): {e}"
-        ) from None
+    problem = sdk_missing("kakeya chat")
+    if problem:
+        raise SystemExit(problem)
+    from kakeya import Client, KakeyaError, Unauthenticated, Unavailable
+    from kakeya.tokenization import ChatTemplateMismatch, Tokenizer
     console = Console(highlight=False)
     out = sys.stdout
     problem = next((text for bad, text in (

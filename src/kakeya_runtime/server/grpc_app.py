@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
+from kakeya_runtime import __version__
 from kakeya_runtime.engine.generate import Engine, FinishReason
 from kakeya_runtime.engine.serving import ServingChoice, served_as_loaded
 from kakeya_runtime.kv.policy import governed_layers
@@ -244,6 +245,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             kv_policies=service.policies.names(),
             idle_compress_after_seconds=service.config.idle_compress_after_s or 0.0,
             idle_codec=service.idle_codec.label if service.idle_codec is not None else "",
+            runtime_version=__version__,
         )
         serving = served.serving or served_as_loaded(service.engine.model, served.decode_forward is not None)
         fid = serving.fidelity

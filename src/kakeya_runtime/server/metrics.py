@@ -28,6 +28,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from kakeya_runtime import __version__
 from kakeya_runtime.engine.generate import FinishReason
 from kakeya_runtime.kv.idle import IdleStats
 from kakeya_runtime.kv.spec import POLICIES
@@ -101,6 +102,8 @@ class RuntimeMetrics:
         self.registry = r = CollectorRegistry()
         self.exposition = CollectorRegistry(auto_describe=False)
         self.exposition.register(_WithLabels(r, {"model": model}))
+        Gauge("kakeya_build_info", "The runtime's version, always 1.", ["version"], registry=r).labels(
+            __version__).set(1)
         self.session_active = Gauge("kakeya_session_active", "Currently allocated sessions.", registry=r)
         self.session_kv_live_bytes = Gauge(
             "kakeya_session_kv_live_bytes", "Bytes of K/V storage held by all allocated sessions.", registry=r

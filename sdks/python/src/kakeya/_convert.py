@@ -218,6 +218,7 @@ def model_info_from_pb(r: pb.GetModelInfoResponse) -> ModelInfo:
         max_sessions_per_key=r.max_sessions_per_key or None,
         kv_budget_bytes=r.kv_budget_bytes or None,
         kv_budget_per_key_bytes=r.kv_budget_per_key_bytes or None,
+        runtime_version=r.runtime_version or None,
     )
 
 

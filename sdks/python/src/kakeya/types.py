@@ -163,3 +163,4 @@ class ModelInfo:
     max_sessions_per_key: int | None = None
     kv_budget_bytes: int | None = None
     kv_budget_per_key_bytes: int | None = None
+    runtime_version: str | None = None  # the server's kakeya-runtime version; None from servers older than it
