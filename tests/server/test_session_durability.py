@@ -695,3 +695,32 @@ def test_sessions_stored_with_a_q_their_codec_ignores_still_come_back(tmp_path: 
                        old.kv, old.settings, checkpoint=old.checkpoint)
     with running_server(tiny_served()) as thread, Client(thread.address) as client:
         assert client.import_session(stale).info().policy.params["codec"] == "int8"
+
+
+def test_an_import_being_checked_holds_up_no_other_call(monkeypatch):
+    """An archive is decoded off the event loop: while one was checked (seconds for a large or crafted one), every
+    other call, the health service's included, waited, and other imports were refused as stalled."""
+    import threading
+
+    checking, release = threading.Event(), threading.Event()
+    real = arc.decode
+
+    def slow_decode(data):
+        checking.set()
+        release.wait(30)
+        return real(data)
+
+    monkeypatch.setattr(arc, "decode", slow_decode)
+    with running_server(tiny_served()) as thread, Client(thread.address, timeout=30) as client:
+        archive = client.create_session([1, 2, 3]).export()
+        result: list = []
+        importer = threading.Thread(target=lambda: result.append(client.import_session(archive)))
+        importer.start()
+        try:
+            assert checking.wait(10)
+            with Client(thread.address, timeout=5) as other:  # answered while the import is still being checked
+                assert other.create_session([4, 5]).info().history_length == 2
+        finally:
+            release.set()
+            importer.join(30)
+        assert result and result[0].info().history_length == 3

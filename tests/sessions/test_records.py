@@ -35,3 +35,23 @@ def test_a_damaged_length_with_records_after_it_is_damage_not_a_torn_write():
     damaged = bytearray(data)
     damaged[offsets[3] + 10] ^= 0xFF  # the last record's payload: nothing whole follows it
     assert records.parse(bytes(damaged)).torn_write
+
+
+def test_an_archive_is_refused_without_searching_its_tail(monkeypatch):
+    """Telling a torn write from damage searches every later byte for a whole record: a crafted or cut-short
+    archive sent to ImportSession held the server for seconds to hours. Archives skip it: damaged either way."""
+    from kakeya_runtime.sessions import archive
+
+    data = archive.encode("m", "full", {}, 64, list(range(20)), None)
+
+    def searched(*args):
+        raise AssertionError("the tail was searched")
+
+    monkeypatch.setattr(records, "_record_starts_after", searched)
+    for cut in (len(data) - 1, len(data) - 30):
+        try:
+            archive.decode(data[:cut])
+        except archive.ArchiveError as e:
+            assert "damaged" in str(e) or "cut short" in str(e)
+        else:
+            raise AssertionError("a cut-short archive was accepted")

@@ -83,8 +83,10 @@ class Parsed:
     torn_write: bool = True
 
 
-def parse(data: bytes | memoryview) -> Parsed:
-    """Every whole, valid record of `data` in order; a short or corrupt tail is reported, not raised."""
+def parse(data: bytes | memoryview, *, classify_tail: bool = True) -> Parsed:
+    """Every whole, valid record of `data` in order; a short or corrupt tail is reported, not raised.
+    `classify_tail`: tell a torn last write from later damage (journals); it searches every later byte for a whole
+    record, which a crafted file can make take hours, so what arrives over the network (archives) skips it."""
     view = memoryview(data)
     if bytes(view[: len(MAGIC)]) != MAGIC:
         raise RecordError("not a Kakeya session file (bad magic or format version)")
@@ -95,7 +97,7 @@ def parse(data: bytes | memoryview) -> Parsed:
         if record is None:
             # A crash tears only the last write, so a whole record anywhere after the bad one (a damaged length
             # field reads as a record running past the end) means the file was damaged after it was written.
-            problem, last = why, end >= len(view) and not _record_starts_after(view, at + 1)
+            problem, last = why, end >= len(view) and classify_tail and not _record_starts_after(view, at + 1)
             break
         records.append(record)
         at = end

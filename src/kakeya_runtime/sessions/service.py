@@ -555,8 +555,8 @@ class SessionService:
         bad one refuses the import (nothing is created). A snapshot of other weights (another format or build), or
         any with `load_kv` False, is not used: the first Generate computes the cache. Returns the session and whether
         its cache came from the snapshot."""
-        try:
-            arc = archive.decode(data)
+        try:  # off the event loop: checking hundreds of MB takes a while, and every other call must go on
+            arc = await asyncio.to_thread(archive.decode, data)
         except archive.ArchiveError as e:
             raise InvalidArgument(f"ImportSession: {e}") from None
         if not load_kv:
