@@ -146,7 +146,7 @@ def test_imports_in_progress_share_a_byte_budget():
         futures = [stub.ImportSession.future(holding()) for _ in range(2)]
         try:
             deadline = time.monotonic() + 10
-            while thread.server.servicer._import_bytes < 2 * total and time.monotonic() < deadline:
+            while thread.server.servicer.imports.total < 2 * total and time.monotonic() < deadline:
                 time.sleep(0.02)
             with pytest.raises(grpc.RpcError) as e:
                 stub.ImportSession(pb.ImportSessionRequest(data=p) for p in parts)
@@ -161,7 +161,7 @@ def test_imports_in_progress_share_a_byte_budget():
                 with contextlib.suppress(grpc.RpcError):
                     f.result(30)
             channel.close()
-        assert thread.server.servicer._import_bytes == 0
+        assert thread.server.servicer.imports.total == 0
 
 
 def test_a_repeated_key_counts_once_in_the_shares():
@@ -209,7 +209,7 @@ def test_a_stalled_import_is_refused_and_releases_its_bytes(monkeypatch):
         with pytest.raises(grpc.RpcError) as e:
             stub.ImportSession(stalling())
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no data for 0.5 s" in e.value.details()
-        assert time.monotonic() - t0 < 4 and thread.server.servicer._import_bytes == 0
+        assert time.monotonic() - t0 < 4 and thread.server.servicer.imports.total == 0
         channel.close()
 
 
@@ -239,7 +239,7 @@ def test_one_keys_imports_leave_room_for_another_keys():
         held = stub.ImportSession.future(holding(), metadata=meta)
         try:
             deadline = time.monotonic() + 10
-            while servicer._import_bytes < n * piece and time.monotonic() < deadline:
+            while servicer.imports.total < n * piece and time.monotonic() < deadline:
                 time.sleep(0.02)
             with pytest.raises(grpc.RpcError) as e:  # key A's second: past one archive for the key
                 stub.ImportSession((pb.ImportSessionRequest(data=p) for p in parts), metadata=meta)
@@ -253,7 +253,7 @@ def test_one_keys_imports_leave_room_for_another_keys():
             with contextlib.suppress(grpc.RpcError):
                 held.result(30)
             channel.close()
-        assert servicer._import_bytes == 0 and servicer._import_bytes_by_key == {}
+        assert servicer.imports.total == 0 and servicer.imports.by_key == {}
 
 
 def test_a_failed_import_frees_its_archive_without_a_collection():
@@ -333,3 +333,25 @@ def test_a_create_session_cancelled_by_its_caller_leaves_no_session_behind():
         while len(store) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(store) == 0, f"{len(store)} sessions left behind by cancelled creates ({kept} got back and closed)"
+
+
+def test_exports_in_progress_share_a_byte_budget():
+    """An export holds its whole archive until the client has read it: stalled exports of one 3k-token session held
+    more than the whole KV budget, counted nowhere. Exports now take from a byte budget as imports do; one past it
+    is refused (RESOURCE_EXHAUSTED, limit "exports", on /metrics) and the session is untouched."""
+    from kakeya import ResourceExhausted
+
+    from kakeya_runtime.server.grpc_app import _HeldBytes
+
+    with running_server(tiny_served()) as thread, Client(thread.address) as client:
+        session = client.create_session([3 + i % 250 for i in range(300)])
+        session.generate(max_tokens=1).collect()  # a cache for the snapshot
+        archive = session.export(include_kv=True)
+        servicer = thread.server.servicer
+        assert servicer.exports.total == 0  # given back once read
+        servicer.exports = _HeldBytes("exports", len(archive) // 4, keyed=False)  # 2 x a quarter: half an archive
+        with pytest.raises(ResourceExhausted, match="other exports in progress"):
+            session.export(include_kv=True)
+        assert sample(scrape(thread), "kakeya_limit_refusals_total", '{limit="exports"}') == 1
+        assert servicer.exports.total == 0 and session.info().history_length == 301
+        assert len(session.export()) < len(archive) // 2  # without its KV snapshot it fits

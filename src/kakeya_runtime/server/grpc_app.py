@@ -33,7 +33,13 @@ from kakeya_runtime.server.metrics import RpcMetricsInterceptor, RuntimeMetrics
 from kakeya_runtime.sessions import records
 from kakeya_runtime.sessions.batch import DEFAULT_MAX_BATCH, DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOKENS
 from kakeya_runtime.sessions.budget import default_kv_budget
-from kakeya_runtime.sessions.errors import InvalidArgument, ResourceExhausted, SessionError, quoted
+from kakeya_runtime.sessions.errors import (
+    InvalidArgument,
+    ResourceExhausted,
+    SessionError,
+    Unavailable,
+    quoted,
+)
 from kakeya_runtime.sessions.journal import FsyncPolicy, StateDir
 from kakeya_runtime.sessions.limits import Limits
 from kakeya_runtime.sessions.policy import PolicyRegistry, PolicySpec
@@ -207,11 +213,42 @@ def request_bytes_for(context_length: int) -> int:
     return min(context_length * TOKEN_ID_WIRE_BYTES + REQUEST_HEADROOM_BYTES, 2**31 - 1)  # gRPC takes an int32
 
 
-# Imports buffer their archive before reading it: all of them together hold at most this many of the largest
-# archive (~380 MB at SmolLM2's context); more answers RESOURCE_EXHAUSTED (16 at once once took 7 GB and kept it).
-# With API keys, one key's imports hold at most one largest archive: another key always has room for its own.
+# Imports buffer their archive before reading it, and exports hold theirs until the client has read it: all imports
+# together, and all exports together, hold at most this many of the largest archive (~380 MB at SmolLM2's context);
+# more answers RESOURCE_EXHAUSTED (16 imports at once once took 7 GB and kept it; 8 unread exports of one session
+# held more than the whole KV budget). With API keys, one key's transfers hold at most one largest archive each way:
+# another key always has room for its own.
 IMPORT_BUFFER_FACTOR = 2
 IMPORT_STALL_S = 30.0  # an import that sends nothing this long is refused (it held its buffered bytes for ever)
+EXPORT_STALL_S = 30.0  # an export its client does not read for this long is ended (it held its archive for ever)
+
+
+@dataclass(slots=True)
+class _HeldBytes:
+    """Bytes that transfers in progress hold (imports or exports), all together and per API key; `take` refuses
+    what would pass `each` for one key (when keys are in use) or `factor * each` for all."""
+
+    what: str  # "imports" or "exports": the limit's name
+    each: int
+    keyed: bool
+    total: int = 0
+    by_key: dict[str, int] = field(default_factory=dict)
+
+    def take(self, owner: str, n: int) -> None:
+        if self.keyed and self.by_key.get(owner, 0) + n > self.each:
+            raise ResourceExhausted(f"this key's other {self.what} in progress hold the bytes one archive may take; "
+                                    "retry when they end", limit=self.what)
+        if self.total + n > IMPORT_BUFFER_FACTOR * self.each:
+            raise ResourceExhausted(f"other {self.what} in progress hold the bytes archives may take at once; "
+                                    "retry shortly", limit=self.what)
+        self.total += n
+        self.by_key[owner] = self.by_key.get(owner, 0) + n
+
+    def give_back(self, owner: str, n: int) -> None:
+        self.total -= n
+        left = self.by_key.pop(owner, 0) - n
+        if left:
+            self.by_key[owner] = left
 
 
 def _could_start_archive(head: bytes) -> bool:
@@ -256,8 +293,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         # An archive holds at most the context's token ids and a snapshot of the largest cache (full) at the context.
         full = service.policies.resolve("full", {}, cfg, service.context_length)
         self.max_import_bytes = 4 * service.context_length + 2 * service.kv_reserve(full) + REQUEST_HEADROOM_BYTES
-        self._import_bytes = 0  # what the imports in progress have buffered, all together
-        self._import_bytes_by_key: dict[str, int] = {}  # ... and each API key's
+        self.imports = _HeldBytes("imports", self.max_import_bytes, auth.enabled)  # the archives they buffered
+        self.exports = _HeldBytes("exports", self.max_import_bytes, auth.enabled)  # those not yet read
         self._closing: set[asyncio.Task] = set()  # sessions being closed for callers that cancelled their create
 
     async def _owner(self, context: grpc.aio.ServicerContext) -> str:
@@ -381,18 +418,26 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         await self._owner(context)
         return self.model_info
 
-    async def ExportSession(self, request, context) -> AsyncIterator[pb.ExportSessionResponse]:
+    async def ExportSession(self, request, context) -> None:
         owner = await self._owner(context)
         data = await self.service.export(owner, request.session_id, include_kv=request.include_kv)
-        view = memoryview(data)
-        for at in range(0, len(view), ARCHIVE_CHUNK_BYTES):
-            yield pb.ExportSessionResponse(data=bytes(view[at : at + ARCHIVE_CHUNK_BYTES]))
+        self.exports.take(owner, len(data))  # refused: the archive is let go at once
+        try:
+            view = memoryview(data)
+            for at in range(0, len(view), ARCHIVE_CHUNK_BYTES):
+                chunk = pb.ExportSessionResponse(data=bytes(view[at : at + ARCHIVE_CHUNK_BYTES]))
+                try:
+                    await asyncio.wait_for(context.write(chunk), EXPORT_STALL_S)
+                except TimeoutError:
+                    raise Unavailable(f"ExportSession: the archive was not read for {EXPORT_STALL_S:g} s") from None
+        finally:
+            self.exports.give_back(owner, len(data))
+            view = data = None  # noqa: F841 (a failed export's traceback keeps this frame)
 
     async def ImportSession(self, request_iterator, context):
         owner = await self._owner(context)
         parts, size, ignore_kv = [], 0, False
         archive_bytes = b""
-        keyed = self.auth.enabled  # one key's imports may not take every other key's room
         try:
             async for chunk in _unless_stalled(request_iterator, IMPORT_STALL_S):
                 data = chunk.data
@@ -402,24 +447,14 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                 if size + len(data) > self.max_import_bytes:
                     raise ResourceExhausted(f"the archive exceeds {self.max_import_bytes} bytes, the most a session "
                                             "of this server's context can take", limit="request")
-                if keyed and self._import_bytes_by_key.get(owner, 0) + len(data) > self.max_import_bytes:
-                    raise ResourceExhausted("this key's other imports in progress hold the bytes one archive may "
-                                            "buffer; retry when they end", limit="imports")
-                if self._import_bytes + len(data) > IMPORT_BUFFER_FACTOR * self.max_import_bytes:
-                    raise ResourceExhausted("other imports in progress hold the bytes archives may buffer at once; "
-                                            "retry shortly", limit="imports")
-                self._import_bytes += len(data)
-                self._import_bytes_by_key[owner] = self._import_bytes_by_key.get(owner, 0) + len(data)
+                self.imports.take(owner, len(data))
                 size += len(data)
                 parts.append(data)
             archive_bytes = b"".join(parts)
             parts.clear()
             session, kv_loaded = await self.service.import_session(owner, archive_bytes, load_kv=not ignore_kv)
         finally:
-            self._import_bytes -= size
-            left = self._import_bytes_by_key.pop(owner, 0) - size
-            if left:
-                self._import_bytes_by_key[owner] = left
+            self.imports.give_back(owner, size)
             parts.clear()  # a failed import's traceback keeps this frame: its buffers must not stay with it
             archive_bytes = data = chunk = None  # noqa: F841
         await self._unless_abandoned(context, owner, session.id)
