@@ -355,3 +355,30 @@ def test_exports_in_progress_share_a_byte_budget():
         assert sample(scrape(thread), "kakeya_limit_refusals_total", '{limit="exports"}') == 1
         assert servicer.exports.total == 0 and session.info().history_length == 301
         assert len(session.export()) < len(archive) // 2  # without its KV snapshot it fits
+
+
+def test_an_append_whose_deadline_passed_appends_nothing():
+    """An AppendTokens whose caller's deadline passed while the server read it (a long list of ids on a busy
+    server) was still appended after the caller was told DEADLINE_EXCEEDED: a retry appended the turn twice."""
+    import time as _time
+
+    from kakeya import DeadlineExceeded
+
+    with running_server(tiny_served()) as thread, Client(thread.address, timeout=5) as client:
+        session = client.create_session([5, 6, 7])
+        service = thread.server.service
+        real = service._check_tokens
+
+        def slow_check(*args, **kwargs):
+            _time.sleep(0.5)  # the work outlives the caller's deadline (blocking, as a busy server's read)
+            return real(*args, **kwargs)
+
+        service._check_tokens = slow_check
+        try:
+            with Client(thread.address, timeout=0.2) as hasty, pytest.raises(DeadlineExceeded):
+                hasty.session(session.id).append([8, 9])
+        finally:
+            service._check_tokens = real
+        _time.sleep(0.6)  # past the slow check: had it been appended, it would be by now
+        assert session.info().history_length == 3
+        assert session.append([8, 9]) == 5  # the retry appends once

@@ -342,7 +342,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
 
     async def AppendTokens(self, request, context):
         owner = await self._owner(context)
-        n = await self.service.append(owner, request.session_id, request.token_ids)
+        n = await self.service.append(owner, request.session_id, request.token_ids,
+                                      deadline_passed=lambda: _deadline_passed(context))
         return pb.AppendTokensResponse(history_length=n)
 
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
@@ -460,6 +461,11 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         await self._unless_abandoned(context, owner, session.id)
         return pb.ImportSessionResponse(session_id=session.id, history_length=len(session.history),
                                         kv_loaded=kv_loaded, policy=_policy_pb(session.policy))
+
+
+def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
 
 
 async def _unless_stalled(requests: AsyncIterator[Any], stall_s: float) -> AsyncIterator[Any]:

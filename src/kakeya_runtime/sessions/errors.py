@@ -11,6 +11,7 @@ class ErrorKind(enum.Enum):
     RESOURCE_EXHAUSTED = "resource_exhausted"  # a context, session or KV byte limit; nothing changed
     FAILED_PRECONDITION = "failed_precondition"  # invariant violation (session failed) or empty history
     UNAVAILABLE = "unavailable"  # the server is shutting down
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # the caller's deadline passed before the change; nothing changed
     INTERNAL = "internal"  # an engine error that left the session consistent
 
 
@@ -53,6 +54,10 @@ class FailedPrecondition(SessionError):
 
 class Unavailable(SessionError):
     kind = ErrorKind.UNAVAILABLE
+
+
+class DeadlineExceeded(SessionError):
+    kind = ErrorKind.DEADLINE_EXCEEDED
 
 
 class InternalError(SessionError):

@@ -56,6 +56,7 @@ from kakeya_runtime.sessions.batch import (
 )
 from kakeya_runtime.sessions.budget import kv_worst_case_bytes
 from kakeya_runtime.sessions.errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     InternalError,
     InvalidArgument,
@@ -444,7 +445,10 @@ class SessionService:
                                                                 self.engine.dtype)
         return cost
 
-    async def append(self, owner: str, session_id: str, tokens: Sequence[int]) -> int:
+    async def append(self, owner: str, session_id: str, tokens: Sequence[int],
+                     deadline_passed: Callable[[], bool] = lambda: False) -> int:
+        """Append `tokens` once the session's earlier calls are done; refused (nothing appended) when the caller's
+        deadline passed meanwhile: it was told DEADLINE_EXCEEDED, and a retry must not append them twice."""
         if not tokens:
             raise InvalidArgument("AppendTokens needs at least one token id")
         if len(tokens) > self.context_length:  # before anything walks or copies the ids
@@ -453,6 +457,9 @@ class SessionService:
         session = self.store.get(owner, session_id)
         await self._take_turn(session)
         try:
+            if deadline_passed():
+                raise DeadlineExceeded("the caller's deadline passed before the tokens were appended; nothing "
+                                       "was appended")
             return self._mutate(session, lambda: self.store.append(session, tokens))
         finally:
             self._release_turn(session)
