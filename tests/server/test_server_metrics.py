@@ -222,3 +222,21 @@ def test_metrics_stay_reachable_while_every_slot_trickles_headers(monkeypatch, c
             t.join(5)
             for s in socks:
                 s.close()
+
+
+def test_a_request_over_the_receive_limit_is_not_counted_as_a_request_that_never_finished():
+    """gRPC refuses a request larger than the receive limit before any handler runs: it was counted as a request
+    with no finish, so /metrics read it as a success. Requests are now counted where their finish is."""
+    from kakeya_runtime._proto import runtime_pb2 as pb
+    from kakeya_runtime._proto import runtime_pb2_grpc as pb_grpc
+
+    with running_server(tiny_served(context=128)) as thread, grpc.insecure_channel(thread.address) as channel:
+        stub = pb_grpc.RuntimeServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.AppendTokens(pb.AppendTokensRequest(session_id="ses_x", token_ids=[200] * 1_000_000))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError):
+            stub.AppendTokens(pb.AppendTokensRequest(session_id="ses_x", token_ids=[5]))  # answered: NOT_FOUND
+        text = scrape(thread)
+        assert sample(text, "kakeya_rpc_requests_total", '{rpc="AppendTokens"}') == 1
+        assert sample(text, "kakeya_rpc_errors_total", '{rpc="AppendTokens"}') == 1

@@ -153,7 +153,7 @@ class RuntimeMetrics:
         )
         self.rpc_requests_total = Counter(
             "kakeya_rpc_requests_total", "gRPC calls received, by RPC (calls to methods the server does not serve: "
-            f"rpc={UNKNOWN_RPC!r}).", ["rpc"], registry=r,
+            f"rpc={UNKNOWN_RPC!r}; requests over the receive limit, refused by gRPC unread, are not counted).", ["rpc"], registry=r,
         )
         self.rpc_errors_total = Counter(
             "kakeya_rpc_errors_total", "gRPC calls answered with an error status, by RPC and status code (requests "
@@ -491,7 +491,8 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             self.metrics.rpc_finished(UNKNOWN_RPC, grpc.StatusCode.UNIMPLEMENTED)
             return handler
         rpc = handler_call_details.method.rsplit("/", 1)[-1]
-        self.metrics.rpc_requests_total.labels(rpc).inc()
+        # Requests are counted as their handler starts, where their finish is counted too: one gRPC refuses before
+        # (larger than the receive limit) is neither (it read as a request that never finished).
         kw = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}
         if handler.unary_unary:
@@ -505,6 +506,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     def _unary(self, behavior: Callable[..., Awaitable[Any]], rpc: str) -> Callable[..., Awaitable[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             code = grpc.StatusCode.UNKNOWN  # an exception that escapes every layer answers UNKNOWN
+            self.metrics.rpc_requests_total.labels(rpc).inc()
             counting = _CountingContext(context, lambda c: self.metrics.rpc_finished(rpc, c))
             try:
                 response = await behavior(request, counting)
@@ -525,6 +527,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     def _stream(self, behavior: Callable[..., Any], rpc: str) -> Callable[..., AsyncIterator[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             code = grpc.StatusCode.UNKNOWN
+            self.metrics.rpc_requests_total.labels(rpc).inc()
             counting = _CountingContext(context, lambda c: self.metrics.rpc_finished(rpc, c))
             try:
                 produced = behavior(request, counting)
@@ -568,11 +571,16 @@ class _CountingContext:
         return getattr(self._context, name)
 
 
+DEADLINE_SLACK_S = 0.25  # a cancel this close to the deadline is the caller's deadline (its clock started earlier)
+
+
 def _cancelled_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     """A call gRPC cancelled: DEADLINE_EXCEEDED when the caller's deadline passed (what the client is told), else
-    CANCELLED (the client went away)."""
+    CANCELLED (the client went away). The client cancels at its own deadline, which comes before the server's copy
+    of it by the time the request took to arrive: every deadline was counted as CANCELLED."""
     remaining = context.time_remaining()
-    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
+    passed = remaining is not None and remaining <= DEADLINE_SLACK_S
+    return grpc.StatusCode.DEADLINE_EXCEEDED if passed else grpc.StatusCode.CANCELLED
 
 
 def _code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
