@@ -382,3 +382,15 @@ def test_an_append_whose_deadline_passed_appends_nothing():
         _time.sleep(0.6)  # past the slow check: had it been appended, it would be by now
         assert session.info().history_length == 3
         assert session.append([8, 9]) == 5  # the retry appends once
+
+
+def test_a_budget_smaller_than_one_default_session_is_warned_at_start():
+    """--kv-budget 1MiB started without a word and refused every default create; the banner read 0.00 GiB."""
+    from kakeya_runtime.server.cli import _size, small_budget_warning
+
+    with running_server(tiny_served(), kv_budget=4096) as thread:
+        warning = small_budget_warning(thread.server.service)
+        assert warning is not None and "full session reserves" in warning and "4.0 KiB" in warning
+    with running_server(tiny_served()) as thread:
+        assert small_budget_warning(thread.server.service) is None
+    assert _size(1 << 20) == "1.0 MiB" and _size(0) == "none"

@@ -181,3 +181,29 @@ def test_windows_past_the_context_are_refused_at_create(name, params, what):
         assert ok.policy.window == 508  # the largest window that fits is accepted
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_with_one_key_a_refusal_names_the_servers_limit():
+    """With API keys off (one owner) the per-key share is the whole server: refusals named a 'per API key' budget
+    the operator never set, and /metrics counted them under kv_budget_per_key instead of kv_budget."""
+    from kakeya_runtime.sessions.limits import plan_admission
+
+    class S:
+        def __init__(self, owner: str, reserved: int) -> None:
+            self.owner, self.reserved_bytes = owner, reserved
+
+    one = Limits.fair_share(1, max_sessions=2, kv_budget=100)
+    held = [S("", 60)]
+    with pytest.raises(ResourceExhausted, match="server's KV budget") as e:
+        plan_admission(held, [True], "", 60, one)
+    assert e.value.limit == "kv_budget"
+    with pytest.raises(ResourceExhausted, match="KV budget of the server") as e:
+        plan_admission([], [], "", 200, one)
+    assert e.value.limit == "kv_budget"
+    with pytest.raises(ResourceExhausted, match="server's limit of 2 sessions") as e:
+        plan_admission([S("", 1), S("", 1)], [True, True], "", 1, one)
+    assert e.value.limit == "sessions"
+    two = Limits.fair_share(2, max_sessions=4, kv_budget=100)  # a real share: named as the key's
+    with pytest.raises(ResourceExhausted, match="per API key") as e:
+        plan_admission(held, [True], "", 60, two)
+    assert e.value.limit == "kv_budget_per_key"

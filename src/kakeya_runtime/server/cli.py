@@ -19,6 +19,7 @@ from kakeya_runtime.engine.heap import freeze_heap
 from kakeya_runtime.sdk import sdk_missing
 from kakeya_runtime.server.ports import Listen, port_problem
 from kakeya_runtime.sessions.batch import DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOKENS
+from kakeya_runtime.sessions.errors import InvalidArgument
 from kakeya_runtime.sessions.limits import size_text
 
 
@@ -419,6 +420,8 @@ async def _serve_forever(server: Any, console: Console) -> None:
                   f"{limits.key_sessions} per key; KV budget {_size(limits.kv_budget or 0)}, "
                   f"{_size(limits.key_budget or 0)} per key; evictions "
                   f"{'across keys' if limits.evict_across_keys else 'within a key only'}")
+    if (warning := small_budget_warning(server.service)) is not None:
+        console.print(f"[yellow]warning:[/] {warning}")
     if server.metrics_port is not None:
         host = cfg.metrics_host if ":" not in cfg.metrics_host else f"[{cfg.metrics_host}]"
         console.print(f"Metrics on http://{host}:{server.metrics_port}/metrics"
@@ -461,7 +464,23 @@ def parse_size(text: str | None, flag: str) -> int | None:
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n else "none"
+    return size_text(n) if n else "none"
+
+
+def small_budget_warning(service: Any) -> str | None:
+    """A KV budget (per key) smaller than what one session of the default policy reserves: every such create is
+    refused, which the operator should learn at start-up rather than from the first client."""
+    budget = service.store.limits.key_budget
+    try:
+        default = service.policies.resolve("", {}, service.engine.config, service.context_length)
+    except InvalidArgument:  # the default policy is not served: nothing to compare
+        return None
+    need = service.kv_reserve(default)
+    if budget is None or need <= budget:
+        return None
+    return (f"a {default.name} session reserves {size_text(need)} of KV cache at the context of "
+            f"{service.context_length}, more than the KV budget per key ({size_text(budget)}): such sessions are "
+            "refused; raise --kv-budget, shorten --context or use a bounded policy")
 
 
 def _idle_text(server: Any) -> str:

@@ -60,6 +60,16 @@ class Limits:
     def key_budget(self) -> int | None:
         return self.kv_budget_per_key or self.kv_budget
 
+    @property
+    def tighter_key_limits(self) -> tuple[int | None, int | None]:
+        """The per-key session count and byte budget where they are tighter than the server's (else None: the
+        server's limit is the one a refusal names; one key, or none, leaves no per-key limit an operator set)."""
+        sessions = self.key_sessions if self.key_sessions < self.max_sessions else None
+        budget = self.key_budget
+        if budget is not None and self.kv_budget is not None and budget >= self.kv_budget:
+            budget = None
+        return sessions, budget
+
 
 class Held(Protocol):
     """What admission reads of a session in the store."""
@@ -74,7 +84,7 @@ def plan_admission(held: Sequence[Held], busy: Sequence[bool], owner: str, cost:
     `owner` reserving `cost` bytes fits every limit; ResourceExhausted (evicting nothing) when it cannot.
     `draining`: sessions that ended while busy and still hold their cache (their bytes count, nothing else).
     `evict=False`: nothing may be evicted, so any limit already reached refuses."""
-    for budget, what, limit in ((limits.key_budget, "per API key", "kv_budget_per_key"),
+    for budget, what, limit in ((limits.tighter_key_limits[1], "per API key", "kv_budget_per_key"),
                                 (limits.kv_budget, "of the server", "kv_budget")):
         if budget is not None and cost > budget:  # would not fit in an empty store: evict nothing
             raise ResourceExhausted(
@@ -125,10 +135,11 @@ class _Usage:
 
 
 def _key_over(use: _Usage, cost: int, limits: Limits) -> tuple[str, str] | None:
-    if use.key_count + 1 > limits.key_sessions:
-        return "sessions_per_key", f"the session quota of {limits.key_sessions} per API key is reached"
-    if limits.key_budget is not None and use.key_total + cost > limits.key_budget:
-        return "kv_budget_per_key", (f"the KV budget of {size_text(limits.key_budget)} per API key is exhausted "
+    sessions, budget = limits.tighter_key_limits
+    if sessions is not None and use.key_count + 1 > sessions:
+        return "sessions_per_key", f"the session quota of {sessions} per API key is reached"
+    if budget is not None and use.key_total + cost > budget:
+        return "kv_budget_per_key", (f"the KV budget of {size_text(budget)} per API key is exhausted "
                                      f"({size_text(use.key_total)} reserved, this session may need up to {size_text(cost)})")
     return None
 
