@@ -724,3 +724,22 @@ def test_an_import_being_checked_holds_up_no_other_call(monkeypatch):
             release.set()
             importer.join(30)
         assert result and result[0].info().history_length == 3
+
+
+def test_a_recovered_session_reserves_its_worst_case_at_its_own_context(tmp_path: Path):
+    """A session keeps the context it was created with across a restart with a shorter --context, and may grow to
+    it: it reserved its worst case at the new server's context, half of what it could hold."""
+    from kakeya import KvPolicy
+
+    from kakeya_runtime.sessions.budget import kv_worst_case_bytes
+
+    state = tmp_path / "state"
+    with running_server(tiny_served(), state_dir=str(state), context_length=512) as thread, \
+            Client(thread.address) as client:
+        sid = client.create_session([1, 2, 3], policy=KvPolicy("restore", {"sink": 4, "window": 16})).id
+    with running_server(tiny_served(), state_dir=str(state), context_length=256) as thread:
+        service = thread.server.service
+        session = service.store.get("", sid)
+        assert session.context_length == 512
+        want = kv_worst_case_bytes(service.engine.config, session.policy, 512, service.engine.dtype)
+        assert service.store.kv_reserved_bytes() == want > service.kv_reserve(session.policy)

@@ -307,7 +307,7 @@ class SessionService:
         limits = self.config.limits or Limits(max_sessions=self.config.max_sessions)
         self.store = SessionStore(idle_ttl_s=self.config.idle_ttl_s, observer=self.observer, clock=clock,
                                   limits=limits, journal=state)
-        self._worst_case: dict[PolicySpec, int] = {}
+        self._worst_case: dict[tuple[PolicySpec, int], int] = {}
         self._governed = governed_layers(engine.config)  # the layers a sparse cache counts (kv.policy)
         self._ending = False  # end_generations was called: a cancelled Generate answers UNAVAILABLE
         self.scheduler = BatchScheduler(engine, max_batch=self.config.max_concurrent,
@@ -382,8 +382,9 @@ class SessionService:
                                              r.context_length)
                 speculation = r.settings.get("speculation")
                 default = None if speculation is None else parse_speculation(*speculation)
-                self.store.adopt(r.id, r.owner, spec, r.context_length, r.history, reserve_bytes=self.kv_reserve(spec),
-                                 snapshot=r.snapshot, speculation=default, idle_s=alive - r.mtime)
+                self.store.adopt(r.id, r.owner, spec, r.context_length, r.history,
+                                 reserve_bytes=self.kv_reserve(spec, r.context_length), snapshot=r.snapshot,
+                                 speculation=default, idle_s=alive - r.mtime)
             except SessionError as e:
                 raise StateDirError(f"cannot recover session {r.id} ({len(r.history)} tokens, policy {r.policy_name}): "
                                     f"{e.message}; start with limits and policies that admit it") from None
@@ -437,12 +438,14 @@ class SessionService:
         return self.store.create(owner, spec, self.context_length, initial_tokens, reserve_bytes=self.kv_reserve(spec),
                                  evict=evict, speculation=default, durable=durable)
 
-    def kv_reserve(self, spec: PolicySpec) -> int:
-        """The KV bytes a session with this policy reserves against the budget: its worst case at the context."""
-        cost = self._worst_case.get(spec)
+    def kv_reserve(self, spec: PolicySpec, context_length: int | None = None) -> int:
+        """The KV bytes a session with this policy reserves against the budget: its worst case at its context (the
+        server's, or a recovered session's own, kept from a start with a longer --context)."""
+        context = context_length or self.context_length
+        cost = self._worst_case.get((spec, context))
         if cost is None:
-            cost = self._worst_case[spec] = kv_worst_case_bytes(self.engine.config, spec, self.context_length,
-                                                                self.engine.dtype)
+            cost = self._worst_case[(spec, context)] = kv_worst_case_bytes(self.engine.config, spec, context,
+                                                                           self.engine.dtype)
         return cost
 
     async def append(self, owner: str, session_id: str, tokens: Sequence[int],
