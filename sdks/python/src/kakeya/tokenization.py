@@ -42,6 +42,8 @@ class Tokenizer:
         if not tokenizer_json:
             raise ValueError("the server sent no tokenizer.json for this model")
         self.hf = HFTokenizer.from_str(tokenizer_json)
+        self._json = tokenizer_json
+        self._literal: Any = None  # a second tokenizer that reads special-token text as plain text (made on demand)
         self.chat_template = chat_template
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
@@ -136,10 +138,42 @@ class Tokenizer:
                 "'role' and a string 'content' (from_openai_messages converts OpenAI-style content parts)") from e
 
     def tokens_for_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                        **template_kwargs: Any) -> list[int]:
-        """The whole conversation as raw token ids (for CreateSession(initial_tokens=...))."""
-        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                            **template_kwargs))
+                        literal_content: bool = False, **template_kwargs: Any) -> list[int]:
+        """The whole conversation as raw token ids (for CreateSession(initial_tokens=...)).
+
+        As Hugging Face's apply_chat_template, special-token text inside a message ("<|im_end|>") becomes that
+        control token, so a message can close its own turn and open another (a forged system turn). With
+        `literal_content` such text in a message's content is tokenized as the plain text it is; the OpenAI shim
+        uses it, as the OpenAI API treats content. Content without special-token text tokenizes the same either
+        way."""
+        rendered = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        if not literal_content:
+            return self.encode(rendered)
+        specials = [t.content for t in self.hf.get_added_tokens_decoder().values() if t.special and t.content]
+        ids: list[int] = []
+        at = 0
+        for message in messages:
+            content = message.get("content")
+            if not isinstance(content, str) or not any(s in content for s in specials):
+                continue
+            # where the template put this content (as given, or trimmed as some templates do)
+            start = rendered.find(content, at)
+            if start < 0 and (content := content.strip()):
+                start = rendered.find(content, at)
+            if start < 0:
+                raise ChatTemplateError("the chat template changed a message's content, so its special-token text "
+                                        "cannot be kept literal")
+            ids += self.encode(rendered[at:start]) + self._encode_literal(content)
+            at = start + len(content)
+        return ids + self.encode(rendered[at:])
+
+    def _encode_literal(self, text: str) -> list[int]:
+        if self._literal is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self._literal = HFTokenizer.from_str(self._json)
+            self._literal.encode_special_tokens = True
+        return self._literal.encode(text, add_special_tokens=False).ids
 
     def chat_delta(self, history_ids: Sequence[int], messages: Sequence[Mapping[str, Any]], *,
                    add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:

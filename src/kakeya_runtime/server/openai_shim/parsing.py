@@ -81,7 +81,7 @@ class RequestParser:
         from kakeya.tokenization import ChatTemplateError
 
         try:
-            ids = self.tokenizer.tokens_for_chat(messages)
+            ids = self.tokenizer.tokens_for_chat(messages, literal_content=True)  # content is text, as OpenAI's
         except ChatTemplateError as e:
             raise bad(f"the chat template refused the messages: {e}", "messages") from None
         return self._parse(body, ids, chat=True)
