@@ -94,8 +94,12 @@ def test_template_errors(tok):
         Tokenizer(tok.hf.to_str(), chat_template="{% for %}").render_chat([])
     for bad in ([{"content": "no role"}], [{"role": "user", "content": None}],
                 [{"role": "user", "content": [{"type": "text", "text": "parts"}]}]):  # the real SmolLM2 template
-        with pytest.raises(ChatTemplateError, match="could not render"):  # not jinja2's or Python's own errors
+        with pytest.raises(ChatTemplateError, match="could not render|no string content"):  # not jinja2's own
             tok.tokens_for_chat(bad)
+    echo = Tokenizer(tok.hf.to_str(), chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    for content in (42, ["a", "b"], [{"type": "text", "text": "x"}]):  # a template that would print them as text
+        with pytest.raises(ChatTemplateError, match="message 0 has no string content"):
+            echo.render_chat([{"role": "user", "content": content}])
     tools = Tokenizer(tok.hf.to_str(), chat_template="{{ messages[0].tool_calls | tojson }}|{{ extra }}")
     msgs = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": "é"}}}]}]
     assert tools.render_chat(msgs, extra=7) == '[{"function": {"name": "f", "arguments": {"a": "é"}}}]|7'

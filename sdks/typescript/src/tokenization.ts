@@ -37,6 +37,39 @@ export interface ChatOptions {
   templateKwargs?: Record<string, unknown>;
 }
 
+// Unicode whitespace as Rust's char::is_whitespace has it (JavaScript's \s also takes U+FEFF and not U+0085).
+const WS = "\\t\\n\\x0b\\x0c\\r \\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000";
+// The GPT-2 split that ByteLevel(use_regex) runs, with that whitespace spelled out.
+const GPT2_SPLIT = `'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^${WS}\\p{L}\\p{N}]+|[${WS}]+(?![^${WS}])|[${WS}]+`;
+
+type Json = Record<string, unknown>;
+
+/**
+ * The tokenizer.json with the two pre-tokenizers whose JavaScript regexes differ from Rust's (the tokenizers
+ * library the server, the Python SDK and llama.cpp use) rewritten as equal explicit splits: Digits matched only
+ * ASCII digits (JavaScript's \d; Rust: every numeric character, so "٣٤٥" or "²" tokenized differently), and
+ * ByteLevel's GPT-2 split took JavaScript's \s. Same ids as the Rust tokenizer, whatever the text.
+ */
+function rustRegexes(json: Json): Json {
+  const rewrite = (p: Json): Json[] => {
+    if (p.type === "Digits" && p.individual_digits === true) {
+      return [{ type: "Split", pattern: { Regex: "\\p{N}" }, behavior: "Isolated", invert: false }];
+    }
+    if (p.type === "ByteLevel" && p.use_regex !== false) {
+      return [{ type: "Split", pattern: { Regex: GPT2_SPLIT }, behavior: "Isolated", invert: false },
+        { ...p, use_regex: false }];
+    }
+    if (p.type === "Sequence" && Array.isArray(p.pretokenizers)) {
+      return [{ ...p, pretokenizers: (p.pretokenizers as Json[]).flatMap(rewrite) }];
+    }
+    return [p];
+  };
+  const pre = json.pre_tokenizer as Json | null | undefined;
+  if (!pre) return json;
+  const out = rewrite(pre);
+  return { ...json, pre_tokenizer: out.length === 1 ? out[0] : { type: "Sequence", pretokenizers: out } };
+}
+
 /** The model has no chat template, or the template refused the messages. */
 export class ChatTemplateError extends Error {
   constructor(message: string) {
@@ -63,7 +96,7 @@ export class Tokenizer {
     eosTokenIds?: Iterable<number> } = {}) {
     if (!tokenizerJson) throw new Error("the server sent no tokenizer.json for this model");
     this.tokenizerJson = tokenizerJson;
-    this.hf = new HFTokenizer(JSON.parse(tokenizerJson), { clean_up_tokenization_spaces: false });
+    this.hf = new HFTokenizer(rustRegexes(JSON.parse(tokenizerJson)), { clean_up_tokenization_spaces: false });
     this.chatTemplate = options.chatTemplate ?? null;
     this.bosTokenId = options.bosTokenId ?? null;
     this.eosTokenIds = [...(options.eosTokenIds ?? [])];
@@ -136,6 +169,11 @@ export class Tokenizer {
   /** The chat template rendered to text (Hugging Face semantics: trim_blocks, lstrip_blocks, tojson). */
   renderChat(messages: readonly ChatMessage[], options: ChatOptions = {}): string {
     if (!this.chatTemplate) throw new ChatTemplateError("this model has no chat template; tokenize plain text with encode(text, { addSpecialTokens: true }), which starts it with the BOS token");
+    const bad = messages.findIndex((m) => typeof (m as { content?: unknown })?.content !== "string");
+    if (bad >= 0) { // the template would print an object or a number into the prompt as text
+      throw new ChatTemplateError(`message ${bad} has no string content: each message needs a 'role' and a string `
+        + "'content' (fromOpenAIMessages converts OpenAI-style content parts)");
+    }
     if (this.template === undefined) {
       try {
         this.template = new Template(this.chatTemplate);

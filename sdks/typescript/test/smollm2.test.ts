@@ -26,6 +26,9 @@ const CONVERSATIONS: OpenAIMessage[][] = [
       tool_calls: [{ id: "c1", type: "function", function: { name: "mul", arguments: '{"a": 6, "b": 7}' } }] },
     { role: "tool", tool_call_id: "c1", content: "42" },
   ],
+  // Numerals and whitespace where JavaScript's regexes differ from Rust's (\d is ASCII only; \s takes U+FEFF, not
+  // U+0085): the TypeScript ids differed from the runtime's for these.
+  [{ role: "user", content: "Price: ٣٤٥ and ৭৮, area x ² m, Chapter Ⅻ, ½ cup, x\ufeff's a\u0085'll b\u00a0c\u3000d" }],
 ];
 
 // The runtime's side, in Python: SmolLM2's own tokenizer (built from the GGUF, not the tokenizer.json a client gets)

@@ -21,6 +21,10 @@ Message = dict[str, Any]
 _INSTALL_HINT = "client-side tokenization needs the `tokenize` extra: pip install './sdks/python[tokenize]' (from a checkout)"
 
 
+_CONTENT_RULE = ("each message needs a 'role' and a string 'content' (from_openai_messages converts OpenAI-style "
+                 "content parts)")
+
+
 class ChatTemplateError(ValueError):
     """The model has no chat template, or the template refused the messages."""
 
@@ -124,6 +128,9 @@ class Tokenizer:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; tokenize plain text with "
                                     "encode(text, add_special_tokens=True), which starts it with the BOS token")
+        bad = next((i for i, m in enumerate(messages) if not isinstance(m.get("content"), str)), None)
+        if bad is not None:  # some templates would print a list or a number into the prompt as text
+            raise ChatTemplateError(f"message {bad} has no string content: {_CONTENT_RULE}")
         if self._template is None:
             self._template = _compile(self.chat_template)
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **template_kwargs}
@@ -134,8 +141,7 @@ class Tokenizer:
             raise
         except Exception as e:  # jinja2's UndefinedError for a missing role, TypeError for non-string content, ...
             raise ChatTemplateError(
-                f"the chat template could not render these messages ({type(e).__name__}: {e}); each message needs a "
-                "'role' and a string 'content' (from_openai_messages converts OpenAI-style content parts)") from e
+                f"the chat template could not render these messages ({type(e).__name__}: {e}); {_CONTENT_RULE}") from e
 
     def tokens_for_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                         literal_content: bool = False, **template_kwargs: Any) -> list[int]:
