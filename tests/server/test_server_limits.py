@@ -349,7 +349,7 @@ def test_exports_in_progress_share_a_byte_budget():
         archive = session.export(include_kv=True)
         servicer = thread.server.servicer
         assert servicer.exports.total == 0  # given back once read
-        servicer.exports = _HeldBytes("exports", len(archive) // 4, keyed=False)  # 2 x a quarter: half an archive
+        servicer.exports = _HeldBytes("exports", len(archive) // 4, keys=0)  # 2 x a quarter: half an archive
         with pytest.raises(ResourceExhausted, match="other exports in progress"):
             session.export(include_kv=True)
         assert sample(scrape(thread), "kakeya_limit_refusals_total", '{limit="exports"}') == 1
@@ -394,3 +394,22 @@ def test_a_budget_smaller_than_one_default_session_is_warned_at_start():
     with running_server(tiny_served()) as thread:
         assert small_budget_warning(thread.server.service) is None
     assert _size(1 << 20) == "1.0 MiB" and _size(0) == "none"
+
+
+def test_every_key_has_room_for_one_transfer_of_its_own():
+    """With three keys or more, two keys within their own shares held the whole total (twice one archive) and a
+    third key's exports were refused: the total is now one archive per key when there are more keys than two."""
+    from kakeya_runtime.server.grpc_app import _HeldBytes
+
+    held = _HeldBytes("exports", 10, keys=3)
+    for key in ("a", "b", "c"):
+        held.take(key, 10)
+    with pytest.raises(ResourceExhausted, match="this key's other exports"):
+        held.take("a", 1)
+    held.give_back("c", 10)
+    two = _HeldBytes("imports", 10, keys=0)  # auth off: twice one archive in all
+    two.take("", 10)
+    two.take("", 10)
+    with pytest.raises(ResourceExhausted, match="other imports in progress"):
+        two.take("", 1)
+    assert (held.total, held.by_key) == (20, {"a": 10, "b": 10})

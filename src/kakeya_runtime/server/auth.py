@@ -48,6 +48,11 @@ class ApiKeyAuth:
     def enabled(self) -> bool:
         return bool(self._keys)
 
+    @property
+    def count(self) -> int:
+        """Distinct keys (0: auth off)."""
+        return len(self._keys)
+
     def owner(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
         """The caller's owner id, or None when a key is required and missing or wrong."""
         if not self._keys:

@@ -226,19 +226,20 @@ EXPORT_STALL_S = 30.0  # an export its client does not read for this long is end
 @dataclass(slots=True)
 class _HeldBytes:
     """Bytes that transfers in progress hold (imports or exports), all together and per API key; `take` refuses
-    what would pass `each` for one key (when keys are in use) or `factor * each` for all."""
+    what would pass `each` for one key (when there are keys) or, for all, `each` times the factor or the number of
+    keys, whichever is more (so every key has room for one of its own)."""
 
     what: str  # "imports" or "exports": the limit's name
     each: int
-    keyed: bool
+    keys: int  # distinct API keys; 0: auth off
     total: int = 0
     by_key: dict[str, int] = field(default_factory=dict)
 
     def take(self, owner: str, n: int) -> None:
-        if self.keyed and self.by_key.get(owner, 0) + n > self.each:
+        if self.keys and self.by_key.get(owner, 0) + n > self.each:
             raise ResourceExhausted(f"this key's other {self.what} in progress hold the bytes one archive may take; "
                                     "retry when they end", limit=self.what)
-        if self.total + n > IMPORT_BUFFER_FACTOR * self.each:
+        if self.total + n > max(IMPORT_BUFFER_FACTOR, self.keys) * self.each:
             raise ResourceExhausted(f"other {self.what} in progress hold the bytes archives may take at once; "
                                     "retry shortly", limit=self.what)
         self.total += n
@@ -293,8 +294,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         # An archive holds at most the context's token ids and a snapshot of the largest cache (full) at the context.
         full = service.policies.resolve("full", {}, cfg, service.context_length)
         self.max_import_bytes = 4 * service.context_length + 2 * service.kv_reserve(full) + REQUEST_HEADROOM_BYTES
-        self.imports = _HeldBytes("imports", self.max_import_bytes, auth.enabled)  # the archives they buffered
-        self.exports = _HeldBytes("exports", self.max_import_bytes, auth.enabled)  # those not yet read
+        self.imports = _HeldBytes("imports", self.max_import_bytes, auth.count)  # the archives they buffered
+        self.exports = _HeldBytes("exports", self.max_import_bytes, auth.count)  # those not yet read
         self._closing: set[asyncio.Task] = set()  # sessions being closed for callers that cancelled their create
 
     async def _owner(self, context: grpc.aio.ServicerContext) -> str:
@@ -431,6 +432,10 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                     await asyncio.wait_for(context.write(chunk), EXPORT_STALL_S)
                 except TimeoutError:
                     raise Unavailable(f"ExportSession: the archive was not read for {EXPORT_STALL_S:g} s") from None
+                except Exception:
+                    if context.cancelled():  # the client went away: a cancel (as a Generate's), not a server error
+                        raise asyncio.CancelledError from None
+                    raise
         finally:
             self.exports.give_back(owner, len(data))
             view = data = None  # noqa: F841 (a failed export's traceback keeps this frame)
@@ -451,7 +456,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                 self.imports.take(owner, len(data))
                 size += len(data)
                 parts.append(data)
-            archive_bytes = b"".join(parts)
+            archive_bytes = await asyncio.to_thread(b"".join, parts)  # hundreds of MB: not on the event loop
             parts.clear()
             session, kv_loaded = await self.service.import_session(owner, archive_bytes, load_kv=not ignore_kv)
         finally:

@@ -543,8 +543,9 @@ class SessionService:
                 elif session.snapshot is not None and self.state is not None:  # recovered, not yet loaded
                     kv = await asyncio.to_thread(self._current_snapshot, session.snapshot)
             spec = session.policy
-            return archive.encode(self.model_id, spec.name, dict(spec.params), session.context_length, history, kv,
-                                  session_settings(session), checkpoint=self.checkpoint)
+            return await asyncio.to_thread(  # a checksum and copies of hundreds of MB: not on the event loop
+                archive.encode, self.model_id, spec.name, dict(spec.params), session.context_length, history, kv,
+                session_settings(session), checkpoint=self.checkpoint)
         except RuntimeError:  # the scheduler was shut down
             raise Unavailable("the server is shutting down") from None
         finally:
