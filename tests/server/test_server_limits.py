@@ -400,16 +400,17 @@ def test_every_key_has_room_for_one_transfer_of_its_own():
     """With three keys or more, two keys within their own shares held the whole total (twice one archive) and a
     third key's exports were refused: the total is now one archive per key when there are more keys than two."""
     from kakeya_runtime.server.grpc_app import _HeldBytes
+    from kakeya_runtime.sessions.errors import ResourceExhausted as Refused
 
     held = _HeldBytes("exports", 10, keys=3)
     for key in ("a", "b", "c"):
         held.take(key, 10)
-    with pytest.raises(ResourceExhausted, match="this key's other exports"):
+    with pytest.raises(Refused, match="this key's other exports"):
         held.take("a", 1)
     held.give_back("c", 10)
     two = _HeldBytes("imports", 10, keys=0)  # auth off: twice one archive in all
     two.take("", 10)
     two.take("", 10)
-    with pytest.raises(ResourceExhausted, match="other imports in progress"):
+    with pytest.raises(Refused, match="other imports in progress"):
         two.take("", 1)
     assert (held.total, held.by_key) == (20, {"a": 10, "b": 10})
