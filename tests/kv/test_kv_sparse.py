@@ -404,6 +404,14 @@ def test_a_session_is_bound_to_the_head_profile_it_was_built_with(tiny_llama, tm
                   lambda: make_policy_cache(tiny_llama.config, again)):
         with pytest.raises(PolicyError, match="built with the head profile"):
             check()
+    # the digest covers the sizes a profile was measured for (the same modes at two windows shared one digest and
+    # one kept copy, so a rebuild found the other's sizes); a digest from before it covered them still binds
+    from kakeya_runtime.kv.heads import HeadProfile, load_profile
+
+    current = load_profile(tiny_llama.config)
+    assert HeadProfile(current.fingerprint, current.layers, {**current.sizes, "window": 16}).digest != current.digest
+    legacy = PolicySpec.parse("sparse", {**params, "heads": f"profile:{current.legacy_digest}"})
+    assert check_head_profile(tiny_llama.config, legacy).heads == f"profile:{current.digest}"  # bound anew
     # measured for other sizes, or for layers the policy does not govern: refused, naming both
     _write_profile(tiny_llama.config, modes, tmp_path / "heads", sizes={**SMALL, "window": 16})
     with pytest.raises(PolicyError, match="measured for sink 3, window 16, block 4, topk 3"):

@@ -56,10 +56,18 @@ class HeadProfile:
 
     @property
     def digest(self) -> str:
-        """What a session built with this profile records (policy param heads=profile:<digest>): the same modes, the
-        same digest, so a session is never rebuilt on another profile's modes unnoticed."""
-        text = json.dumps({"fingerprint": self.fingerprint, "modes": {str(k): list(v) for k, v in
-                                                                      sorted(self.layers.items())}}, sort_keys=True)
+        """What a session built with this profile records (policy param heads=profile:<digest>): the same modes
+        measured for the same sizes, the same digest, so a session is never rebuilt on another profile unnoticed."""
+        return self._digest_of({"sizes": self.sizes})
+
+    @property
+    def legacy_digest(self) -> str:
+        """The digest sessions recorded before it covered the sizes (modes alone)."""
+        return self._digest_of({})
+
+    def _digest_of(self, extra: dict) -> str:
+        modes = {str(k): list(v) for k, v in sorted(self.layers.items())}
+        text = json.dumps({"fingerprint": self.fingerprint, "modes": modes, **extra}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:DIGEST_CHARS]
 
     @classmethod

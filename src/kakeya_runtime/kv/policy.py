@@ -78,7 +78,7 @@ def _profile_for(config: ModelConfig, spec: PolicySpec) -> HeadProfile:
     bound = spec.heads.partition(":")[2]
     try:
         profile = load_profile(config)
-        if bound and bound != profile.digest:
+        if bound and bound not in (profile.digest, profile.legacy_digest):
             kept = load_bound(config, bound)
             if kept is None:
                 raise PolicyError(f"this session was built with the head profile {bound}, which is neither the "

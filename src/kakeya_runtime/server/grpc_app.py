@@ -236,12 +236,18 @@ class _HeldBytes:
     by_key: dict[str, int] = field(default_factory=dict)
 
     def take(self, owner: str, n: int) -> None:
+        if self.total == 0:  # alone, a transfer always goes: an export of a session recovered with a longer
+            self._add(owner, n)  # context than this server's may pass `each`, and retrying would never help
+            return
         if self.keys and self.by_key.get(owner, 0) + n > self.each:
             raise ResourceExhausted(f"this key's other {self.what} in progress hold the bytes one archive may take; "
                                     "retry when they end", limit=self.what)
         if self.total + n > max(IMPORT_BUFFER_FACTOR, self.keys) * self.each:
             raise ResourceExhausted(f"other {self.what} in progress hold the bytes archives may take at once; "
                                     "retry shortly", limit=self.what)
+        self._add(owner, n)
+
+    def _add(self, owner: str, n: int) -> None:
         self.total += n
         self.by_key[owner] = self.by_key.get(owner, 0) + n
 
@@ -429,12 +435,14 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             for at in range(0, len(view), ARCHIVE_CHUNK_BYTES):
                 chunk = pb.ExportSessionResponse(data=bytes(view[at : at + ARCHIVE_CHUNK_BYTES]))
                 try:
-                    await asyncio.wait_for(context.write(chunk), EXPORT_STALL_S)
-                except TimeoutError:
-                    raise Unavailable(f"ExportSession: the archive was not read for {EXPORT_STALL_S:g} s") from None
-                except Exception:
-                    if context.cancelled():  # the client went away: a cancel (as a Generate's), not a server error
+                    async with asyncio.timeout(EXPORT_STALL_S):
+                        await context.write(chunk)
+                except Exception as e:
+                    if context.cancelled() or context.done():  # the client went away: a cancel, not a server error
                         raise asyncio.CancelledError from None
+                    if isinstance(e, TimeoutError):
+                        raise Unavailable(f"ExportSession: the archive was not read for {EXPORT_STALL_S:g} s") \
+                            from None
                     raise
         finally:
             self.exports.give_back(owner, len(data))
