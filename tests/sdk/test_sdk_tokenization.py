@@ -59,6 +59,19 @@ def test_literal_content_keeps_special_token_text_as_text(tok):
     assert tok.tokens_for_chat(plain, literal_content=True) == tok.tokens_for_chat(plain)
 
 
+def test_chat_delta_after_a_reply_ending_on_another_eos(tok):
+    """SmolLM2 ends a reply on <|endoftext|> or <|im_end|>, and its template closes a turn with <|im_end|>: a reply
+    that ended on <|endoftext|> made every later chat_delta raise ChatTemplateMismatch."""
+    both = Tokenizer(tok.hf.to_str(), chat_template=tok.chat_template, eos_token_ids=(2, 0))
+    messages = [{"role": "user", "content": "hi"}]
+    history = both.tokens_for_chat(messages) + both.encode("Hello") + [0]  # <|endoftext|>
+    messages += [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "more"}]
+    delta = both.chat_delta(history, messages)
+    assert both.decode(delta, skip_special_tokens=False) == "\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ChatTemplateMismatch):  # only an EOS stands for the turn's end
+        both.chat_delta(history[:-1] + [5], messages)
+
+
 def test_chat_delta_appends_only_the_new_turn(tok):
     messages = [{"role": "user", "content": "hi"}]
     history = tok.chat_delta([], messages)

@@ -211,6 +211,13 @@ export class Tokenizer {
     const rendered = this.renderChat(messages, options);
     if (historyIds.length === 0) return this.encode(rendered);
     const prefix = this.decode(historyIds, { skipSpecialTokens: false });
+    if (!rendered.startsWith(prefix) && this.eosTokenIds.includes(historyIds[historyIds.length - 1])) {
+      // a reply that ended on another of the model's EOS tokens than the one the template closes a turn with
+      // (SmolLM2's <|endoftext|> where it writes <|im_end|>): that token stands for the turn's end
+      const before = this.decode(historyIds.slice(0, -1), { skipSpecialTokens: false });
+      const close = this.eosTokenIds.map((id) => this.tokenText(id)).find((e) => e && rendered.startsWith(before + e));
+      if (close !== undefined) return this.encode(rendered.slice(before.length + close.length));
+    }
     if (!rendered.startsWith(prefix)) {
       let at = 0;
       while (at < Math.min(prefix.length, rendered.length) && prefix[at] === rendered[at]) at++;

@@ -70,10 +70,28 @@ describe("tokenization", () => {
       .startsWith("<|im_end|>\n<|im_start|>user"));
   });
 
+  it("chatDelta after a reply ending on another EOS (SmolLM2's <|endoftext|>) closes the turn", () => {
+    const both = new Tokenizer(tok.tokenizerJson, { chatTemplate: tok.chatTemplate, eosTokenIds: [2, 0] });
+    const messages: ChatMessage[] = [{ role: "user", content: "hi" }];
+    const history = [...both.tokensForChat(messages), ...both.encode("Hello"), 0];
+    messages.push({ role: "assistant", content: "Hello" }, { role: "user", content: "more" });
+    assert.equal(both.decode(both.chatDelta(history, messages), { skipSpecialTokens: false }),
+      "\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n");
+    assert.throws(() => both.chatDelta([...history.slice(0, -1), 5], messages), ChatTemplateMismatch);
+  });
+
   it("chatDelta refuses a rewritten history", () => {
     const history = tok.tokensForChat([{ role: "user", content: "first" }]);
     assert.throws(() => tok.chatDelta(history, [{ role: "user", content: "edited" }]),
       (e: Error) => e instanceof ChatTemplateMismatch && /diverges/.test(e.message));
+  });
+
+  it("a message without string content is refused, not printed into the prompt", () => {
+    const echo = new Tokenizer(tok.tokenizerJson, { chatTemplate: "{% for m in messages %}{{ m['content'] }}{% endfor %}" });
+    for (const content of [42, ["a", "b"], [{ type: "text", text: "x" }]]) {
+      assert.throws(() => echo.renderChat([{ role: "user", content } as never]),
+        (e: Error) => e instanceof ChatTemplateError && /message 0 has no string content/.test(e.message));
+    }
   });
 
   it("template errors", () => {

@@ -193,6 +193,14 @@ class Tokenizer:
         if not history_ids:
             return self.encode(rendered)
         prefix = self.decode(history_ids, skip_special_tokens=False)
+        if not rendered.startswith(prefix) and history_ids[-1] in self.eos_token_ids:
+            # a reply that ended on another of the model's EOS tokens than the one the template closes a turn with
+            # (SmolLM2's <|endoftext|> where it writes <|im_end|>): that token stands for the turn's end
+            before = self.decode(history_ids[:-1], skip_special_tokens=False)
+            close = next((e for e in map(self.token_text, self.eos_token_ids)
+                          if e and rendered.startswith(before + e)), None)
+            if close is not None:
+                return self.encode(rendered[len(before) + len(close):])
         if not rendered.startswith(prefix):
             at = next((i for i, (a, b) in enumerate(zip(prefix, rendered, strict=False)) if a != b),
                       min(len(prefix), len(rendered)))
