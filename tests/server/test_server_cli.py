@@ -94,6 +94,48 @@ def test_chat_refuses_bad_settings_before_connecting(flag, value):
     assert result.exit_code == 2 and flag in result.output and "cannot reach" not in result.output, result.output
 
 
+def test_chat_takes_a_pasted_block_as_one_message(server):
+    """Pasting several lines sent each as its own turn (a reply each); a \"\"\" block is now one message."""
+    result = CliRunner().invoke(
+        _app(), ["chat", "--addr", server.address, "--max-tokens", "2", "--temperature", "0"],
+        input='"""\nSummarize this:\nline one\nline two\n"""\n/exit\n')
+    assert result.exit_code == 0, result.output
+    assert len([line for line in result.output.splitlines() if line.startswith("prefill ")]) == 1
+
+
+def test_chat_refuses_a_malformed_key_without_a_traceback(monkeypatch):
+    """A key with a non-ASCII character raised a traceback from the client's constructor; the server's
+    space-separated KAKEYA_API_KEY list was sent whole as one key."""
+    from kakeya_runtime.server.testing import running_server, tiny_served
+
+    bad = CliRunner().invoke(_app(), ["chat", "--addr", "127.0.0.1:1", "--api-key", "kéy-0123456789abc"], input="")
+    assert bad.exit_code == 2 and "error:" in bad.output and "Traceback" not in bad.output
+    keys = ("key-a-0123456789abcdef", "key-b-0123456789abcdef")
+    monkeypatch.setenv("KAKEYA_API_KEY", " ".join(keys))
+    with running_server(tiny_served(), api_keys=keys) as thread:
+        result = CliRunner().invoke(_app(), ["chat", "--addr", thread.address, "--raw", "--max-tokens", "2"],
+                                    input="hi\n")
+    assert result.exit_code == 0 and "prefill" in result.output, result.output
+
+
+def test_chat_says_when_the_server_lost_its_session(server):
+    """A server restarted without --state-dir (or an evicted session) ended the chat with a bare SessionNotFound."""
+    service = server.server.service
+    real = service.append
+
+    async def gone(owner, session_id, *args, **kwargs):
+        service.store.close(owner, session_id)  # as a restart without a state dir leaves it
+        return await real(owner, session_id, *args, **kwargs)
+
+    service.append = gone
+    try:
+        result = CliRunner().invoke(_app(), ["chat", "--addr", server.address, "--raw", "--max-tokens", "2"],
+                                    input="hi\n")
+    finally:
+        service.append = real
+    assert result.exit_code == 1 and "no longer has this session" in " ".join(result.output.split()), result.output
+
+
 def test_chat_reports_an_unreachable_server():
     result = CliRunner().invoke(_app(), ["chat", "--addr", "127.0.0.1:1"], input="")
     assert result.exit_code == 1 and "cannot reach" in result.output
@@ -229,8 +271,11 @@ def test_chat_reaches_a_tls_server_with_its_certificate(tmp_path):
     with running_server(tiny_served(), tls_cert=str(cert), tls_key=str(key)) as thread:
         plain = CliRunner().invoke(_app(), ["chat", "--addr", thread.address], input="")
         assert plain.exit_code == 1 and "cannot reach" in plain.output
+        assert "if it serves TLS, pass --root-certificates" in " ".join(plain.output.split())  # a hint, not a guess
         result = CliRunner().invoke(_app(), ["chat", "--addr", thread.address, "--root-certificates", str(cert),
                                              "--raw", "--max-tokens", "3"], input="hello\n")
     assert result.exit_code == 0 and "prefill 6 tok" in result.output, result.output
     missing = CliRunner().invoke(_app(), ["chat", "--root-certificates", str(tmp_path / "none.pem")], input="")
     assert missing.exit_code == 2 and "not a readable file" in " ".join(missing.output.split())
+    junk = CliRunner().invoke(_app(), ["chat", "--root-certificates", str(key)], input="")  # a key, not a cert
+    assert junk.exit_code == 2 and "holds no PEM certificate" in " ".join(junk.output.split())

@@ -122,3 +122,16 @@ def _serve_model(model: str, *args: str) -> tuple[int, str]:
     cli.register(app)
     result = CliRunner().invoke(app, ["serve", "--model", model, *args])
     return result.exit_code, result.output
+
+
+def test_a_port_taken_while_the_model_loaded_is_a_clear_error(busy_port):
+    """The port check runs before the model load (minutes on a first start); a port taken meanwhile ended the start
+    in grpc's RuntimeError traceback. The server now raises PortTaken, which `kakeya serve` prints as an error."""
+    import asyncio
+
+    from kakeya_runtime.server.grpc_app import PortTaken, RuntimeServer, ServerConfig
+    from kakeya_runtime.server.testing import tiny_served
+
+    server = RuntimeServer(tiny_served(), ServerConfig(port=busy_port, metrics_port=None))
+    with pytest.raises(PortTaken, match=f"could not bind 127.0.0.1:{busy_port}"):
+        asyncio.run(server.start())

@@ -127,7 +127,7 @@ def serve(
 ) -> None:
     """Serve a model over gRPC (kakeya.v1) with server-owned sessions."""
     from kakeya_runtime.kv.spec import DEFAULT_Q, LATTICE_KINDS
-    from kakeya_runtime.server.grpc_app import RuntimeServer, ServedModel, ServerConfig
+    from kakeya_runtime.server.grpc_app import PortTaken, RuntimeServer, ServedModel, ServerConfig
     from kakeya_runtime.sessions.policy import parse_codec
 
     console = Console(stderr=True)
@@ -250,7 +250,11 @@ def serve(
         if r.previous_weights is not None:
             console.print(f"  They were last served by other weights ({r.previous_weights}: another --weights or "
                           "build): each cache is recomputed from its history at its first Generate.", soft_wrap=True)
-    asyncio.run(_serve_forever(server, console))
+    try:
+        asyncio.run(_serve_forever(server, console))
+    except PortTaken as e:  # taken while the model loaded (the check before the load passed)
+        console.print(f"[red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 def _load_draft_head(model: Any, path: str, console: Console) -> Any:
@@ -508,12 +512,15 @@ def chat(
 
     Each turn appends only the new tokens to one server session; the stats line shows how many
     tokens were prefilled (the incremental delta, not the whole conversation). Commands: /reset,
-    /info, /exit.
+    /info, /exit. A line of just \"\"\" starts a message of several lines (paste them), ended by
+    another \"\"\" line. KAKEYA_API_KEY may hold the server's space-separated keys: the first is used.
     """
     problem = sdk_missing("kakeya chat")
     if problem:
         raise SystemExit(problem)
-    from kakeya import Client, KakeyaError, Unauthenticated, Unavailable
+    with contextlib.suppress(ImportError):  # line editing, and lines past the terminal's 4095-byte line buffer
+        import readline  # noqa: F401
+    from kakeya import Client, KakeyaError, SessionNotFound, Unauthenticated, Unavailable
     from kakeya.tokenization import ChatTemplateMismatch, Tokenizer
     console = Console(highlight=False)
     out = sys.stdout
@@ -526,17 +533,26 @@ def chat(
     if problem:  # before connecting, not at the first reply
         console.print(f"[red]error:[/] {problem}")
         raise typer.Exit(2)
-    if root_certificates is not None and not Path(root_certificates).is_file():
-        console.print(f"[red]error:[/] --root-certificates {root_certificates!r} is not a readable file")
+    if root_certificates is not None and (problem := _pem_problem(root_certificates)):
+        console.print(f"[red]error:[/] --root-certificates {root_certificates!r} {problem}")
         raise typer.Exit(2)
-    with Client(addr, api_key=api_key, tls=tls, root_certificates=root_certificates) as client:
+    api_key = next(iter((api_key or "").split()), None)  # KAKEYA_API_KEY may list the server's keys: the first
+    try:
+        client = Client(addr, api_key=api_key, tls=tls, root_certificates=root_certificates)
+    except KakeyaError as e:  # a malformed key, checked before connecting
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    with client:
         try:
             info = client.model_info()
         except Unauthenticated as e:  # reached: the key is what is wrong
             console.print(f"[red]{addr} refused the API key:[/] {e} (pass --api-key or set KAKEYA_API_KEY)")
             raise typer.Exit(1) from None
         except Unavailable as e:
-            console.print(f"[red]cannot reach {addr}:[/] {e}")
+            secure = tls or root_certificates is not None
+            hint = ("if it serves plaintext, leave out --tls/--root-certificates" if secure else
+                    "if it serves TLS, pass --root-certificates (its certificate) or --tls")
+            console.print(f"[red]cannot reach {addr}:[/] {e} ({hint})")
             raise typer.Exit(1) from None
         except KakeyaError as e:
             console.print(f"[red]{addr} answered:[/] {e}")
@@ -556,7 +572,13 @@ def chat(
             while True:
                 try:
                     user = console.input("[bold green]you>[/] ")
+                    if user.strip() == '"""':  # a message of several lines, up to the next """ line
+                        lines = []
+                        while (line := console.input("[dim]...[/] ")).strip() != '"""':
+                            lines.append(line)
+                        user = "\n".join(lines)
                 except EOFError:
+                    out.write("\n")
                     break
                 cmd = user.strip()
                 if cmd in ("/exit", "/quit"):
@@ -627,12 +649,25 @@ def chat(
                     console.print(f"[dim]prefill {st.prefill_tokens} tok in {st.prefill_s * 1e3:.0f} ms · TTFT "
                                   f"{st.ttft_s * 1e3:.0f} ms · {st.decode_tokens} tok at "
                                   f"{st.decode_tokens_per_s:.1f} tok/s · history {len(history)}/{info.context_length}[/]")
+        except SessionNotFound as e:
+            console.print(f"\n[red]the server no longer has this session[/] ({e}): it was restarted without "
+                          "--state-dir, or evicted the session; start `kakeya chat` again")
+            raise typer.Exit(1) from None
         except KakeyaError as e:
-            console.print(f"[red]{type(e).__name__}:[/] {e}")
+            console.print(f"\n[red]{type(e).__name__}:[/] {e}")
             raise typer.Exit(1) from None
         finally:
             with contextlib.suppress(KakeyaError):
                 session.close()
+
+
+def _pem_problem(path: str) -> str | None:
+    """Why `path` is not a PEM certificate file (None when it is one)."""
+    try:
+        text = Path(path).read_bytes()
+    except OSError as e:
+        return f"is not a readable file ({e.strerror or e})"
+    return None if b"-----BEGIN CERTIFICATE-----" in text else "holds no PEM certificate"
 
 
 def _resync(session: Any) -> list[int]:

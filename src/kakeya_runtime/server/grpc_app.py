@@ -476,6 +476,10 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                                         kv_loaded=kv_loaded, policy=_policy_pb(session.policy))
 
 
+class PortTaken(OSError):
+    """The gRPC port could not be bound at start."""
+
+
 def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
     remaining = context.time_remaining()
     return remaining is not None and remaining <= 0
@@ -620,13 +624,17 @@ class RuntimeServer:
         self.health = await add_health_and_reflection(server, pb.DESCRIPTOR.services_by_name["RuntimeService"].full_name)
         host = self.config.host
         bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        if self.tls is None:
-            self.port = server.add_insecure_port(f"{bind_host}:{self.config.port}")
-        else:
-            self.port = server.add_secure_port(f"{bind_host}:{self.config.port}",
-                                               grpc.ssl_server_credentials([self.tls]))
+        try:
+            if self.tls is None:
+                self.port = server.add_insecure_port(f"{bind_host}:{self.config.port}")
+            else:
+                self.port = server.add_secure_port(f"{bind_host}:{self.config.port}",
+                                                   grpc.ssl_server_credentials([self.tls]))
+        except RuntimeError:  # grpc's "Failed to bind": the port was free when checked before the load
+            self.port = 0
         if not self.port:
-            raise OSError(f"could not bind {bind_host}:{self.config.port}")
+            raise PortTaken(f"could not bind {bind_host}:{self.config.port}: another process took the port while "
+                            "the model loaded (--port picks another)")
         await server.start()
         self._server = server
         self.service.start_sweeper()
