@@ -17,6 +17,7 @@ from kakeya_runtime.engine.weights import (
     _unpack_int4,
     int4_exact,
     int5_exact,
+    int8_grid,
     quantize_int4,
     quantize_int5,
     quantize_model,
@@ -131,6 +132,44 @@ def test_gguf_q5_0_blocks_map_onto_int5_groups_exactly():
     off = w.clone()
     off[5, 9] += 1e-4
     assert not int5_exact(off) and not int5_exact(torch.randn(64, 128))
+
+
+def _q8_0(n: int, k: int, seed: int = 0, size: float = 0.01) -> torch.Tensor:
+    """Dequantized GGUF Q8_0 blocks: q * d per group of 32, q in -127..127 with one at 127 (llama.cpp's rule: d is
+    the group's largest magnitude / 127), d fp16."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * size + size / 10).to(torch.float16).float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g)
+    q[..., 5] = 127
+    return (q.float() * d).view(n, k)
+
+
+def test_gguf_q8_0_blocks_map_onto_grouped_int8_exactly():
+    """Q8_0 blocks (both bundled models' tied embedding and LM head) come back as their codes and d: what the kernel
+    multiplies by is the float weight rounded once to bf16, our bf16 reference's own weight, where per-row int8
+    rounded the head to a coarser grid (most of SmolLM2 int4's logit error). The kernel's products are
+    kakeya::linear's on those weights, bit for bit, for every row count."""
+    from kakeya_runtime.models import native
+
+    w = _q8_0(64, 128, seed=3)
+    codes, d = int8_grid(w)
+    assert torch.equal((codes.view(64, 4, 32).float() * d.float()[..., None]).view(64, 128), w)
+    lin = Int8Linear(w, None, grid=(codes, d))
+    assert lin.grouped and torch.equal(lin.dequantize(), w.to(torch.bfloat16))
+    assert not torch.equal(Int8Linear(w, None).dequantize(), w.to(torch.bfloat16))
+    assert torch.equal(lin.dequantize_rows(torch.tensor([3, 63, 0])), w[[3, 63, 0]].to(torch.bfloat16))
+    for rows in (1, 2, 3, 4, 17, 40):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        assert torch.equal(lin.kernel_mm(x), native.linear(x, w.to(torch.bfloat16))), rows
+    off = w.clone()
+    off[5, 9] += 1e-4
+    assert int8_grid(off) is None and int8_grid(torch.randn(64, 128)) is None
+    model = _tiny_llama()
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(_q8_0(256, 64, seed=5, size=0.05))
+    report = quantize_model(model, "int4-mixed")
+    assert model.lm_head.grouped and report.head_fmt is WeightFormat.INT8  # the tied head, kept exactly
+    assert torch.equal(model.embed_tokens(torch.tensor([[7, 200]]))[0], model.lm_head.dequantize()[[7, 200]])
 
 
 def test_int4_mixed_keeps_each_tensor_in_the_fewest_bits_that_hold_it():
@@ -294,3 +333,15 @@ def test_gemma3_int4_mixed_serves_its_q5_0_tensors_exactly():
     for name, m in model.named_modules():
         if isinstance(m, Int5Linear):
             assert torch.equal(m.dequantize(), ref[name + ".weight"]), name
+
+
+@pytest.mark.real_model
+def test_smollm2_int4_serves_its_q8_0_head_exactly():
+    """SmolLM2's GGUF holds its tied embedding and LM head as Q8_0: under int4 (and int4-mixed) the head is grouped
+    int8, and what the kernel multiplies by is our bf16 reference's weight bit for bit."""
+    from kakeya_runtime.models.loader import load_model
+
+    ref = load_model("smollm2", dtype=torch.bfloat16).model.embed_tokens.weight
+    model = load_model("smollm2", dtype=torch.float32).model
+    quantize_model(model, "int4")
+    assert model.lm_head.grouped and torch.equal(model.lm_head.dequantize(), ref)

@@ -14,7 +14,9 @@ PyTorch's weight-only CPU kernels on bf16 activations:
   are rounded to 4 bits; INT4_MIXED keeps those in int8 instead, except Q5_0 ones (with our kernels).
 - INT5 (inside INT4_MIXED, with our kernels): a GGUF Q5_0 block, (q - 16) * d for 5-bit codes q and an fp16 d per
   group of 32, kept exactly (`Int5Linear`): 5.5 bits a weight instead of int8's 8, and no rounding at all.
-- The LM head defaults to int8 (a tied head also serves the embedding lookup: `QuantEmbedding`).
+- The LM head defaults to int8 (a tied head also serves the embedding lookup: `QuantEmbedding`). With our kernels,
+  an int8 tensor that is exactly GGUF Q8_0 blocks (both bundled models' tied head) keeps them: int8 codes with an
+  fp16 d per group of 32 (`int8_grid`), multiplied as the bf16 weight they dequantize to.
 - BF16 / FP32: the weights as loaded, with one-row matmuls as matrix-vector products (`DenseLinear`).
 
 With our kernels (the native backend), int4 runs on ours instead (`kakeya::quant_linear`, csrc/quant_linear.cpp):
@@ -152,7 +154,7 @@ class QuantLinear(nn.Module):
                               max_rows)
         if isinstance(self, Int5Linear):
             return DecodeArgs(5, self.packed, self.scales.view(torch.float16), self.bias, torch.bfloat16, max_rows)
-        return DecodeArgs(8, self.qweight, self.kernel_scales.view(torch.float32), self.bias, torch.bfloat16, max_rows)
+        return DecodeArgs(8, self.qweight, self.kernel_sz(), self.bias, torch.bfloat16, max_rows)
 
     def dequantize(self) -> Tensor:
         """The weight this module computes with, (N, K) bf16."""
@@ -185,12 +187,25 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """Symmetric per-output-channel int8: W ~= q * s[:, None], q in [-127, 127]."""
+    """Symmetric int8: per output channel, W ~= q * s[:, None], q in [-127, 127]; or, given `grid` (int8_grid's: the
+    weight is exactly GGUF Q8_0 blocks) and our kernels, per group of 32, W = q * d with an fp16 d per group, kept
+    exactly (8.5 bits a weight; re-rounding Q8_0 blocks to per-row scales cost SmolLM2 int4 most of its logit error,
+    in its tied head)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, *, prefill: Prefill = Prefill.DEQUANT,
-                 prefill_rows: int = PREFILL_ROWS) -> None:
+                 prefill_rows: int = PREFILL_ROWS, grid: tuple[Tensor, Tensor] | None = None) -> None:
         n, k = weight.shape
         super().__init__(k, n, bias, prefill=prefill, prefill_rows=prefill_rows)
+        self.grouped = grid is not None
+        if self.grouped:
+            if not native_quant(n, k):
+                raise ValueError(f"grouped int8 weights need our kernels and a ({n}, {k}) shape in 16 x 32 tiles")
+            q, d = grid
+            self.native = True
+            self.register_buffer("qweight", pack_tiles(q, 8))  # (N, K) in 16 x 32 tiles
+            # (N/16, K/32, 16) fp16, kept as its bits so a model-wide .to(bfloat16) leaves it whole
+            self.register_buffer("scales", pack_int5_scales(d).view(torch.int16))
+            return
         q, scales = quantize_int8(weight)
         # With our kernels, our int kernel (as Int4Linear); else PyTorch's
         self.native = native_quant(n, k)
@@ -200,19 +215,26 @@ class Int8Linear(QuantLinear):
         # as their bits so a model-wide .to(bfloat16) leaves them whole; derived, so not in the state dict.
         self.register_buffer("kernel_scales", scales.float().view(torch.int32), persistent=False)
 
+    def kernel_sz(self) -> Tensor:
+        """The scales as our kernel takes them: per group fp16 (N/16, K/32, 16), or per row fp32 (N,)."""
+        return self.scales.view(torch.float16) if self.grouped else self.kernel_scales.view(torch.float32)
+
+    def _dequant_sz(self) -> Tensor:
+        return self.scales.view(torch.float16) if self.grouped else self.scales
+
     def kernel_mm(self, x: Tensor) -> Tensor:
         if self.native:
-            return native.quant_linear(x, self.qweight, self.kernel_scales.view(torch.float32), 8)
+            return native.quant_linear(x, self.qweight, self.kernel_sz(), 8)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def dequantize(self) -> Tensor:
         if self.native:
-            return native.quant_dequant(self.qweight, self.scales, 8)
+            return native.quant_dequant(self.qweight, self._dequant_sz(), 8)
         return (self.qweight * self.scales.float()[:, None]).to(torch.bfloat16)
 
     def dequantize_rows(self, rows: Tensor) -> Tensor:
         if self.native:
-            return native.quant_dequant(self.qweight, self.scales, 8, rows)
+            return native.quant_dequant(self.qweight, self._dequant_sz(), 8, rows)
         return (self.qweight[rows] * self.scales[rows, None].float()).to(torch.bfloat16)
 
 
@@ -388,6 +410,27 @@ def int5_grid(weight: Tensor, group_size: int = INT4_GROUP) -> tuple[Tensor, Ten
     return (codes, d) if bool(((codes.view_as(w).float() - 16) * d.float()[..., None] == w).all()) else None
 
 
+def int8_grid(weight: Tensor, group_size: int = INT4_GROUP) -> tuple[Tensor, Tensor] | None:
+    """(codes (N, K) int8, d (N, K/G) fp16) when `weight` is exactly q * d per group with |q| <= 127 and d fp16 (GGUF
+    Q8_0 blocks, loaded in fp32: d = the group's largest magnitude / 127), else None. Row chunks: a Gemma 3 head is
+    262,144 rows."""
+    n, k = weight.shape
+    if k % group_size:
+        return None
+    codes, scales = [], []
+    for lo in range(0, n, 4096):
+        w = weight[lo : lo + 4096].detach().float()
+        w = w.view(w.shape[0], k // group_size, group_size)
+        d = (w.abs().amax(-1) / 127.0).to(torch.float16)
+        df = d.float()[..., None]
+        q = torch.round(w / torch.where(df == 0, 1.0, df))
+        if not bool(((q.abs() <= 127) & (q * df == w)).all()):
+            return None
+        codes.append(q.to(torch.int8).view(-1, k))
+        scales.append(d)
+    return torch.cat(codes), torch.cat(scales)
+
+
 def int5_exact(weight: Tensor, group_size: int = INT4_GROUP) -> bool:
     """Whether int5 groups reproduce `weight` exactly."""
     return int5_grid(weight, group_size) is not None
@@ -530,19 +573,22 @@ def quantize_model(model: nn.Module, fmt: WeightFormat | str, *, head: WeightFor
     head_fmt = WeightFormat(head) if head is not None else WeightFormat.INT8
 
     def make(linear_weight: Tensor, bias: Tensor | None, f: WeightFormat) -> nn.Module:
-        grid = None
+        grid = grid8 = None
+        n, k = linear_weight.shape
+        ours = group_size == INT4_GROUP and native_quant(n, k)
         if f is WeightFormat.INT4_MIXED:
-            n, k = linear_weight.shape
             if int4_exact(linear_weight, group_size):
                 f = WeightFormat.INT4
             else:  # Q5_0 blocks kept as they are where our kernels run; other finer tensors in int8
-                if group_size == INT4_GROUP and native_quant(n, k):
+                if ours:
                     grid = int5_grid(linear_weight)
                 f = WeightFormat.INT8
+        if f is WeightFormat.INT8 and grid is None and ours:
+            grid8 = int8_grid(linear_weight)  # Q8_0 blocks kept as they are (per group); else per-row int8
         if grid is not None:
             m: QuantLinear = Int5Linear(linear_weight, bias, prefill=prefill, prefill_rows=prefill_rows, grid=grid)
         elif f is WeightFormat.INT8:
-            m = Int8Linear(linear_weight, bias, prefill=prefill, prefill_rows=prefill_rows)
+            m = Int8Linear(linear_weight, bias, prefill=prefill, prefill_rows=prefill_rows, grid=grid8)
         elif f is WeightFormat.INT4:
             m = Int4Linear(linear_weight, bias, group_size=group_size, prefill=prefill, prefill_rows=prefill_rows)
         else:

@@ -72,12 +72,16 @@ inline const __m512i kInt4Shift = [] {
 // of 32 bf16, 64 bytes apart (an A tile as AMX loads it). Every path's W' comes from here.
 struct QWeight {
   const uint8_t* q;
-  const void* sz;  // int4: (N/16, K/32, 16, 2) fp32 (scale, zero); int5: (N/16, K/32, 16) fp16 d; int8: (N,) bf16
+  // int4: (N/16, K/32, 16, 2) fp32 (scale, zero); int5 and grouped int8: (N/16, K/32, 16) fp16 d; int8: (N,) bf16
+  const void* sz;
   int64_t bits, N, K;
+  // int8 codes with an fp16 d per group of 32 (a GGUF Q8_0 block, exactly): w = q * d in fp32 (exact: an fp16 times
+  // an integer of 8 bits), rounded once to bf16, as int5's; else int8's scale is per row, applied to the sums.
+  bool grouped = false;
 
   inline int64_t tile_bytes() const { return kTileRows * kTileCols * bits / 8; }
   // Bytes of sz per code tile, in the tiles' order (int8's per-row scales are read after the sums).
-  inline int64_t sz_tile_bytes() const { return bits == 4 ? kTileRows * 8 : bits == 5 ? kTileRows * 2 : 0; }
+  inline int64_t sz_tile_bytes() const { return bits == 4 ? kTileRows * 8 : bits == 5 || grouped ? kTileRows * 2 : 0; }
 
   // Inlined into its callers: as a call, each tile paid the call, the bits test and the unpack constants' reloads
   // (SmolLM2 int4 decode 4-16% slower in the engine bench, trees alternated: results/engine/decode_v9_ab).
@@ -92,6 +96,12 @@ struct QWeight {
       widen_d(static_cast<const c10::Half*>(sz) + (b * (K / kTileCols) + s) * kTileRows, d);
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) group5(src + r * 20, d[r], out + r * kTileCols);
+    } else if (grouped) {
+      alignas(64) float d[kTileRows];
+      widen_d(static_cast<const c10::Half*>(sz) + (b * (K / kTileCols) + s) * kTileRows, d);
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r)
+        group8d(reinterpret_cast<const int8_t*>(src) + r * 32, d[r], out + r * kTileCols);
     } else {
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) group8(reinterpret_cast<const int8_t*>(src) + r * 32, out + r * kTileCols);
@@ -140,6 +150,18 @@ struct QWeight {
   __attribute__((always_inline)) static inline void group8(const int8_t* src, c10::BFloat16* out) {
     _mm512_storeu_si512(out, group8_regs(src));
   }
+  // A grouped int8 group: q * d in fp32 (exact), rounded once to bf16.
+  __attribute__((always_inline)) static inline __m512i group8d_regs(const int8_t* src, float d) {
+    const __m512 dv = _mm512_set1_ps(d);
+    const __m512 v = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))), dv);
+    const __m512 w = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)))), dv);
+    return (__m512i)_mm512_cvtne2ps_pbh(w, v);
+  }
+  __attribute__((always_inline)) static inline void group8d(const int8_t* src, float d, c10::BFloat16* out) {
+    _mm512_storeu_si512(out, group8d_regs(src, d));
+  }
   // An int5 group: its 32 possible values (q - 16) * d rounded to bf16 as a table, each column's index its low
   // nibble (int4's unpack) plus 16 where the group's word has the column's fifth bit (one masked add).
   __attribute__((always_inline)) static inline __m512i group5_regs(const uint8_t* src, float d) {
@@ -178,6 +200,11 @@ struct QWeight {
       widen_d(static_cast<const c10::Half*>(sz) + (b * (K / kTileCols) + s) * kTileRows, d);
 #pragma GCC unroll 16
       for (int r = 0; r < RN; ++r) f(r, group5_regs(src + (r0 + r) * 20, d[r0 + r]));
+    } else if (grouped) {
+      alignas(64) float d[kTileRows];
+      widen_d(static_cast<const c10::Half*>(sz) + (b * (K / kTileCols) + s) * kTileRows, d);
+#pragma GCC unroll 16
+      for (int r = 0; r < RN; ++r) f(r, group8d_regs(reinterpret_cast<const int8_t*>(src) + (r0 + r) * 32, d[r0 + r]));
     } else {
 #pragma GCC unroll 16
       for (int r = 0; r < RN; ++r) f(r, group8_regs(reinterpret_cast<const int8_t*>(src) + (r0 + r) * 32));
@@ -202,6 +229,9 @@ struct QWeight {
   }
   static inline void group8(const int8_t* src, c10::BFloat16* out) {
     for (int j = 0; j < 32; ++j) out[j] = c10::BFloat16(float(src[j]));
+  }
+  static inline void group8d(const int8_t* src, float d, c10::BFloat16* out) {
+    for (int j = 0; j < 32; ++j) out[j] = c10::BFloat16(float(src[j]) * d);
   }
   static inline void widen_d(const c10::Half* d, float* out) {
     for (int r = 0; r < kTileRows; ++r) out[r] = static_cast<float>(d[r]);
@@ -647,12 +677,16 @@ QWeight check_weight(const at::Tensor& q, const at::Tensor& sz, int64_t bits, bo
     TORCH_CHECK(sz.scalar_type() == at::kHalf && sz.dim() == 3 && sz.size(0) == N / 16 && sz.size(1) == K / 32 &&
                     sz.size(2) == 16,
                 "quant_linear: int5 sz must be (N/16, K/32, 16) fp16 (engine/weights.py's Int5Linear)");
+  } else if (sz.dim() == 3) {  // grouped int8
+    TORCH_CHECK(sz.scalar_type() == at::kHalf && sz.size(0) == N / 16 && sz.size(1) == K / 32 && sz.size(2) == 16,
+                "quant_linear: grouped int8 sz must be (N/16, K/32, 16) fp16 (engine/weights.py's Int8Linear)");
   } else {
     TORCH_CHECK((sz.scalar_type() == at::kBFloat16 || (fp32_scales && sz.scalar_type() == at::kFloat)) &&
                     sz.dim() == 1 && sz.size(0) == N,
-                "quant_linear: int8 sz must be (N,) bf16", fp32_scales ? " or fp32" : "");
+                "quant_linear: int8 sz must be (N,) bf16", fp32_scales ? " or fp32" : "",
+                ", or (N/16, K/32, 16) fp16 per group");
   }
-  return QWeight{q.const_data_ptr<uint8_t>(), sz.const_data_ptr(), bits, N, K};
+  return QWeight{q.const_data_ptr<uint8_t>(), sz.const_data_ptr(), bits, N, K, bits == 8 && sz.dim() == 3};
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sz, int64_t bits,
@@ -670,9 +704,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.N, "quant_linear: bias must be (N,)");
     b32 = bias->to(at::kFloat).contiguous();
   }
-  if (bits == 8) s32 = sz.scalar_type() == at::kFloat ? sz : sz.to(at::kFloat);
+  const bool row_scales = bits == 8 && !w.grouped;  // applied to the sums (grouped ones are in W')
+  if (row_scales) s32 = sz.scalar_type() == at::kFloat ? sz : sz.to(at::kFloat);
   const float* bp = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
-  const float* sp = bits == 8 ? s32.const_data_ptr<float>() : nullptr;
+  const float* sp = row_scales ? s32.const_data_ptr<float>() : nullptr;
   if (!kAmx || !on_amx()) {
 #if defined(KAKEYA_QUANT_VECTOR)
     if (M <= kDotRowsMax) {
@@ -707,7 +742,7 @@ at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& sz, int64_t bits
   if (!rows.has_value()) {
     auto out = at::empty({w.N, w.K}, q.options().dtype(at::kBFloat16));
     dequant_rows(w, 0, w.N, out.data_ptr<c10::BFloat16>());
-    if (bits == 8) scale_rows(out.data_ptr<c10::BFloat16>(), nullptr, w.N, w.K, w.sz);
+    if (bits == 8 && !w.grouped) scale_rows(out.data_ptr<c10::BFloat16>(), nullptr, w.N, w.K, w.sz);
     return out;
   }
   TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1, "quant_dequant: rows must be (R,) int64");
@@ -725,7 +760,7 @@ at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& sz, int64_t bits
       std::memcpy(op + r * w.K + s * kTileCols, t + (n % kTileRows) * kTileCols, kTileCols * 2);
     }
   });
-  if (bits == 8) scale_rows(op, ip, R, w.K, w.sz);
+  if (bits == 8 && !w.grouped) scale_rows(op, ip, R, w.K, w.sz);
   return out;
 }
 
