@@ -93,7 +93,7 @@ def test_only_the_runtimes_typed_errors_count_as_bad_input():
     (["calibrate", "heads", "--lengths", "100000"], "lengths [100000] do not fit smollm2's context"),
 ])
 def test_bad_input_is_refused_before_any_work(args, message, tmp_path):
-    out = tmp_path / "out"  # each command's --out (a file or a directory)
+    out = tmp_path / ("out.json" if args[0] == "calibrate" else "out")  # each command's --out (a file or a folder)
     result = CliRunner().invoke(app, [*args, "--out", str(out)])
     assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit)  # answered, not a traceback
