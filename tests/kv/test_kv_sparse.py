@@ -412,6 +412,14 @@ def test_a_session_is_bound_to_the_head_profile_it_was_built_with(tiny_llama, tm
     assert HeadProfile(current.fingerprint, current.layers, {**current.sizes, "window": 16}).digest != current.digest
     legacy = PolicySpec.parse("sparse", {**params, "heads": f"profile:{current.legacy_digest}"})
     assert check_head_profile(tiny_llama.config, legacy).heads == f"profile:{current.digest}"  # bound anew
+    # a copy kept under a digest from before, its profile since recalibrated away: still found
+    from kakeya_runtime.kv.heads import fingerprint
+
+    kept_dir = tmp_path / "heads" / "bound"
+    (kept_dir / f"{fingerprint(tiny_llama.config)}-{current.legacy_digest}.json").write_text(current.text)
+    _write_profile(tiny_llama.config, {**modes, 1: ["dense", "dense"]}, tmp_path / "heads")  # recalibrated again
+    assert check_head_profile(tiny_llama.config, legacy).heads == f"profile:{current.digest}"
+    _write_profile(tiny_llama.config, modes, tmp_path / "heads")
     # measured for other sizes, or for layers the policy does not govern: refused, naming both
     _write_profile(tiny_llama.config, modes, tmp_path / "heads", sizes={**SMALL, "window": 16})
     with pytest.raises(PolicyError, match="measured for sink 3, window 16, block 4, topk 3"):

@@ -101,6 +101,14 @@ def test_chat_takes_a_pasted_block_as_one_message(server):
         input='"""\nSummarize this:\nline one\nline two\n"""\n/exit\n')
     assert result.exit_code == 0, result.output
     assert len([line for line in result.output.splitlines() if line.startswith("prefill ")]) == 1
+    # an indented \"\"\" (pasted code's docstring) is part of the message; input ending inside a block sends it
+    code = '"""\ndef f():\n    """\n    Return one.\n    """\n    return 1\n"""\n/exit\n'
+    result = CliRunner().invoke(_app(), ["chat", "--addr", server.address, "--max-tokens", "2", "--temperature", "0"],
+                                input=code)
+    assert len([line for line in result.output.splitlines() if line.startswith("prefill ")]) == 1, result.output
+    result = CliRunner().invoke(_app(), ["chat", "--addr", server.address, "--max-tokens", "2", "--temperature", "0"],
+                                input='"""\nline one\nline two\n')
+    assert result.exit_code == 0 and sum(line.startswith("prefill ") for line in result.output.splitlines()) == 1
 
 
 def test_chat_refuses_a_malformed_key_without_a_traceback(monkeypatch):

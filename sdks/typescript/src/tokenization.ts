@@ -48,14 +48,17 @@ type Json = Record<string, unknown>;
  * The tokenizer.json with the two pre-tokenizers whose JavaScript regexes differ from Rust's (the tokenizers
  * library the server, the Python SDK and llama.cpp use) rewritten as equal explicit splits: Digits matched only
  * ASCII digits (JavaScript's \d; Rust: every numeric character, so "٣٤٥" or "²" tokenized differently), and
- * ByteLevel's GPT-2 split took JavaScript's \s. Same ids as the Rust tokenizer, whatever the text.
+ * ByteLevel's GPT-2 split took JavaScript's \s (rewritten where it adds no prefix space, as in both bundled
+ * models' tokenizers). For those, the same ids as the Rust tokenizer whatever the text; other pre-tokenizers are as
+ * tokenizers.js has them.
  */
 function rustRegexes(json: Json): Json {
   const rewrite = (p: Json): Json[] => {
     if (p.type === "Digits" && p.individual_digits === true) {
       return [{ type: "Split", pattern: { Regex: "\\p{N}" }, behavior: "Isolated", invert: false }];
     }
-    if (p.type === "ByteLevel" && p.use_regex !== false) {
+    // (with add_prefix_space, ByteLevel prefixes the whole text once: split first, it would prefix every piece)
+    if (p.type === "ByteLevel" && p.use_regex !== false && p.add_prefix_space !== true) {
       return [{ type: "Split", pattern: { Regex: GPT2_SPLIT }, behavior: "Isolated", invert: false },
         { ...p, use_regex: false }];
     }

@@ -156,4 +156,4 @@ def load_bound(config: ModelConfig, digest: str) -> HeadProfile | None:
     if not path.exists():
         return None
     profile = _read(path, config)
-    return profile if profile.digest == digest else None
+    return profile if digest in (profile.digest, profile.legacy_digest) else None

@@ -574,12 +574,16 @@ def chat(
         messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         try:
             while True:
+                ended = False  # the input ended inside a block: its lines are sent, then the chat ends
                 try:
                     user = console.input("[bold green]you>[/] ")
-                    if user.strip() == '"""':  # a message of several lines, up to the next """ line
-                        lines = []
-                        while (line := console.input("[dim]...[/] ")).strip() != '"""':
-                            lines.append(line)
+                    if user.rstrip() == '"""':  # a message of several lines, up to the next line that is """
+                        lines = []  # (an indented """, as in pasted code, is part of the message)
+                        try:
+                            while (line := console.input("[dim]...[/] ")).rstrip() != '"""':
+                                lines.append(line)
+                        except EOFError:
+                            ended = True
                         user = "\n".join(lines)
                 except EOFError:
                     out.write("\n")
@@ -603,6 +607,8 @@ def chat(
                                   f"invariant checks {si.inv1_checks}/{si.inv2_checks}[/]")
                     continue
                 if not cmd:
+                    if ended:
+                        break
                     continue
                 if use_template:
                     messages.append({"role": "user", "content": user})
@@ -653,6 +659,8 @@ def chat(
                     console.print(f"[dim]prefill {st.prefill_tokens} tok in {st.prefill_s * 1e3:.0f} ms · TTFT "
                                   f"{st.ttft_s * 1e3:.0f} ms · {st.decode_tokens} tok at "
                                   f"{st.decode_tokens_per_s:.1f} tok/s · history {len(history)}/{info.context_length}[/]")
+                if ended:
+                    break
         except SessionNotFound as e:
             console.print(f"\n[red]the server no longer has this session[/] ({e}): it was restarted without "
                           "--state-dir, or evicted the session; start `kakeya chat` again")

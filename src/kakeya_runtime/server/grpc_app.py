@@ -437,13 +437,12 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                 try:
                     async with asyncio.timeout(EXPORT_STALL_S):
                         await context.write(chunk)
-                except Exception as e:
-                    if context.cancelled() or context.done():  # the client went away: a cancel, not a server error
+                except TimeoutError:
+                    if context.cancelled() or context.done():
                         raise asyncio.CancelledError from None
-                    if isinstance(e, TimeoutError):
-                        raise Unavailable(f"ExportSession: the archive was not read for {EXPORT_STALL_S:g} s") \
-                            from None
-                    raise
+                    raise Unavailable(f"ExportSession: the archive was not read for {EXPORT_STALL_S:g} s") from None
+                except Exception:  # a failed write: the client went away (its reset may not be seen yet), a cancel
+                    raise asyncio.CancelledError from None
         finally:
             self.exports.give_back(owner, len(data))
             view = data = None  # noqa: F841 (a failed export's traceback keeps this frame)

@@ -152,25 +152,32 @@ class Tokenizer:
         `literal_content` such text in a message's content is tokenized as the plain text it is; the OpenAI shim
         uses it, as the OpenAI API treats content. Content without special-token text tokenizes the same either
         way."""
-        rendered = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
         if not literal_content:
-            return self.encode(rendered)
+            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                                **template_kwargs))
+        # Each content holding special-token text is rendered as a marker (its own leading and trailing whitespace
+        # around it, so a template that trims content trims it alike) and tokenized as text where the marker lands.
         specials = [t.content for t in self.hf.get_added_tokens_decoder().values() if t.special and t.content]
+        literal: dict[str, str] = {}
+        marked = []
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if isinstance(content, str) and any(s in content for s in specials):
+                marker = f"\ue000{i}\ue001"
+                literal[marker] = content.strip()
+                lead, trail = content[: len(content) - len(content.lstrip())], content[len(content.rstrip()):]
+                message = {**message, "content": lead + marker + trail if content.strip() else content}
+            marked.append(message)
+        rendered = self.render_chat(marked, add_generation_prompt=add_generation_prompt, **template_kwargs)
         ids: list[int] = []
         at = 0
-        for message in messages:
-            content = message.get("content")
-            if not isinstance(content, str) or not any(s in content for s in specials):
-                continue
-            # where the template put this content (as given, or trimmed as some templates do)
-            start = rendered.find(content, at)
-            if start < 0 and (content := content.strip()):
-                start = rendered.find(content, at)
-            if start < 0:
-                raise ChatTemplateError("the chat template changed a message's content, so its special-token text "
-                                        "cannot be kept literal")
-            ids += self.encode(rendered[at:start]) + self._encode_literal(content)
-            at = start + len(content)
+        for marker, text in literal.items():
+            start = rendered.find(marker, at)
+            if start < 0 or rendered.count(marker) != 1:
+                raise ChatTemplateError("the chat template dropped, repeated or reordered a message's content, so "
+                                        "its special-token text cannot be kept literal")
+            ids += self.encode(rendered[at:start]) + self._encode_literal(text)
+            at = start + len(marker)
         return ids + self.encode(rendered[at:])
 
     def _encode_literal(self, text: str) -> list[int]:
