@@ -3,6 +3,8 @@ was served before): next-token fidelity vs bf16 (serving.measure_fidelity, the -
 head's matvec alone, and SmolLM2 int4 decode, the two alternated in one process.
 
     PYTHONPATH=src python scripts/q8_0_head_ab.py --out results/engine/q8_0_head/ab.json
+    PYTHONPATH=src python scripts/q8_0_head_ab.py --speed-model gemma3-270m:int4-mixed --no-fidelity \
+        --out results/engine/q8_0_head/ab_gemma3.json
 """
 
 from __future__ import annotations
@@ -35,10 +37,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/engine/q8_0_head/ab.json")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--speed-model", default="smollm2:int4", help="model:format whose head and decode are timed")
+    ap.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
-    out = {"command": "PYTHONPATH=src python scripts/q8_0_head_ab.py " + f"--out {args.out} --rounds {args.rounds}",
-           "machine": machine_info(), "fidelity": [], "head_matvec_ms": {}, "decode_tok_s": {}}
-    for name, fmt in (("smollm2", "int4"), ("gemma3-270m", "int4-mixed")):
+    out = {"command": "PYTHONPATH=src python scripts/q8_0_head_ab.py " + f"--out {args.out} --rounds {args.rounds} "
+           f"--speed-model {args.speed_model}" + ("" if args.fidelity else " --no-fidelity"),
+           "machine": machine_info(), "fidelity": [], "head_matvec_ms": {}, "decode_tok_s": {},
+           "speed_model": args.speed_model}
+    for name, fmt in (("smollm2", "int4"), ("gemma3-270m", "int4-mixed")) if args.fidelity else ():
         ref = load_model(name, dtype=torch.bfloat16)
         ids = serving.bench_text_ids(lambda t, tok=ref.tokenizer: tok.encode(t).ids, 1024)
         for grouped in (False, True):
@@ -47,9 +53,10 @@ def main() -> None:
                                     "positions": f.positions, "kl_mean": f.kl_mean, "kl_max": f.kl_max,
                                     "top1_agree": f.top1_agree})
             print(out["fidelity"][-1], flush=True)
-    tok = load_model("smollm2", dtype=torch.bfloat16).tokenizer
+    name, fmt = args.speed_model.split(":")
+    tok = load_model(name, dtype=torch.bfloat16).tokenizer
     ids = serving.bench_text_ids(lambda t: tok.encode(t).ids, 1100)
-    models = {g: served("smollm2", "int4", g) for g in (False, True)}
+    models = {g: served(name, fmt, g) for g in (False, True)}
     x = torch.randn(1, models[True].lm_head.in_features).to(torch.bfloat16)
     heads = {"per-row": [], "grouped": []}
     decode = {"per-row": [], "grouped": []}

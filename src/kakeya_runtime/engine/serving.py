@@ -42,6 +42,7 @@ from kakeya_runtime.engine.weights import (
     Int8Linear,
     Prefill,
     WeightFormat,
+    int8_grid,
     quantize_model,
 )
 from kakeya_runtime.models import native
@@ -99,16 +100,25 @@ def kernel_rows_invariant(fmt: str, *, rows: int = 300) -> bool:
     kinds = {WeightFormat.INT8: (Int8Linear,), WeightFormat.INT4: (Int4Linear,),
              WeightFormat.INT4_MIXED: (Int8Linear, Int4Linear) + ((Int5Linear,) if native.enabled() else ())}[f]
     g = torch.Generator().manual_seed(0)
-    for kind in kinds:
-        for n, k in ((192, 256), (64, 512)):
-            lin = kind(torch.randn(n, k, generator=g) * 0.05, None)
-            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-            with torch.inference_mode():
-                whole = lin.kernel_mm(x)
-                for size in (1, 3, 16, 64, 128, 257):
-                    parts = torch.cat([lin.kernel_mm(x[i : i + size]) for i in range(0, rows, size)])
-                    if not torch.equal(parts, whole):
-                        return False
+    modules: list = [(kind, n, k, None) for kind in kinds for n, k in ((192, 256), (64, 512))]
+    if native.enabled():  # grouped int8 (a Q8_0 head, in every int format) has its own unpacking
+        modules += [(Int8Linear, n, k, "q8_0") for n, k in ((192, 256), (64, 512))]
+    for kind, n, k, grid in modules:
+        w = torch.randn(n, k, generator=g) * 0.05
+        if grid is not None:  # snapped to Q8_0 blocks: d = the group's largest magnitude / 127, in fp16
+            d = (w.view(n, k // 32, 32).abs().amax(-1, keepdim=True) / 127).to(torch.float16).float()
+            w = (torch.round(w.view(n, k // 32, 32) / d) * d).view(n, k)
+        exact = None if grid is None else int8_grid(w)
+        if grid is not None and exact is None:
+            raise AssertionError("the Q8_0 probe weight is not on its own grid")
+        lin = kind(w, None) if grid is None else Int8Linear(w, None, grid=exact)
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        with torch.inference_mode():
+            whole = lin.kernel_mm(x)
+            for size in (1, 3, 16, 64, 128, 257):
+                parts = torch.cat([lin.kernel_mm(x[i : i + size]) for i in range(0, rows, size)])
+                if not torch.equal(parts, whole):
+                    return False
     return True
 
 
