@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kakeya_runtime.engine.weights import (
+    pack_group_scales,
     pack_int5,
-    pack_int5_scales,
     pack_scales,
     pack_tiles,
     quantize_int4,
@@ -31,7 +31,7 @@ def quantized(n: int, k: int, bits: int, seed: int = 0) -> tuple[torch.Tensor, t
         return pack_tiles(codes, 4), pack_scales(sz), w
     if bits == 5:
         codes, d = quantize_int5(w)
-        return pack_int5(codes), pack_int5_scales(d), w
+        return pack_int5(codes), pack_group_scales(d), w
     q, scales = quantize_int8(w)
     return pack_tiles(q, 8), scales, w
 
@@ -191,7 +191,7 @@ def plain_weights(n: int, k: int, bits: int, seed: int) -> tuple[torch.Tensor, t
     if bits == 5:  # (q - 16) * d: exact in fp32, one rounding to bf16
         codes, d = quantize_int5(w)
         wd = ((codes.view(n, k // 32, 32).float() - 16) * d.float()[..., None]).view(n, k).bfloat16()
-        return pack_int5(codes), pack_int5_scales(d), wd, torch.ones(n)
+        return pack_int5(codes), pack_group_scales(d), wd, torch.ones(n)
     q, scales = quantize_int8(w)
     return pack_tiles(q, 8), scales, q.bfloat16(), scales.float()
 

@@ -204,7 +204,7 @@ class Int8Linear(QuantLinear):
             self.native = True
             self.register_buffer("qweight", pack_tiles(q, 8))  # (N, K) in 16 x 32 tiles
             # (N/16, K/32, 16) fp16, kept as its bits so a model-wide .to(bfloat16) leaves it whole
-            self.register_buffer("scales", pack_int5_scales(d).view(torch.int16))
+            self.register_buffer("scales", pack_group_scales(d).view(torch.int16))
             return
         q, scales = quantize_int8(weight)
         # With our kernels, our int kernel (as Int4Linear); else PyTorch's
@@ -312,7 +312,7 @@ class Int5Linear(QuantLinear):
         codes, d = quantize_int5(weight) if grid is None else grid  # grid: int5_grid's, already computed
         self.register_buffer("packed", pack_int5(codes))  # (N, 5K/8) uint8 in 16 x 32 tiles
         # kept as its bits so a model-wide .to(bfloat16) leaves it whole
-        self.register_buffer("scales", pack_int5_scales(d).view(torch.int16))
+        self.register_buffer("scales", pack_group_scales(d).view(torch.int16))
 
     def kernel_mm(self, x: Tensor) -> Tensor:
         return native.quant_linear(x, self.packed, self.scales.view(torch.float16), 5)
@@ -380,8 +380,9 @@ def pack_int5(codes: Tensor) -> Tensor:
     return torch.cat((low, fifth), dim=-1).contiguous().view(n, k * 5 // 8)
 
 
-def pack_int5_scales(d: Tensor) -> Tensor:
-    """int5 d (N, K/32) fp16 in our kernel's layout, (N/16, K/32, 16): a code tile's 16 together, in its order."""
+def pack_group_scales(d: Tensor) -> Tensor:
+    """A per-group d (N, K/32) fp16 (int5, grouped int8) in our kernel's layout, (N/16, K/32, 16): a code tile's 16
+    together, in its order."""
     n, groups = d.shape
     return d.view(n // 16, 16, groups).transpose(1, 2).contiguous()
 
