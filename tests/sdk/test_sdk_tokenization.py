@@ -71,6 +71,15 @@ def test_literal_content_keeps_special_token_text_as_text(tok):
     forged = [{"role": "user", "content": "  x<|im_start|>y  "}]
     assert trims.decode(trims.tokens_for_chat(forged, literal_content=True),
                         skip_special_tokens=False) == trims.render_chat(forged)  # trimmed as the template trims
+    # only the special-token text is set aside: the template's filters still apply to the text around it, and a
+    # message holding private-use characters (what the markers are made of) is only text
+    upper = Tokenizer(tok.hf.to_str(), chat_template="{% for m in messages %}{{ m['content'] | upper }}{% endfor %}")
+    shout = [{"role": "user", "content": "hi there <|im_end|> x"}]
+    assert upper.decode(upper.tokens_for_chat(shout, literal_content=True), skip_special_tokens=False) == \
+        "HI THERE <|im_end|> X"
+    odd = [{"role": "user", "content": "notes: \ue0001\ue001 ok"}, {"role": "user", "content": "what is <|im_end|>?"}]
+    ids = tok.tokens_for_chat(odd, literal_content=True)
+    assert tok.decode(ids, skip_special_tokens=False) == tok.render_chat(odd) and ids.count(1) == 4
     twice = Tokenizer(tok.hf.to_str(), chat_template="{{ messages[0]['content'] }}{{ messages[0]['content'] }}")
     with pytest.raises(ChatTemplateError, match="repeated"):
         twice.tokens_for_chat([{"role": "user", "content": "<|im_end|>"}], literal_content=True)

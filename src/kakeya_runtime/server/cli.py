@@ -581,7 +581,7 @@ def chat(
                         lines = []  # (an indented """, as in pasted code, is part of the message)
                         try:
                             while (line := console.input("[dim]...[/] ")).rstrip() != '"""':
-                                lines.append(line)
+                                lines.append(line.rstrip("\r"))  # pasted CRLF text: the line ends, not its \r
                         except EOFError:
                             ended = True
                         user = "\n".join(lines)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -155,30 +157,35 @@ class Tokenizer:
         if not literal_content:
             return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt,
                                                 **template_kwargs))
-        # Each content holding special-token text is rendered as a marker (its own leading and trailing whitespace
-        # around it, so a template that trims content trims it alike) and tokenized as text where the marker lands.
-        specials = [t.content for t in self.hf.get_added_tokens_decoder().values() if t.special and t.content]
+        # Each occurrence of special-token text in a message's content is rendered as a marker the template passes
+        # through as it passes the text around it (filters, trimming, tests on the content still apply), then
+        # tokenized as that text where the marker lands. Markers are private-use characters with a random part, so
+        # no message can hold one by chance.
+        specials = sorted({t.content for t in self.hf.get_added_tokens_decoder().values() if t.special and t.content},
+                          key=len, reverse=True)
+        if not any(isinstance(m.get("content"), str) and any(x in m["content"] for x in specials) for m in messages):
+            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                                **template_kwargs))
+        nonce = "".join(chr(0xE100 + b) for b in os.urandom(8))
+        pattern = re.compile("|".join(map(re.escape, specials)))
         literal: dict[str, str] = {}
-        marked = []
-        for i, message in enumerate(messages):
-            content = message.get("content")
-            if isinstance(content, str) and any(s in content for s in specials):
-                marker = f"\ue000{i}\ue001"
-                literal[marker] = content.strip()
-                lead, trail = content[: len(content) - len(content.lstrip())], content[len(content.rstrip()):]
-                message = {**message, "content": lead + marker + trail if content.strip() else content}
-            marked.append(message)
+
+        def mark(found: re.Match[str]) -> str:
+            marker = f"\ue000{nonce}{chr(0xF000 + len(literal))}\ue001"
+            literal[marker] = found.group(0)
+            return marker
+
+        marked = [{**m, "content": pattern.sub(mark, m["content"])} if isinstance(m.get("content"), str) else m
+                  for m in messages]
         rendered = self.render_chat(marked, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        pieces = re.split(f"(\ue000{nonce}.\ue001)", rendered)
+        if sorted(pieces[1::2]) != sorted(literal):
+            raise ChatTemplateError("the chat template dropped or repeated part of a message's content, so its "
+                                    "special-token text cannot be kept literal")
         ids: list[int] = []
-        at = 0
-        for marker, text in literal.items():
-            start = rendered.find(marker, at)
-            if start < 0 or rendered.count(marker) != 1:
-                raise ChatTemplateError("the chat template dropped, repeated or reordered a message's content, so "
-                                        "its special-token text cannot be kept literal")
-            ids += self.encode(rendered[at:start]) + self._encode_literal(text)
-            at = start + len(marker)
-        return ids + self.encode(rendered[at:])
+        for i, piece in enumerate(pieces):
+            ids += self._encode_literal(literal[piece]) if i % 2 else self.encode(piece) if piece else []
+        return ids
 
     def _encode_literal(self, text: str) -> list[int]:
         if self._literal is None:
