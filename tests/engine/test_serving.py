@@ -257,3 +257,16 @@ def test_a_model_directory_is_measured_again_when_a_file_in_it_changes(tmp_path)
     weights.write_bytes(b"b" * 64)  # the same size, another file: the directory's own stat does not move
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     assert serving.model_key(model, "m") != before
+
+
+def test_calibration_says_whether_every_format_is_measured_already():
+    """`kakeya serve` to a log file announced minutes of measuring even when every result was kept: it now asks."""
+    from kakeya_runtime.engine.serving import Calibration, Fidelity, Speed, machine_key
+
+    cal = Calibration(None)
+    assert not cal.measured("m", ["bf16", "int4"])
+    for fmt in ("bf16", "int4"):
+        cal.put_speed(machine_key(), "m", fmt, Speed(1000.0, 50.0))
+    assert not cal.measured("m", ["bf16", "int4"])  # int4's fidelity is missing (bf16 is the reference)
+    cal.put_fidelity("m", "int4", Fidelity(1024, 0.001, 0.01, 0.98))
+    assert cal.measured("m", ["bf16", "int4"]) and not cal.measured("other", ["bf16"])

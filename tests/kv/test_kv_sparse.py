@@ -389,6 +389,10 @@ def test_a_session_is_bound_to_the_head_profile_it_was_built_with(tiny_llama, tm
         return next(x for x in make_policy_cache(tiny_llama.config, spec).layers if isinstance(x, SparseLayerKV))
 
     before = first_layer_topk(again).head_topk
+    current_file = next(p for p in (tmp_path / "heads").iterdir() if p.is_file())
+    current_file.rename(tmp_path / "aside.json")  # a bound session needs only its kept copy
+    assert check_head_profile(tiny_llama.config, again) == bound and first_layer_topk(again).head_topk == before
+    (tmp_path / "aside.json").rename(current_file)
     _write_profile(tiny_llama.config, {**modes, 0: ["dense", "dense"]}, tmp_path / "heads")  # recalibrated
     # the session keeps the modes it was built with: a copy was kept when it bound them (a recalibration left every
     # earlier session unable to generate, and a state dir holding both kinds unable to start)

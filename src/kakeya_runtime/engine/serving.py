@@ -361,6 +361,12 @@ class Calibration:
         except (KeyError, TypeError):
             return None
 
+    def measured(self, model: str, formats: Sequence[str]) -> bool:
+        """Whether every format's fidelity (bf16 is the reference) and speed on this machine are kept already."""
+        machine = machine_key()
+        return all((f == "bf16" or self.fidelity(model, f) is not None) and self.speed(machine, model, f) is not None
+                   for f in formats)
+
     def put_fidelity(self, model: str, fmt: str, value: Fidelity) -> None:
         self.data["fidelity"][self._key(model, fmt, torch.__version__, kernels_key())] = asdict(value) | {
             "model": model, "fmt": fmt, "kernels": kernels_key()}

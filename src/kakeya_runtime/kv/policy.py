@@ -77,14 +77,12 @@ def _profile_for(config: ModelConfig, spec: PolicySpec) -> HeadProfile:
     layers and the spec's sizes."""
     bound = spec.heads.partition(":")[2]
     try:
-        profile = load_profile(config)
+        # a bound session's kept copy first: it needs neither the current file nor that file to be readable
+        profile = (load_bound(config, bound) if bound else None) or load_profile(config)
         if bound and bound not in (profile.digest, profile.legacy_digest):
-            kept = load_bound(config, bound)
-            if kept is None:
-                raise PolicyError(f"this session was built with the head profile {bound}, which is neither the "
-                                  f"model's profile now ({profile.digest}) nor kept in {user_dir() / 'bound'}: put "
-                                  "that profile back or start a new session")
-            profile = kept
+            raise PolicyError(f"this session was built with the head profile {bound}, which is neither the "
+                              f"model's profile now ({profile.digest}) nor kept in {user_dir() / 'bound'}: put "
+                              "that profile back or start a new session")
         governed = governed_layers(config)
         stray = sorted(set(profile.layers) - set(governed))
         if stray:

@@ -325,9 +325,7 @@ def choose_serving(loaded: Any, name: str, weights: str, compile_decode: bool, r
             task = bar.add_task("Choosing the weight format", total=len(formats))
 
             if not console.is_terminal:  # a log file: the bar shows only when done, so say what runs meanwhile
-                kept = not recalibrate and all(
-                    (f == "bf16" or cal.fidelity(key, f) is not None) and cal.speed(serving.machine_key(), key, f)
-                    for f in formats)
+                kept = not recalibrate and cal.measured(key, formats)
                 console.print("Choosing the weight format " + ("(from the measurements kept by an earlier start)"
                               if kept else "(first start on this machine only: minutes; the result is kept for the "
                               "next start)"), soft_wrap=True)
