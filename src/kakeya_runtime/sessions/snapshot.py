@@ -121,7 +121,17 @@ def dump(cache: ModelKV, history: Sequence[int], cached_length: int, model_id: s
             tensors[f"{i}/{key}"] = t.detach().contiguous().cpu()
     meta = {"cached_length": str(cached_length), "history_sha256": history_digest(history[:cached_length]),
             "model": model_id, "layers": str(len(lengths))}
-    return st_save(tensors, metadata=meta)
+    return _canonical_header(st_save(tensors, metadata=meta))
+
+
+def _canonical_header(data: bytes) -> bytes:
+    """`data` with its safetensors header written in one order (keys sorted, no spaces, padded to 8 bytes):
+    safetensors writes the metadata map in a hash map's order, different every process, so the same cache gave
+    different snapshot (and export archive) bytes. The tensors' offsets are relative to the data, which stays."""
+    (n,) = struct.unpack_from("<Q", data)
+    header = json.dumps(json.loads(data[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + data[8 + n :]
 
 
 def metadata(data: bytes) -> dict[str, str]:
