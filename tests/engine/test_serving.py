@@ -270,3 +270,8 @@ def test_calibration_says_whether_every_format_is_measured_already():
     assert not cal.measured("m", ["bf16", "int4"])  # int4's fidelity is missing (bf16 is the reference)
     cal.put_fidelity("m", "int4", Fidelity(1024, 0.001, 0.01, 0.98))
     assert cal.measured("m", ["bf16", "int4"]) and not cal.measured("other", ["bf16"])
+    # a format kept as unfaithful never gets a speed (calibrate measures none for it): nothing left to measure
+    cal.put_fidelity("m", "int8", Fidelity(1024, 0.5, 2.0, 0.6))
+    assert cal.measured("m", ["bf16", "int4", "int8"])
+    cal.put_fidelity("m", "int8", Fidelity(1024, 0.001, 0.01, 0.98))  # faithful: its speed is missing
+    assert not cal.measured("m", ["bf16", "int4", "int8"])

@@ -393,6 +393,15 @@ def test_a_session_is_bound_to_the_head_profile_it_was_built_with(tiny_llama, tm
     current_file.rename(tmp_path / "aside.json")  # a bound session needs only its kept copy
     assert check_head_profile(tiny_llama.config, again) == bound and first_layer_topk(again).head_topk == before
     (tmp_path / "aside.json").rename(current_file)
+    # a damaged kept copy: the current profile, which has the digest, serves the session (the copy refused it, and
+    # every new session of that profile, for good), and binding repairs the copy
+    from kakeya_runtime.kv.heads import fingerprint
+
+    copy = tmp_path / "heads" / "bound" / f"{fingerprint(tiny_llama.config)}-{bound.heads[len('profile:'):]}.json"
+    text = copy.read_text()
+    copy.write_text(text[:20])
+    assert first_layer_topk(again).head_topk == before
+    assert check_head_profile(tiny_llama.config, again) == bound and copy.read_text() == text
     _write_profile(tiny_llama.config, {**modes, 0: ["dense", "dense"]}, tmp_path / "heads")  # recalibrated
     # the session keeps the modes it was built with: a copy was kept when it bound them (a recalibration left every
     # earlier session unable to generate, and a state dir holding both kinds unable to start)
@@ -417,11 +426,17 @@ def test_a_session_is_bound_to_the_head_profile_it_was_built_with(tiny_llama, tm
     legacy = PolicySpec.parse("sparse", {**params, "heads": f"profile:{current.legacy_digest}"})
     assert check_head_profile(tiny_llama.config, legacy).heads == f"profile:{current.digest}"  # bound anew
     # a copy kept under a digest from before, its profile since recalibrated away: still found
-    from kakeya_runtime.kv.heads import fingerprint
-
     kept_dir = tmp_path / "heads" / "bound"
     (kept_dir / f"{fingerprint(tiny_llama.config)}-{current.legacy_digest}.json").write_text(current.text)
     _write_profile(tiny_llama.config, {**modes, 1: ["dense", "dense"]}, tmp_path / "heads")  # recalibrated again
+    assert check_head_profile(tiny_llama.config, legacy).heads == f"profile:{current.digest}"
+    _write_profile(tiny_llama.config, modes, tmp_path / "heads")
+    # a copy under that old digest holding the same modes at other sizes (both shared the old digest): the current
+    # profile, with the digest and the sizes, serves the session
+    _write_profile(tiny_llama.config, current.layers, tmp_path / "heads", sizes={**SMALL, "window": 16})
+    other_sizes = current_file.read_text()
+    _write_profile(tiny_llama.config, current.layers, tmp_path / "heads")
+    (kept_dir / f"{fingerprint(tiny_llama.config)}-{current.legacy_digest}.json").write_text(other_sizes)
     assert check_head_profile(tiny_llama.config, legacy).heads == f"profile:{current.digest}"
     _write_profile(tiny_llama.config, modes, tmp_path / "heads")
     # measured for other sizes, or for layers the policy does not govern: refused, naming both

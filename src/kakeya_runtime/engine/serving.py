@@ -362,10 +362,18 @@ class Calibration:
             return None
 
     def measured(self, model: str, formats: Sequence[str]) -> bool:
-        """Whether every format's fidelity (bf16 is the reference) and speed on this machine are kept already."""
+        """Whether calibrate() would measure nothing: every format's fidelity (bf16 is the reference) is kept, and
+        its speed on this machine where it may be served (faithful and row-invariant: calibrate measures no other's
+        speed, so a kept unfaithful format did not mean minutes of measuring at every start)."""
         machine = machine_key()
-        return all((f == "bf16" or self.fidelity(model, f) is not None) and self.speed(machine, model, f) is not None
-                   for f in formats)
+        for f in formats:
+            fidelity = None if f == "bf16" else self.fidelity(model, f)
+            if f != "bf16" and fidelity is None:
+                return False
+            servable = (fidelity is None or fidelity.faithful) and kernel_rows_invariant(f)
+            if servable and self.speed(machine, model, f) is None:
+                return False
+        return True
 
     def put_fidelity(self, model: str, fmt: str, value: Fidelity) -> None:
         self.data["fidelity"][self._key(model, fmt, torch.__version__, kernels_key())] = asdict(value) | {

@@ -138,8 +138,11 @@ def keep_bound(config: ModelConfig, profile: HeadProfile) -> None:
     """Keep a copy of a profile a session is bound to (once per digest; never removed: sessions and archives outlive
     calibrations). A cache dir that cannot be written only loses that: the session then needs the current file."""
     path = _bound_path(config, profile.digest)
-    if path.exists():
-        return
+    try:
+        if load_bound(config, profile.digest) is not None:
+            return
+    except HeadProfileError:
+        pass  # a damaged copy is replaced by this one, which has its digest
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -72,26 +72,48 @@ def check_head_profile(config: ModelConfig, spec: PolicySpec) -> PolicySpec:
 
 
 def _profile_for(config: ModelConfig, spec: PolicySpec) -> HeadProfile:
-    """The profile `spec` names: the model's current one for heads=profile; for a bound profile:<digest>, the current
-    one if it has that digest, else the copy kept when a session bound it. Checked against the model's governed
-    layers and the spec's sizes."""
+    """The profile `spec` names: the model's current one for heads=profile; for a bound profile:<digest>, the copy
+    kept when a session bound it, else the current one, whichever has that digest and fits (a damaged or mismatched
+    candidate is passed over, so neither a damaged kept copy nor a damaged current file refuses a session the other
+    serves). Checked against the model's governed layers and the spec's sizes."""
     bound = spec.heads.partition(":")[2]
-    try:
-        # a bound session's kept copy first: it needs neither the current file nor that file to be readable
-        profile = (load_bound(config, bound) if bound else None) or load_profile(config)
-        if bound and bound not in (profile.digest, profile.legacy_digest):
-            raise PolicyError(f"this session was built with the head profile {bound}, which is neither the "
-                              f"model's profile now ({profile.digest}) nor kept in {user_dir() / 'bound'}: put "
-                              "that profile back or start a new session")
-        governed = governed_layers(config)
-        stray = sorted(set(profile.layers) - set(governed))
-        if stray:
-            raise HeadProfileError(f"the head profile has entries for layers {stray}, which the policy does not "
-                                   "govern (a profile of another model?)")
-        for i in governed:
-            profile.head_topk(i, spec.topk, 1)
-    except HeadProfileError as e:
-        raise PolicyError(str(e)) from None
+    if not bound:
+        try:
+            return _fitted(config, spec, load_profile(config))
+        except HeadProfileError as e:
+            raise PolicyError(str(e)) from None
+    unreadable: list[str] = []
+    misfit: PolicyError | None = None
+    for load in (lambda: load_bound(config, bound), lambda: load_profile(config)):
+        try:
+            profile = load()
+        except HeadProfileError as e:
+            unreadable.append(str(e))
+            continue
+        if profile is None or bound not in (profile.digest, profile.legacy_digest):
+            continue
+        try:
+            return _fitted(config, spec, profile)
+        except HeadProfileError as e:
+            misfit = misfit or PolicyError(str(e))
+        except PolicyError as e:
+            misfit = misfit or e
+    if misfit is not None:
+        raise misfit
+    detail = f" ({'; '.join(unreadable)})" if unreadable else ""
+    raise PolicyError(f"this session was built with the head profile {bound}, which is neither the model's profile "
+                      f"now nor kept in {user_dir() / 'bound'}{detail}: put that profile back or start a new session")
+
+
+def _fitted(config: ModelConfig, spec: PolicySpec, profile: HeadProfile) -> HeadProfile:
+    """`profile` if it covers exactly the governed layers and was measured for the spec's sizes."""
+    governed = governed_layers(config)
+    stray = sorted(set(profile.layers) - set(governed))
+    if stray:
+        raise HeadProfileError(f"the head profile has entries for layers {stray}, which the policy does not "
+                               "govern (a profile of another model?)")
+    for i in governed:
+        profile.head_topk(i, spec.topk, 1)
     asked = {k: getattr(spec, k) for k in SIZES}
     if profile.sizes != asked:
         measured = ", ".join(f"{k} {v}" for k, v in profile.sizes.items())
