@@ -114,3 +114,29 @@ def test_a_connection_that_never_handshakes_is_closed(tls, cert, monkeypatch):
             while conn.recv(4096):  # plaintext: the server's SETTINGS, then its GOAWAY; TLS: nothing
                 pass
             assert time.monotonic() - started < 10
+
+
+def test_a_connection_idle_after_its_handshake_is_closed_and_a_client_reconnects(monkeypatch):
+    """A connection that finished its HTTP/2 handshake (42 bytes, no key needed) and then sent nothing was held for
+    ever: 200 of them held 200 descriptors. One with no call in progress is now closed after IDLE_CONNECTION_S, and a
+    client whose connection was closed so reconnects at its next call."""
+    import socket
+    import time
+
+    from kakeya_runtime.server import grpc_app
+
+    monkeypatch.setattr(grpc_app, "IDLE_CONNECTION_S", 1.0)
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    settings, ack = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00", b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"
+    with running_server(tiny_served()) as thread, Client(thread.address) as client:
+        host, port = thread.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(preface + settings + ack)
+            conn.settimeout(20)
+            started = time.monotonic()
+            while conn.recv(4096):  # the server's SETTINGS and ACK, then its GOAWAY, then the close
+                pass
+            assert time.monotonic() - started < 10
+        s = client.create_session([5, 6, 7])
+        time.sleep(2.5)  # the client's connection is closed as idle meanwhile
+        assert len(s.generate(max_tokens=3, ignore_eos=True).collect()) == 3

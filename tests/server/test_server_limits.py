@@ -396,6 +396,14 @@ def test_a_budget_smaller_than_one_default_session_is_warned_at_start():
     with running_server(tiny_served(), kv_budget=4096) as thread:
         warning = small_budget_warning(thread.server.service)
         assert warning is not None and "full session reserves" in warning and "4.0 KiB" in warning
+        assert "per key" not in warning  # no keys: no per-key budget to name
+    # a per-key budget above the server's: the server's is the one that refuses, warned and reported as the share
+    with running_server(tiny_served(), kv_budget=4096, kv_budget_per_key=1 << 30,
+                        api_keys=("key-one-12345678",)) as thread:
+        warning = small_budget_warning(thread.server.service)
+        assert warning is not None and "4.0 KiB" in warning and "per key" not in warning
+        with Client(thread.address, api_key="key-one-12345678") as client:
+            assert client.model_info().kv_budget_per_key_bytes == 4096
     with running_server(tiny_served()) as thread:
         assert small_budget_warning(thread.server.service) is None
     assert _size(1 << 20) == "1.0 MiB" and _size(0) == "none"
@@ -419,3 +427,12 @@ def test_every_key_has_room_for_one_transfer_of_its_own():
     with pytest.raises(Refused, match="other imports in progress"):
         two.take("", 1)
     assert (held.total, held.by_key) == (20, {"a": 10, "b": 10})
+    # a transfer let through alone past one archive (a session recovered with a longer context) leaves the other
+    # key its room: that key's export was refused until the large one ended
+    trio = _HeldBytes("exports", 10, keys=3)
+    trio.take("a", 28)  # alone
+    trio.take("b", 10)
+    trio.take("c", 10)
+    with pytest.raises(Refused, match="this key's other exports"):
+        trio.take("a", 1)
+    assert trio.total == 48

@@ -162,6 +162,16 @@ def test_a_call_past_its_deadline_is_counted_as_deadline_exceeded_not_cancelled(
         text = scrape(thread)
         assert sample(text, "kakeya_rpc_errors_total", '{rpc="Generate",code="DEADLINE_EXCEEDED"}') == 1
         assert 'rpc="Generate",code="CANCELLED"' not in text
+        # the client's own cancel of a call with a short deadline is a cancel (within 0.25 s of the deadline, every
+        # such cancel counted as one)
+        calls = pb_grpc.RuntimeServiceStub(channel).Generate(
+            pb.GenerateRequest(session_id=s.id, max_tokens=300, ignore_eos=True), timeout=0.3)
+        time.sleep(0.08)
+        calls.cancel()
+        s.append([9])
+        text = scrape(thread)
+        assert sample(text, "kakeya_rpc_errors_total", '{rpc="Generate",code="CANCELLED"}') == 1
+        assert sample(text, "kakeya_rpc_errors_total", '{rpc="Generate",code="DEADLINE_EXCEEDED"}') == 1
 
 
 def test_idle_connections_to_metrics_are_bounded_and_closed(monkeypatch):

@@ -476,7 +476,9 @@ def _size(n: int) -> str:
 def small_budget_warning(service: Any) -> str | None:
     """A KV budget (per key) smaller than what one session of the default policy reserves: every such create is
     refused, which the operator should learn at start-up rather than from the first client."""
-    budget = service.store.limits.key_budget
+    limits = service.store.limits
+    per_key = limits.tighter_key_limits[1]  # what a refusal names: the per-key share where it is the tighter one
+    budget, what = (per_key, "the KV budget per key") if per_key is not None else (limits.kv_budget, "the KV budget")
     try:
         default = service.policies.resolve("", {}, service.engine.config, service.context_length)
     except InvalidArgument:  # the default policy is not served: nothing to compare
@@ -485,7 +487,7 @@ def small_budget_warning(service: Any) -> str | None:
     if budget is None or need <= budget:
         return None
     return (f"a {default.name} session reserves {size_text(need)} of KV cache at the context of "
-            f"{service.context_length}, more than the KV budget per key ({size_text(budget)}): such sessions are "
+            f"{service.context_length}, more than {what} ({size_text(budget)}): such sessions are "
             "refused; raise --kv-budget, shorten --context or use a bounded policy")
 
 

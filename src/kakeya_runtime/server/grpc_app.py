@@ -37,7 +37,6 @@ from kakeya_runtime.sessions.errors import (
     InvalidArgument,
     ResourceExhausted,
     SessionError,
-    Unavailable,
     quoted,
 )
 from kakeya_runtime.sessions.journal import FsyncPolicy, StateDir
@@ -69,6 +68,9 @@ ARCHIVE_CHUNK_BYTES = 1024 * 1024  # ExportSession's chunks: under any receive l
 # A connection must finish its TLS and HTTP/2 handshake within this (gRPC's default, 60 s, let connections that
 # send nothing pile up towards the file-descriptor limit); the OpenAI shim gives a request as long.
 HANDSHAKE_S = 10.0
+# A connection with no call in progress for this long is closed (gRPC's default keeps it for ever, so connections that
+# handshake and then send nothing piled up as well); a client's channel reconnects by itself at its next call.
+IDLE_CONNECTION_S = 300.0
 _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -239,10 +241,15 @@ class _HeldBytes:
         if self.total == 0:  # alone, a transfer always goes: an export of a session recovered with a longer
             self._add(owner, n)  # context than this server's may pass `each`, and retrying would never help
             return
-        if self.keys and self.by_key.get(owner, 0) + n > self.each:
+        held = self.by_key.get(owner, 0) + n
+        if self.keys and held > self.each:
             raise ResourceExhausted(f"this key's other {self.what} in progress hold the bytes one archive may take; "
                                     "retry when they end", limit=self.what)
-        if self.total + n > max(IMPORT_BUFFER_FACTOR, self.keys) * self.each:
+        # a transfer let through alone past `each` counts as one archive here: it does not take another key's room
+        # (at most one such transfer is in progress: it went alone)
+        counted = held + sum(min(v, self.each) for k, v in self.by_key.items() if k != owner) if self.keys \
+            else self.total + n
+        if counted > max(IMPORT_BUFFER_FACTOR, self.keys) * self.each:
             raise ResourceExhausted(f"other {self.what} in progress hold the bytes archives may take at once; "
                                     "retry shortly", limit=self.what)
         self._add(owner, n)
@@ -320,8 +327,13 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         if context.cancelled() or (left is not None and left <= 0):
             with contextlib.suppress(SessionError):
                 await self.service.close(owner, session_id)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                "the call's deadline passed while the session was made; it was closed again")
+            try:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    "the call's deadline passed while the session was made; it was closed again")
+            except grpc.aio.AbortError:
+                raise
+            except Exception:  # the call ended meanwhile (gRPC's own deadline): nothing left to tell, no traceback
+                raise asyncio.CancelledError from None
 
     def _close_if_cancelled(self, context: grpc.aio.ServicerContext, owner: str, session_id: str) -> None:
         if not context.cancelled():
@@ -440,7 +452,10 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                 except TimeoutError:
                     if context.cancelled() or context.done():
                         raise asyncio.CancelledError from None
-                    raise Unavailable(f"ExportSession: the archive was not read for {EXPORT_STALL_S:g} s") from None
+                    # the client's pace, not the server's health (UNAVAILABLE said the server was down): its bytes
+                    # are let go for other transfers
+                    raise ResourceExhausted(f"ExportSession: the archive was not read for {EXPORT_STALL_S:g} s; "
+                                            "read it without pausing", limit="exports") from None
                 except Exception:  # a failed write: the client went away (its reset may not be seen yet), a cancel
                     raise asyncio.CancelledError from None
         finally:
@@ -610,6 +625,7 @@ class RuntimeServer:
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
             ("grpc.max_receive_message_length", self.max_request_bytes),
             ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_S * 1000)),
+            ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_S * 1000)),
             *self.config.extra_options,
         ]
         # Metrics outermost (every call and its final status, by RPC); then auth (a caller without a key learns

@@ -506,6 +506,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     def _unary(self, behavior: Callable[..., Awaitable[Any]], rpc: str) -> Callable[..., Awaitable[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             code = grpc.StatusCode.UNKNOWN  # an exception that escapes every layer answers UNKNOWN
+            budget = context.time_remaining()
             self.metrics.rpc_requests_total.labels(rpc).inc()
             counting = _CountingContext(context, lambda c: self.metrics.rpc_finished(rpc, c))
             try:
@@ -516,7 +517,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 code = _code(context)
                 raise
             except asyncio.CancelledError:
-                code = _cancelled_code(context)
+                code = _cancelled_code(context, budget)
                 raise
             finally:
                 if not counting.counted:
@@ -527,6 +528,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     def _stream(self, behavior: Callable[..., Any], rpc: str) -> Callable[..., AsyncIterator[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             code = grpc.StatusCode.UNKNOWN
+            budget = context.time_remaining()
             self.metrics.rpc_requests_total.labels(rpc).inc()
             counting = _CountingContext(context, lambda c: self.metrics.rpc_finished(rpc, c))
             try:
@@ -542,7 +544,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 code = _code(context)
                 raise
             except (asyncio.CancelledError, GeneratorExit):
-                code = _cancelled_code(context)
+                code = _cancelled_code(context, budget)
                 raise
             finally:
                 if not counting.counted:
@@ -574,12 +576,15 @@ class _CountingContext:
 DEADLINE_SLACK_S = 0.25  # a cancel this close to the deadline is the caller's deadline (its clock started earlier)
 
 
-def _cancelled_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+def _cancelled_code(context: grpc.aio.ServicerContext, budget: float | None) -> grpc.StatusCode:
     """A call gRPC cancelled: DEADLINE_EXCEEDED when the caller's deadline passed (what the client is told), else
     CANCELLED (the client went away). The client cancels at its own deadline, which comes before the server's copy
-    of it by the time the request took to arrive: every deadline was counted as CANCELLED."""
+    of it by the time the request took to arrive: every deadline was counted as CANCELLED. The slack is at most a
+    quarter of the time the call had (`budget`, at its start): with a fixed one, every cancel of a call whose
+    deadline was that short counted as a deadline."""
     remaining = context.time_remaining()
-    passed = remaining is not None and remaining <= DEADLINE_SLACK_S
+    slack = DEADLINE_SLACK_S if budget is None else min(DEADLINE_SLACK_S, budget / 4)
+    passed = remaining is not None and remaining <= slack
     return grpc.StatusCode.DEADLINE_EXCEEDED if passed else grpc.StatusCode.CANCELLED
 
 

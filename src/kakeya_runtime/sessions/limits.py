@@ -54,11 +54,15 @@ class Limits:
 
     @property
     def key_sessions(self) -> int:
-        return self.max_sessions_per_key or self.max_sessions
+        """Sessions one key may hold: its own limit, within the server's."""
+        return min(self.max_sessions_per_key or self.max_sessions, self.max_sessions)
 
     @property
     def key_budget(self) -> int | None:
-        return self.kv_budget_per_key or self.kv_budget
+        """KV bytes one key may reserve: its own budget, within the server's (a per-key budget above the server's
+        was reported as the caller's share, which no session could use)."""
+        budgets = [b for b in (self.kv_budget_per_key, self.kv_budget) if b is not None]
+        return min(budgets) if budgets else None
 
     @property
     def tighter_key_limits(self) -> tuple[int | None, int | None]:
