@@ -34,6 +34,7 @@ it keeps (`Prefill.COPY`, +2 bytes/weight resident).
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +45,6 @@ from kakeya_runtime.models import native
 from kakeya_runtime.models.layers import DecodeArgs, linear
 
 INT4_GROUP = 32  # one GGUF Q4_0/Q4_1 block, one Q4_K sub-block
-_INT4_BLOCK_N = 64  # rows per block in the CPU int4 packed layout (see _unpack_int4)
 # Below this many rows the int kernel runs (decode, speculative verification); at or above it, a bf16
 # matmul on dequantized weights. Measured on SmolLM2 int4 (2 threads): the kernel costs ~2.7 ms per row
 # for the whole model; dequantizing every layer once ~0.24 s plus ~0.8 ms per row: crossover ~125 rows.
@@ -505,16 +505,29 @@ def int4_exact(weight: Tensor, group_size: int = INT4_GROUP, tol: float = 0.02) 
     return bool((step > 0).all() | ((hi - lo) == 0).all())
 
 
-def _unpack_int4(packed: Tensor, n: int, k: int) -> Tensor:
-    """Codes (N, K) uint8 from the CPU kernel's packed layout (measured on torch 2.13): rows come in
-    blocks of 64, each stored as (K, 32) bytes whose low nibble holds rows 0..31 and high nibble rows
-    32..63 of the block; a shorter tail block is (K, tail/2) bytes holding row pairs (2j, 2j+1).
+@functools.cache
+def int4_block_rows() -> int:
+    """Rows per block in torch's CPU int4 packed layout on this machine: 64 with AVX-512, 32 with AVX2 (torch picks
+    by the CPU); measured once by packing known codes (see _unpack_int4)."""
+    codes = torch.arange(128 * 64, dtype=torch.int32).view(128, 64) % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    for rows in (64, 32):
+        if torch.equal(_unpack_int4(packed, 128, 64, rows), codes.to(torch.uint8)):
+            return rows
+    return 64  # another layout: Int4Linear's check after packing sees it and keeps its own codes' path
+
+
+def _unpack_int4(packed: Tensor, n: int, k: int, block: int | None = None) -> Tensor:
+    """Codes (N, K) uint8 from the CPU kernel's packed layout (measured on torch 2.13): rows come in blocks of
+    `block` (int4_block_rows()), each stored as (K, block/2) bytes whose low nibble holds the block's first half of
+    rows and high nibble its second; a shorter tail block is (K, tail/2) bytes holding row pairs (2j, 2j+1).
     Int4Linear checks this against the codes it packed and falls back if a torch build differs."""
+    block = block or int4_block_rows()
     flat = packed.reshape(-1)
-    full = (n // _INT4_BLOCK_N) * _INT4_BLOCK_N
+    full = (n // block) * block
     parts = []
     if full:
-        b = flat[: full * k // 2].view(full // _INT4_BLOCK_N, k, _INT4_BLOCK_N // 2)  # (NB, K, 32)
+        b = flat[: full * k // 2].view(full // block, k, block // 2)  # (NB, K, block/2)
         parts.append(torch.cat((b & 15, b >> 4), dim=-1).transpose(1, 2).reshape(full, k))
     tail = n - full
     if tail:
@@ -524,16 +537,17 @@ def _unpack_int4(packed: Tensor, n: int, k: int) -> Tensor:
 
 
 def _int4_rows(head: Int4Linear, rows: Tensor) -> Tensor:
-    """Dequantized rows (R, K) bf16 of an Int4Linear whose N is a multiple of the 64-row block."""
+    """Dequantized rows (R, K) bf16 of an Int4Linear whose N is a multiple of the packed layout's block."""
     n, k, g = head.out_features, head.in_features, head.group_size
     if head.native:
         return native.quant_dequant(head.packed, head.scales_zeros.view(torch.float32), 4, rows)
-    if n % _INT4_BLOCK_N:
+    block = int4_block_rows()
+    if n % block:
         return head.dequantize()[rows]
-    blocks = head.packed.view(n // _INT4_BLOCK_N, k, _INT4_BLOCK_N // 2)  # (NB, K, 32)
-    lane = rows % _INT4_BLOCK_N
-    b = blocks[rows // _INT4_BLOCK_N, :, lane % (_INT4_BLOCK_N // 2)]  # (R, K)
-    q = torch.where((lane < _INT4_BLOCK_N // 2)[:, None], b & 15, b >> 4).float()
+    blocks = head.packed.view(n // block, k, block // 2)  # (NB, K, block/2)
+    lane = rows % block
+    b = blocks[rows // block, :, lane % (block // 2)]  # (R, K)
+    q = torch.where((lane < block // 2)[:, None], b & 15, b >> 4).float()
     sz = head.scales_zeros[:, rows].transpose(0, 1).float()  # (R, K/G, 2)
     return ((q.view(-1, k // g, g) - 8) * sz[..., :1] + sz[..., 1:]).view(-1, k).to(torch.bfloat16)
 

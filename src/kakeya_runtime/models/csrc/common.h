@@ -15,6 +15,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -59,6 +60,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
 // functions the ops run, so a block decoded there is the bits kv/lattice.py's decode gives.
 at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q, int64_t bits, int64_t codes);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32);
+// kakeya::linear into the caller's y (M, N): fp32 sums (+ bias), or rounded to x's dtype when y has it.
+void linear_into(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& y);
 // The ops one decoder layer's decode step runs, for decoder_layer.cpp (kakeya::decoder_layer): the same functions
 // the ops run, called in the order layers.py calls the ops, so the layer's bits are the Python path's.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);

@@ -415,6 +415,125 @@ void linear_generic(const at::Tensor& x, const at::Tensor& w, const float* bias,
   });
 }
 
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+// ---------------------------------------------------------------- AVX2: linear_generic's bits, blocked
+// Every output element's sequence is linear_generic's (8 fp32 lanes, one fused multiply-add per K chunk of 8 in
+// order from zero, K padded with zeros to whole chunks, at::vec's reduction, bias, one rounding), so the bits are
+// too; only the order in which elements are computed differs. W rows are widened chunk by chunk as they are
+// loaded (the portable path widened a whole W row per output element, and read it again for every x row) and each
+// is used against several x rows, widened once per call: 5-9x faster on an AVX2-only EPYC.
+template <typename T>
+__attribute__((always_inline)) inline __m256 widen8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {  // bf16 -> fp32 is exact: the bits moved up 16
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+  }
+}
+
+// RM x rows (fp32, zero-padded to whole chunks, `x_row` floats apart) against NJ consecutive W rows (`pad`: K's
+// last partial chunk of each W row, zero-padded, at pad + j * 8); sums to out[r * out_row + j].
+template <typename T, int RM, int NJ>
+inline void avx2_block(const float* x, int64_t x_row, const T* w, int64_t K, const float* pad, float* out,
+                       int64_t out_row) {
+  using Vec = at::vec::Vectorized<float>;
+  __m256 acc[RM][NJ];
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_setzero_ps();
+  const int64_t whole = K / 8 * 8;
+  for (int64_t k = 0; k < whole; k += 8) {
+    __m256 wv[NJ];
+    for (int j = 0; j < NJ; ++j) wv[j] = widen8(w + j * K + k);
+    for (int r = 0; r < RM; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * x_row + k);
+      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  if (whole < K) {
+    for (int r = 0; r < RM; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * x_row + whole);
+      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pad + j * 8), acc[r][j]);
+    }
+  }
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < NJ; ++j)
+      out[r * out_row + j] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, Vec(acc[r][j]));
+}
+
+template <typename T, typename O>
+void linear_avx2(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
+  constexpr int64_t kRows = 64, kCols = 48;  // a work item: 64 x rows against 48 W rows
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), KP = (K + 7) / 8 * 8;
+  const T* xp = x.const_data_ptr<T>();
+  const T* wp = w.const_data_ptr<T>();
+  O* yp = y.data_ptr<O>();
+  // x widened once, each row zero-padded to whole chunks (as linear_generic's xf); the buffer is kept per thread,
+  // so a decode step allocates nothing here
+  thread_local std::vector<float> xf;
+  if (xf.size() < static_cast<size_t>(M * KP)) xf.resize(M * KP);
+  float* const xw = xf.data();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t k = 0; k < K; ++k) xw[m * KP + k] = as_float(xp[m * x.stride(0) + k]);
+      std::fill(xw + m * KP + K, xw + (m + 1) * KP, 0.f);
+    }
+  });
+  const int64_t mb = (M + kRows - 1) / kRows, nb = (N + kCols - 1) / kCols;
+  at::parallel_for(0, mb * nb, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float pad[8 * 8];
+    float sums[kRows * kCols];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t m0 = item / nb * kRows, n0 = item % nb * kCols;
+      const int64_t mm = std::min(kRows, M - m0), nn = std::min(kCols, N - n0);
+      // W rows' last partial chunks, zero-padded (as linear_generic's wf), 8 rows at a time
+      const auto tails = [&](int64_t j0, int64_t count) {
+        std::fill(pad, pad + 64, 0.f);
+        if (K % 8)
+          for (int64_t j = 0; j < count; ++j)
+            for (int64_t k = K / 8 * 8; k < K; ++k) pad[j * 8 + k % 8] = as_float(wp[(n0 + j0 + j) * K + k]);
+      };
+      const float* xm = xw + m0 * KP;
+      if (mm == 1) {  // a decode row: 8 W rows at a time
+        int64_t j = 0;
+        for (; j + 8 <= nn; j += 8) {
+          tails(j, 8);
+          avx2_block<T, 1, 8>(xm, KP, wp + (n0 + j) * K, K, pad, sums + j, kCols);
+        }
+        for (; j < nn; ++j) {
+          tails(j, 1);
+          avx2_block<T, 1, 1>(xm, KP, wp + (n0 + j) * K, K, pad, sums + j, kCols);
+        }
+      } else {
+        int64_t j = 0;
+        for (; j + 3 <= nn; j += 3) {
+          tails(j, 3);
+          int64_t r = 0;
+          for (; r + 4 <= mm; r += 4)
+            avx2_block<T, 4, 3>(xm + r * KP, KP, wp + (n0 + j) * K, K, pad, sums + r * kCols + j, kCols);
+          for (; r < mm; ++r)
+            avx2_block<T, 1, 3>(xm + r * KP, KP, wp + (n0 + j) * K, K, pad, sums + r * kCols + j, kCols);
+        }
+        for (; j < nn; ++j) {
+          tails(j, 1);
+          int64_t r = 0;
+          for (; r + 4 <= mm; r += 4)
+            avx2_block<T, 4, 1>(xm + r * KP, KP, wp + (n0 + j) * K, K, pad, sums + r * kCols + j, kCols);
+          for (; r < mm; ++r)
+            avx2_block<T, 1, 1>(xm + r * KP, KP, wp + (n0 + j) * K, K, pad, sums + r * kCols + j, kCols);
+        }
+      }
+      for (int64_t r = 0; r < mm; ++r)
+        for (int64_t j = 0; j < nn; ++j) {
+          float s = sums[r * kCols + j];
+          if (bias) s += bias[n0 + j];
+          yp[(m0 + r) * y.stride(0) + n0 + j] = static_cast<O>(s);
+        }
+    }
+  });
+}
+#endif
+
 // Which path a (dtype, K, N) takes: fixed per weight, so every call on that weight computes alike.
 enum class Path { Amx, Dot, Generic };
 
@@ -441,15 +560,24 @@ void dispatch(Path path, const at::Tensor& x, const at::Tensor& w, const float* 
 #if defined(__AVX512BF16__)
     if (path == Path::Dot) return linear_dot<c10::BFloat16, O>(x, w, bp, y);
 #endif
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+    return linear_avx2<c10::BFloat16, O>(x, w, bp, y);
+#endif
     return linear_generic<c10::BFloat16, O>(x, w, bp, y);
   }
 #if defined(__AVX512F__)
   if (path == Path::Dot) return linear_dot<float, O>(x, w, bp, y);
 #endif
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+  return linear_avx2<float, O>(x, w, bp, y);
+#endif
   linear_generic<float, O>(x, w, bp, y);
 }
 
 // out_fp32: return the fp32 sums (+ bias) without the final rounding to x's dtype (the LM head's logits).
+void linear_into(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                 const std::optional<at::Tensor>& packed, at::Tensor& y);
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32,
                   const std::optional<at::Tensor>& packed) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear: CPU only");
@@ -462,7 +590,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   const bool fp32 = out_fp32 || x.scalar_type() == at::kFloat;
   thread_local Reusable out;
   auto y = reusable_empty(out, {M, N}, x.options().dtype(fp32 ? at::kFloat : x.scalar_type()));
-  if (M == 0 || N == 0) return y;
+  linear_into(x, w, bias, packed, y);
+  return y;
+}
+
+// linear's products into y (M, N), fp32 or x's dtype, contiguous: a caller that keeps its own output buffer.
+void linear_into(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                 const std::optional<at::Tensor>& packed, at::Tensor& y) {
+  const int64_t M = x.size(0), N = w.size(0);
+  const bool fp32 = y.scalar_type() == at::kFloat;
+  TORCH_CHECK(y.is_contiguous() && y.size(0) == M && y.size(1) == N &&
+                  (fp32 || y.scalar_type() == x.scalar_type()), "linear: y must be (M, N) fp32 or x's dtype");
+  if (M == 0 || N == 0) return;
   at::Tensor b32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias must be (N,)");
@@ -482,7 +621,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   } else {
     dispatch<c10::BFloat16>(path, x, w, bp, y, pp);
   }
-  return y;
 }
 
 // W's B tiles for the many-row AMX path, laid out once (the weights' second copy, int32 words of bf16 pairs), or
@@ -564,6 +702,9 @@ at::Tensor gated_act(const at::Tensor& x, int64_t act) {
 namespace kakeya_ops {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32) {
   return ::linear(x, w, bias, out_fp32, std::nullopt);
+}
+void linear_into(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& y) {
+  ::linear_into(x, w, bias, std::nullopt, y);
 }
 at::Tensor gated_act(const at::Tensor& x, int64_t act) { return ::gated_act(x, act); }
 }  // namespace kakeya_ops

@@ -212,9 +212,53 @@ struct QWeight {
   }
 #else
   // The same arithmetic element by element: std::fma is the fused multiply-add the vector path uses, and c10's
-  // conversion rounds to nearest even as vcvtne2ps2bf16 does.
+  // conversion rounds to nearest even as vcvtne2ps2bf16 does. With AVX2, the same operations 8 lanes at a time
+  // (an int4 tile unpacked element by element took longer than the products it fed).
+#if defined(__AVX2__) && defined(__FMA__)
+  // 8 fp32 lanes rounded to bf16 as c10 rounds (nearest even; NaN as 0x7FC0), in the low 16 bits of each lane.
+  __attribute__((always_inline)) static inline __m256i round_bf16(__m256 v) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  }
+  // 32 fp32 values (v[0..3], 8 each) as 32 bf16 at out.
+  __attribute__((always_inline)) static inline void store_bf16x32(const __m256* v, c10::BFloat16* out) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i packed = _mm256_packus_epi32(round_bf16(v[2 * h]), round_bf16(v[2 * h + 1]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h), _mm256_permute4x64_epi64(packed, 0xD8));
+    }
+  }
+  // 32 int8 values as fp32 (v[0..3]).
+  __attribute__((always_inline)) static inline void widen_i8x32(__m128i lo, __m128i hi, __m256* v) {
+    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+  }
+  // An int4 group's 32 codes in column order (two 16-byte halves): byte i's nibbles interleaved are slots 2i, 2i + 1,
+  // and int4_slot takes 4-byte runs from the two halves' interleavings in turn.
+  __attribute__((always_inline)) static inline void int4_codes(const uint8_t* src, __m128i& lo, __m128i& hi) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(15));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+    const __m128i first = _mm_unpacklo_epi8(low, high), second = _mm_unpackhi_epi8(low, high);  // slots 0..15, 16..31
+    lo = _mm_unpacklo_epi32(first, second);  // columns 0..15
+    hi = _mm_unpackhi_epi32(first, second);  // columns 16..31
+  }
+#endif
   static inline void group4(const uint8_t* src, const float* scale_p, const float* zero_p, c10::BFloat16* out) {
     const float scale = *scale_p, zero = *zero_p;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m128i lo, hi;
+    int4_codes(src, lo, hi);
+    __m256 v[4];
+    widen_i8x32(lo, hi, v);  // codes 0..15 (as int8, exact)
+    const __m256 s = _mm256_set1_ps(scale), z = _mm256_set1_ps(zero), eight = _mm256_set1_ps(8.f);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(_mm256_sub_ps(v[i], eight), s, z);
+    store_bf16x32(v, out);
+    return;
+#endif
     uint64_t half[2];
     std::memcpy(half, src, 16);
     for (int c = 0; c < 32; ++c) {
@@ -228,9 +272,25 @@ struct QWeight {
     group4(src + 16, sz + 2, sz + 3, out + kTileCols);
   }
   static inline void group8(const int8_t* src, c10::BFloat16* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 v[4];
+    widen_i8x32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)),
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)), v);
+    store_bf16x32(v, out);
+    return;
+#endif
     for (int j = 0; j < 32; ++j) out[j] = c10::BFloat16(float(src[j]));
   }
   static inline void group8d(const int8_t* src, float d, c10::BFloat16* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 v[4];
+    widen_i8x32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)),
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)), v);
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(v[i], dv);
+    store_bf16x32(v, out);
+    return;
+#endif
     for (int j = 0; j < 32; ++j) out[j] = c10::BFloat16(float(src[j]) * d);
   }
   static inline void widen_d(const c10::Half* d, float* out) {
@@ -241,6 +301,25 @@ struct QWeight {
     uint32_t fifth;
     std::memcpy(half, src, 16);
     std::memcpy(&fifth, src + 16, 4);
+#if defined(__AVX2__) && defined(__FMA__)
+    __m128i lo, hi;
+    int4_codes(src, lo, hi);
+    // column c's fifth bit (bit c of the word) as 16 in byte c
+    const __m128i word = _mm_set1_epi32(static_cast<int>(fifth));
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    const auto fifths = [&](__m128i select) {
+      const __m128i set = _mm_and_si128(_mm_shuffle_epi8(word, select), bit);
+      return _mm_and_si128(_mm_cmpeq_epi8(set, bit), _mm_set1_epi8(16));
+    };
+    lo = _mm_or_si128(lo, fifths(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)));
+    hi = _mm_or_si128(hi, fifths(_mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)));
+    __m256 v[4];
+    widen_i8x32(lo, hi, v);  // codes 0..31
+    const __m256 dv = _mm256_set1_ps(d), sixteen = _mm256_set1_ps(16.f);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(_mm256_sub_ps(v[i], sixteen), dv);
+    store_bf16x32(v, out);
+    return;
+#endif
     for (int c = 0; c < 32; ++c) {
       const int slot = int4_slot(c);
       const int code = int((half[slot / 16] >> (4 * (slot % 16))) & 15) | int((fifth >> c) & 1) << 4;
@@ -502,13 +581,20 @@ void quant_panels(const at::Tensor& x, const QWeight& w, const float* scale, con
                   const std::optional<at::Tensor>& bias_t, at::Tensor& y) {
   const int64_t M = x.size(0);
   auto* yp = y.data_ptr<c10::BFloat16>();
-  auto panel = at::empty({std::min(kPanelRows, w.N), w.K}, x.options());
+  // the panel from this thread's scratch (slot 6, no other kernel's): a decode step through here (every machine
+  // without AVX-512 BF16) called the allocator for each projection's panel
+  const int64_t panel_rows = std::min(kPanelRows, w.N);
+  auto panel = at::from_blob(scratch<c10::BFloat16>(6, panel_rows * w.K), {panel_rows, w.K}, x.options());
   for (int64_t n0 = 0; n0 < w.N; n0 += kPanelRows) {
     const int64_t rows = std::min(kPanelRows, w.N - n0);
     auto wp = panel.narrow(0, 0, rows);
     dequant_rows(w, n0, rows, wp.data_ptr<c10::BFloat16>());
+    // each panel's products into this thread's scratch too (slot 5): linear's kept outputs are shared by every
+    // call site, and a step's many panel shapes turned them over, an allocation each
+    auto part = at::from_blob(scratch<char>(5, M * rows * 4), {M, rows},
+                              x.options().dtype(scale ? at::kFloat : x.scalar_type()));
     if (scale) {
-      auto part = kakeya_ops::linear(x, wp, std::nullopt, true);  // (M, rows) fp32
+      kakeya_ops::linear_into(x, wp, std::nullopt, part);  // (M, rows) fp32
       const float* pp = part.const_data_ptr<float>();
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < rows; ++j)
@@ -516,7 +602,7 @@ void quant_panels(const at::Tensor& x, const QWeight& w, const float* scale, con
     } else {
       std::optional<at::Tensor> b;
       if (bias_t.has_value()) b = bias_t->narrow(0, n0, rows);
-      auto part = kakeya_ops::linear(x, wp, b, false);  // (M, rows)
+      kakeya_ops::linear_into(x, wp, b, part);  // (M, rows)
       for (int64_t m = 0; m < M; ++m)
         std::memcpy(yp + m * w.N + n0, part.const_data_ptr<c10::BFloat16>() + m * rows, rows * 2);
     }
