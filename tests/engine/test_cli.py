@@ -79,7 +79,7 @@ def test_generate_chat_and_errors(tiny_gguf, tmp_path):
 @pytest.mark.real_model
 def test_generate_real_chat_answer(smollm2_bf16):
     """Default model and --chat rendering through the SDK (ChatML for SmolLM2)."""
-    result = _run("What is the capital of France?", "-n", "24")
+    result = _run("Name the capital city of France.", "-n", "24")
     assert result.exit_code == 0, result.output
     assert "Paris" in result.stdout
     assert "TTFT" in result.stderr

@@ -47,7 +47,7 @@ def _chatml(loaded, question: str) -> list[int]:
 def test_smollm2_knows_the_capital_of_france(smollm2_bf16):
     loaded = smollm2_bf16
     engine = Engine(loaded.model)
-    ids = _chatml(loaded, "What is the capital of France?")
+    ids = _chatml(loaded, "Name the capital city of France.")
     result = engine.generate(engine.new_cache(capacity=len(ids) + 48), torch.tensor([ids]),
                              GenerateRequest(48, stop_ids=loaded.eos_ids))
     answer = loaded.tokenizer.decode(result.token_ids[0])

@@ -96,6 +96,11 @@ def test_chat_delta_after_a_reply_ending_on_another_eos(tok):
     assert both.decode(delta, skip_special_tokens=False) == "\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ChatTemplateMismatch):  # only an EOS stands for the turn's end
         both.chat_delta(history[:-1] + [5], messages)
+    # and in every later turn: the substituted EOS then sits inside the history (the next turn raised)
+    history += delta + both.encode("Sure") + [2]
+    messages += [{"role": "assistant", "content": "Sure"}, {"role": "user", "content": "again"}]
+    delta = both.chat_delta(history, messages)
+    assert both.decode(delta, skip_special_tokens=False) == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_chat_delta_appends_only_the_new_turn(tok):

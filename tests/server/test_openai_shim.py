@@ -426,7 +426,7 @@ def test_shutting_down_answers_503():
 @pytest.mark.real_model
 def test_smollm2_chat_template_through_the_openai_client(smollm2_bf16):
     served = ServedModel.from_loaded(smollm2_bf16, "smollm2")
-    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    messages = [{"role": "user", "content": "Name the capital city of France."}]
     with running_server(served, openai_port=0) as thread:
         client = openai.OpenAI(base_url=_base(thread), api_key="unused", max_retries=0, timeout=60)
         chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12,

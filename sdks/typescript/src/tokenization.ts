@@ -35,6 +35,12 @@ export interface ChatOptions {
   addGenerationPrompt?: boolean;
   /** Extra template variables (e.g. `enable_thinking`, `tools`). */
   templateKwargs?: Record<string, unknown>;
+  /**
+   * Tokenize special-token text inside a message's content ("<|im_end|>") as the plain text it is, as the OpenAI
+   * API treats content (default false: as Hugging Face's apply_chat_template, it becomes that control token, so a
+   * message can close its own turn and open another). Content without such text tokenizes the same either way.
+   */
+  literalContent?: boolean;
 }
 
 // Unicode whitespace as Rust's char::is_whitespace has it (JavaScript's \s also takes U+FEFF and not U+0085).
@@ -200,7 +206,53 @@ export class Tokenizer {
 
   /** The whole conversation as raw token ids (for `createSession({ initialTokens })`). */
   tokensForChat(messages: readonly ChatMessage[], options: ChatOptions = {}): number[] {
-    return this.encode(this.renderChat(messages, options));
+    if (!flag(options.literalContent, "literalContent")) return this.encode(this.renderChat(messages, options));
+    // Each occurrence of special-token text in a message's content is rendered as a marker the template passes
+    // through as it passes the text around it (filters, trimming, tests on the content still apply), then tokenized
+    // as that text where the marker lands. Markers are private-use characters with a random part, so no message can
+    // hold one by chance.
+    const specials = this.specialTexts();
+    const holds = (m: ChatMessage) => typeof m.content === "string" && specials.some((x) => m.content.includes(x));
+    if (specials.length === 0 || !messages.some(holds)) return this.encode(this.renderChat(messages, options));
+    const nonce = String.fromCharCode(...Array.from(crypto.getRandomValues(new Uint8Array(8)), (b) => 0xe100 + b));
+    const pattern = new RegExp(specials.map((x) => x.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")).join("|"), "g");
+    const literal = new Map<string, string>();
+    const marked = messages.map((m) => typeof m.content !== "string" ? m : {
+      ...m,
+      content: m.content.replace(pattern, (found) => {
+        const marker = `\ue000${nonce}${String.fromCharCode(0xf000 + literal.size)}\ue001`;
+        literal.set(marker, found);
+        return marker;
+      }),
+    });
+    const pieces = this.renderChat(marked, options).split(new RegExp(`(\ue000${nonce}.\ue001)`));
+    const seen = pieces.filter((_, i) => i % 2 === 1).sort();
+    if (seen.length !== literal.size || seen.some((x, i) => x !== [...literal.keys()].sort()[i])) {
+      throw new ChatTemplateError("the chat template dropped or repeated part of a message's content, so its "
+        + "special-token text cannot be kept literal");
+    }
+    return pieces.flatMap((piece, i) => i % 2 === 1 ? this.encodeLiteral(literal.get(piece) as string)
+      : piece ? this.encode(piece) : []);
+  }
+
+  private literal: HFTokenizer | undefined;
+
+  /** The special tokens' texts, longest first (so one that contains another is matched whole). */
+  private specialTexts(): string[] {
+    const added = (JSON.parse(this.tokenizerJson).added_tokens ?? []) as { content?: string; special?: boolean }[];
+    return [...new Set(added.filter((t) => t.special && t.content).map((t) => t.content as string))]
+      .sort((a, b) => b.length - a.length);
+  }
+
+  /** Text with its special-token text tokenized as plain text (the Rust tokenizer's encode_special_tokens). */
+  private encodeLiteral(text: string): number[] {
+    if (this.literal === undefined) {
+      const json = rustRegexes(JSON.parse(this.tokenizerJson));
+      const added = (json.added_tokens ?? []) as { special?: boolean }[];
+      this.literal = new HFTokenizer({ ...json, added_tokens: added.filter((t) => !t.special) },
+        { clean_up_tokenization_spaces: false });
+    }
+    return this.literal.encode(text, { add_special_tokens: false }).ids;
   }
 
   /**
@@ -213,14 +265,7 @@ export class Tokenizer {
   chatDelta(historyIds: readonly number[], messages: readonly ChatMessage[], options: ChatOptions = {}): number[] {
     const rendered = this.renderChat(messages, options);
     if (historyIds.length === 0) return this.encode(rendered);
-    const prefix = this.decode(historyIds, { skipSpecialTokens: false });
-    if (!rendered.startsWith(prefix) && this.eosTokenIds.includes(historyIds[historyIds.length - 1])) {
-      // a reply that ended on another of the model's EOS tokens than the one the template closes a turn with
-      // (SmolLM2's <|endoftext|> where it writes <|im_end|>): that token stands for the turn's end
-      const before = this.decode(historyIds.slice(0, -1), { skipSpecialTokens: false });
-      const close = this.eosTokenIds.map((id) => this.tokenText(id)).find((e) => e && rendered.startsWith(before + e));
-      if (close !== undefined) return this.encode(rendered.slice(before.length + close.length));
-    }
+    const prefix = this.historyText(historyIds, rendered);
     if (!rendered.startsWith(prefix)) {
       let at = 0;
       while (at < Math.min(prefix.length, rendered.length) && prefix[at] === rendered[at]) at++;
@@ -228,6 +273,25 @@ export class Tokenizer {
         + `history ${JSON.stringify(prefix.slice(at, at + 40))} vs rendered ${JSON.stringify(rendered.slice(at, at + 40))}`);
     }
     return this.encode(rendered.slice(prefix.length));
+  }
+
+  /**
+   * The history's text, each EOS token in it read as the EOS the render has there: a reply that ended on another of
+   * the model's EOS tokens than the one the template closes a turn with (SmolLM2's <|endoftext|> where it writes
+   * <|im_end|>) stands for the turn's end, in the last turn and in every earlier one.
+   */
+  private historyText(historyIds: readonly number[], rendered: string): string {
+    const ids = [...historyIds];
+    const text = this.decode(ids, { skipSpecialTokens: false });
+    if (rendered.startsWith(text)) return text;
+    for (let i = 0; i < ids.length; i++) {
+      if (!this.eosTokenIds.includes(ids[i])) continue;
+      const before = this.decode(ids.slice(0, i), { skipSpecialTokens: false });
+      if (!rendered.startsWith(before)) break; // the history diverges before this token: nothing to read differently
+      const close = this.eosTokenIds.find((e) => this.tokenText(e) && rendered.startsWith(before + this.tokenText(e)));
+      if (close !== undefined) ids[i] = close;
+    }
+    return this.decode(ids, { skipSpecialTokens: false });
   }
 }
 
@@ -385,7 +449,18 @@ export interface OpenAIMessage {
  */
 export function fromOpenAIMessages(messages: Iterable<OpenAIMessage>, tokenizer: Tokenizer | ChatTemplateTokenizer,
   options: ChatOptions = {}): number[] {
-  return tokensForChat(chatMessagesFromOpenAI(messages), tokenizer, options);
+  const chat = chatMessagesFromOpenAI(messages);
+  const literalContent = flag(options.literalContent, "literalContent", true);
+  if (tokenizer instanceof Tokenizer) return tokenizer.tokensForChat(chat, { ...options, literalContent });
+  const all = (tokenizer as { all_special_tokens?: unknown }).all_special_tokens;
+  const specials = Array.isArray(all) ? all.filter((t): t is string => typeof t === "string" && t !== "") : [];
+  const held = chat.flatMap((m) => specials.filter((t) => typeof m.content === "string" && m.content.includes(t)))[0];
+  if (literalContent && held !== undefined) {
+    throw new ChatTemplateError(`a message's content holds the special-token text ${JSON.stringify(held)}, which `
+      + "this tokenizer would read as that control token: use a kakeya Tokenizer (Tokenizer.fromModelInfo), which "
+      + "keeps it as text, or pass literalContent: false");
+  }
+  return tokensForChat(chat, tokenizer, options);
 }
 
 /**

@@ -75,9 +75,15 @@ describe("tokenization", () => {
     const messages: ChatMessage[] = [{ role: "user", content: "hi" }];
     const history = [...both.tokensForChat(messages), ...both.encode("Hello"), 0];
     messages.push({ role: "assistant", content: "Hello" }, { role: "user", content: "more" });
-    assert.equal(both.decode(both.chatDelta(history, messages), { skipSpecialTokens: false }),
+    const delta = both.chatDelta(history, messages);
+    assert.equal(both.decode(delta, { skipSpecialTokens: false }),
       "\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n");
     assert.throws(() => both.chatDelta([...history.slice(0, -1), 5], messages), ChatTemplateMismatch);
+    // and in every later turn: the substituted EOS then sits inside the history (the next turn threw)
+    history.push(...delta, ...both.encode("Sure"), 2);
+    messages.push({ role: "assistant", content: "Sure" }, { role: "user", content: "again" });
+    assert.equal(both.decode(both.chatDelta(history, messages), { skipSpecialTokens: false }),
+      "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n");
   });
 
   it("chatDelta refuses a rewritten history", () => {

@@ -206,15 +206,7 @@ class Tokenizer:
         rendered = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
         if not history_ids:
             return self.encode(rendered)
-        prefix = self.decode(history_ids, skip_special_tokens=False)
-        if not rendered.startswith(prefix) and history_ids[-1] in self.eos_token_ids:
-            # a reply that ended on another of the model's EOS tokens than the one the template closes a turn with
-            # (SmolLM2's <|endoftext|> where it writes <|im_end|>): that token stands for the turn's end
-            before = self.decode(history_ids[:-1], skip_special_tokens=False)
-            close = next((e for e in map(self.token_text, self.eos_token_ids)
-                          if e and rendered.startswith(before + e)), None)
-            if close is not None:
-                return self.encode(rendered[len(before) + len(close):])
+        prefix = self._history_text(history_ids, rendered)
         if not rendered.startswith(prefix):
             at = next((i for i, (a, b) in enumerate(zip(prefix, rendered, strict=False)) if a != b),
                       min(len(prefix), len(rendered)))
@@ -223,6 +215,25 @@ class Tokenizer:
                 f"history {prefix[at:at + 40]!r} vs rendered {rendered[at:at + 40]!r}"
             )
         return self.encode(rendered[len(prefix):])
+
+    def _history_text(self, history_ids: Sequence[int], rendered: str) -> str:
+        """The history's text, each EOS token in it read as the EOS the render has there: a reply that ended on
+        another of the model's EOS tokens than the one the template closes a turn with (SmolLM2's <|endoftext|>
+        where it writes <|im_end|>) stands for the turn's end, in the last turn and in every earlier one."""
+        ids = list(history_ids)
+        text = self.decode(ids, skip_special_tokens=False)
+        if rendered.startswith(text):
+            return text
+        eos = set(self.eos_token_ids)
+        for i, token in enumerate(ids):
+            if token not in eos:
+                continue
+            before = self.decode(ids[:i], skip_special_tokens=False)
+            if not rendered.startswith(before):
+                break  # the history diverges before this token: nothing to read differently
+            ids[i] = next((e for e in self.eos_token_ids if self.token_text(e) and
+                           rendered.startswith(before + self.token_text(e))), token)
+        return self.decode(ids, skip_special_tokens=False)
 
 
 class StreamDecoder:
@@ -320,17 +331,30 @@ def tokens_for_chat(messages: Sequence[Mapping[str, Any]], tokenizer: Any, *, ad
 
 
 def from_openai_messages(messages: Iterable[Any], tokenizer: Any, *, add_generation_prompt: bool = True,
-                         **template_kwargs: Any) -> list[int]:
+                         literal_content: bool = True, **template_kwargs: Any) -> list[int]:
     """OpenAI chat-completions messages + the model's tokenizer -> the token ids a session takes.
 
     The one-helper migration from the HTTP shim to sessions: what `POST /v1/chat/completions` would have
     prompted with becomes `client.create_session(initial_tokens=from_openai_messages(messages, tok))`.
     `messages` are dicts or the openai package's message objects; `tokenizer` is a kakeya Tokenizer (from
-    GetModelInfo) or anything with Hugging Face's `apply_chat_template`. For later turns of the same
+    GetModelInfo) or anything with Hugging Face's `apply_chat_template`. As the shim (and the OpenAI API) does,
+    special-token text in a message's content stays text (`literal_content`; a Hugging Face tokenizer cannot keep
+    it so, and such content is refused with one unless literal_content=False). For later turns of the same
     session append `tokenizer.chat_delta(history, chat_messages_from_openai(messages))` instead.
     """
-    return tokens_for_chat(chat_messages_from_openai(messages), tokenizer,
-                           add_generation_prompt=add_generation_prompt, **template_kwargs)
+    chat = chat_messages_from_openai(messages)
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.tokens_for_chat(chat, add_generation_prompt=add_generation_prompt,
+                                         literal_content=literal_content, **template_kwargs)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    specials = [t for t in [*(getattr(tokenizer, "all_special_tokens", None) or []),
+                            *(str(a) for a in added.values() if getattr(a, "special", False))] if isinstance(t, str) and t]
+    held = next((t for m in chat if isinstance(m.get("content"), str) for t in specials if t in m["content"]), None)
+    if literal_content and held is not None:
+        raise ValueError(f"a message's content holds the special-token text {held!r}, which this tokenizer would "
+                         "read as that control token: use a kakeya Tokenizer (Tokenizer.from_model_info), which "
+                         "keeps it as text, or pass literal_content=False")
+    return tokens_for_chat(chat, tokenizer, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
 
 def chat_messages_from_openai(messages: Iterable[Any]) -> list[Message]:
