@@ -494,35 +494,21 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const float* bias, at
             for (int64_t k = K / 8 * 8; k < K; ++k) pad[j * 8 + k % 8] = as_float(wp[(n0 + j0 + j) * K + k]);
       };
       const float* xm = xw + m0 * KP;
-      if (mm == 1) {  // a decode row: 8 W rows at a time
-        int64_t j = 0;
-        for (; j + 8 <= nn; j += 8) {
-          tails(j, 8);
-          avx2_block<T, 1, 8>(xm, KP, wp + (n0 + j) * K, K, pad, sums + j, kCols);
-        }
-        for (; j < nn; ++j) {
-          tails(j, 1);
-          avx2_block<T, 1, 1>(xm, KP, wp + (n0 + j) * K, K, pad, sums + j, kCols);
-        }
-      } else {
-        int64_t j = 0;
-        for (; j + 3 <= nn; j += 3) {
-          tails(j, 3);
-          int64_t r = 0;
+      // NJ W rows from j against every x row of the item: four x rows at a time where the registers allow
+      const auto cols = [&]<int NJ>(int64_t j) {
+        tails(j, NJ);
+        int64_t r = 0;
+        if constexpr (NJ <= 3)
           for (; r + 4 <= mm; r += 4)
-            avx2_block<T, 4, 3>(xm + r * KP, KP, wp + (n0 + j) * K, K, pad, sums + r * kCols + j, kCols);
-          for (; r < mm; ++r)
-            avx2_block<T, 1, 3>(xm + r * KP, KP, wp + (n0 + j) * K, K, pad, sums + r * kCols + j, kCols);
-        }
-        for (; j < nn; ++j) {
-          tails(j, 1);
-          int64_t r = 0;
-          for (; r + 4 <= mm; r += 4)
-            avx2_block<T, 4, 1>(xm + r * KP, KP, wp + (n0 + j) * K, K, pad, sums + r * kCols + j, kCols);
-          for (; r < mm; ++r)
-            avx2_block<T, 1, 1>(xm + r * KP, KP, wp + (n0 + j) * K, K, pad, sums + r * kCols + j, kCols);
-        }
-      }
+            avx2_block<T, 4, NJ>(xm + r * KP, KP, wp + (n0 + j) * K, K, pad, sums + r * kCols + j, kCols);
+        for (; r < mm; ++r)
+          avx2_block<T, 1, NJ>(xm + r * KP, KP, wp + (n0 + j) * K, K, pad, sums + r * kCols + j, kCols);
+      };
+      int64_t next = 0;  // the first W row of the item not yet done
+      if (mm == 1)  // a decode row: 8 W rows at a time
+        for (; next + 8 <= nn; next += 8) cols.template operator()<8>(next);
+      for (; next + 3 <= nn; next += 3) cols.template operator()<3>(next);
+      for (; next < nn; ++next) cols.template operator()<1>(next);
       for (int64_t r = 0; r < mm; ++r)
         for (int64_t j = 0; j < nn; ++j) {
           float s = sums[r * kCols + j];
