@@ -468,8 +468,8 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const float* bias, at
   const T* xp = x.const_data_ptr<T>();
   const T* wp = w.const_data_ptr<T>();
   O* yp = y.data_ptr<O>();
-  // x widened once, each row zero-padded to whole chunks (as linear_generic's xf); the buffer is kept per thread,
-  // so a decode step allocates nothing here
+  // x widened once, each row zero-padded to whole chunks (as linear_generic's xf); the buffer is kept per thread
+  // (up to kScratchBytes), so a decode step allocates nothing here
   thread_local std::vector<float> xf;
   if (xf.size() < static_cast<size_t>(M * KP)) xf.resize(M * KP);
   float* const xw = xf.data();
@@ -517,6 +517,7 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const float* bias, at
         }
     }
   });
+  release_if_large(xf);  // a long prompt's widened rows are not kept for the thread's life
 }
 #endif
 

@@ -583,16 +583,21 @@ void quant_panels(const at::Tensor& x, const QWeight& w, const float* scale, con
   auto* yp = y.data_ptr<c10::BFloat16>();
   // the panel from this thread's scratch (slot 6, no other kernel's): a decode step through here (every machine
   // without AVX-512 BF16) called the allocator for each projection's panel
+  // (a buffer past kScratchBytes, a long prompt's, comes from the allocator: scratch keeps its largest for good)
+  const auto buffer = [](int slot, int64_t rows, int64_t cols, const at::TensorOptions& options) {
+    const size_t bytes = static_cast<size_t>(rows * cols) * options.dtype().itemsize();
+    return bytes <= kScratchBytes ? at::from_blob(scratch<char>(slot, bytes), {rows, cols}, options)
+                                  : at::empty({rows, cols}, options);
+  };
   const int64_t panel_rows = std::min(kPanelRows, w.N);
-  auto panel = at::from_blob(scratch<c10::BFloat16>(6, panel_rows * w.K), {panel_rows, w.K}, x.options());
+  auto panel = buffer(6, panel_rows, w.K, x.options());
   for (int64_t n0 = 0; n0 < w.N; n0 += kPanelRows) {
     const int64_t rows = std::min(kPanelRows, w.N - n0);
     auto wp = panel.narrow(0, 0, rows);
     dequant_rows(w, n0, rows, wp.data_ptr<c10::BFloat16>());
     // each panel's products into this thread's scratch too (slot 5): linear's kept outputs are shared by every
     // call site, and a step's many panel shapes turned them over, an allocation each
-    auto part = at::from_blob(scratch<char>(5, M * rows * 4), {M, rows},
-                              x.options().dtype(scale ? at::kFloat : x.scalar_type()));
+    auto part = buffer(5, M, rows, x.options().dtype(scale ? at::kFloat : x.scalar_type()));
     if (scale) {
       kakeya_ops::linear_into(x, wp, std::nullopt, part);  // (M, rows) fp32
       const float* pp = part.const_data_ptr<float>();
