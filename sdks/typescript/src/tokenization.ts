@@ -206,14 +206,21 @@ export class Tokenizer {
 
   /** The whole conversation as raw token ids (for `createSession({ initialTokens })`). */
   tokensForChat(messages: readonly ChatMessage[], options: ChatOptions = {}): number[] {
-    if (!flag(options.literalContent, "literalContent")) return this.encode(this.renderChat(messages, options));
+    return this.encodePieces(this.renderedPieces(messages, options));
+  }
+
+  /**
+   * The rendered conversation as [text, literal] pieces, in order: their texts joined are the render; a literal
+   * piece is special-token text from a message's content, to tokenize as plain text.
+   */
+  private renderedPieces(messages: readonly ChatMessage[], options: ChatOptions): [string, boolean][] {
+    const specials = flag(options.literalContent, "literalContent") ? this.specialTexts() : [];
+    const holds = (m: ChatMessage) => typeof m.content === "string" && specials.some((x) => m.content.includes(x));
+    if (specials.length === 0 || !messages.some(holds)) return [[this.renderChat(messages, options), false]];
     // Each occurrence of special-token text in a message's content is rendered as a marker the template passes
     // through as it passes the text around it (filters, trimming, tests on the content still apply), then tokenized
     // as that text where the marker lands. Markers are private-use characters with a random part, so no message can
     // hold one by chance.
-    const specials = this.specialTexts();
-    const holds = (m: ChatMessage) => typeof m.content === "string" && specials.some((x) => m.content.includes(x));
-    if (specials.length === 0 || !messages.some(holds)) return this.encode(this.renderChat(messages, options));
     const nonce = String.fromCharCode(...Array.from(crypto.getRandomValues(new Uint8Array(8)), (b) => 0xe100 + b));
     const pattern = new RegExp(specials.map((x) => x.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")).join("|"), "g");
     const literal = new Map<string, string>();
@@ -231,8 +238,12 @@ export class Tokenizer {
       throw new ChatTemplateError("the chat template dropped or repeated part of a message's content, so its "
         + "special-token text cannot be kept literal");
     }
-    return pieces.flatMap((piece, i) => i % 2 === 1 ? this.encodeLiteral(literal.get(piece) as string)
-      : piece ? this.encode(piece) : []);
+    return pieces.flatMap((piece, i): [string, boolean][] => i % 2 === 1 ? [[literal.get(piece) as string, true]]
+      : piece ? [[piece, false]] : []);
+  }
+
+  private encodePieces(pieces: readonly [string, boolean][]): number[] {
+    return pieces.flatMap(([text, literal]) => literal ? this.encodeLiteral(text) : this.encode(text));
   }
 
   private literal: HFTokenizer | undefined;
@@ -260,11 +271,13 @@ export class Tokenizer {
    *
    * The history is the truth: generated tokens stay exactly as sampled. The rendered conversation must extend
    * the history's text; only the new suffix is tokenized. Throws ChatTemplateMismatch when it does not (the
-   * caller then starts a fresh session from tokensForChat).
+   * caller then starts a fresh session from tokensForChat). `literalContent` as tokensForChat's: pass the value the
+   * session's earlier turns were tokenized with.
    */
   chatDelta(historyIds: readonly number[], messages: readonly ChatMessage[], options: ChatOptions = {}): number[] {
-    const rendered = this.renderChat(messages, options);
-    if (historyIds.length === 0) return this.encode(rendered);
+    const pieces = this.renderedPieces(messages, options);
+    if (historyIds.length === 0) return this.encodePieces(pieces);
+    const rendered = pieces.map(([text]) => text).join("");
     const prefix = this.historyText(historyIds, rendered);
     if (!rendered.startsWith(prefix)) {
       let at = 0;
@@ -272,7 +285,13 @@ export class Tokenizer {
       throw new ChatTemplateMismatch(`rendered chat diverges from the session history at character ${at}: `
         + `history ${JSON.stringify(prefix.slice(at, at + 40))} vs rendered ${JSON.stringify(rendered.slice(at, at + 40))}`);
     }
-    return this.encode(rendered.slice(prefix.length));
+    const suffix: [string, boolean][] = [];
+    let skip = prefix.length; // characters of the render the history already holds
+    for (const [text, literal] of pieces) {
+      if (skip < text.length) suffix.push([text.slice(skip), literal]); // a literal's tail is plain text too
+      skip = Math.max(0, skip - text.length);
+    }
+    return this.encodePieces(suffix);
   }
 
   /**
@@ -445,7 +464,8 @@ export interface OpenAIMessage {
  *
  * The one-helper migration from the HTTP endpoint to sessions: what `POST /v1/chat/completions` would have
  * prompted with becomes `client.createSession({ initialTokens: fromOpenAIMessages(messages, tok) })`. For later
- * turns of the same session append `tok.chatDelta(history, chatMessagesFromOpenAI(messages))` instead.
+ * turns of the same session append `tok.chatDelta(history, chatMessagesFromOpenAI(messages), { literalContent: true })`
+ * instead.
  */
 export function fromOpenAIMessages(messages: Iterable<OpenAIMessage>, tokenizer: Tokenizer | ChatTemplateTokenizer,
   options: ChatOptions = {}): number[] {

@@ -154,18 +154,22 @@ class Tokenizer:
         `literal_content` such text in a message's content is tokenized as the plain text it is; the OpenAI shim
         uses it, as the OpenAI API treats content. Content without special-token text tokenizes the same either
         way."""
-        if not literal_content:
-            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                                **template_kwargs))
+        return self._encode_pieces(self._rendered_pieces(messages, add_generation_prompt, literal_content,
+                                                         template_kwargs))
+
+    def _rendered_pieces(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                         literal_content: bool, template_kwargs: Mapping[str, Any]) -> list[tuple[str, bool]]:
+        """The rendered conversation as (text, literal) pieces, in order: their texts joined are the render; a
+        literal piece is special-token text from a message's content, to tokenize as plain text."""
+        specials = sorted({t.content for t in self.hf.get_added_tokens_decoder().values() if t.special and t.content},
+                          key=len, reverse=True) if literal_content else []
+        if not specials or not any(isinstance(m.get("content"), str) and any(x in m["content"] for x in specials)
+                                   for m in messages):
+            return [(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **template_kwargs), False)]
         # Each occurrence of special-token text in a message's content is rendered as a marker the template passes
         # through as it passes the text around it (filters, trimming, tests on the content still apply), then
         # tokenized as that text where the marker lands. Markers are private-use characters with a random part, so
         # no message can hold one by chance.
-        specials = sorted({t.content for t in self.hf.get_added_tokens_decoder().values() if t.special and t.content},
-                          key=len, reverse=True)
-        if not any(isinstance(m.get("content"), str) and any(x in m["content"] for x in specials) for m in messages):
-            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                                **template_kwargs))
         nonce = "".join(chr(0xE100 + b) for b in os.urandom(8))
         pattern = re.compile("|".join(map(re.escape, specials)))
         literal: dict[str, str] = {}
@@ -177,15 +181,15 @@ class Tokenizer:
 
         marked = [{**m, "content": pattern.sub(mark, m["content"])} if isinstance(m.get("content"), str) else m
                   for m in messages]
-        rendered = self.render_chat(marked, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        pieces = re.split(f"(\ue000{nonce}.\ue001)", rendered)
+        pieces = re.split(f"(\ue000{nonce}.\ue001)",
+                          self.render_chat(marked, add_generation_prompt=add_generation_prompt, **template_kwargs))
         if sorted(pieces[1::2]) != sorted(literal):
             raise ChatTemplateError("the chat template dropped or repeated part of a message's content, so its "
                                     "special-token text cannot be kept literal")
-        ids: list[int] = []
-        for i, piece in enumerate(pieces):
-            ids += self._encode_literal(literal[piece]) if i % 2 else self.encode(piece) if piece else []
-        return ids
+        return [(literal[piece], True) if i % 2 else (piece, False) for i, piece in enumerate(pieces) if piece]
+
+    def _encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+        return [t for text, literal in pieces for t in (self._encode_literal(text) if literal else self.encode(text))]
 
     def _encode_literal(self, text: str) -> list[int]:
         if self._literal is None:
@@ -196,16 +200,19 @@ class Tokenizer:
         return self._literal.encode(text, add_special_tokens=False).ids
 
     def chat_delta(self, history_ids: Sequence[int], messages: Sequence[Mapping[str, Any]], *,
-                   add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+                   add_generation_prompt: bool = True, literal_content: bool = False,
+                   **template_kwargs: Any) -> list[int]:
         """Tokens to AppendTokens so a session holding `history_ids` continues as `messages`.
 
         The history is the truth: generated tokens stay exactly as sampled. The rendered conversation
         must extend the history's text; only the new suffix is tokenized. Raises ChatTemplateMismatch
-        when it does not (the caller then starts a fresh session from tokens_for_chat).
+        when it does not (the caller then starts a fresh session from tokens_for_chat). `literal_content` as
+        tokens_for_chat's: pass the value the session's earlier turns were tokenized with.
         """
-        rendered = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        pieces = self._rendered_pieces(messages, add_generation_prompt, literal_content, template_kwargs)
         if not history_ids:
-            return self.encode(rendered)
+            return self._encode_pieces(pieces)
+        rendered = "".join(text for text, _ in pieces)
         prefix = self._history_text(history_ids, rendered)
         if not rendered.startswith(prefix):
             at = next((i for i, (a, b) in enumerate(zip(prefix, rendered, strict=False)) if a != b),
@@ -214,7 +221,13 @@ class Tokenizer:
                 f"rendered chat diverges from the session history at character {at}: "
                 f"history {prefix[at:at + 40]!r} vs rendered {rendered[at:at + 40]!r}"
             )
-        return self.encode(rendered[len(prefix):])
+        suffix: list[tuple[str, bool]] = []
+        skip = len(prefix)  # characters of the render the history already holds
+        for text, literal in pieces:
+            if skip < len(text):
+                suffix.append((text[skip:], literal))  # a literal's tail is plain text too
+            skip = max(0, skip - len(text))
+        return self._encode_pieces(suffix)
 
     def _history_text(self, history_ids: Sequence[int], rendered: str) -> str:
         """The history's text, each EOS token in it read as the EOS the render has there: a reply that ended on
@@ -340,7 +353,7 @@ def from_openai_messages(messages: Iterable[Any], tokenizer: Any, *, add_generat
     GetModelInfo) or anything with Hugging Face's `apply_chat_template`. As the shim (and the OpenAI API) does,
     special-token text in a message's content stays text (`literal_content`; a Hugging Face tokenizer cannot keep
     it so, and such content is refused with one unless literal_content=False). For later turns of the same
-    session append `tokenizer.chat_delta(history, chat_messages_from_openai(messages))` instead.
+    session append `tokenizer.chat_delta(history, chat_messages_from_openai(messages), literal_content=True)` instead.
     """
     chat = chat_messages_from_openai(messages)
     if isinstance(tokenizer, Tokenizer):
