@@ -362,6 +362,43 @@ def test_exports_in_progress_share_a_byte_budget():
         assert len(session.export(include_kv=True)) == len(archive)
 
 
+def test_an_export_its_client_stops_reading_is_ended_and_lets_its_bytes_go(monkeypatch):
+    """An export whose client stops reading held its archive (and the shared export budget) for as long as the
+    stream stayed open. Past the HTTP/2 windows (a 16 MB archive: the first MB are buffered by the transport) a
+    write that waits EXPORT_STALL_S ends the call: RESOURCE_EXHAUSTED, limit "exports", bytes given back."""
+    import dataclasses
+    import time
+
+    import grpc
+
+    from kakeya_runtime._proto import runtime_pb2 as pb
+    from kakeya_runtime.models.registry import build_model
+    from kakeya_runtime.server import grpc_app
+    from kakeya_runtime.server.testing import tiny_config
+
+    monkeypatch.setattr(grpc_app, "EXPORT_STALL_S", 0.5)
+    config = dataclasses.replace(tiny_config(context=4096), num_key_value_heads=4, head_dim=64)  # 4 KB a token
+    with running_server(tiny_served(model=build_model(config).eval())) as thread, Client(thread.address) as client:
+        session = client.create_session([3 + i % 250 for i in range(4000)])
+        session.generate(max_tokens=1).collect()  # a cache for the snapshot
+        channel, stub = _import_stub(thread)
+        stream = stub.ExportSession(pb.ExportSessionRequest(session_id=session.id, include_kv=True))
+        read = len(next(stream).data)
+        held = thread.server.servicer.exports.total
+        assert held > 10 * 2**20  # the whole archive, held while it is sent
+        time.sleep(3)  # the client pauses
+        with pytest.raises(grpc.RpcError) as e:
+            for chunk in stream:
+                read += len(chunk.data)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "not read for 0.5 s" in e.value.details()
+        assert read < held and thread.server.servicer.exports.total == 0
+        assert sample(scrape(thread), "kakeya_limit_refusals_total", '{limit="exports"}') == 1
+        assert session.info().history_length == 4001  # the session is untouched
+        assert len(session.export(include_kv=True)) == held  # and a client that reads gets all of it
+        channel.close()
+
+
 def test_an_append_whose_deadline_passed_appends_nothing():
     """An AppendTokens whose caller's deadline passed while the server read it (a long list of ids on a busy
     server) was still appended after the caller was told DEADLINE_EXCEEDED: a retry appended the turn twice."""
