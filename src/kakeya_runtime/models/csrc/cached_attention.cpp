@@ -200,13 +200,31 @@ inline float block_softmax(float* s, uint32_t vis, float scale, float& m, float&
   _mm512_storeu_ps(s + 16, p1);
   const float sum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
 #else
+#if defined(CPU_CAPABILITY_AVX2)
+  // the scalar loop below in 8 lanes: the same products, and max is exact in any order (a NaN score is passed over
+  // as std::max(bmax, s) passes it: vmaxps returns its second operand when the first is NaN)
+  const __m256 ninf = _mm256_set1_ps(NEG_INF), sc = _mm256_set1_ps(scale);
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256 mx = ninf;
+  for (int i = 0; i < BK; i += 8) {
+    const __m256i lane = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(vis >> i)), bit);
+    const __m256 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(s + i), sc),
+                                      _mm256_castsi256_ps(_mm256_cmpeq_epi32(lane, bit)));
+    _mm256_storeu_ps(s + i, x);
+    mx = _mm256_max_ps(x, mx);
+  }
+  mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+  mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4E));
+  const float bmax = _mm256_cvtss_f32(_mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xB1)));
+#else
   float bmax = NEG_INF;
   for (int j = 0; j < BK; ++j) {
     s[j] = (vis >> j) & 1u ? s[j] * scale : NEG_INF;
     bmax = std::max(bmax, s[j]);
   }
+#endif
   const float m_new = std::max(m, bmax);
-  const float alpha = std::exp(m - m_new);
+  const float alpha = m == m_new && m > NEG_INF ? 1.f : std::exp(m - m_new);  // exp(0) = 1 exactly: no libm call
   Vec vsum(0.f);
   for (int j = 0; j < BK; j += VS) {
     const Vec x = Vec::loadu(s + j);
@@ -264,6 +282,67 @@ inline void block_pv(const float* p, const T* const* vrow, const uint32_t* vt2, 
   for (int c = 0; c < DV; ++c) a[c].store(acc + c * VS);
 }
 
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+// ---------------------------------------------------------------- AVX2: block_scores' and block_pv's bits, blocked
+// The portable block_scores and block_pv widen every key and value row of a block to fp32 again for each query row
+// (a 512-token chunk's 1,536 rows each widened the block anew) and reduce each key's score on its own. Here a block's
+// rows are widened once for all the rows of the work item, and 8 keys' scores are reduced together by at::vec's tree
+// (reduce8): every score, probability and sum is the bits the portable path gives.
+// A block's rows as fp32: bf16 rows widened into buf (lane j at buf + j * D), fp32 rows as they are; an absent
+// lane reads `absent` (a zero row, or nullptr). `ahead`: rows to ask the cache for, one per lane (the next block's).
+template <typename T, int D>
+inline void widen_block(const T* const* row, float* buf, const float** out, const float* absent, const Ahead& ahead) {
+  for (int j = 0; j < BK; ++j) {
+    ahead.ask(j);
+    if (row[j] == nullptr) {
+      out[j] = absent;
+    } else if constexpr (std::is_same_v<T, float>) {
+      out[j] = row[j];
+    } else {
+      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(buf + j * D + d, widen8(row[j] + d));
+      out[j] = buf + j * D;
+    }
+  }
+}
+
+// block_scores over widened keys (an absent lane reads a zero row): per key the portable path's fused multiply-adds
+// in the same order, then its reduction tree, 8 keys at a time with their accumulators in registers. An absent
+// lane's score is 0 for a finite query (the portable path's 0) and never read: no row sees an absent lane.
+template <typename T, int D>
+inline void block_scores_wide(const T* q, const float* const* kf, float* s) {
+  alignas(32) float qf[D];
+  for (int d = 0; d < D; d += 8) _mm256_store_ps(qf + d, widen8(q + d));
+  for (int j0 = 0; j0 < BK; j0 += 8) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_load_ps(qf + d);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf[j0 + j] + d), acc[j]);
+    }
+    _mm256_storeu_ps(s + j0, reduce8(acc));
+  }
+}
+
+// block_pv over widened values: acc = alpha * acc, then p_j v_j added in lane order (lanes with p_j = 0 skipped),
+// 64 dimensions at a time so the accumulators stay in registers at every head size.
+template <int D>
+inline void block_pv_wide(const float* p, const float* const* vf, float* acc, float alpha) {
+  constexpr int CH = D <= 64 ? D : D % 64 == 0 ? 64 : 32;
+  static_assert(D % CH == 0 && CH % 8 == 0, "head_dim must be a multiple of 8");
+  const __m256 al = _mm256_set1_ps(alpha);
+  for (int c0 = 0; c0 < D; c0 += CH) {
+    __m256 a[CH / 8];
+    for (int c = 0; c < CH / 8; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + c0 + c * 8), al);
+    for (int j = 0; j < BK; ++j) {
+      if (p[j] == 0.f || vf[j] == nullptr) continue;
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      for (int c = 0; c < CH / 8; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vf[j] + c0 + c * 8), a[c]);
+    }
+    for (int c = 0; c < CH / 8; ++c) _mm256_storeu_ps(acc + c0 + c * 8, a[c]);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // V of a block of NL lanes interleaved by lane pairs, vt2 (NL/2, D) of (v[2i][d], v[2i+1][d]); empty lanes are zero.
 // `ahead` (optional): rows to ask the cache for, two per lane pair, spread over the work so the requests overlap it
@@ -309,6 +388,13 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
   constexpr int RT = 16;  // query rows per tile
   alignas(64) float s[RT * BK];
   alignas(64) uint32_t vt2[BK / 2 * D];
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+  alignas(32) float kbuf[BK * D];  // this block's K and V rows as fp32 (widen_block), for every row of the item
+  alignas(32) float vbuf[BK * D];
+  alignas(32) static const float kzero[D] = {};
+  const float* kf[BK];
+  const float* vf[BK];
+#endif
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const Block& blk = blocks[bi];
     const int64_t base = blk.min_pos / BK * BK;
@@ -359,7 +445,12 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
         const uint32_t seen = rule.lanes(rule.token(r), base, present);
         if (seen == 0u) continue;
         st.n[r] += static_cast<float>(__builtin_popcount(seen));
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+        if (!interleaved && cnt == 0) widen_block<T, D>(krow, kbuf, kf, kzero, next_k);  // once, when a row sees it
+        block_scores_wide<T, D>(q + r * D, kf, s + cnt * BK);
+#else
         block_scores<T, D>(q + r * D, krow, s + cnt * BK, interleaved || cnt > 0 ? Ahead{} : next_k);
+#endif
         rows[cnt] = r;
         vis[cnt++] = seen;
       }
@@ -371,8 +462,14 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
         if (!interleaved) interleave_values<D>(vrow, vt2, next_v);
 #endif
       }
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+      if (!interleaved) widen_block<T, D>(vrow, vbuf, vf, nullptr, next_v);
+      interleaved = true;
+      for (int i = 0; i < cnt; ++i) block_pv_wide<D>(s + i * BK, vf, st.acc + rows[i] * D, alpha[i]);
+#else
       interleaved = true;
       for (int i = 0; i < cnt; ++i) block_pv<T, D>(s + i * BK, vrow, vt2, st.acc + rows[i] * D, alpha[i]);
+#endif
     }
   }
 }

@@ -46,6 +46,33 @@ inline void prefetch_l2(const void* p) {
 #endif
 }
 
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+// 8 elements widened to fp32 (bf16 -> fp32 is exact: the bits moved up 16).
+template <typename T>
+__attribute__((always_inline)) inline __m256 widen8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+  }
+}
+
+// Lane j: the sum of a[j]'s 8 lanes by at::vec's vec_reduce_all tree on AVX2, ((x0 + x4) + (x2 + x6)) +
+// ((x1 + x5) + (x3 + x7)), the same bits, for 8 vectors in 13 operations instead of 8 x 6.
+__attribute__((always_inline)) inline __m256 reduce8(const __m256* a) {
+  __m256 t[4];  // t[i]: lanes k + (k + 4) of a[2i] (low half) and a[2i + 1] (high half)
+  for (int i = 0; i < 4; ++i)
+    t[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  // u[i]: per half, (x0 + x2), (x1 + x3) of t[2i], then of t[2i + 1]
+  const __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x44), _mm256_shuffle_ps(t[0], t[1], 0xEE));
+  const __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xEE));
+  // sums of a0, a2, a4, a6 | a1, a3, a5, a7, put in order
+  return _mm256_permutevar8x32_ps(_mm256_hadd_ps(u0, u1), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
 // kakeya::sparse_attention for the other kernels of the library (block_index.cpp's fused sparse step).
 namespace kakeya_ops {
 std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& hot_k,

@@ -422,16 +422,6 @@ void linear_generic(const at::Tensor& x, const at::Tensor& w, const float* bias,
 // too; only the order in which elements are computed differs. W rows are widened chunk by chunk as they are
 // loaded (the portable path widened a whole W row per output element, and read it again for every x row) and each
 // is used against several x rows, widened once per call: 5-9x faster on an AVX2-only EPYC.
-template <typename T>
-__attribute__((always_inline)) inline __m256 widen8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else {  // bf16 -> fp32 is exact: the bits moved up 16
-    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-  }
-}
-
 // RM x rows (fp32, zero-padded to whole chunks, `x_row` floats apart) against NJ consecutive W rows (`pad`: K's
 // last partial chunk of each W row, zero-padded, at pad + j * 8); sums to out[r * out_row + j].
 template <typename T, int RM, int NJ>
