@@ -748,6 +748,94 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+// AVX2, calls of at most kInt8RowsMax rows (decode, a few batched rows) of an int8 weight: the codes widened straight
+// into the products, never stored. W' = the codes (exact in fp32) with per-row scales, or for a grouped weight
+// (Q8_0) q * d rounded to bf16 as group8d rounds it. Per (x row, W' row) linear_avx2's chain (one fused multiply-add
+// per K chunk of 8, in order, from zero) and at::vec's tree (reduce8, eight chains at once), then quant_panels'
+// epilogue: the bits are quant_panels'. That path dequantized each 256-row panel to bf16, stored it and multiplied
+// it again, two parallel regions per panel: an int8 decode step ran at half bf16's speed though it reads half the
+// bytes. A work item: 16 W' rows (all K); the next item's codes are asked for into L2 a slice per K step.
+constexpr int64_t kInt8RowsMax = 3;
+
+// M x rows (fp32, K each, x_row apart) against RN W' rows r0.. of block b: sums[m * RN + r]. M * RN = 8.
+template <int M, int RN, bool Grouped>
+inline void int8_rows_block(const QWeight& w, int64_t b, int r0, const float* xw, int64_t x_row, float* sums,
+                            const char* ahead) {
+  static_assert(M * RN == 8, "eight chains: one reduce8");
+  const int64_t steps = w.K / kTileCols, tb = w.tile_bytes();
+  const int8_t* block = reinterpret_cast<const int8_t*>(w.q) + b * steps * tb;
+  const c10::Half* d = static_cast<const c10::Half*>(w.sz) + b * steps * kTileRows + r0;  // Grouped: (steps, 16)
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s) {
+    if (ahead != nullptr)  // the next block's codes, a tile's worth per step
+      for (int64_t c = 0; c < tb; c += 64) prefetch_l2(ahead + s * tb + c);
+    const int8_t* tile = block + s * tb + r0 * kTileCols;
+    __m256 dv[RN];
+    if constexpr (Grouped)
+      for (int r = 0; r < RN; ++r) dv[r] = _mm256_set1_ps(static_cast<float>(d[s * kTileRows + r]));
+    for (int c = 0; c < kTileCols; c += 8) {
+      __m256 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(xw + m * x_row + s * kTileCols + c);
+      for (int r = 0; r < RN; ++r) {
+        __m256 wv = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + r * kTileCols + c))));
+        if constexpr (Grouped)  // bf16(q * d), widened back (exact)
+          wv = _mm256_castsi256_ps(_mm256_slli_epi32(QWeight::round_bf16(_mm256_mul_ps(wv, dv[r])), 16));
+        for (int m = 0; m < M; ++m) acc[m * RN + r] = _mm256_fmadd_ps(xv[m], wv, acc[m * RN + r]);
+      }
+    }
+  }
+  _mm256_storeu_ps(sums, reduce8(acc));
+}
+
+template <bool Grouped>
+void int8_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = w.K, N = w.N, blocks = N / kTileRows;
+  const auto* xp = x.const_data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  // x widened once (exact), in this thread's scratch (slot 7, no other kernel's): the workers read it
+  float* const xw = scratch<float>(7, M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xw + m * K + k, widen8(xp + m * x.stride(0) + k));
+  // A few blocks per item at least: a step's small projections (N = 576: 36 blocks) still split over the threads.
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    alignas(32) float sums[8];
+    for (int64_t b = begin; b < end; ++b) {
+      const char* ahead = b + 1 < end ? reinterpret_cast<const char*>(w.q) + (b + 1) * (K / kTileCols) * w.tile_bytes()
+                                      : nullptr;
+      const int64_t n0 = b * kTileRows;
+      // as quant_panels: per-row scales in one fused multiply-add with the bias; else the bias added, one rounding
+      const auto store = [&](int64_t m, int r0, int rn, const float* sum) {
+        for (int r = 0; r < rn; ++r) {
+          const int64_t n = n0 + r0 + r;
+          if constexpr (Grouped) {
+            float v = sum[r];
+            if (bias) v += bias[n];
+            yp[m * N + n] = c10::BFloat16(v);
+          } else {
+            yp[m * N + n] = c10::BFloat16(std::fma(sum[r], scale[n], bias ? bias[n] : 0.f));
+          }
+        }
+      };
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2)  // two x rows against four W' rows at a time
+        for (int r0 = 0; r0 < kTileRows; r0 += 4) {
+          int8_rows_block<2, 4, Grouped>(w, b, r0, xw + m * K, K, sums, r0 == 0 ? ahead : nullptr);
+          store(m, r0, 4, sums);
+          store(m + 1, r0, 4, sums + 4);
+        }
+      for (; m < M; ++m)  // one x row against eight W' rows at a time
+        for (int r0 = 0; r0 < kTileRows; r0 += 8) {
+          int8_rows_block<1, 8, Grouped>(w, b, r0, xw + m * K, K, sums, r0 == 0 && M == 1 ? ahead : nullptr);
+          store(m, r0, 8, sums);
+        }
+    }
+  });
+}
+#endif
+
 // fp32_scales: an int8 weight's scales may also come as fp32 (N,), the exact widening of its bf16 ones, which the
 // kernels read as they are (bf16 ones are widened into a fresh tensor every call: ~45 allocations a Gemma 3
 // int4-mixed decode step, the head's 1 MB among them).
@@ -803,6 +891,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 #if defined(KAKEYA_QUANT_VECTOR)
     if (M <= kDotRowsMax) {
       quant_dot_rows(x, w, sp, bp, y);
+      return y;
+    }
+#endif
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+    if (M <= kInt8RowsMax && bits == 8) {
+      if (w.grouped) int8_rows_avx2<true>(x, w, sp, bp, y);
+      else int8_rows_avx2<false>(x, w, sp, bp, y);
       return y;
     }
 #endif
