@@ -225,6 +225,32 @@ def test_few_rows_keep_the_reference_bits(n, k, bits, threads, route):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (80, 96), (1536, 640)])
+def test_grouped_int8_rows_keep_the_reference_bits(n, k, threads, route):
+    """A grouped int8 weight (a GGUF Q8_0 head: an fp16 d per group of 32, W' = bf16(q * d)), every row count 1..40,
+    with and without bias, against kakeya::linear on W' from plain torch: the few-row paths (the AVX2 one unpacks and
+    rounds each group in registers) give quant_panels' bits."""
+    gen = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half()
+    wd = (codes.float().view(n, k // 32, 32) * d.float()[..., None]).view(n, k).bfloat16()
+    q, sz = pack_tiles(codes, 8), pack_group_scales(d)
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    want = {bias: native.linear(x, wd, None if bias is None else b) for bias in (None, 1)}
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in range(1, 41):
+            off = (3 * m) % (41 - m)
+            for bias in (None, 1):
+                got = native.quant_linear(x[off : off + m], q, sz, 8, None if bias is None else b)
+                assert torch.equal(got, want[bias][off : off + m]), (m, off, bias)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (576, 576), (80, 96)])
 def test_non_finite_rows_get_the_same_bits_in_any_call(n, k, bits, route):

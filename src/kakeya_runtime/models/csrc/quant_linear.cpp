@@ -749,49 +749,75 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
 #endif
 
 #if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
-// AVX2, calls of at most kInt8RowsMax rows (decode, a few batched rows) of an int8 weight: the codes widened straight
-// into the products, never stored. W' = the codes (exact in fp32) with per-row scales, or for a grouped weight
-// (Q8_0) q * d rounded to bf16 as group8d rounds it. Per (x row, W' row) linear_avx2's chain (one fused multiply-add
-// per K chunk of 8, in order, from zero) and at::vec's tree (reduce8, eight chains at once), then quant_panels'
-// epilogue: the bits are quant_panels'. That path dequantized each 256-row panel to bf16, stored it and multiplied
-// it again, two parallel regions per panel: an int8 decode step ran at half bf16's speed though it reads half the
-// bytes. A work item: 16 W' rows (all K); the next item's codes are asked for into L2 a slice per K step.
-constexpr int64_t kInt8RowsMax = 3;
+// AVX2, calls of at most kFewRowsMax rows (decode, a few batched rows) of an int8 or int4 weight: the codes widened
+// straight into the products, never stored. W' = int8's codes (exact in fp32) with per-row scales; a grouped int8
+// weight's (Q8_0) q * d, or int4's fma(q - 8, scale, zero), rounded to bf16 as group8d / group4 round them. Per (x row,
+// W' row) linear_avx2's chain (one fused multiply-add per K chunk of 8, in order, from zero) and at::vec's tree
+// (reduce8, eight chains at once), then quant_panels' epilogue: the bits are quant_panels'. That path dequantized each
+// 256-row panel to bf16, stored it and multiplied it again, two parallel regions per panel: an int decode step ran at
+// half bf16's speed though it reads a half or a quarter of the bytes. A work item: 16 W' rows (all K); the next
+// item's codes are asked for into L2 a slice per K step.
+constexpr int64_t kFewRowsMax = 3;
+enum class Codes { Int8Rows, Int8Grouped, Int4 };
+
+// 8 fp32 lanes rounded to bf16 (round_bf16) and widened back; NaN-free input skips round_bf16's NaN case (the
+// same bits: a lane that is not NaN never takes it).
+template <bool MaybeNaN>
+__attribute__((always_inline)) inline __m256 as_bf16(__m256 v) {
+  if constexpr (MaybeNaN) return _mm256_castsi256_ps(_mm256_slli_epi32(QWeight::round_bf16(v), 16));
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), lsb);
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 
 // M x rows (fp32, K each, x_row apart) against RN W' rows r0.. of block b: sums[m * RN + r]. M * RN = 8.
-template <int M, int RN, bool Grouped>
-inline void int8_rows_block(const QWeight& w, int64_t b, int r0, const float* xw, int64_t x_row, float* sums,
-                            const char* ahead) {
+template <int M, int RN, Codes C>
+inline void few_rows_avx2(const QWeight& w, int64_t b, int r0, const float* xw, int64_t x_row, float* sums,
+                          const char* ahead) {
   static_assert(M * RN == 8, "eight chains: one reduce8");
   const int64_t steps = w.K / kTileCols, tb = w.tile_bytes();
-  const int8_t* block = reinterpret_cast<const int8_t*>(w.q) + b * steps * tb;
-  const c10::Half* d = static_cast<const c10::Half*>(w.sz) + b * steps * kTileRows + r0;  // Grouped: (steps, 16)
+  constexpr int64_t row_bytes = C == Codes::Int4 ? 16 : kTileCols;  // one W' row's codes in a tile
+  const uint8_t* block = w.q + b * steps * tb;
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
     if (ahead != nullptr)  // the next block's codes, a tile's worth per step
       for (int64_t c = 0; c < tb; c += 64) prefetch_l2(ahead + s * tb + c);
-    const int8_t* tile = block + s * tb + r0 * kTileCols;
-    __m256 dv[RN];
-    if constexpr (Grouped)
-      for (int r = 0; r < RN; ++r) dv[r] = _mm256_set1_ps(static_cast<float>(d[s * kTileRows + r]));
-    for (int c = 0; c < kTileCols; c += 8) {
-      __m256 xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(xw + m * x_row + s * kTileCols + c);
-      for (int r = 0; r < RN; ++r) {
-        __m256 wv = _mm256_cvtepi32_ps(
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + r * kTileCols + c))));
-        if constexpr (Grouped)  // bf16(q * d), widened back (exact)
-          wv = _mm256_castsi256_ps(_mm256_slli_epi32(QWeight::round_bf16(_mm256_mul_ps(wv, dv[r])), 16));
-        for (int m = 0; m < M; ++m) acc[m * RN + r] = _mm256_fmadd_ps(xv[m], wv, acc[m * RN + r]);
+    const uint8_t* tile = block + s * tb + r0 * row_bytes;
+    const float* xs = xw + s * kTileCols;
+    for (int r = 0; r < RN; ++r) {
+      __m256 wv[4];  // row r0 + r's 32 columns of this step, as W' in fp32
+      if constexpr (C == Codes::Int4) {
+        const float* sz = static_cast<const float*>(w.sz) + ((b * steps + s) * kTileRows + r0 + r) * 2;
+        __m128i lo, hi;
+        QWeight::int4_codes(tile + r * row_bytes, lo, hi);
+        QWeight::widen_i8x32(lo, hi, wv);  // codes 0..15 (as int8, exact)
+        const __m256 sv = _mm256_set1_ps(sz[0]), zv = _mm256_set1_ps(sz[1]), eight = _mm256_set1_ps(8.f);
+        const bool finite = std::isfinite(sz[0]) && std::isfinite(sz[1]);  // then no value is NaN (at most inf)
+        for (int i = 0; i < 4; ++i) {
+          const __m256 v = _mm256_fmadd_ps(_mm256_sub_ps(wv[i], eight), sv, zv);
+          wv[i] = finite ? as_bf16<false>(v) : as_bf16<true>(v);
+        }
+      } else {
+        const __m128i* src = reinterpret_cast<const __m128i*>(tile + r * row_bytes);
+        QWeight::widen_i8x32(_mm_loadu_si128(src), _mm_loadu_si128(src + 1), wv);
+        if constexpr (C == Codes::Int8Grouped) {  // bf16(q * d)
+          const __m256 dv = _mm256_set1_ps(
+              static_cast<float>(static_cast<const c10::Half*>(w.sz)[(b * steps + s) * kTileRows + r0 + r]));
+          for (int i = 0; i < 4; ++i) wv[i] = as_bf16<true>(_mm256_mul_ps(wv[i], dv));
+        }
       }
+      for (int i = 0; i < 4; ++i)
+        for (int m = 0; m < M; ++m)
+          acc[m * RN + r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + m * x_row + 8 * i), wv[i], acc[m * RN + r]);
     }
   }
   _mm256_storeu_ps(sums, reduce8(acc));
 }
 
-template <bool Grouped>
-void int8_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
+template <Codes C>
+void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = w.K, N = w.N, blocks = N / kTileRows;
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
@@ -810,25 +836,25 @@ void int8_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, c
       const auto store = [&](int64_t m, int r0, int rn, const float* sum) {
         for (int r = 0; r < rn; ++r) {
           const int64_t n = n0 + r0 + r;
-          if constexpr (Grouped) {
+          if constexpr (C == Codes::Int8Rows) {
+            yp[m * N + n] = c10::BFloat16(std::fma(sum[r], scale[n], bias ? bias[n] : 0.f));
+          } else {
             float v = sum[r];
             if (bias) v += bias[n];
             yp[m * N + n] = c10::BFloat16(v);
-          } else {
-            yp[m * N + n] = c10::BFloat16(std::fma(sum[r], scale[n], bias ? bias[n] : 0.f));
           }
         }
       };
       int64_t m = 0;
       for (; m + 2 <= M; m += 2)  // two x rows against four W' rows at a time
         for (int r0 = 0; r0 < kTileRows; r0 += 4) {
-          int8_rows_block<2, 4, Grouped>(w, b, r0, xw + m * K, K, sums, r0 == 0 ? ahead : nullptr);
+          few_rows_avx2<2, 4, C>(w, b, r0, xw + m * K, K, sums, r0 == 0 ? ahead : nullptr);
           store(m, r0, 4, sums);
           store(m + 1, r0, 4, sums + 4);
         }
       for (; m < M; ++m)  // one x row against eight W' rows at a time
         for (int r0 = 0; r0 < kTileRows; r0 += 8) {
-          int8_rows_block<1, 8, Grouped>(w, b, r0, xw + m * K, K, sums, r0 == 0 && M == 1 ? ahead : nullptr);
+          few_rows_avx2<1, 8, C>(w, b, r0, xw + m * K, K, sums, r0 == 0 && M == 1 ? ahead : nullptr);
           store(m, r0, 8, sums);
         }
     }
@@ -895,9 +921,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
     }
 #endif
 #if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
-    if (M <= kInt8RowsMax && bits == 8) {
-      if (w.grouped) int8_rows_avx2<true>(x, w, sp, bp, y);
-      else int8_rows_avx2<false>(x, w, sp, bp, y);
+    if (M <= kFewRowsMax && (bits == 8 || bits == 4)) {
+      if (bits == 4) quant_rows_avx2<Codes::Int4>(x, w, sp, bp, y);
+      else if (w.grouped) quant_rows_avx2<Codes::Int8Grouped>(x, w, sp, bp, y);
+      else quant_rows_avx2<Codes::Int8Rows>(x, w, sp, bp, y);
       return y;
     }
 #endif
