@@ -288,6 +288,7 @@ inline void block_pv(const float* p, const T* const* vrow, const uint32_t* vt2, 
 // (a 512-token chunk's 1,536 rows each widened the block anew) and reduce each key's score on its own. Here a block's
 // rows are widened once for all the rows of the work item, and 8 keys' scores are reduced together by at::vec's tree
 // (reduce8): every score, probability and sum is the bits the portable path gives.
+
 // A block's rows as fp32: bf16 rows widened into buf (lane j at buf + j * D), fp32 rows as they are; an absent
 // lane reads `absent` (a zero row, or nullptr). `ahead`: rows to ask the cache for, one per lane (the next block's).
 template <typename T, int D>
