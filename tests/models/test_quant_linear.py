@@ -196,6 +196,21 @@ def plain_weights(n: int, k: int, bits: int, seed: int) -> tuple[torch.Tensor, t
     return pack_tiles(q, 8), scales, q.bfloat16(), scales.float()
 
 
+def assert_every_row_count(x, q, sz, bits, b, want, threads):
+    """Rows off..off+m of x for every m in 1..40 (at shifting offsets), with bias b and without, on `threads`
+    threads: the bits of want[None] / want[1] (with bias) there."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in range(1, 41):
+            off = (3 * m) % (41 - m)
+            for bias in (None, 1):
+                got = native.quant_linear(x[off : off + m], q, sz, bits, None if bias is None else b)
+                assert torch.equal(got, want[bias][off : off + m]), (m, off, bias)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (80, 96), (208, 160), (16, 32), (1536, 640)])
@@ -213,16 +228,7 @@ def test_few_rows_keep_the_reference_bits(n, k, bits, threads, route):
     else:
         acc = native.linear(x, wd, out_fp32=True).double() * scale.double()
         want = {None: acc.float().bfloat16(), 1: (acc + b.double()).float().bfloat16()}
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for m in range(1, 41):
-            off = (3 * m) % (41 - m)
-            for bias in (None, 1):
-                got = native.quant_linear(x[off : off + m], q, sz, bits, None if bias is None else b)
-                assert torch.equal(got, want[bias][off : off + m]), (m, off, bias)
-    finally:
-        torch.set_num_threads(old)
+    assert_every_row_count(x, q, sz, bits, b, want, threads)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -239,16 +245,7 @@ def test_grouped_int8_rows_keep_the_reference_bits(n, k, threads, route):
     x = torch.randn(40, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16()
     want = {bias: native.linear(x, wd, None if bias is None else b) for bias in (None, 1)}
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for m in range(1, 41):
-            off = (3 * m) % (41 - m)
-            for bias in (None, 1):
-                got = native.quant_linear(x[off : off + m], q, sz, 8, None if bias is None else b)
-                assert torch.equal(got, want[bias][off : off + m]), (m, off, bias)
-    finally:
-        torch.set_num_threads(old)
+    assert_every_row_count(x, q, sz, 8, b, want, threads)
 
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
