@@ -803,9 +803,13 @@ inline void few_rows_avx2(const QWeight& w, int64_t b, int r0, const float* xw, 
         const __m128i* src = reinterpret_cast<const __m128i*>(tile + r * row_bytes);
         QWeight::widen_i8x32(_mm_loadu_si128(src), _mm_loadu_si128(src + 1), wv);
         if constexpr (C == Codes::Int8Grouped) {  // bf16(q * d)
-          const __m256 dv = _mm256_set1_ps(
-              static_cast<float>(static_cast<const c10::Half*>(w.sz)[(b * steps + s) * kTileRows + r0 + r]));
-          for (int i = 0; i < 4; ++i) wv[i] = as_bf16<true>(_mm256_mul_ps(wv[i], dv));
+          const float d = static_cast<const c10::Half*>(w.sz)[(b * steps + s) * kTileRows + r0 + r];
+          const __m256 dv = _mm256_set1_ps(d);
+          const bool finite = std::isfinite(d);  // then no product is NaN
+          for (int i = 0; i < 4; ++i) {
+            const __m256 v = _mm256_mul_ps(wv[i], dv);
+            wv[i] = finite ? as_bf16<false>(v) : as_bf16<true>(v);
+          }
         }
       }
       for (int i = 0; i < 4; ++i)
