@@ -71,6 +71,49 @@ __attribute__((always_inline)) inline __m256 reduce8(const __m256* a) {
   // sums of a0, a2, a4, a6 | a1, a3, a5, a7, put in order
   return _mm256_permutevar8x32_ps(_mm256_hadd_ps(u0, u1), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
+
+// linear_avx2's (invariant_linear.cpp) block, shared with quant_linear.cpp's many-row AVX2 path: per output element
+// one fused multiply-add per K chunk of 8 in order from zero, K's last partial chunk from `pad`, at::vec's tree.
+// RM x rows (fp32, zero-padded to whole chunks, `x_row` floats apart) against NJ consecutive W rows (`pad`: K's
+// last partial chunk of each W row, zero-padded, at pad + j * 8); sums to out[r * out_row + j].
+// `ahead` (decode rows): the next NJ W rows' bytes, asked for into L2 a slice per K chunk while these compute (timing
+// only). Short row streams (18 cache lines for K = 576) leave the hardware prefetcher behind: a decode step read its
+// weights at ~9 GB/s of the machine's ~17.
+template <typename T, int RM, int NJ>
+inline void avx2_block(const float* x, int64_t x_row, const T* w, int64_t K, const float* pad, float* out,
+                       int64_t out_row, const char* ahead = nullptr) {
+  using Vec = at::vec::Vectorized<float>;
+  __m256 acc[RM][NJ];
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_setzero_ps();
+  const int64_t whole = K / 8 * 8;
+  constexpr int64_t kAheadStep = NJ * 8 * static_cast<int64_t>(sizeof(T));  // the next rows' bytes per K chunk
+  for (int64_t k = 0; k < whole; k += 8) {
+    if (ahead != nullptr)
+      for (int64_t c = 0; c < kAheadStep; c += 64) prefetch_l2(ahead + k / 8 * kAheadStep + c);
+    __m256 wv[NJ];
+    for (int j = 0; j < NJ; ++j) wv[j] = widen8(w + j * K + k);
+    for (int r = 0; r < RM; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * x_row + k);
+      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  if (whole < K) {
+    for (int r = 0; r < RM; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * x_row + whole);
+      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pad + j * 8), acc[r][j]);
+    }
+  }
+  if constexpr (RM == 1 && NJ == 8) {  // at::vec's tree for 8 rows at once (reduce8: the same bits)
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, reduce8(acc[0]));
+    for (int j = 0; j < 8; ++j) out[j] = sums[j];
+    return;
+  }
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < NJ; ++j)
+      out[r * out_row + j] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, Vec(acc[r][j]));
+}
 #endif
 
 // kakeya::sparse_attention for the other kernels of the library (block_index.cpp's fused sparse step).

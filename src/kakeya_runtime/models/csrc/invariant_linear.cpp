@@ -422,46 +422,7 @@ void linear_generic(const at::Tensor& x, const at::Tensor& w, const float* bias,
 // too; only the order in which elements are computed differs. W rows are widened chunk by chunk as they are
 // loaded (the portable path widened a whole W row per output element, and read it again for every x row) and each
 // is used against several x rows, widened once per call: 5-9x faster on an AVX2-only EPYC.
-// RM x rows (fp32, zero-padded to whole chunks, `x_row` floats apart) against NJ consecutive W rows (`pad`: K's
-// last partial chunk of each W row, zero-padded, at pad + j * 8); sums to out[r * out_row + j].
-// `ahead` (decode rows): the next NJ W rows' bytes, asked for into L2 a slice per K chunk while these compute (timing
-// only). Short row streams (18 cache lines for K = 576) leave the hardware prefetcher behind: a decode step read its
-// weights at ~9 GB/s of the machine's ~17.
-template <typename T, int RM, int NJ>
-inline void avx2_block(const float* x, int64_t x_row, const T* w, int64_t K, const float* pad, float* out,
-                       int64_t out_row, const char* ahead = nullptr) {
-  using Vec = at::vec::Vectorized<float>;
-  __m256 acc[RM][NJ];
-  for (int r = 0; r < RM; ++r)
-    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_setzero_ps();
-  const int64_t whole = K / 8 * 8;
-  constexpr int64_t kAheadStep = NJ * 8 * static_cast<int64_t>(sizeof(T));  // the next rows' bytes per K chunk
-  for (int64_t k = 0; k < whole; k += 8) {
-    if (ahead != nullptr)
-      for (int64_t c = 0; c < kAheadStep; c += 64) prefetch_l2(ahead + k / 8 * kAheadStep + c);
-    __m256 wv[NJ];
-    for (int j = 0; j < NJ; ++j) wv[j] = widen8(w + j * K + k);
-    for (int r = 0; r < RM; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * x_row + k);
-      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
-    }
-  }
-  if (whole < K) {
-    for (int r = 0; r < RM; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * x_row + whole);
-      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pad + j * 8), acc[r][j]);
-    }
-  }
-  if constexpr (RM == 1 && NJ == 8) {  // at::vec's tree for 8 rows at once (reduce8: the same bits)
-    alignas(32) float sums[8];
-    _mm256_store_ps(sums, reduce8(acc[0]));
-    for (int j = 0; j < 8; ++j) out[j] = sums[j];
-    return;
-  }
-  for (int r = 0; r < RM; ++r)
-    for (int j = 0; j < NJ; ++j)
-      out[r * out_row + j] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, Vec(acc[r][j]));
-}
+// avx2_block (common.h): RM x rows against NJ W rows, the per-element sequence above.
 
 template <typename T, typename O>
 void linear_avx2(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
@@ -470,6 +431,9 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const float* bias, at
   const T* xp = x.const_data_ptr<T>();
   const T* wp = w.const_data_ptr<T>();
   O* yp = y.data_ptr<O>();
+  // the strides read once: read per element (a call into the tensor each), the epilogue was ~15% of a prefill's
+  // projection time
+  const int64_t x_row = x.stride(0), y_row = y.stride(0);
   // x widened once, each row zero-padded to whole chunks (as linear_generic's xf); the buffer is kept per thread
   // (up to kScratchBytes), so a decode step allocates nothing here
   thread_local std::vector<float> xf;
@@ -477,7 +441,7 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const float* bias, at
   float* const xw = xf.data();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      for (int64_t k = 0; k < K; ++k) xw[m * KP + k] = as_float(xp[m * x.stride(0) + k]);
+      for (int64_t k = 0; k < K; ++k) xw[m * KP + k] = as_float(xp[m * x_row + k]);
       std::fill(xw + m * KP + K, xw + (m + 1) * KP, 0.f);
     }
   });
@@ -486,7 +450,7 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const float* bias, at
     alignas(32) float pad[8 * 8];
     float sums[kRows * kCols];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t m0 = item / nb * kRows, n0 = item % nb * kCols;
+      const int64_t m0 = item % mb * kRows, n0 = item / mb * kCols;  // W-major: a W block stays in cache over x
       const int64_t mm = std::min(kRows, M - m0), nn = std::min(kCols, N - n0);
       // W rows' last partial chunks, zero-padded (as linear_generic's wf), 8 rows at a time
       const auto tails = [&](int64_t j0, int64_t count) {
@@ -516,12 +480,14 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const float* bias, at
         }
       for (; next + 3 <= nn; next += 3) cols.template operator()<3>(next);
       for (; next < nn; ++next) cols.template operator()<1>(next);
-      for (int64_t r = 0; r < mm; ++r)
+      for (int64_t r = 0; r < mm; ++r) {
+        O* const dst = yp + (m0 + r) * y_row + n0;
         for (int64_t j = 0; j < nn; ++j) {
           float s = sums[r * kCols + j];
           if (bias) s += bias[n0 + j];
-          yp[(m0 + r) * y.stride(0) + n0 + j] = static_cast<O>(s);
+          dst[j] = static_cast<O>(s);
         }
+      }
     }
   });
   release_if_large(xf);  // a long prompt's widened rows are not kept for the thread's life

@@ -13,7 +13,9 @@
 //   tdpbf16ps sequence over K (steps of 32, in order, from zeroed tiles) is invariant_linear.cpp's on both paths.
 // - elsewhere (no AMX, or the AVX-512 route): W' dequantized a panel of rows at a time and multiplied by
 //   kakeya::linear (AVX-512 BF16 dot products or at::vec), whose result per element does not depend on M or N;
-//   calls of few rows (decode) run the same dot products on blocks of 16 W' rows dequantized once per call.
+//   calls of few rows (decode) run the same dot products on blocks of 16 W' rows dequantized once per call. AVX2
+//   without AVX-512: calls of up to 3 rows multiply the codes as they are unpacked (quant_rows_avx2), more rows
+//   run kakeya::linear's AVX2 blocks over W' dequantized 48 rows at a time (quant_many_avx2).
 //
 // Layouts (engine/weights.py packs them): codes in tiles of 16 rows x 32 columns (one int4 group), tile (b, s) =
 // rows 16b.., columns 32s.. at byte (b * K/32 + s) * 16 * bytes_per_row_of_tile:
@@ -864,6 +866,66 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
     }
   });
 }
+
+// AVX2, calls of more rows (prefill chunks, batched steps): linear_avx2's work items (64 x rows against 48 W' rows)
+// over W' rows dequantized 48 at a time by the item that multiplies them, x widened once per call, the epilogue in
+// the item. quant_panels runs kakeya::linear once per 256-row panel: x was widened again for each (12 times for a
+// SmolLM2 gate/up projection), with two parallel regions and a one-thread epilogue per panel, and int prefill ran
+// 1.1-1.4x bf16's time. Each element's chain and tree are linear_avx2's, the epilogue quant_panels': the same bits.
+void quant_many_avx2(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
+  constexpr int64_t kRows = 64, kCols = 48;
+  const int64_t M = x.size(0), K = w.K, N = w.N;
+  const auto* xp = x.const_data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  thread_local std::vector<float> xf;  // kept per thread up to kScratchBytes, as linear_avx2's
+  if (xf.size() < static_cast<size_t>(M * K)) xf.resize(M * K);
+  float* const xw = xf.data();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xw + m * K + k, widen8(xp + m * x.stride(0) + k));
+  });
+  // A narrow weight's panels alone are too few items for the threads: x's rows are split too (each part
+  // dequantizes its panel again).
+  const int64_t nb = (N + kCols - 1) / kCols, mb = (M + kRows - 1) / kRows;
+  const int64_t parts = std::clamp<int64_t>((4 * at::get_num_threads() + nb - 1) / nb, 1, mb);
+  const int64_t part_rows = (mb + parts - 1) / parts * kRows;
+  at::parallel_for(0, nb * parts, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float pad[8 * 8] = {};  // K is whole chunks of 8 (K % 32 == 0): avx2_block never reads it
+    float sums[kRows * kCols];
+    c10::BFloat16* const panel = scratch<c10::BFloat16>(6, kCols * K);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n0 = item / parts * kCols, nn = std::min(kCols, N - n0);
+      const int64_t m_begin = item % parts * part_rows, m_end = std::min(M, m_begin + part_rows);
+      if (m_begin >= m_end) continue;
+      dequant_rows(w, n0, nn, panel);  // its parallel_for runs inline here (inside a parallel region)
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kRows) {
+        const int64_t mm = std::min(kRows, m_end - m0);
+        const float* xm = xw + m0 * K;
+        const auto cols = [&]<int NJ>(int64_t j) {  // NJ W' rows from j against the block's x rows, 4 at a time
+          int64_t r = 0;
+          for (; r + 4 <= mm; r += 4)
+            avx2_block<c10::BFloat16, 4, NJ>(xm + r * K, K, panel + j * K, K, pad, sums + r * kCols + j, kCols);
+          for (; r < mm; ++r)
+            avx2_block<c10::BFloat16, 1, NJ>(xm + r * K, K, panel + j * K, K, pad, sums + r * kCols + j, kCols);
+        };
+        int64_t j = 0;
+        for (; j + 3 <= nn; j += 3) cols.template operator()<3>(j);
+        for (; j < nn; ++j) cols.template operator()<1>(j);
+        for (int64_t r = 0; r < mm; ++r) {  // quant_panels' epilogue
+          c10::BFloat16* const dst = yp + (m0 + r) * N + n0;
+          const float* const src = sums + r * kCols;
+          if (scale) {
+            for (int64_t c = 0; c < nn; ++c)
+              dst[c] = c10::BFloat16(std::fma(src[c], scale[n0 + c], bias ? bias[n0 + c] : 0.f));
+          } else {
+            for (int64_t c = 0; c < nn; ++c) dst[c] = c10::BFloat16(bias ? src[c] + bias[n0 + c] : src[c]);
+          }
+        }
+      }
+    }
+  });
+  release_if_large(xf);
+}
 #endif
 
 // fp32_scales: an int8 weight's scales may also come as fp32 (N,), the exact widening of its bf16 ones, which the
@@ -929,6 +991,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
       if (bits == 4) quant_rows_avx2<Codes::Int4>(x, w, sp, bp, y);
       else if (w.grouped) quant_rows_avx2<Codes::Int8Grouped>(x, w, sp, bp, y);
       else quant_rows_avx2<Codes::Int8Rows>(x, w, sp, bp, y);
+      return y;
+    }
+    if (M > kFewRowsMax) {
+      quant_many_avx2(x, w, sp, bp, y);
       return y;
     }
 #endif
