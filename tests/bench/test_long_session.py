@@ -55,7 +55,10 @@ def test_command_runs_each_attention_backend_as_a_peer(tmp_path):
     """`--attention native,sdpa` serves the real model once and runs every policy under both backends."""
     from kakeya_runtime.bench.long_session import command
 
-    doc = command(turns=6, policies="full", baseline_every=3, attention="native,sdpa", out=tmp_path / "ls.json")
+    # bf16 named: `auto` would calibrate every format on the real model first (150 s on a cold cache; the auto pick
+    # itself is the next test's)
+    doc = command(turns=6, policies="full", baseline_every=3, attention="native,sdpa", weights="bf16",
+                  out=tmp_path / "ls.json")
     assert set(doc["runs"]) == {"full @native", "full @sdpa"}
     assert doc["attention_backends"] == ["native", "sdpa"]
     for name, run in doc["runs"].items():

@@ -57,7 +57,8 @@ def route(request):
     kept = native.routes()
     native.set_routes(kept.attention_amx, request.param == "amx")
     amx = request.param == "amx" and bool(torch.ops.kakeya.amx_available())
-    assert native.quant_path(4) == ("amx" if amx else "panels")
+    assert native.quant_path(4) == ("amx" if amx else "avx2" if native.linear_path(torch.bfloat16, 64, 64) == "avx2"
+                                    else "panels")
     try:
         yield request.param
     finally:

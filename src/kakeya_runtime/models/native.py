@@ -353,8 +353,9 @@ def quant_dequant(q: torch.Tensor, sz: torch.Tensor, bits: int, rows: torch.Tens
 
 
 def quant_path(bits: int) -> str:
-    """Which code `quant_linear` runs on here: "amx" (tiles dequantized in the kernel) or "panels" (W' dequantized
-    a panel at a time, then `linear`'s AVX-512 or at::vec path)."""
+    """Which code `quant_linear` runs on here: "amx" (tiles dequantized in the kernel), "avx2" (codes multiplied as
+    they are unpacked for a few rows, W' dequantized per work item for more) or "panels" (W' dequantized a panel at a
+    time, then `linear`'s AVX-512 or at::vec path)."""
     load()
     return torch.ops.kakeya.quant_path(bits)
 
@@ -442,7 +443,7 @@ def release_thread_pool() -> bool:
 
 
 def linear_path(dtype: torch.dtype, in_features: int, out_features: int) -> str:
-    """Which code a weight of this shape runs on here: "amx", "avx512-bf16", "avx512" or "generic"."""
+    """Which code a weight of this shape runs on here: "amx", "avx512-bf16", "avx512", "avx2" or "generic"."""
     load()
     return torch.ops.kakeya.linear_path(1 if dtype == torch.bfloat16 else 0, in_features, out_features)
 

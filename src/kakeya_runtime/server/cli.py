@@ -22,6 +22,9 @@ from kakeya_runtime.sessions.batch import DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOK
 from kakeya_runtime.sessions.errors import InvalidArgument
 from kakeya_runtime.sessions.limits import size_text
 
+# How the start-up line names the code a bf16 projection runs on here (models/native.py's linear_path).
+KERNEL_ISA = {"amx": "AMX", "avx512-bf16": "AVX-512 BF16", "avx512": "AVX-512", "avx2": "AVX2", "generic": "portable"}
+
 
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
@@ -209,7 +212,9 @@ def serve(
     try:  # build (once per machine) and load our kernels now, not at the first Generate
         with console.status("Kernels…", spinner="dots"):
             if native.enabled():
-                kernel = f"invariant ({'AMX' if native.bf16_amx() else 'AVX-512 / vector'} kernels)"
+                import torch
+
+                kernel = f"invariant ({KERNEL_ISA[native.linear_path(torch.bfloat16, 576, 1536)]} kernels)"
             else:
                 kernel = f"PyTorch's SDPA and GEMMs ({native.BACKEND_ENV}=sdpa: not invariant)"
     except native.NativeKernelError as e:

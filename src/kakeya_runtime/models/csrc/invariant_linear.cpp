@@ -602,7 +602,11 @@ std::string linear_path(int64_t dtype_code, int64_t K, int64_t N) {
   switch (choose(dtype, K, N)) {
     case Path::Amx: return "amx";
     case Path::Dot: return dtype == at::kBFloat16 ? "avx512-bf16" : "avx512";
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+    default: return "avx2";  // linear_avx2
+#else
     default: return "generic";
+#endif
   }
 }
 

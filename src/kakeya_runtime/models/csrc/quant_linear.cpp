@@ -1049,7 +1049,12 @@ at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& sz, int64_t bits
 
 std::string quant_path(int64_t bits) {
   (void)bits;
-  return kAmx && on_amx() ? "amx" : "panels";
+  if (kAmx && on_amx()) return "amx";
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+  return "avx2";  // quant_rows_avx2 / quant_many_avx2 (int5's calls of up to 3 rows: panels)
+#else
+  return "panels";
+#endif
 }
 
 }  // namespace
