@@ -93,6 +93,34 @@ __attribute__((flatten)) void block_terms(const T* mn, const T* mx, int64_t row_
     }
     return;
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (D % 8 == 0) {  // 8 blocks x 8 dims at a time, transposed in registers (the same values as below)
+    for (int64_t jg = j0; jg < j1; jg += LANES) {
+      float* const mid = terms + jg / LANES * 2 * D * LANES;
+      float* const half = mid + D * LANES;
+      const int64_t nb = std::min<int64_t>(LANES, j1 - jg);
+      for (int64_t d0 = 0; d0 < D; d0 += 8)
+        for (int64_t i0 = 0; i0 < LANES; i0 += 8) {  // blocks jg + i0.. into lanes i0..i0 + 7
+          __m256 rm[8], rh[8];
+          for (int64_t i = 0; i < 8; ++i) {
+            if (i0 + i >= nb) {
+              rm[i] = rh[i] = _mm256_setzero_ps();
+              continue;
+            }
+            const __m256 a = widen8(mn + (jg + i0 + i) * row_stride + d0), b = widen8(mx + (jg + i0 + i) * row_stride + d0);
+            rm[i] = _mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_add_ps(a, b));
+            rh[i] = _mm256_mul_ps(_mm256_set1_ps(HALF), _mm256_sub_ps(b, a));
+          }
+          transpose8(rm);
+          transpose8(rh);
+          for (int c = 0; c < 8; ++c) {
+            _mm256_storeu_ps(mid + (d0 + c) * LANES + i0, rm[c]);
+            _mm256_storeu_ps(half + (d0 + c) * LANES + i0, rh[c]);
+          }
+        }
+    }
+    return;
+  }
 #endif
   std::vector<float> a(D), b(D);
   const int64_t end = (j1 + LANES - 1) / LANES * LANES;
@@ -133,6 +161,31 @@ inline void score_group(const float* qf, const float* qa, int64_t D, const float
     whole[i] = _mm512_fmadd_ps(_mm512_set1_ps(1.f / BOX), ah[i], am[i]);
   }
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+// score_group's AVX2 form: GN rows against one group of 16 blocks as two halves of 8 lanes, the same chains.
+template <int GN>
+inline void score_group8(const float* qf, const float* qa, int64_t D, const float* mid, __m256 (*out)[2],
+                         __m256 (*whole)[2]) {
+  const float* half = mid + D * LANES;
+  __m256 am[GN][2], ah[GN][2];
+  for (int i = 0; i < GN; ++i) am[i][0] = am[i][1] = ah[i][0] = ah[i][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 m0 = _mm256_loadu_ps(mid + d * LANES), m1 = _mm256_loadu_ps(mid + d * LANES + 8);
+    const __m256 h0 = _mm256_loadu_ps(half + d * LANES), h1 = _mm256_loadu_ps(half + d * LANES + 8);
+    for (int i = 0; i < GN; ++i) {
+      const __m256 qv = _mm256_set1_ps(qf[i * D + d]), av = _mm256_set1_ps(qa[i * D + d]);
+      am[i][0] = _mm256_fmadd_ps(qv, m0, am[i][0]);
+      am[i][1] = _mm256_fmadd_ps(qv, m1, am[i][1]);
+      ah[i][0] = _mm256_fmadd_ps(av, h0, ah[i][0]);
+      ah[i][1] = _mm256_fmadd_ps(av, h1, ah[i][1]);
+    }
+  }
+  for (int i = 0; i < GN; ++i)
+    for (int h = 0; h < 2; ++h) {
+      out[i][h] = _mm256_add_ps(am[i][h], ah[i][h]);
+      whole[i][h] = _mm256_fmadd_ps(_mm256_set1_ps(1.f / BOX), ah[i][h], am[i][h]);
+    }
+}
 #endif
 
 // Estimates of blocks [j0, j1) (j0 a multiple of LANES) of one token against its G query rows (qf (G, D) fp32, qa
@@ -163,6 +216,24 @@ inline void score_blocks(const float* qf, const float* qa, int64_t G, int64_t D,
           std::copy(sg, sg + nb, dst + (g0 + i) * most + jb);
         }
       }
+    }
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (int64_t jb = j0; jb < j1; jb += LANES) {
+    const int64_t nb = std::min<int64_t>(LANES, j1 - jb);
+    const float* mid = terms + jb / LANES * 2 * D * LANES;
+    for (int64_t g0 = 0; g0 < G; g0 += 2) {
+      const int64_t gn = std::min<int64_t>(2, G - g0);
+      __m256 sv[2][2], bv[2][2];
+      if (gn == 2) score_group8<2>(qf + g0 * D, qa + g0 * D, D, mid, sv, bv);
+      else score_group8<1>(qf + g0 * D, qa + g0 * D, D, mid, sv, bv);
+      for (int64_t i = 0; i < gn; ++i)
+        for (auto [x, dst] : {std::pair{sv[i], score}, std::pair{bv[i], bound}}) {
+          alignas(32) float sg[LANES];
+          for (int h = 0; h < 2; ++h)
+            _mm256_store_ps(sg + 8 * h, _mm256_blendv_ps(x[h], _mm256_set1_ps(NINF), _mm256_cmp_ps(x[h], x[h], _CMP_UNORD_Q)));
+          std::copy(sg, sg + nb, dst + (g0 + i) * most + jb);
+        }
     }
   }
 #else

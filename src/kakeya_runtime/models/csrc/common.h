@@ -72,6 +72,24 @@ __attribute__((always_inline)) inline __m256 reduce8(const __m256* a) {
   return _mm256_permutevar8x32_ps(_mm256_hadd_ps(u0, u1), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// r (8 vectors of 8 lanes) transposed in place: lane j of r[i] becomes lane i of r[j] (values moved, not changed).
+__attribute__((always_inline)) inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int k = 0; k < 2; ++k) {
+      u[4 * i + 2 * k] = _mm256_shuffle_ps(t[4 * i + k], t[4 * i + 2 + k], 0x44);
+      u[4 * i + 2 * k + 1] = _mm256_shuffle_ps(t[4 * i + k], t[4 * i + 2 + k], 0xEE);
+    }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+
 // linear_avx2's (invariant_linear.cpp) block, shared with quant_linear.cpp's many-row AVX2 path: per output element
 // one fused multiply-add per K chunk of 8 in order from zero, K's last partial chunk from `pad`, at::vec's tree.
 // RM x rows (fp32, zero-padded to whole chunks, `x_row` floats apart) against NJ consecutive W rows (`pad`: K's
