@@ -188,6 +188,8 @@ def session_cmd(
 @answers_bad_input
 def soak_cmd(
     model: str = typer.Option("smollm2", help="Bundled model name or path, served by a child `kakeya serve`."),
+    weights: str = typer.Option("auto", help="As `kakeya serve --weights`: auto (its default: the format it serves "
+                                "on this machine), bf16, fp32, int8, int4 or int4-mixed."),
     requests: int = typer.Option(10_000, min=2, help="Requests in all (half before the kill -9, half after)."),
     max_seconds: float = typer.Option(900.0, min=1.0, help="Stop (and fail) past this wall time."),
     keys: int = typer.Option(3, min=1, help="API keys, one client thread each."),
@@ -201,9 +203,15 @@ def soak_cmd(
     """Randomized valid and invalid requests from several keys, cancellations, evictions, idle compression and a
     kill -9 + restart, against a real server on loopback; exits 1 on any failure it reports."""
     from kakeya_runtime.bench.soak import SoakConfig, command
+    from kakeya_runtime.server.cli import resolve_weights
 
-    result = command(SoakConfig(model=check_model(model), requests=requests, max_seconds=max_seconds, keys=keys, context=context,
-                                seed=seed, kill=kill, max_rss_bytes=int(max_rss_gib * 2**30)), Path(out))
+    try:  # a format serve would refuse: before the server starts
+        resolve_weights(weights, None)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    result = command(SoakConfig(model=check_model(model), weights=weights, requests=requests, max_seconds=max_seconds,
+                                keys=keys, context=context, seed=seed, kill=kill,
+                                max_rss_bytes=int(max_rss_gib * 2**30)), Path(out))
     if not result["passed"]:
         raise typer.Exit(1)
 

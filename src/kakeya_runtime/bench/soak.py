@@ -52,6 +52,7 @@ CHUNK = 512 * 1024  # archive chunks under the server's receive limit
 @dataclass(slots=True)
 class SoakConfig:
     model: str = "smollm2"
+    weights: str = "auto"  # the server's --weights
     requests: int = 10_000
     max_seconds: float = 900.0
     keys: int = 3
@@ -435,7 +436,8 @@ def _rpc_errors(metrics: str, code: str) -> float:
 def run_soak(config: SoakConfig, *, on_progress: Any = None) -> dict[str, Any]:
     state = Path(tempfile.mkdtemp(prefix="kakeya-soak-"))  # kept: a failed run can be inspected
     keys = [_key(i) for i in range(config.keys)]
-    args = ["--model", config.model, "--state-dir", str(state / "state"), "--context", str(config.context),
+    args = ["--model", config.model, "--weights", config.weights, "--state-dir", str(state / "state"),
+            "--context", str(config.context),
             "--max-sessions", str(4 * config.keys), "--max-sessions-per-key", "4", "--idle-compress-after", "1",
             "--ttl", "3600", *[a for k in keys for a in ("--api-key", k)]]
     started = time.monotonic()
