@@ -107,7 +107,8 @@ __attribute__((flatten)) void block_terms(const T* mn, const T* mx, int64_t row_
               rm[i] = rh[i] = _mm256_setzero_ps();
               continue;
             }
-            const __m256 a = widen8(mn + (jg + i0 + i) * row_stride + d0), b = widen8(mx + (jg + i0 + i) * row_stride + d0);
+            const int64_t row = (jg + i0 + i) * row_stride + d0;
+            const __m256 a = widen8(mn + row), b = widen8(mx + row);
             rm[i] = _mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_add_ps(a, b));
             rh[i] = _mm256_mul_ps(_mm256_set1_ps(HALF), _mm256_sub_ps(b, a));
           }
@@ -230,8 +231,9 @@ inline void score_blocks(const float* qf, const float* qa, int64_t G, int64_t D,
       for (int64_t i = 0; i < gn; ++i)
         for (auto [x, dst] : {std::pair{sv[i], score}, std::pair{bv[i], bound}}) {
           alignas(32) float sg[LANES];
-          for (int h = 0; h < 2; ++h)
-            _mm256_store_ps(sg + 8 * h, _mm256_blendv_ps(x[h], _mm256_set1_ps(NINF), _mm256_cmp_ps(x[h], x[h], _CMP_UNORD_Q)));
+          for (int h = 0; h < 2; ++h)  // NaN -> -inf, as the other paths
+            _mm256_store_ps(sg + 8 * h,
+                            _mm256_blendv_ps(x[h], _mm256_set1_ps(NINF), _mm256_cmp_ps(x[h], x[h], _CMP_UNORD_Q)));
           std::copy(sg, sg + nb, dst + (g0 + i) * most + jb);
         }
     }
