@@ -880,9 +880,10 @@ void quant_many_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
   thread_local std::vector<float> xf;  // kept per thread up to kScratchBytes, as linear_avx2's
   if (xf.size() < static_cast<size_t>(M * K)) xf.resize(M * K);
   float* const xw = xf.data();
+  const int64_t x_row = x.stride(0);  // read once (linear_avx2's lesson: a stride read per element costs)
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xw + m * K + k, widen8(xp + m * x.stride(0) + k));
+      for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xw + m * K + k, widen8(xp + m * x_row + k));
   });
   // A narrow weight's panels alone are too few items for the threads: x's rows are split too (each part
   // dequantizes its panel again).
