@@ -101,18 +101,25 @@ template <typename T, int RM, int NJ>
 inline void avx2_block(const float* x, int64_t x_row, const T* w, int64_t K, const float* pad, float* out,
                        int64_t out_row, const char* ahead = nullptr) {
   using Vec = at::vec::Vectorized<float>;
+  // The small loops unrolled by pragma and the prefetch a builtin: with loops and prefetch_l2's volatile asm in the
+  // body, GCC kept acc in memory and stored every accumulator at every K chunk (8 stores bound an 8-chain loop).
   __m256 acc[RM][NJ];
+#pragma GCC unroll 16
   for (int r = 0; r < RM; ++r)
+#pragma GCC unroll 16
     for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_setzero_ps();
   const int64_t whole = K / 8 * 8;
   constexpr int64_t kAheadStep = NJ * 8 * static_cast<int64_t>(sizeof(T));  // the next rows' bytes per K chunk
   for (int64_t k = 0; k < whole; k += 8) {
     if (ahead != nullptr)
-      for (int64_t c = 0; c < kAheadStep; c += 64) prefetch_l2(ahead + k / 8 * kAheadStep + c);
+      for (int64_t c = 0; c < kAheadStep; c += 64) __builtin_prefetch(ahead + k / 8 * kAheadStep + c, 0, 2);
     __m256 wv[NJ];
+#pragma GCC unroll 16
     for (int j = 0; j < NJ; ++j) wv[j] = widen8(w + j * K + k);
+#pragma GCC unroll 16
     for (int r = 0; r < RM; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * x_row + k);
+#pragma GCC unroll 16
       for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
     }
   }
@@ -122,10 +129,14 @@ inline void avx2_block(const float* x, int64_t x_row, const T* w, int64_t K, con
       for (int j = 0; j < NJ; ++j) acc[r][j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pad + j * 8), acc[r][j]);
     }
   }
-  if constexpr (RM == 1 && NJ == 8) {  // at::vec's tree for 8 rows at once (reduce8: the same bits)
+  if constexpr (RM * NJ == 8) {  // at::vec's tree for 8 elements at once (reduce8: the same bits)
+    __m256 flat[8];
+    for (int r = 0; r < RM; ++r)
+      for (int j = 0; j < NJ; ++j) flat[r * NJ + j] = acc[r][j];
     alignas(32) float sums[8];
-    _mm256_store_ps(sums, reduce8(acc[0]));
-    for (int j = 0; j < 8; ++j) out[j] = sums[j];
+    _mm256_store_ps(sums, reduce8(flat));
+    for (int r = 0; r < RM; ++r)
+      for (int j = 0; j < NJ; ++j) out[r * out_row + j] = sums[r * NJ + j];
     return;
   }
   for (int r = 0; r < RM; ++r)

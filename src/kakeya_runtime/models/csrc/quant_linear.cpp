@@ -14,7 +14,7 @@
 // - elsewhere (no AMX, or the AVX-512 route): W' dequantized a panel of rows at a time and multiplied by
 //   kakeya::linear (AVX-512 BF16 dot products or at::vec), whose result per element does not depend on M or N;
 //   calls of few rows (decode) run the same dot products on blocks of 16 W' rows dequantized once per call. AVX2
-//   without AVX-512: calls of up to 3 rows multiply the codes as they are unpacked (quant_rows_avx2), more rows
+//   without AVX-512: calls of up to 8 rows multiply the codes as they are unpacked (quant_rows_avx2), more rows
 //   run kakeya::linear's AVX2 blocks over W' dequantized 48 rows at a time (quant_many_avx2).
 //
 // Layouts (engine/weights.py packs them): codes in tiles of 16 rows x 32 columns (one int4 group), tile (b, s) =
@@ -751,15 +751,16 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
 #endif
 
 #if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
-// AVX2, calls of at most kFewRowsMax rows (decode, a few batched rows) of an int8 or int4 weight: the codes widened
-// straight into the products, never stored. W' = int8's codes (exact in fp32) with per-row scales; a grouped int8
-// weight's (Q8_0) q * d, or int4's fma(q - 8, scale, zero), rounded to bf16 as group8d / group4 round them. Per (x row,
-// W' row) linear_avx2's chain (one fused multiply-add per K chunk of 8, in order, from zero) and at::vec's tree
-// (reduce8, eight chains at once), then quant_panels' epilogue: the bits are quant_panels'. That path dequantized each
-// 256-row panel to bf16, stored it and multiplied it again, two parallel regions per panel: an int decode step ran at
-// half bf16's speed though it reads a half or a quarter of the bytes. A work item: 16 W' rows (all K); the next
-// item's codes are asked for into L2 a slice per K step.
-constexpr int64_t kFewRowsMax = 3;
+// AVX2, calls of at most kFewRowsMax rows (decode, a batch of sessions' decode rows, a verifier step) of an int8 or
+// int4 weight: the codes widened straight into the products, never stored. W' = int8's codes (exact in fp32) with
+// per-row scales; a grouped int8 weight's (Q8_0) q * d, or int4's fma(q - 8, scale, zero), rounded to bf16 as group8d /
+// group4 round them. Per (x row, W' row) linear_avx2's chain (one fused multiply-add per K chunk of 8, in order, from
+// zero) and at::vec's tree (reduce8, eight chains at once), then quant_panels' epilogue: the bits are quant_panels'.
+// That path dequantized each 256-row panel to bf16, stored it and multiplied it again, two parallel regions per panel:
+// an int decode step ran at half bf16's speed though it reads a half or a quarter of the bytes. A work item: 16 W' rows
+// (all K); the next item's codes are asked for into L2 a slice per K step.
+constexpr int64_t kFewRowsMax = 8;
+constexpr int64_t kInt5PanelRowsMax = 3;  // int5 has no few-row path: up to 3 rows on panels, more quant_many_avx2
 enum class Codes { Int8Rows, Int8Grouped, Int4 };
 
 // 8 fp32 lanes rounded to bf16 (round_bf16) and widened back; NaN-free input skips round_bf16's NaN case (the
@@ -822,15 +823,29 @@ inline void few_rows_avx2(const QWeight& w, int64_t b, int r0, const float* xw, 
   _mm256_storeu_ps(sums, reduce8(acc));
 }
 
+// One x row, as a function of its own: inlined beside the 2-8 row blocks, the one-row loop ran ~10% slower (a decode
+// step's weights stream through it).
+template <Codes C>
+__attribute__((noinline)) void one_row_avx2(const QWeight& w, int64_t b, int r0, const float* xw, int64_t K,
+                                            float* sums, const char* ahead) {
+  few_rows_avx2<1, 8, C>(w, b, r0, xw, K, sums, ahead);
+}
+
 template <Codes C>
 void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = w.K, N = w.N, blocks = N / kTileRows;
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
+  // Each W' row's codes are unpacked once per call, against all M rows at once: M * RN = 8 chains, x zero-padded
+  // to `rows` (1, 2, 4 or 8; padded rows' sums are dropped). Unpacking them again per pair of rows, 4-8 rows cost
+  // 2-4x one here; the panel path stored W' and widened it again per 4 rows.
+  const int64_t rows = M <= 2 ? M : M <= 4 ? 4 : 8;
   // x widened once (exact), in this thread's scratch (slot 7, no other kernel's): the workers read it
-  float* const xw = scratch<float>(7, M * K);
+  float* const xw = scratch<float>(7, rows * K);
+  const int64_t x_row = x.stride(0);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xw + m * K + k, widen8(xp + m * x.stride(0) + k));
+    for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xw + m * K + k, widen8(xp + m * x_row + k));
+  std::fill(xw + M * K, xw + rows * K, 0.f);
   // A few blocks per item at least: a step's small projections (N = 576: 36 blocks) still split over the threads.
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     alignas(32) float sums[8];
@@ -851,18 +866,28 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
           }
         }
       };
-      int64_t m = 0;
-      for (; m + 2 <= M; m += 2)  // two x rows against four W' rows at a time
-        for (int r0 = 0; r0 < kTileRows; r0 += 4) {
-          few_rows_avx2<2, 4, C>(w, b, r0, xw + m * K, K, sums, r0 == 0 ? ahead : nullptr);
-          store(m, r0, 4, sums);
-          store(m + 1, r0, 4, sums + 4);
-        }
-      for (; m < M; ++m)  // one x row against eight W' rows at a time
+      if (M == 1) {  // one x row against eight W' rows at a time
         for (int r0 = 0; r0 < kTileRows; r0 += 8) {
-          few_rows_avx2<1, 8, C>(w, b, r0, xw + m * K, K, sums, r0 == 0 && M == 1 ? ahead : nullptr);
-          store(m, r0, 8, sums);
+          one_row_avx2<C>(w, b, r0, xw, K, sums, r0 == 0 ? ahead : nullptr);
+          store(0, r0, 8, sums);
         }
+      } else if (M == 2) {  // two x rows against four W' rows at a time
+        for (int r0 = 0; r0 < kTileRows; r0 += 4) {
+          few_rows_avx2<2, 4, C>(w, b, r0, xw, K, sums, r0 == 0 ? ahead : nullptr);
+          store(0, r0, 4, sums);
+          store(1, r0, 4, sums + 4);
+        }
+      } else {  // `rows` (4 or 8) x rows against 8 / rows W' rows at a time
+        const auto block = [&]<int RM>() {
+          constexpr int RN = 8 / RM;
+          for (int r0 = 0; r0 < kTileRows; r0 += RN) {
+            few_rows_avx2<RM, RN, C>(w, b, r0, xw, K, sums, r0 == 0 ? ahead : nullptr);
+            for (int64_t m = 0; m < std::min<int64_t>(M, RM); ++m) store(m, r0, RN, sums + m * RN);
+          }
+        };
+        if (rows == 4) block.template operator()<4>();
+        else block.template operator()<8>();
+      }
     }
   });
 }
@@ -994,7 +1019,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
       else quant_rows_avx2<Codes::Int8Rows>(x, w, sp, bp, y);
       return y;
     }
-    if (M > kFewRowsMax) {
+    if (M > kInt5PanelRowsMax) {  // more rows than few_rows_avx2 takes, or int5's
       quant_many_avx2(x, w, sp, bp, y);
       return y;
     }
