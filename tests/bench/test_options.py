@@ -90,6 +90,7 @@ def test_only_the_runtimes_typed_errors_count_as_bad_input():
     (["bench", "concurrent", "--model", "nosuch"], "'nosuch': no such file or directory"),
     (["bench", "soak", "--model", "nosuch"], "'nosuch': no such file or directory"),
     (["bench", "soak", "--weights", "int3"], "--weights must be auto or one of"),
+    (["bench", "concurrent", "--weights", "int3"], "--weights must be auto or one of"),
     (["bench", "session", "--policies", ";"], "policies ';': give at least one"),
     (["calibrate", "heads", "--lengths", "100000"], "lengths [100000] do not fit smollm2's context"),
 ])

@@ -309,6 +309,8 @@ def spec_cmd(
 @answers_bad_input
 def concurrent_cmd(
     model: str = typer.Option("smollm2", help="Model `kakeya serve` loads."),
+    weights: str = typer.Option("auto", help="As `kakeya serve --weights`: auto (its default: the format it serves "
+                                "on this machine), bf16, fp32, int8, int4 or int4-mixed."),
     sessions: str = typer.Option("1,2,4,8", help="Concurrent sessions per phase."),
     turns: int = typer.Option(2, min=1, help="Agent turns per session per phase."),
     reply_tokens: int = typer.Option(48, min=1, help="Tokens generated per turn (greedy, EOS ignored)."),
@@ -325,11 +327,17 @@ def concurrent_cmd(
     import sys
 
     from kakeya_runtime.bench.concurrent import ConcurrentConfig, run_concurrent
+    from kakeya_runtime.server.cli import resolve_weights
 
-    config = ConcurrentConfig(model=check_model(model), sessions=positive_ints(sessions, "--sessions"), turns=turns, reply_tokens=reply_tokens,
-                              long_prompt=long_prompt, long_decoders=long_decoders,
+    try:  # a format serve would refuse: before the server starts
+        resolve_weights(weights, None)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    config = ConcurrentConfig(model=check_model(model), sessions=positive_ints(sessions, "--sessions"), turns=turns,
+                              reply_tokens=reply_tokens, long_prompt=long_prompt, long_decoders=long_decoders,
                               long_reply_tokens=long_reply_tokens, max_batch=max_batch, step_tokens=step_tokens,
-                              schedulers=items(schedulers, "--schedulers", ("batch", "serial")), out=Path(out))
+                              schedulers=items(schedulers, "--schedulers", ("batch", "serial")),
+                              serve_args=("--weights", weights), out=Path(out))
     result = run_concurrent(config, command_line="kakeya " + shlex.join(sys.argv[1:]))
     typer.echo(json.dumps(result["targets"], indent=2))
     typer.echo(f"wrote {result['path']}")
