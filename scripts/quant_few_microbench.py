@@ -4,6 +4,7 @@ thread count. Weights cycle through enough copies to leave L2 (as a decode step 
 (`--hot`). Median of `--reps` timed batches.
 
 PYTHONPATH=src python scripts/quant_few_microbench.py --out results/quant/few_rows.json
+PYTHONPATH=src python scripts/quant_few_microbench.py --bits 8 --shapes smollm2.qkv,smollm2.down --rows 1,8 ...
 (`--library OLD.so` times another build of the kernels, so two can be alternated.)
 """
 
@@ -48,6 +49,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16,32")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--bits", type=int, choices=(4, 8), help="every shape at these bits (default: each shape's own)")
     p.add_argument("--hot", action="store_true")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--library", type=Path, help="a built cached_attention.so to load instead of this checkout's (A/B)")
@@ -62,6 +64,7 @@ def main() -> None:
     res = []
     for name in a.shapes.split(","):
         n, k, bits = SHAPES[name]
+        bits = a.bits or bits
         w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * k**-0.5
         copies = 1 if a.hot else max(1, min(16, (16 << 20) // (n * k // 2 * bits // 4)))
         if bits == 4:
@@ -109,7 +112,7 @@ def main() -> None:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"command": shlex.join([sys.executable, *sys.argv]), "cpu_busy_before": busy,
-                                     "hot": a.hot, "torch": torch.__version__, "results": res}, indent=1))
+                                     "hot": a.hot, "bits": a.bits, "torch": torch.__version__, "results": res}, indent=1))
 
 
 if __name__ == "__main__":
