@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kakeya_runtime.bench.engine import _ids_tensor, _logprobs_all, _text_ids, compare_logprobs, load_bench_model
+from kakeya_runtime.bench.engine import (
+    _ids_tensor,
+    _logprobs_all,
+    _text_ids,
+    compare_logprobs,
+    load_bench_model,
+)
 from kakeya_runtime.bench.machine import machine_info
 from kakeya_runtime.engine.generate import Engine
 from kakeya_runtime.engine.weights import Int8Linear, WeightFormat, quantize_model
