@@ -871,21 +871,16 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
           one_row_avx2<C>(w, b, r0, xw, K, sums, r0 == 0 ? ahead : nullptr);
           store(0, r0, 8, sums);
         }
-      } else if (M == 2) {  // two x rows against four W' rows at a time
-        for (int r0 = 0; r0 < kTileRows; r0 += 4) {
-          few_rows_avx2<2, 4, C>(w, b, r0, xw, K, sums, r0 == 0 ? ahead : nullptr);
-          store(0, r0, 4, sums);
-          store(1, r0, 4, sums + 4);
-        }
-      } else {  // `rows` (4 or 8) x rows against 8 / rows W' rows at a time
+      } else {  // `rows` (2, 4 or 8) x rows against 8 / rows W' rows at a time
         const auto block = [&]<int RM>() {
           constexpr int RN = 8 / RM;
           for (int r0 = 0; r0 < kTileRows; r0 += RN) {
             few_rows_avx2<RM, RN, C>(w, b, r0, xw, K, sums, r0 == 0 ? ahead : nullptr);
-            for (int64_t m = 0; m < std::min<int64_t>(M, RM); ++m) store(m, r0, RN, sums + m * RN);
+            for (int64_t m = 0; m < M; ++m) store(m, r0, RN, sums + m * RN);
           }
         };
-        if (rows == 4) block.template operator()<4>();
+        if (rows == 2) block.template operator()<2>();
+        else if (rows == 4) block.template operator()<4>();
         else block.template operator()<8>();
       }
     }
