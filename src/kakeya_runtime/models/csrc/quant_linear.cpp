@@ -14,8 +14,8 @@
 // - elsewhere (no AMX, or the AVX-512 route): W' dequantized a panel of rows at a time and multiplied by
 //   kakeya::linear (AVX-512 BF16 dot products or at::vec), whose result per element does not depend on M or N;
 //   calls of few rows (decode) run the same dot products on blocks of 16 W' rows dequantized once per call. AVX2
-//   without AVX-512: calls of up to 8 rows multiply the codes as they are unpacked (quant_rows_avx2), more rows
-//   run kakeya::linear's AVX2 blocks over W' dequantized 48 rows at a time (quant_many_avx2).
+//   without AVX-512: calls of up to 16 int8 / 8 int4 rows multiply the codes as they are unpacked (quant_rows_avx2),
+//   more rows run kakeya::linear's AVX2 blocks over W' dequantized 48 rows at a time (quant_many_avx2).
 //
 // Layouts (engine/weights.py packs them): codes in tiles of 16 rows x 32 columns (one int4 group), tile (b, s) =
 // rows 16b.., columns 32s.. at byte (b * K/32 + s) * 16 * bytes_per_row_of_tile:
@@ -751,15 +751,16 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
 #endif
 
 #if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
-// AVX2, calls of at most kFewRowsMax rows (decode, a batch of sessions' decode rows, a verifier step) of an int8 or
-// int4 weight: the codes widened straight into the products, never stored. W' = int8's codes (exact in fp32) with
-// per-row scales; a grouped int8 weight's (Q8_0) q * d, or int4's fma(q - 8, scale, zero), rounded to bf16 as group8d /
-// group4 round them. Per (x row, W' row) linear_avx2's chain (one fused multiply-add per K chunk of 8, in order, from
+// AVX2, calls of at most kFewRowsMax int8 / kFewInt4RowsMax int4 rows (decode, a batch of sessions' decode rows, a
+// verifier step, decode rows with a prefill chunk): the codes widened straight into the products, never stored.
+// W' = int8's codes (exact in fp32) with per-row scales; a grouped int8 weight's (Q8_0) q * d, or int4's
+// fma(q - 8, scale, zero), rounded to bf16 as group8d / group4 round them. Per (x row, W' row) linear_avx2's chain (one fused multiply-add per K chunk of 8, in order, from
 // zero) and at::vec's tree (reduce8, eight chains at once), then quant_panels' epilogue: the bits are quant_panels'.
 // That path dequantized each 256-row panel to bf16, stored it and multiplied it again, two parallel regions per panel:
 // an int decode step ran at half bf16's speed though it reads a half or a quarter of the bytes. A work item: 16 W' rows
 // (all K); the next item's codes are asked for into L2 a slice per K step.
-constexpr int64_t kFewRowsMax = 8;
+constexpr int64_t kFewRowsMax = 16;     // int8: more rows on quant_many_avx2 (24 rows: 0.8-0.95x there, within noise)
+constexpr int64_t kFewInt4RowsMax = 8;  // int4's unpack costs more: 12 rows here took ~1.2x the panel path's time
 constexpr int64_t kInt5PanelRowsMax = 3;  // int5 has no few-row path: up to 3 rows on panels, more quant_many_avx2
 enum class Codes { Int8Rows, Int8Grouped, Int4 };
 
@@ -782,13 +783,17 @@ inline void few_rows_avx2(const QWeight& w, int64_t b, int r0, const float* xw, 
   const int64_t steps = w.K / kTileCols, tb = w.tile_bytes();
   constexpr int64_t row_bytes = C == Codes::Int4 ? 16 : kTileCols;  // one W' row's codes in a tile
   const uint8_t* block = w.q + b * steps * tb;
+  // The prefetch a builtin and the small loops unrolled by pragma (avx2_block's lesson: prefetch_l2's volatile asm
+  // in the loop kept the accumulators in memory, stored at every step).
   __m256 acc[8];
+#pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
     if (ahead != nullptr)  // the next block's codes, a tile's worth per step
-      for (int64_t c = 0; c < tb; c += 64) prefetch_l2(ahead + s * tb + c);
+      for (int64_t c = 0; c < tb; c += 64) __builtin_prefetch(ahead + s * tb + c, 0, 2);
     const uint8_t* tile = block + s * tb + r0 * row_bytes;
     const float* xs = xw + s * kTileCols;
+#pragma GCC unroll 8
     for (int r = 0; r < RN; ++r) {
       __m256 wv[4];  // row r0 + r's 32 columns of this step, as W' in fp32
       if constexpr (C == Codes::Int4) {
@@ -798,6 +803,7 @@ inline void few_rows_avx2(const QWeight& w, int64_t b, int r0, const float* xw, 
         QWeight::widen_i8x32(lo, hi, wv);  // codes 0..15 (as int8, exact)
         const __m256 sv = _mm256_set1_ps(sz[0]), zv = _mm256_set1_ps(sz[1]), eight = _mm256_set1_ps(8.f);
         const bool finite = std::isfinite(sz[0]) && std::isfinite(sz[1]);  // then no value is NaN (at most inf)
+#pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
           const __m256 v = _mm256_fmadd_ps(_mm256_sub_ps(wv[i], eight), sv, zv);
           wv[i] = finite ? as_bf16<false>(v) : as_bf16<true>(v);
@@ -809,13 +815,16 @@ inline void few_rows_avx2(const QWeight& w, int64_t b, int r0, const float* xw, 
           const float d = static_cast<const c10::Half*>(w.sz)[(b * steps + s) * kTileRows + r0 + r];
           const __m256 dv = _mm256_set1_ps(d);
           const bool finite = std::isfinite(d);  // then no product is NaN
+#pragma GCC unroll 4
           for (int i = 0; i < 4; ++i) {
             const __m256 v = _mm256_mul_ps(wv[i], dv);
             wv[i] = finite ? as_bf16<false>(v) : as_bf16<true>(v);
           }
         }
       }
+#pragma GCC unroll 4
       for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 8
         for (int m = 0; m < M; ++m)
           acc[m * RN + r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + m * x_row + 8 * i), wv[i], acc[m * RN + r]);
     }
@@ -839,13 +848,18 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
   // Each W' row's codes are unpacked once per call, against all M rows at once: M * RN = 8 chains, x zero-padded
   // to `rows` (1, 2, 4 or 8; padded rows' sums are dropped). Unpacking them again per pair of rows, 4-8 rows cost
   // 2-4x one here; the panel path stored W' and widened it again per 4 rows.
-  const int64_t rows = M <= 2 ? M : M <= 4 ? 4 : 8;
+  // More than 8 rows go in groups of 8 (the last one 1, 2, 4 or 8, padded), each block's codes unpacked again per
+  // group while they sit in L1: int8 at 12-16 rows took 0.6-0.8x the panel path's time (a batched step carrying a
+  // prefill chunk), whose W' dequantized to bf16 and stored cost more than unpacking int8 codes twice.
+  const int64_t groups = (M + 7) / 8, last = M - (groups - 1) * 8;
+  const int64_t last_rows = last <= 2 ? last : last <= 4 ? 4 : 8;
+  const int64_t padded = (groups - 1) * 8 + last_rows;
   // x widened once (exact), in this thread's scratch (slot 7, no other kernel's): the workers read it
-  float* const xw = scratch<float>(7, rows * K);
+  float* const xw = scratch<float>(7, padded * K);
   const int64_t x_row = x.stride(0);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xw + m * K + k, widen8(xp + m * x_row + k));
-  std::fill(xw + M * K, xw + rows * K, 0.f);
+  std::fill(xw + M * K, xw + padded * K, 0.f);
   // A few blocks per item at least: a step's small projections (N = 576: 36 blocks) still split over the threads.
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     alignas(32) float sums[8];
@@ -871,15 +885,21 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
           one_row_avx2<C>(w, b, r0, xw, K, sums, r0 == 0 ? ahead : nullptr);
           store(0, r0, 8, sums);
         }
-      } else {  // `rows` (2, 4 or 8) x rows against 8 / rows W' rows at a time
+        continue;
+      }
+      for (int64_t g = 0; g < groups; ++g) {  // `rows` (2, 4 or 8) x rows against 8 / rows W' rows at a time
+        const int64_t m0 = g * 8, mm = std::min<int64_t>(8, M - m0);
+        const int64_t rows = g + 1 < groups ? 8 : last_rows;
+        const char* next = g == 0 ? ahead : nullptr;
         const auto block = [&]<int RM>() {
           constexpr int RN = 8 / RM;
           for (int r0 = 0; r0 < kTileRows; r0 += RN) {
-            few_rows_avx2<RM, RN, C>(w, b, r0, xw, K, sums, r0 == 0 ? ahead : nullptr);
-            for (int64_t m = 0; m < M; ++m) store(m, r0, RN, sums + m * RN);
+            few_rows_avx2<RM, RN, C>(w, b, r0, xw + m0 * K, K, sums, r0 == 0 ? next : nullptr);
+            for (int64_t m = 0; m < mm; ++m) store(m0 + m, r0, RN, sums + m * RN);
           }
         };
-        if (rows == 2) block.template operator()<2>();
+        if (rows == 1) block.template operator()<1>();
+        else if (rows == 2) block.template operator()<2>();
         else if (rows == 4) block.template operator()<4>();
         else block.template operator()<8>();
       }
@@ -1008,7 +1028,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
     }
 #endif
 #if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
-    if (M <= kFewRowsMax && (bits == 8 || bits == 4)) {
+    if ((bits == 8 && M <= kFewRowsMax) || (bits == 4 && M <= kFewInt4RowsMax)) {
       if (bits == 4) quant_rows_avx2<Codes::Int4>(x, w, sp, bp, y);
       else if (w.grouped) quant_rows_avx2<Codes::Int8Grouped>(x, w, sp, bp, y);
       else quant_rows_avx2<Codes::Int8Rows>(x, w, sp, bp, y);
