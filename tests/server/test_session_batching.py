@@ -98,6 +98,36 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_decode_steps():
             assert fresh.generate(max_tokens=4, ignore_eos=True).collect() == long_tokens
 
 
+@pytest.mark.parametrize(("token_s", "settles"), [(0.002, "small"), (0.0, "large")])
+def test_a_long_prompts_chunk_is_sized_by_the_decoders_measured_steps(token_s, settles):
+    """The default budget times the steps: where each prompt token costs a step 2 ms (a decode step ~15 ms), the
+    chunk shrinks to what keeps a step within 1.5x a decode step; where tokens cost nothing it grows past the start.
+    The decoding session's stream and the prompt's tokens are the same bits either way."""
+    slow = SlowModel(tiny_model("llama"), 0.01, token_s=token_s)
+    with running_server(tiny_served(model=slow), step_slowdown=1.5, short_prompt=64) as thread, \
+            Client(thread.address) as client:
+        sched = thread.server.service.scheduler
+        assert sched.budget is not None and sched.step_tokens is None  # the default: sized by measurement
+        with client.create_session(initial_tokens=_history(10, 1)) as solo:
+            ref_busy = solo.generate(max_tokens=120, ignore_eos=True).collect()
+        with client.create_session(initial_tokens=_history(300, 2)) as solo:
+            ref_long = solo.generate(max_tokens=4, ignore_eos=True).collect()
+        busy = client.create_session(initial_tokens=_history(10, 1))
+        it = iter(busy.generate(max_tokens=120, ignore_eos=True))
+        first = [next(it), next(it)]  # a decode step of one row timed
+        chunks_before = sched.stats.fused_chunks
+        with client.create_session(initial_tokens=_history(300, 2)) as long:
+            assert long.generate(max_tokens=4, ignore_eos=True).collect() == ref_long
+        fused = sched.stats.fused_chunks - chunks_before
+        assert first + list(it) == ref_busy  # the busy session never noticed
+        size = sched.budget.tokens()
+        if settles == "small":  # 1 + 2 ms x T / ~15 ms <= 1.5: T <= ~4 (a slow chunk step only makes it smaller)
+            assert size <= 6 and fused >= 300 // 8
+        else:
+            assert size > 16 and fused < 300 // 16
+        assert sched.budget.resized >= 1
+
+
 def test_a_short_prompt_is_read_whole_in_one_step_beside_the_decoders():
     slow = SlowModel(tiny_model("llama"), DELAY)
     with running_server(tiny_served(model=slow), step_tokens=16, short_prompt=100) as thread, \
@@ -269,6 +299,7 @@ def test_batch_metrics_are_exported():
         text = scrape_metrics(thread)
         assert metric_value(text, "kakeya_engine_queue_depth") == 0
         assert metric_value(text, "kakeya_engine_batch_size") == 0
+        assert metric_value(text, "kakeya_engine_prompt_chunk_tokens") == thread.server.service.scheduler.budget.tokens()
         with client.create_session(initial_tokens=[3, 4]) as a, client.create_session(initial_tokens=[5, 6]) as b:
             ia = iter(a.generate(max_tokens=40, ignore_eos=True))
             next(ia)

@@ -319,7 +319,7 @@ def concurrent_cmd(
     long_reply_tokens: int = typer.Option(400, min=1, help="Tokens each of those decodes (enough to cover the "
                                           "prompt's read)."),
     max_batch: int = typer.Option(8, min=1, help="--max-batch of the batching server."),
-    step_tokens: int = typer.Option(16, min=1, help="--step-tokens of both servers."),
+    step_tokens: int | None = typer.Option(None, min=1, help="--step-tokens of both servers (default: theirs)."),
     schedulers: str = typer.Option("batch,serial", help="batch (--max-batch N) and/or serial (--max-batch 1)."),
     out: str = typer.Option("results/concurrent", help="Output directory (concurrent.json)."),
 ) -> None:

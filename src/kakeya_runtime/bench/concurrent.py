@@ -53,7 +53,7 @@ class ConcurrentConfig:
     long_decoders: int = 4
     long_reply_tokens: int = 400
     max_batch: int = 8
-    step_tokens: int = 16
+    step_tokens: int | None = None  # None: the server's default (prompt chunks sized by step time)
     schedulers: tuple[str, ...] = ("batch", "serial")
     serve_args: tuple[str, ...] = ()  # extra `kakeya serve` arguments
     out: Path = field(default_factory=lambda: Path("results/concurrent"))
@@ -68,7 +68,8 @@ def serve_process(config: ConcurrentConfig) -> ServerFactory:
 
     @contextlib.contextmanager
     def start(max_batch: int) -> Iterator[str]:
-        args = ["--model", config.model, "--max-batch", str(max_batch), "--step-tokens", str(config.step_tokens),
+        step = [] if config.step_tokens is None else ["--step-tokens", str(config.step_tokens)]
+        args = ["--model", config.model, "--max-batch", str(max_batch), *step,
                 "--max-sessions", str(max(64, 2 * max(config.sessions) + config.long_decoders + 4)),
                 *config.serve_args]
         with ServeProcess(args) as proc:

@@ -19,6 +19,7 @@ from kakeya_runtime.engine.heap import freeze_heap
 from kakeya_runtime.sdk import sdk_missing
 from kakeya_runtime.server.ports import Listen, port_problem
 from kakeya_runtime.sessions.batch import DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOKENS
+from kakeya_runtime.sessions.chunk_budget import DEFAULT_SLOWDOWN
 from kakeya_runtime.sessions.errors import InvalidArgument
 from kakeya_runtime.sessions.limits import size_text
 
@@ -78,12 +79,17 @@ def serve(
     max_concurrent: int = typer.Option(
         8, "--max-batch", "--max-concurrent", help="Generates running at once, decoded together in one batched "
         "forward per step (continuous batching); more wait in FIFO order. 1: one at a time (serial)."),
-    step_tokens: int = typer.Option(
-        DEFAULT_STEP_TOKENS, "--step-tokens", help="Tokens per engine step (one per decoding session, the rest for a new prompt's "
-        "prefill chunk): smaller keeps the others' inter-token latency lower while a long prompt is read."),
+    step_tokens: int | None = typer.Option(
+        DEFAULT_STEP_TOKENS, "--step-tokens", help="A fixed number of tokens per engine step (one per decoding "
+        "session, the rest for a new prompt's prefill chunk). Default: the prompt's chunk is sized as the server runs, "
+        "from its steps' measured times, so that a step reading it takes at most --step-slowdown times a step "
+        "without it."),
+    step_slowdown: float = typer.Option(
+        DEFAULT_SLOWDOWN, "--step-slowdown", help="While a long prompt is read beside decoding sessions, how much "
+        "longer their steps may take (their inter-token latency): smaller keeps it lower and reads the prompt slower."),
     short_prompt: int = typer.Option(
         DEFAULT_SHORT_PROMPT, "--short-prompt", help="A prompt of at most this many tokens (an agent turn's message) "
-        "is read in one step beside the decoding sessions; a longer one in --step-tokens chunks. 0: chunk every "
+        "is read in one step beside the decoding sessions; a longer one in chunks (--step-tokens). 0: chunk every "
         "prompt."),
     context: int | None = typer.Option(None, "--context", help="Per-session context limit (default: the model's)."),
     dtype: str | None = typer.Option(None, "--dtype", help=f"Weights/activations dtype: {DTYPE_HELP} (the same as "
@@ -142,7 +148,8 @@ def serve(
         raise typer.Exit(2) from None
     config = ServerConfig(host=host, port=port, metrics_port=None if no_metrics else metrics_port,
                           api_keys=tuple(api_key), max_sessions=max_sessions, idle_ttl_s=ttl,
-                          max_concurrent=max_concurrent, step_tokens=step_tokens, short_prompt=short_prompt,
+                          max_concurrent=max_concurrent, step_tokens=step_tokens, step_slowdown=step_slowdown,
+                          short_prompt=short_prompt,
                           context_length=context,
                           idle_compress_after_s=idle_compress_after, idle_codec=idle_codec,
                           idle_q=DEFAULT_Q if idle_q is None else idle_q,
@@ -417,13 +424,19 @@ def open_metrics_warning(config: Any) -> str | None:
             "(no session content); --metrics-key sets one")
 
 
+def _step_text(config: Any) -> str:
+    if config.step_tokens is not None:
+        return f"step_tokens={config.step_tokens}"
+    return f"prompt chunks sized by step time (<= {config.step_slowdown:g}x a decode step)"
+
+
 async def _serve_forever(server: Any, console: Console) -> None:
     freeze_heap()  # everything built so far lives as long as the process: never walked by the collector again
     await server.start()
     cfg = server.config
     console.print(f"Kakeya serving [bold]{server.served.name}[/] on [bold cyan]{server.address}[/] "
                   f"(max_sessions={cfg.max_sessions}, ttl={cfg.idle_ttl_s:g}s, max_batch={cfg.max_concurrent}, "
-                  f"step_tokens={cfg.step_tokens}, short_prompt={cfg.short_prompt}, "
+                  f"{_step_text(cfg)}, short_prompt={cfg.short_prompt}, "
                   f"auth={'on' if server.auth.enabled else 'off'}, kv policies={','.join(server.service.policies.names())}, "
                   f"idle compression={_idle_text(server)}, max request={size_text(server.max_request_bytes)})")
     limits = server.service.store.limits

@@ -33,6 +33,7 @@ from kakeya_runtime.server.metrics import RpcMetricsInterceptor, RuntimeMetrics
 from kakeya_runtime.sessions import records
 from kakeya_runtime.sessions.batch import DEFAULT_MAX_BATCH, DEFAULT_SHORT_PROMPT, DEFAULT_STEP_TOKENS
 from kakeya_runtime.sessions.budget import default_kv_budget
+from kakeya_runtime.sessions.chunk_budget import DEFAULT_SLOWDOWN
 from kakeya_runtime.sessions.errors import (
     InvalidArgument,
     ResourceExhausted,
@@ -124,7 +125,8 @@ class ServerConfig:
     max_sessions: int = 64
     idle_ttl_s: float = 1800.0
     max_concurrent: int = DEFAULT_MAX_BATCH  # Generates batched at once (the engine loop's max batch; 1: serial)
-    step_tokens: int = DEFAULT_STEP_TOKENS  # tokens per engine step: decode rows + prefill chunks (sessions.batch)
+    step_tokens: int | None = DEFAULT_STEP_TOKENS  # tokens per engine step; None: sized by measurement (sessions.batch)
+    step_slowdown: float = DEFAULT_SLOWDOWN  # that measured budget's bound: a step with a prompt chunk vs one without
     short_prompt: int = DEFAULT_SHORT_PROMPT  # prompts up to this many tokens are read in one step (sessions.batch)
     context_length: int | None = None  # None: the model's max positions
     sweep_interval_s: float | None = None
@@ -190,8 +192,10 @@ class ServerConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         for flag, value in (("--max-batch", self.max_concurrent), ("--step-tokens", self.step_tokens)):
-            if value < 1:
+            if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if not (math.isfinite(self.step_slowdown) and self.step_slowdown > 1):
+            raise ValueError(f"--step-slowdown must be a finite number > 1, got {self.step_slowdown}")
         if self.short_prompt < 0:
             raise ValueError(f"--short-prompt must be >= 0, got {self.short_prompt}")
         if self.idle_compress_after_s is not None and not (math.isfinite(self.idle_compress_after_s)
@@ -577,6 +581,7 @@ class RuntimeServer:
                 eos_ids=eos,
                 config=ServiceConfig(max_sessions=c.max_sessions, idle_ttl_s=c.idle_ttl_s,
                                      max_concurrent=c.max_concurrent, step_tokens=c.step_tokens,
+                                     step_slowdown=c.step_slowdown,
                                      short_prompt=c.short_prompt,
                                      context_length=c.context_length,
                                      sweep_interval_s=c.sweep_interval_s, idle_compress_after_s=c.idle_compress_after_s,

@@ -256,6 +256,10 @@ class RuntimeMetrics:
             "kakeya_engine_batch_size", "Generates running in the engine loop's batch now (at most --max-batch).",
             registry=r,
         )
+        self.engine_prompt_chunk_tokens = Gauge(
+            "kakeya_engine_prompt_chunk_tokens", "Prompt tokens a step may read beside decoding sessions now (sized "
+            "from the steps' measured times unless --step-tokens fixes it).", registry=r,
+        )
         self.engine_decode_batch_rows = Histogram(
             "kakeya_engine_decode_batch_rows", "Sessions decoded together per engine step (one batched forward).",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r,
@@ -276,6 +280,7 @@ class RuntimeMetrics:
     def bind_scheduler(self, scheduler: BatchScheduler) -> None:
         self.engine_queue_depth.set_function(lambda: scheduler.queued)
         self.engine_batch_size.set_function(lambda: scheduler.batch_size)
+        self.engine_prompt_chunk_tokens.set_function(lambda: scheduler.prompt_chunk_tokens)
         scheduler.on_step = self.engine_decode_batch_rows.observe
         scheduler.on_park = self.engine_parked_total.inc
 

@@ -110,38 +110,41 @@ def running_server(served: ServedModel, *, policies: PolicyRegistry | None = Non
 
 
 class SlowModel(torch.nn.Module):
-    """Wraps a model so every forward takes at least `delay_s`, and records overlapping forwards.
+    """Wraps a model so every forward takes at least `delay_s` (plus `token_s` per token it reads: a CPU's compute
+    per row), and records overlapping forwards.
 
-    Lets tests observe cancellation, queueing and max_concurrent without a big model.
+    Lets tests observe cancellation, queueing, max_concurrent and step sizing without a big model.
     """
 
-    def __init__(self, inner: DecoderModel, delay_s: float) -> None:
+    def __init__(self, inner: DecoderModel, delay_s: float, token_s: float = 0.0) -> None:
         super().__init__()
         self.inner = inner
         self.config = inner.config
         self.delay_s = delay_s
+        self.token_s = token_s
         self._lock = threading.Lock()
         self.active = 0
         self.max_active = 0
         self.forwards = 0
         self.max_rows = 0  # the most sessions one batched decode forward carried (1 for a plain forward)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(self.inner, 1, *args, **kwargs)
+    def forward(self, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(self.inner, 1, input_ids.numel(), input_ids, *args, **kwargs)
 
     def forward_rows(self, input_ids: Any, positions: Any, caches: Any, chunks: Any = ()) -> Any:
         # rows: the sessions decoded (a fused prefill chunk's tokens are one more sequence, not rows)
         fused = chunks if isinstance(chunks, int) else sum(chunks)
-        return self._timed(self.inner.forward_rows, input_ids.shape[0] - fused, input_ids, positions, caches, chunks)
+        return self._timed(self.inner.forward_rows, input_ids.shape[0] - fused, input_ids.shape[0], input_ids,
+                           positions, caches, chunks)
 
-    def _timed(self, fn: Any, rows: int, *args: Any, **kwargs: Any) -> Any:
+    def _timed(self, fn: Any, rows: int, tokens: int, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             self.active += 1
             self.forwards += 1
             self.max_active = max(self.max_active, self.active)
             self.max_rows = max(self.max_rows, rows)
         try:
-            time.sleep(self.delay_s)
+            time.sleep(self.delay_s + self.token_s * tokens)
             return fn(*args, **kwargs)
         finally:
             with self._lock:

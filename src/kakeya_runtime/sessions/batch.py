@@ -8,9 +8,11 @@ of a key that already runs more), and then, step after step:
   (`Engine.decode_rows`: projections and MLP batched, attention per row over the row's own cache; each row's
   logits are bit-identical to its decode step alone, so a session's stream does not depend on who it ran beside);
   a lone row takes `Engine.decode_step` (the same logits, and the compiled decode path when one is set);
-* a row still prefilling its new tokens gets the step's remaining token budget (`step_tokens` minus the decode
-  rows, at least a quarter of it; `Engine.prefill_chunk` while more rows prefill than decode), oldest first, so a
-  long prompt is cut into chunks between decode steps instead of stalling the others. A short prompt (at most
+* a row still prefilling its new tokens gets the step's prompt token budget (by default sized from the steps'
+  measured times so a step carrying a chunk takes at most `slowdown` x a decode step alone: chunk_budget; with a
+  fixed `step_tokens`, that minus the decode rows, at least a quarter of it; `Engine.prefill_chunk` while more rows
+  prefill than decode), oldest first, so a long prompt is cut into chunks between decode steps instead of stalling
+  the others. A short prompt (at most
   `short_prompt` tokens in all, an agent turn's message) is read whole in one step instead: cut into step-sized
   chunks it would take tens of steps, each barely cheaper than a step without it (8 sessions starting turns of
   ~250 tokens beside each other waited up to 2.5 s for their first token), while reading it whole costs the
@@ -52,11 +54,12 @@ from typing import Any, Protocol
 from kakeya_runtime.engine.generate import Engine, TokenStream
 from kakeya_runtime.engine.sampling import greedy
 from kakeya_runtime.models import native
+from kakeya_runtime.sessions.chunk_budget import DEFAULT_SLOWDOWN, ChunkBudget
 
 _log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 8
-DEFAULT_STEP_TOKENS = 16  # a 4k prompt read beside decoding sessions raises their p99 ITL 1.36x at 16, 2.10x at 32
+DEFAULT_STEP_TOKENS: int | None = None  # None: the prompt budget is sized by measurement (chunk_budget)
 DEFAULT_SHORT_PROMPT = 512  # prompts up to this many tokens are read in one step (at most Engine.prefill_chunk)
 
 
@@ -128,18 +131,21 @@ class BatchScheduler:
     cancelled if the loop shut down before it began); `submit` queues any other engine call."""
 
     def __init__(self, engine: Engine, *, max_batch: int = DEFAULT_MAX_BATCH,
-                 step_tokens: int = DEFAULT_STEP_TOKENS, short_prompt: int = DEFAULT_SHORT_PROMPT,
+                 step_tokens: int | None = DEFAULT_STEP_TOKENS, slowdown: float = DEFAULT_SLOWDOWN,
+                 short_prompt: int = DEFAULT_SHORT_PROMPT,
                  on_step: Callable[[int], None] | None = None,
                  deliveries: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if step_tokens < 1:
+        if step_tokens is not None and step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         if short_prompt < 0:
             raise ValueError(f"short_prompt must be >= 0, got {short_prompt}")
         self.engine = engine
         self.max_batch = max_batch
         self.step_tokens = step_tokens
+        # the prompt tokens a step reads beside decode rows, from the steps' times (None: the fixed step_tokens)
+        self.budget = ChunkBudget(slowdown, ceiling=engine.prefill_chunk) if step_tokens is None else None
         self.short_prompt = min(short_prompt, engine.prefill_chunk)  # read whole: one forward's worth at most
         self.on_step = on_step  # called with the rows decoded in each step that decoded any
         self.on_park: Callable[[], None] | None = None  # called for each row parked for another key's turn
@@ -217,6 +223,14 @@ class BatchScheduler:
     def running(self) -> int:
         """Generates in the batch, plus an engine call being run."""
         return len(self._active) + self._in_call
+
+    @property
+    def prompt_chunk_tokens(self) -> int:
+        """The prompt tokens a step may read beside decode rows now (a fixed budget: beside one decode row)."""
+        if self.budget is not None:
+            return self.budget.tokens()
+        assert self.step_tokens is not None
+        return max(self.step_tokens - 1, -(-self.step_tokens // 4))
 
     @property
     def batch_size(self) -> int:
@@ -359,16 +373,25 @@ class BatchScheduler:
 
     def _step(self) -> None:
         self.stats.steps += 1
+        began = time.perf_counter()
         rows = [r for r in self._active if not r.done]
         decoding = [r for r in rows if r.stream is not None and r.stream.prefill_left == 0]
         prefilling = [r for r in rows if r.stream is not None and r.stream.prefill_left > 0]
         speculative = [r for r in rows if r.steps is not None]
         others = len(decoding) + len(speculative)
-        # a prefill always moves: at least a quarter of the budget, however many rows decode. When more rows wait in
-        # their prefill than decode (a burst of new turns), they catch up at the unbatched rate: each step at the
-        # small budget would leave most of the batch idle for many steps (8 new turns: 3 s of mostly one-row steps)
-        budget = max(self.step_tokens - len(decoding), -(-self.step_tokens // 4)) \
-            if others and len(prefilling) <= others else self.engine.prefill_chunk
+        # a prefill always moves: at least one token (a quarter of a fixed budget), however many rows decode. When
+        # more rows wait in their prefill than decode (a burst of new turns), they catch up at the unbatched rate:
+        # each step at the small budget would leave most of the batch idle for many steps (8 new turns: 3 s of mostly
+        # one-row steps)
+        sized = bool(others) and len(prefilling) <= others  # the budget, not the forward's size, bounds the prompt
+        if not sized:
+            budget = self.engine.prefill_chunk
+        elif self.budget is not None:
+            budget = self.budget.tokens()
+        else:
+            assert self.step_tokens is not None
+            budget = max(self.step_tokens - len(decoding), -(-self.step_tokens // 4))
+        allowed = budget
         chunks: list[_Chunk] = []
         if decoding and prefilling:  # the oldest prefill's next chunk rides the decode forward
             # the oldest short prompt first (a turn's message need not wait for a long prompt's read), read whole
@@ -379,6 +402,7 @@ class BatchScheduler:
             else:
                 if self._short(lead):
                     budget = max(budget, lead.stream.prefill_left)
+                    sized = False  # read whole: its size is the prompt's, not the budget's
                 if self._fusable(lead, budget, len(decoding)):
                     chunks.append(_Chunk(lead, lead.stream.next_chunk(budget)))
                     if self._short(lead):  # the other short prompts waiting ride along, whole
@@ -392,13 +416,20 @@ class BatchScheduler:
         if decoding or chunks:
             self._decode(decoding, chunks)
         # a speculative row's long prompt reads a forward's worth a step alone, a quarter of it beside other rows
-        chunk = self.engine.prefill_chunk if len(rows) == 1 else max(self.step_tokens, self.engine.prefill_chunk // 4)
+        chunk = self.engine.prefill_chunk if len(rows) == 1 \
+            else max(self.step_tokens or allowed, self.engine.prefill_chunk // 4)
         for row in speculative:
             self._speculate(row, chunk)
         for row in prefilling:
             if budget <= 0:
                 break
             budget -= self._prefill(row, budget)
+        if self.budget is not None and decoding and not speculative:  # time it: what the decoding rows waited
+            seconds = time.perf_counter() - began
+            if not chunks and budget == allowed:
+                self.budget.decode_step(len(decoding), seconds)
+            elif sized:
+                self.budget.chunk_step(len(decoding), allowed - budget, seconds)
 
     def _short(self, row: _Row) -> bool:
         """A prompt read whole in one step (a turn's message): at most `short_prompt` new tokens."""

@@ -55,6 +55,7 @@ from kakeya_runtime.sessions.batch import (
     BatchScheduler,
 )
 from kakeya_runtime.sessions.budget import kv_worst_case_bytes
+from kakeya_runtime.sessions.chunk_budget import DEFAULT_SLOWDOWN
 from kakeya_runtime.sessions.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -101,7 +102,8 @@ class ServiceConfig:
     max_sessions: int = 64
     idle_ttl_s: float = 1800.0  # 30 min, seed 000 §2.6
     max_concurrent: int = DEFAULT_MAX_BATCH  # Generates running at once: the engine loop's max batch (1: serial)
-    step_tokens: int = DEFAULT_STEP_TOKENS  # tokens per engine step (decode rows + prefill chunks), see batch
+    step_tokens: int | None = DEFAULT_STEP_TOKENS  # tokens per engine step; None: sized by measurement (batch)
+    step_slowdown: float = DEFAULT_SLOWDOWN  # the measured budget's bound: a chunk step vs a decode step (batch)
     short_prompt: int = DEFAULT_SHORT_PROMPT  # prompts up to this many tokens are read in one step, see batch
     context_length: int | None = None  # per-session limit; None: the model's max positions
     sweep_interval_s: float | None = None  # sweeper period; None: min(ttl / 2, idle_compress_after_s / 2, 30 s)
@@ -311,7 +313,7 @@ class SessionService:
         self._governed = governed_layers(engine.config)  # the layers a sparse cache counts (kv.policy)
         self._ending = False  # end_generations was called: a cancelled Generate answers UNAVAILABLE
         self.scheduler = BatchScheduler(engine, max_batch=self.config.max_concurrent,
-                                        step_tokens=self.config.step_tokens,
+                                        step_tokens=self.config.step_tokens, slowdown=self.config.step_slowdown,
                                         short_prompt=self.config.short_prompt, deliveries=_deliveries)
         self._sweeper: asyncio.Task | None = None
         self._compressions: set[asyncio.Task] = set()
