@@ -63,13 +63,18 @@ def test_it_moves_only_on_evidence():
     assert budget.tokens() < START_TOKENS and budget.resized == 1
 
 
-def test_the_decode_base_follows_recent_steps_per_row_count():
+def test_the_decode_base_follows_recent_steps_per_row_count_and_ignores_a_few_stalls():
     budget = ChunkBudget(1.6)
     budget.decode_step(2, 0.010)
     budget.decode_step(8, 0.040)
     for _ in range(40):
         budget.decode_step(2, 0.020)
-    assert budget.base[2] == pytest.approx(0.020, rel=1e-3) and budget.base[8] == 0.040
+    assert budget.base[2] == 0.020 and budget.base[8] == 0.040
+    for stall in (0.050, 0.051, 0.055, 0.181, 0.045):  # steps slowed while a 4k-token request arrived
+        budget.decode_step(2, stall)
+    assert budget.base[2] == 0.020
+    budget.chunk_step(2, 16, 0.100)  # against the plain steps' time: a 16-token chunk made it 5x
+    assert budget.tokens() == 2
 
 
 @pytest.mark.parametrize("slowdown", [1.0, 0.5, float("nan")])

@@ -3,21 +3,26 @@
 A step that carries a prefill chunk beside decode rows makes every decoding session wait for it. A fixed token
 budget is a rule measured on one machine: 16 tokens a step raised the others' p99 inter-token latency 1.36x on a
 2-core Xeon with AMX and 3.8x on a 2-core AVX2 EPYC, where each extra row of a step costs as much compute as a
-decode row. So the engine loop times its steps instead: `base` is the recent time of a step of n decode rows alone,
-and after each step whose chunk the budget sized, the budget goes to the chunk that would have made that step take
-`slowdown` x base (the extra time taken as proportional to the chunk's tokens): down at once, up halfway (at least
-a token, at most doubling), rounded down, between one token and `ceiling`. A position's K/V and logits do not depend on how its prompt was chunked (INV-3), so no
-stream depends on these timings; only how fast a long prompt is read beside the others does.
+decode row. So the engine loop times its steps instead: `base` is the recent time (a median) of a step of n decode
+rows alone, and after each step whose chunk the budget sized, the budget goes to the chunk that would have made that
+step take `slowdown` x base (the extra time taken as proportional to the chunk's tokens): down at once, up halfway
+(at least a token, at most doubling), rounded down, between one token and `ceiling`. A position's K/V and logits do
+not depend on how its prompt was chunked (INV-3), so no stream depends on these timings; only how fast a long prompt
+is read beside the others does.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 DEFAULT_SLOWDOWN = 1.6  # a step carrying a prompt chunk takes at most this many times a decode step without it
 START_TOKENS = 16  # the budget before any step was timed
-_EMA = 0.2  # weight of the newest decode step in `base`
+_WINDOW = 16  # `base` is the median of this many recent decode steps: the steps taken while a new 4k-token prompt's
+# request was parsed (the server's other threads hold the interpreter) took 2-8x a plain step, and an average let
+# them set the chunk
 
 
 @dataclass(slots=True)
@@ -29,6 +34,7 @@ class ChunkBudget:
     size: int = START_TOKENS
     base: dict[int, float] = field(default_factory=dict)  # rows -> seconds of a decode step of that many rows alone
     resized: int = 0  # steps that moved the budget (a counter for metrics and tests)
+    _recent: dict[int, deque[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.slowdown > 1.0:
@@ -42,8 +48,9 @@ class ChunkBudget:
 
     def decode_step(self, rows: int, seconds: float) -> None:
         """A step of `rows` decode rows and no prompt tokens took `seconds`."""
-        old = self.base.get(rows)
-        self.base[rows] = seconds if old is None else old + _EMA * (seconds - old)
+        recent = self._recent.setdefault(rows, deque(maxlen=_WINDOW))
+        recent.append(seconds)
+        self.base[rows] = statistics.median(recent)
 
     def chunk_step(self, rows: int, tokens: int, seconds: float) -> None:
         """A step of `rows` decode rows that read `tokens` prompt tokens under this budget took `seconds`."""

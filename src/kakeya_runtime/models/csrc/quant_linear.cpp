@@ -34,6 +34,7 @@
 
 #include "common.h"
 
+#include <array>
 #include <atomic>
 
 namespace kakeya_ops {
@@ -845,15 +846,25 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
   const int64_t M = x.size(0), K = w.K, N = w.N, blocks = N / kTileRows;
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  // Each W' row's codes are unpacked once per call, against all M rows at once: M * RN = 8 chains, x zero-padded
-  // to `rows` (1, 2, 4 or 8; padded rows' sums are dropped). Unpacking them again per pair of rows, 4-8 rows cost
+  // Each W' row's codes are unpacked once per group of up to 8 x rows: rows * RN = 8 chains, x zero-padded to
+  // `rows` (1, 2, 4 or 8; padded rows' sums are dropped). Unpacking them again per pair of rows, 4-8 rows cost
   // 2-4x one here; the panel path stored W' and widened it again per 4 rows.
-  // More than 8 rows go in groups of 8 (the last one 1, 2, 4 or 8, padded), each block's codes unpacked again per
-  // group while they sit in L1: int8 at 12-16 rows took 0.6-0.8x the panel path's time (a batched step carrying a
-  // prefill chunk), whose W' dequantized to bf16 and stored cost more than unpacking int8 codes twice.
-  const int64_t groups = (M + 7) / 8, last = M - (groups - 1) * 8;
-  const int64_t last_rows = last <= 2 ? last : last <= 4 ? 4 : 8;
-  const int64_t padded = (groups - 1) * 8 + last_rows;
+  // The rows go in groups of 8, each block's codes unpacked again per group while they sit in L1: int8 at 12-16 rows
+  // took 0.6-0.8x the panel path's time (a batched step carrying a prefill chunk), whose W' dequantized to bf16 and
+  // stored cost more than unpacking int8 codes twice. What is left: 1, 2 or 4 rows (3 padded to 4), 5 or 6 as 4 and
+  // 1 or 2 (padded to 8, one more row cost a decode step of 4 rows as much as four more), 7 padded to 8.
+  struct Group {
+    int64_t m0, mm, rows;  // x rows m0..m0 + mm, zero-padded to `rows` (1, 2, 4 or 8)
+  };
+  std::array<Group, kFewRowsMax / 4 + 1> groups;
+  int64_t n_groups = 0, m0 = 0;
+  for (; M - m0 >= 7; m0 += 8) groups[n_groups++] = {m0, std::min<int64_t>(8, M - m0), 8};
+  if (M - m0 >= 5) {
+    groups[n_groups++] = {m0, 4, 4};
+    m0 += 4;
+  }
+  if (M - m0 > 0) groups[n_groups++] = {m0, M - m0, M - m0 <= 2 ? M - m0 : 4};
+  const int64_t padded = groups[n_groups - 1].m0 + groups[n_groups - 1].rows;
   // x widened once (exact), in this thread's scratch (slot 7, no other kernel's): the workers read it
   float* const xw = scratch<float>(7, padded * K);
   const int64_t x_row = x.stride(0);
@@ -887,15 +898,14 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
         }
         continue;
       }
-      for (int64_t g = 0; g < groups; ++g) {  // `rows` (2, 4 or 8) x rows against 8 / rows W' rows at a time
-        const int64_t m0 = g * 8, mm = std::min<int64_t>(8, M - m0);
-        const int64_t rows = g + 1 < groups ? 8 : last_rows;
+      for (int64_t g = 0; g < n_groups; ++g) {  // `rows` (1, 2, 4 or 8) x rows against 8 / rows W' rows at a time
+        const auto [g0, mm, rows] = groups[g];
         const char* next = g == 0 ? ahead : nullptr;
         const auto block = [&]<int RM>() {
           constexpr int RN = 8 / RM;
           for (int r0 = 0; r0 < kTileRows; r0 += RN) {
-            few_rows_avx2<RM, RN, C>(w, b, r0, xw + m0 * K, K, sums, r0 == 0 ? next : nullptr);
-            for (int64_t m = 0; m < mm; ++m) store(m0 + m, r0, RN, sums + m * RN);
+            few_rows_avx2<RM, RN, C>(w, b, r0, xw + g0 * K, K, sums, r0 == 0 ? next : nullptr);
+            for (int64_t m = 0; m < mm; ++m) store(g0 + m, r0, RN, sums + m * RN);
           }
         };
         if (rows == 1) block.template operator()<1>();
