@@ -3,26 +3,25 @@
 A step that carries a prefill chunk beside decode rows makes every decoding session wait for it. A fixed token
 budget is a rule measured on one machine: 16 tokens a step raised the others' p99 inter-token latency 1.36x on a
 2-core Xeon with AMX and 3.8x on a 2-core AVX2 EPYC, where each extra row of a step costs as much compute as a
-decode row. So the engine loop times its steps instead: `base` is the recent time (a median) of a step of n decode
-rows alone, and after each step whose chunk the budget sized, the budget goes to the chunk that would have made that
-step take `slowdown` x base (the extra time taken as proportional to the chunk's tokens): down at once, up halfway
-(at least a token, at most doubling), rounded down, between one token and `ceiling`. A position's K/V and logits do
-not depend on how its prompt was chunked (INV-3), so no stream depends on these timings; only how fast a long prompt
-is read beside the others does.
+decode row. So the engine loop times its steps instead: `base` is the recent time (a lower quartile) of a step of n
+decode rows alone, and after each step whose chunk the budget sized, the budget goes to the chunk that would have
+made that step take `slowdown` x base (the extra time taken as proportional to the chunk's tokens): down at once, up
+halfway (at least a token, at most doubling), rounded down, between one token and `ceiling`. A position's K/V and
+logits do not depend on how its prompt was chunked (INV-3), so no stream depends on these timings; only how fast a
+long prompt is read beside the others does.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
 DEFAULT_SLOWDOWN = 1.6  # a step carrying a prompt chunk takes at most this many times a decode step without it
 START_TOKENS = 16  # the budget before any step was timed
-_WINDOW = 16  # `base` is the median of this many recent decode steps: the steps taken while a new 4k-token prompt's
-# request was parsed (the server's other threads hold the interpreter) took 2-8x a plain step, and an average let
-# them set the chunk
+_WINDOW = 32  # `base` is the lower quartile of this many recent decode steps: the steps taken while a new 4k-token
+# prompt's request was parsed (the server's other threads hold the interpreter) took 2-8x a plain step, and an
+# average let them set the chunk
 
 
 @dataclass(slots=True)
@@ -50,7 +49,7 @@ class ChunkBudget:
         """A step of `rows` decode rows and no prompt tokens took `seconds`."""
         recent = self._recent.setdefault(rows, deque(maxlen=_WINDOW))
         recent.append(seconds)
-        self.base[rows] = statistics.median(recent)
+        self.base[rows] = sorted(recent)[len(recent) // 4]
 
     def chunk_step(self, rows: int, tokens: int, seconds: float) -> None:
         """A step of `rows` decode rows that read `tokens` prompt tokens under this budget took `seconds`."""
