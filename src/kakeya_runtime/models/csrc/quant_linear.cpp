@@ -851,15 +851,18 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
   // 2-4x one here; the panel path stored W' and widened it again per 4 rows.
   // The rows go in groups of 8, each block's codes unpacked again per group while they sit in L1: int8 at 12-16 rows
   // took 0.6-0.8x the panel path's time (a batched step carrying a prefill chunk), whose W' dequantized to bf16 and
-  // stored cost more than unpacking int8 codes twice. What is left: 1, 2 or 4 rows (3 padded to 4), 5 or 6 as 4 and
-  // 1 or 2 (padded to 8, one more row cost a decode step of 4 rows as much as four more), 7 padded to 8.
+  // stored cost more than unpacking int8 codes twice. What is left: 1, 2 or 4 rows (3 padded to 4), 7 padded to 8,
+  // and 5 or 6 as 4 and 1 or 2 for int8 (padded to 8, one more row cost 4 decode rows as much as four more: 5 rows
+  // 630 -> 480 us over SmolLM2's four projections) but padded to 8 for int4, whose unpacking costs more than the
+  // padded rows' products (split: 870 -> 1,110 us).
   struct Group {
     int64_t m0, mm, rows;  // x rows m0..m0 + mm, zero-padded to `rows` (1, 2, 4 or 8)
   };
   std::array<Group, kFewRowsMax / 4 + 1> groups;
   int64_t n_groups = 0, m0 = 0;
-  for (; M - m0 >= 7; m0 += 8) groups[n_groups++] = {m0, std::min<int64_t>(8, M - m0), 8};
-  if (M - m0 >= 5) {
+  constexpr int64_t kWholeFrom = C == Codes::Int4 ? 5 : 7;  // a remainder of this many rows runs as 8, padded
+  for (; M - m0 >= kWholeFrom; m0 += 8) groups[n_groups++] = {m0, std::min<int64_t>(8, M - m0), 8};
+  if (M - m0 >= 5) {  // int8's 5 or 6
     groups[n_groups++] = {m0, 4, 4};
     m0 += 4;
   }
