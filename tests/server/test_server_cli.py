@@ -39,6 +39,10 @@ def test_serve_rejects_a_bad_batch_setting_before_loading():
     for args in (["--max-batch", "0"], ["--step-tokens", "0"]):
         result = CliRunner().invoke(_app(), ["serve", "--model", "does-not-matter", *args])
         assert result.exit_code == 2 and f"{args[0]} must be >= 1" in result.output, (args, result.output)
+    for value in ("1", "0.5", "nan", "inf"):  # a step reading a prompt chunk always takes longer than one without
+        result = CliRunner().invoke(_app(), ["serve", "--model", "does-not-matter", "--step-slowdown", value])
+        assert result.exit_code == 2 and "--step-slowdown must be a finite number > 1" in result.output, \
+            (value, result.output)
 
 
 def test_serve_rejects_a_bad_max_request_bytes_before_loading():
