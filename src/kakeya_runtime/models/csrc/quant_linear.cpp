@@ -776,19 +776,20 @@ __attribute__((always_inline)) inline __m256 as_bf16(__m256 v) {
   return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// M x rows (fp32, K each, x_row apart) against RN W' rows r0.. of block b: sums[m * RN + r]. M * RN = 8.
+// M x rows (fp32, K each, x_row apart) against RN W' rows r0.. of block b: sums[m * RN + r]. M * RN = 8 or 12.
 template <int M, int RN, Codes C>
 inline void few_rows_avx2(const QWeight& w, int64_t b, int r0, const float* xw, int64_t x_row, float* sums,
                           const char* ahead) {
-  static_assert(M * RN == 8, "eight chains: one reduce8");
+  static_assert(M * RN == 8 || M * RN == 12, "eight or twelve chains: reduce8 a time");
+  constexpr int kChains = M * RN;
   const int64_t steps = w.K / kTileCols, tb = w.tile_bytes();
   constexpr int64_t row_bytes = C == Codes::Int4 ? 16 : kTileCols;  // one W' row's codes in a tile
   const uint8_t* block = w.q + b * steps * tb;
   // The prefetch a builtin and the small loops unrolled by pragma (avx2_block's lesson: prefetch_l2's volatile asm
   // in the loop kept the accumulators in memory, stored at every step).
-  __m256 acc[8];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[kChains];
+#pragma GCC unroll 12
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
     if (ahead != nullptr)  // the next block's codes, a tile's worth per step
       for (int64_t c = 0; c < tb; c += 64) __builtin_prefetch(ahead + s * tb + c, 0, 2);
@@ -831,6 +832,13 @@ inline void few_rows_avx2(const QWeight& w, int64_t b, int r0, const float* xw, 
     }
   }
   _mm256_storeu_ps(sums, reduce8(acc));
+  if constexpr (kChains == 12) {  // each chain's tree is its own: the last four beside four zeros
+    const __m256 rest[8] = {acc[8], acc[9], acc[10], acc[11], _mm256_setzero_ps(), _mm256_setzero_ps(),
+                            _mm256_setzero_ps(), _mm256_setzero_ps()};
+    alignas(32) float tail[8];
+    _mm256_store_ps(tail, reduce8(rest));
+    for (int i = 0; i < 4; ++i) sums[8 + i] = tail[i];
+  }
 }
 
 // One x row, as a function of its own: inlined beside the 2-8 row blocks, the one-row loop ran ~10% slower (a decode
@@ -846,25 +854,25 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
   const int64_t M = x.size(0), K = w.K, N = w.N, blocks = N / kTileRows;
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  // Each W' row's codes are unpacked once per group of up to 8 x rows: rows * RN = 8 chains, x zero-padded to
-  // `rows` (1, 2, 4 or 8; padded rows' sums are dropped). Unpacking them again per pair of rows, 4-8 rows cost
+  // Each W' row's codes are unpacked once per group of up to 8 x rows: rows * RN = 8 or 12 chains, x zero-padded
+  // to `rows` (1, 2, 4, 6 or 8; padded rows' sums are dropped). Unpacking them again per pair of rows, 4-8 rows cost
   // 2-4x one here; the panel path stored W' and widened it again per 4 rows.
-  // The rows go in groups of 8, each block's codes unpacked again per group while they sit in L1: int8 at 12-16 rows
-  // took 0.6-0.8x the panel path's time (a batched step carrying a prefill chunk), whose W' dequantized to bf16 and
-  // stored cost more than unpacking int8 codes twice. What is left: 1, 2 or 4 rows (3 padded to 4), 7 padded to 8,
-  // and 5 or 6 as 4 and 1 or 2 for int8 (padded to 8, one more row cost 4 decode rows as much as four more: 5 rows
-  // 630 -> 480 us over SmolLM2's four projections) but padded to 8 for int4, whose unpacking costs more than the
-  // padded rows' products (split: 870 -> 1,110 us).
+  // The rows go in groups, each block's codes unpacked again per group while they sit in L1: int8 at 12-16 rows took
+  // 0.6-0.8x the panel path's time (a batched step carrying a prefill chunk), whose W' dequantized to bf16 and stored
+  // cost more than unpacking int8 codes twice. int8 from 5 rows: groups of 6 (6 x 2 blocks, twelve chains; the last
+  // group padded from 5), then 1, 2 or 4 rows (3 padded): at every count 5-16 that took 0-15% less than groups of 8
+  // (8 x 1) with the rest as 4 + 1-2, and 4 x 3 blocks were no faster than 4 x 2 at 4-8 rows. int4 pads 5-8 rows to
+  // 8, whose unpacking costs more than the padded rows' products (5 rows split as 4 + 1: 870 -> 1,110 us).
   struct Group {
-    int64_t m0, mm, rows;  // x rows m0..m0 + mm, zero-padded to `rows` (1, 2, 4 or 8)
+    int64_t m0, mm, rows;  // x rows m0..m0 + mm, zero-padded to `rows` (1, 2, 4, 6 or 8)
   };
-  std::array<Group, kFewRowsMax / 4 + 1> groups;
+  std::array<Group, kFewRowsMax / 2 + 1> groups;
   int64_t n_groups = 0, m0 = 0;
-  constexpr int64_t kWholeFrom = C == Codes::Int4 ? 5 : 7;  // a remainder of this many rows runs as 8, padded
-  for (; M - m0 >= kWholeFrom; m0 += 8) groups[n_groups++] = {m0, std::min<int64_t>(8, M - m0), 8};
-  if (M - m0 >= 5) {  // int8's 5 or 6
-    groups[n_groups++] = {m0, 4, 4};
-    m0 += 4;
+  if constexpr (C == Codes::Int4) {
+    if (M >= 5) groups[n_groups++] = {0, M, 8};  // M <= kFewInt4RowsMax = 8
+    m0 = M >= 5 ? M : 0;
+  } else {
+    for (; M - m0 >= 5; m0 += 6) groups[n_groups++] = {m0, std::min<int64_t>(6, M - m0), 6};
   }
   if (M - m0 > 0) groups[n_groups++] = {m0, M - m0, M - m0 <= 2 ? M - m0 : 4};
   const int64_t padded = groups[n_groups - 1].m0 + groups[n_groups - 1].rows;
@@ -876,7 +884,7 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
   std::fill(xw + M * K, xw + padded * K, 0.f);
   // A few blocks per item at least: a step's small projections (N = 576: 36 blocks) still split over the threads.
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    alignas(32) float sums[8];
+    alignas(32) float sums[16];
     for (int64_t b = begin; b < end; ++b) {
       const char* ahead = b + 1 < end ? reinterpret_cast<const char*>(w.q) + (b + 1) * (K / kTileCols) * w.tile_bytes()
                                       : nullptr;
@@ -905,7 +913,7 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
         const auto [g0, mm, rows] = groups[g];
         const char* next = g == 0 ? ahead : nullptr;
         const auto block = [&]<int RM>() {
-          constexpr int RN = 8 / RM;
+          constexpr int RN = RM == 6 ? 2 : 8 / RM;
           for (int r0 = 0; r0 < kTileRows; r0 += RN) {
             few_rows_avx2<RM, RN, C>(w, b, r0, xw + g0 * K, K, sums, r0 == 0 ? next : nullptr);
             for (int64_t m = 0; m < mm; ++m) store(g0 + m, r0, RN, sums + m * RN);
@@ -914,6 +922,7 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
         if (rows == 1) block.template operator()<1>();
         else if (rows == 2) block.template operator()<2>();
         else if (rows == 4) block.template operator()<4>();
+        else if (rows == 6) block.template operator()<6>();
         else block.template operator()<8>();
       }
     }
