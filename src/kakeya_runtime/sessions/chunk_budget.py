@@ -26,7 +26,7 @@ _WINDOW = 32  # `base` is the lower quartile of this many recent decode steps: t
 
 @dataclass(slots=True)
 class ChunkBudget:
-    """The prompt tokens the next step may read beside `rows` decoding sessions (`tokens`), and what sizes it."""
+    """The prompt tokens the next step may read beside decoding sessions (`tokens()`), and what sizes it."""
 
     slowdown: float = DEFAULT_SLOWDOWN
     ceiling: int = 512  # the engine's prefill chunk (one forward's worth)
