@@ -755,12 +755,13 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
 // AVX2, calls of at most kFewRowsMax int8 / kFewInt4RowsMax int4 rows (decode, a batch of sessions' decode rows, a
 // verifier step, decode rows with a prefill chunk): the codes widened straight into the products, never stored.
 // W' = int8's codes (exact in fp32) with per-row scales; a grouped int8 weight's (Q8_0) q * d, or int4's
-// fma(q - 8, scale, zero), rounded to bf16 as group8d / group4 round them. Per (x row, W' row) linear_avx2's chain (one fused multiply-add per K chunk of 8, in order, from
-// zero) and at::vec's tree (reduce8, eight chains at once), then quant_panels' epilogue: the bits are quant_panels'.
+// fma(q - 8, scale, zero), rounded to bf16 as group8d / group4 round them. Per (x row, W' row) linear_avx2's chain
+// (one fused multiply-add per K chunk of 8, in order, from zero) and at::vec's tree (reduce8, eight chains at once),
+// then quant_panels' epilogue: the bits are quant_panels'.
 // That path dequantized each 256-row panel to bf16, stored it and multiplied it again, two parallel regions per panel:
 // an int decode step ran at half bf16's speed though it reads a half or a quarter of the bytes. A work item: 16 W' rows
 // (all K); the next item's codes are asked for into L2 a slice per K step.
-constexpr int64_t kFewRowsMax = 16;     // int8: more rows on quant_many_avx2 (24 rows: 0.8-0.95x there, within noise)
+constexpr int64_t kFewRowsMax = 16;     // int8; more rows: quant_many_avx2 (at 20-24 rows the two within noise)
 constexpr int64_t kFewInt4RowsMax = 8;  // int4's unpack costs more: 12 rows here took ~1.2x the panel path's time
 constexpr int64_t kInt5PanelRowsMax = 3;  // int5 has no few-row path: up to 3 rows on panels, more quant_many_avx2
 enum class Codes { Int8Rows, Int8Grouped, Int4 };
@@ -854,15 +855,14 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
   const int64_t M = x.size(0), K = w.K, N = w.N, blocks = N / kTileRows;
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  // Each W' row's codes are unpacked once per group of up to 8 x rows: rows * RN = 8 or 12 chains, x zero-padded
-  // to `rows` (1, 2, 4, 6 or 8; padded rows' sums are dropped). Unpacking them again per pair of rows, 4-8 rows cost
-  // 2-4x one here; the panel path stored W' and widened it again per 4 rows.
-  // The rows go in groups, each block's codes unpacked again per group while they sit in L1: int8 at 12-16 rows took
-  // 0.6-0.8x the panel path's time (a batched step carrying a prefill chunk), whose W' dequantized to bf16 and stored
-  // cost more than unpacking int8 codes twice. int8 from 5 rows: groups of 6 (6 x 2 blocks, twelve chains; the last
-  // group padded from 5), then 1, 2 or 4 rows (3 padded): at every count 5-16 that took 0-15% less than groups of 8
-  // (8 x 1) with the rest as 4 + 1-2, and 4 x 3 blocks were no faster than 4 x 2 at 4-8 rows. int4 pads 5-8 rows to
-  // 8, whose unpacking costs more than the padded rows' products (5 rows split as 4 + 1: 870 -> 1,110 us).
+  // The x rows go in groups of `rows` (1, 2, 4, 6 or 8; zero-padded, padded rows' sums dropped), each W' row's codes
+  // unpacked once per group, against all its rows at once (rows * RN = 8 or 12 chains), while they sit in L1.
+  // Unpacking them per pair of rows, 4-8 rows cost 2-4x one; the panel path (W' dequantized to bf16, stored, widened
+  // again per 4 rows) took 1.1-1.7x this at int8's 12-16 rows (a batched step carrying a prefill chunk). int8 from 5
+  // rows: groups of 6 (6 x 2 blocks; the last padded from 5), then 1, 2 or 4 (3 padded): at every count 5-16 that
+  // took 0-15% less than groups of 8 (8 x 1) with the rest as 4 + 1-2; 4 x 3 blocks ran no faster than 4 x 2 at
+  // 4-8 rows. int4 pads 5-8 rows to 8: its unpacking costs more than the padded products (5 rows as 4 + 1: 870 ->
+  // 1,110 us).
   struct Group {
     int64_t m0, mm, rows;  // x rows m0..m0 + mm, zero-padded to `rows` (1, 2, 4, 6 or 8)
   };
@@ -909,7 +909,7 @@ void quant_rows_avx2(const at::Tensor& x, const QWeight& w, const float* scale, 
         }
         continue;
       }
-      for (int64_t g = 0; g < n_groups; ++g) {  // `rows` (1, 2, 4 or 8) x rows against 8 / rows W' rows at a time
+      for (int64_t g = 0; g < n_groups; ++g) {  // `rows` x rows against RN W' rows at a time
         const auto [g0, mm, rows] = groups[g];
         const char* next = g == 0 ? ahead : nullptr;
         const auto block = [&]<int RM>() {
