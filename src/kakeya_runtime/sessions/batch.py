@@ -416,8 +416,7 @@ class BatchScheduler:
         if decoding or chunks:
             self._decode(decoding, chunks)
         # a speculative row's long prompt reads a forward's worth a step alone, a quarter of it beside other rows
-        chunk = self.engine.prefill_chunk if len(rows) == 1 \
-            else max(self.step_tokens or allowed, self.engine.prefill_chunk // 4)
+        chunk = self.engine.prefill_chunk if len(rows) == 1 else max(self.step_tokens or 0, self.engine.prefill_chunk // 4)
         for row in speculative:
             self._speculate(row, chunk)
         for row in prefilling:
