@@ -32,7 +32,7 @@ class ChunkBudget:
     ceiling: int = 512  # the engine's prefill chunk (one forward's worth)
     size: int = START_TOKENS
     base: dict[int, float] = field(default_factory=dict)  # rows -> seconds of a decode step of that many rows alone
-    resized: int = 0  # steps that moved the budget (read by tests and scripts/prompt_budget_trace.py)
+    resized: int = 0  # steps that moved the budget (read by tests)
     _recent: dict[int, deque[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
