@@ -249,6 +249,28 @@ def test_grouped_int8_rows_keep_the_reference_bits(n, k, threads, route):
     assert_every_row_count(x, q, sz, 8, b, want, threads)
 
 
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (80, 96)])
+def test_grouped_int8_with_non_finite_d_keeps_the_reference_bits(n, k, route):
+    """A grouped int8 weight whose d is inf, -inf or NaN in a few groups (W' there inf, -inf or NaN, NaN where q is
+    0): every row count 1..40 gives kakeya::linear's bits on that W', compared raw (the AVX2 few-row path picks a
+    NaN-free loop for the blocks of 16 rows whose d's are all finite)."""
+    gen = torch.Generator().manual_seed(n * k)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    codes[0, :32:2] = 0  # 0 x inf: NaN
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half()
+    d[0, 0], d[17, 1], d[n - 1, k // 32 - 1], d[40, 2] = float("inf"), float("nan"), float("-inf"), float("inf")
+    wd = (codes.float().view(n, k // 32, 32) * d.float()[..., None]).view(n, k).bfloat16()
+    q, sz = pack_tiles(codes, 8), pack_group_scales(d)
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    for bias in (None, b):
+        want = native.linear(x, wd, bias).view(torch.int16)
+        assert want.view(torch.bfloat16)[:, [0, 17]].isnan().all()  # the non-finite groups reach the outputs
+        for m in range(1, 41):
+            got = native.quant_linear(x[:m], q, sz, 8, bias).view(torch.int16)
+            assert torch.equal(got, want[:m]), (m, bias is None)
+
+
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (576, 576), (80, 96)])
 def test_non_finite_rows_get_the_same_bits_in_any_call(n, k, bits, route):
