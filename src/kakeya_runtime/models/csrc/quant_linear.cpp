@@ -835,11 +835,14 @@ inline void few_rows_body(const QWeight& w, int64_t b, int r0, const float* xw, 
     const uint8_t* tile = block + s * tb + r0 * row_bytes;
     const float* xs = xw + s * kTileCols;
     if constexpr (C == Codes::Int8Grouped) {  // the tile's 16 d's widened in two F16C conversions
-      const auto* dh =
-          reinterpret_cast<const __m128i*>(static_cast<const c10::Half*>(w.sz) + (b * steps + s) * kTileRows);
+      const c10::Half* dh = static_cast<const c10::Half*>(w.sz) + (b * steps + s) * kTileRows;
       alignas(32) float d[kTileRows];
-      _mm256_store_ps(d, _mm256_cvtph_ps(_mm_loadu_si128(dh)));
-      _mm256_store_ps(d + 8, _mm256_cvtph_ps(_mm_loadu_si128(dh + 1)));
+#if defined(__F16C__)
+      _mm256_store_ps(d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh))));
+      _mm256_store_ps(d + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + 8))));
+#else
+      for (int r = 0; r < kTileRows; ++r) d[r] = static_cast<float>(dh[r]);  // the same values, one at a time
+#endif
       grouped_rows<MaybeNaN, M, RN>(d + r0, tile, xs, x_row, acc);
     }
     if constexpr (C == Codes::Int8Rows) {
