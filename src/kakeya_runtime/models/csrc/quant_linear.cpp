@@ -777,9 +777,9 @@ __attribute__((always_inline)) inline __m256 as_bf16(__m256 v) {
   return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// One K step of a grouped int8 weight (Q8_0: W' = bf16(q * d), an fp16 d per row and group of 32) for few_rows_body:
+// One K step of a grouped int8 weight (Q8_0: W' = bf16(q * d), an fp16 d per row and group of 32) for few_rows_avx2:
 // RN rows of the tile at `tile` with their d's widened at `d`, each 8 codes widened, scaled, rounded and multiplied in
-// turn. The loop it replaced widened each row's d alone, tested it for inf / NaN per row and step, and kept four W'
+// turn. The loop it replaced widened each row's d alone (a scalar conversion per row and step) and kept four W'
 // vectors live beside the chains: the head (SmolLM2's, 49152 x 576, one row, 2 threads) took 2.72 ms, ~10 GB/s, 2x an
 // int8-rows weight of its size; now 2.07. The same W' values, each chain's products in the same order: the same bits.
 template <bool MaybeNaN, int M, int RN>
@@ -799,25 +799,9 @@ __attribute__((always_inline)) inline void grouped_rows(const float* d, const ui
   }
 }
 
-// Whether every d of rows r0..r0 + RN of block b is finite (an fp16 is not when its exponent bits are all set): then
-// no product is NaN and the block takes as_bf16<false> throughout (a finite product takes the same bits either way).
-inline bool grouped_finite(const QWeight& w, int64_t b, int r0, int RN) {
-  const int64_t steps = w.K / kTileCols;
-  const auto* d = static_cast<const uint16_t*>(w.sz) + b * steps * kTileRows;
-  const __m128i exp = _mm_set1_epi16(0x7C00);
-  int bad = 0;
-  for (int64_t s = 0; s < steps; ++s)
-    for (int h = 0; h < 2; ++h) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + s * kTileRows + 8 * h));
-      bad |= _mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(v, exp), exp)) << (16 * h);
-    }
-  const int64_t rows = ((int64_t(1) << (2 * RN)) - 1) << (2 * r0);  // movemask_epi8: two bits per fp16
-  return (int64_t(static_cast<uint32_t>(bad)) & rows) == 0;
-}
-
 // M x rows (fp32, K each, x_row apart) against RN W' rows r0.. of block b: sums[m * RN + r]. M * RN = 8 or 12.
-template <int M, int RN, Codes C, bool MaybeNaN = true>
-inline void few_rows_body(const QWeight& w, int64_t b, int r0, const float* xw, int64_t x_row, float* sums,
+template <int M, int RN, Codes C>
+inline void few_rows_avx2(const QWeight& w, int64_t b, int r0, const float* xw, int64_t x_row, float* sums,
                           const char* ahead) {
   static_assert(M * RN == 8 || M * RN == 12, "eight or twelve chains: reduce8 a time");
   constexpr int kChains = M * RN;
@@ -843,7 +827,12 @@ inline void few_rows_body(const QWeight& w, int64_t b, int r0, const float* xw, 
 #else
       for (int r = 0; r < kTileRows; ++r) d[r] = static_cast<float>(dh[r]);  // the same values, one at a time
 #endif
-      grouped_rows<MaybeNaN, M, RN>(d + r0, tile, xs, x_row, acc);
+      // a non-finite d makes NaN products possible: round_bf16's NaN case for the step's rows (a finite product
+      // takes the same bits either way)
+      bool finite = true;
+      for (int r = 0; r < RN; ++r) finite &= std::isfinite(d[r0 + r]);
+      if (finite) grouped_rows<false, M, RN>(d + r0, tile, xs, x_row, acc);
+      else grouped_rows<true, M, RN>(d + r0, tile, xs, x_row, acc);
     }
     if constexpr (C == Codes::Int8Rows) {
       // Each 8 codes widened straight from memory (vpmovsxbd's own load) and multiplied in turn. The loop loaded a
@@ -892,15 +881,6 @@ inline void few_rows_body(const QWeight& w, int64_t b, int r0, const float* xw, 
     _mm256_store_ps(tail, reduce8(rest));
     for (int i = 0; i < 4; ++i) sums[8 + i] = tail[i];
   }
-}
-
-template <int M, int RN, Codes C>
-__attribute__((always_inline)) inline void few_rows_avx2(const QWeight& w, int64_t b, int r0, const float* xw,
-                                                         int64_t x_row, float* sums, const char* ahead) {
-  if constexpr (C == Codes::Int8Grouped) {  // the NaN-free loop chosen once per block: accumulators in registers
-    if (grouped_finite(w, b, r0, RN)) return few_rows_body<M, RN, C, false>(w, b, r0, xw, x_row, sums, ahead);
-  }
-  few_rows_body<M, RN, C>(w, b, r0, xw, x_row, sums, ahead);
 }
 
 // One x row, as a function of its own: inlined beside the 2-8 row blocks, the one-row loop ran ~10% slower (a decode
