@@ -252,8 +252,8 @@ def test_grouped_int8_rows_keep_the_reference_bits(n, k, threads, route):
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (80, 96)])
 def test_grouped_int8_with_non_finite_d_keeps_the_reference_bits(n, k, route):
     """A grouped int8 weight whose d is inf, -inf or NaN in a few groups (W' there inf, -inf or NaN, NaN where q is
-    0): every row count 1..40 gives kakeya::linear's bits on that W', compared raw (the AVX2 few-row path picks a
-    NaN-free loop for the blocks of 16 rows whose d's are all finite)."""
+    0): every row count 1..40 gives kakeya::linear's bits on that W', compared raw (the AVX2 few-row path rounds a
+    step's products without the NaN case when its rows' d's are all finite)."""
     gen = torch.Generator().manual_seed(n * k)
     codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     codes[0, :32:2] = 0  # 0 x inf: NaN
