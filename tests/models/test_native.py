@@ -139,6 +139,32 @@ def test_few_rows_on_narrow_tiles_keep_the_bits(g, attention_amx):
         native.set_routes(kept.attention_amx, kept.linear_amx)
 
 
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_few_rows_that_see_different_lanes_keep_the_prompts_bits(dtype, d):
+    """A call of at most 4 rows (a decode step's query heads, one or two tokens) runs each block for all its rows at
+    once; rows that see different lanes (two tokens at a window's edge), rows whose probabilities underflow to 0
+    where the others' do not (one head's sharp key), non-finite values and a -0 query keep the bits each row gets
+    among a prompt's rows."""
+    gen = torch.Generator().manual_seed(d + 7)
+    s, hk, g, window, sink = 420, 1, 2, 70, 3
+    k, v = cache_views(1, hk, s, d, dtype, gen)
+    q_all = torch.randn(1, hk, g, s, d, generator=gen).to(dtype)
+    q_all[0, 0, 0, :, :] = k[0, 0, 380] * 40  # head 0 attends one key sharply: the others' p underflow to 0 there
+    q_all[0, 0, 1, s - 1, 0] = -0.0
+    v = v.clone()
+    v[0, 0, 390, 5], v[0, 0, 200, 1] = float("nan"), float("inf")  # 390 is seen by the last tokens, 200 by none
+    pos = torch.arange(s)
+    whole = native.cached_attention(grouped(q_all, 0, s), k, v, pos, pos, d**-0.5, window=window, sink=sink)
+    whole = whole.reshape(1, hk, g, s, d)
+    for t0, n in [(s - 1, 1), (s - 2, 2), (380, 2), (71, 2), (3, 1)]:
+        part = native.cached_attention(grouped(q_all, t0, t0 + n), k[:, :, : t0 + n], v[:, :, : t0 + n],
+                                       pos[t0 : t0 + n].clone(), pos[: t0 + n], d**-0.5, window=window, sink=sink)
+        got, want = part.reshape(1, hk, g, n, d), whole[:, :, :, t0 : t0 + n]
+        assert torch.equal(got.isnan(), want.isnan()), (t0, n)
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), (t0, n)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_key_order_and_unseen_keys_do_not_matter(dtype):
     """A ring cache hands keys back rotated, a sink + window cache with gaps: the same keys seen give the same

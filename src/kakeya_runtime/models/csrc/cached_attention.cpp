@@ -127,6 +127,14 @@ struct Ahead {
     const char* p = base + (idx != nullptr ? idx[i] : i) * stride;
     for (int64_t c = 0; c < bytes; c += 64) prefetch_l2(p + c);
   }
+  // ask(i) for rows [i, i + N) of BYTES bytes (== bytes), the lines unrolled (block_few's loops)
+  template <int N, int BYTES>
+  inline void ask_rows(int64_t i) const {
+    for (int n = 0; n < N && i + n < count; ++n) {
+      const char* p = base + (idx != nullptr ? idx[i + n] : i + n) * stride;
+      for (int c = 0; c < BYTES; c += 64) prefetch_l2(p + c);
+    }
+  }
 };
 
 // Scores of one query row against the BK lanes of a block (empty lanes: nullptr, score 0, masked later); `ahead`:
@@ -344,6 +352,124 @@ inline void block_pv_wide(const float* p, const float* const* vf, float* acc, fl
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+// ---------------------------------------------------------------- AVX2: a decode item's few rows, in registers
+// A decode row's item holds its G query rows of one K/V head (SmolLM2: 3). The tiled path widens each block into
+// buffers and reads them back per row: ~24 ns a key and K/V head on the EPYC from cache (a decode row over 4,096
+// keys, one thread). Here each key's and value's 8 dims are widened once in a register and used by every row at
+// once (~19 ns): the same fused multiply-adds in the same order per row, key and dim (each row's scores reduced by
+// at::vec's tree, reduce4 below), so every score, probability and sum keeps its bits.
+
+// Lanes 0-3: the sums of a[0..3]'s 8 lanes by reduce8's tree (((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7))).
+__attribute__((always_inline)) inline __m128 reduce4(const __m256* a) {
+  const __m256 t0 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
+  const __m256 t1 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
+  // per half: (x0 + x2), (x1 + x3) of t0's, then of t1's (low half: a[0], a[2]; high half: a[1], a[3])
+  const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, 0x44), _mm256_shuffle_ps(t0, t1, 0xEE));
+  const __m256 h = _mm256_hadd_ps(u, u);  // lanes 0, 1: a[0], a[2]; lanes 4, 5: a[1], a[3]
+  return _mm256_castps256_ps128(_mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5)));
+}
+
+// The NR rows' scores against a block's BK lanes (qf: the rows widened, D apart; s: BK apart; an absent lane reads
+// a zero row, its score never read): 4 keys at a time, each key's 8 dims widened once for all rows.
+template <typename T, int D, int NR>
+inline void block_scores_few(const float* qf, const T* const* krow, const T* zero, float* s, const Ahead& ahead) {
+  for (int j0 = 0; j0 < BK; j0 += 4) {
+    const T* kr[4];
+    ahead.ask_rows<4, D * sizeof(T)>(j0);
+    for (int j = 0; j < 4; ++j) kr[j] = krow[j0 + j] != nullptr ? krow[j0 + j] : zero;
+    __m256 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8)
+      for (int j = 0; j < 4; ++j) {
+        const __m256 kv = widen8(kr[j] + d);
+        for (int r = 0; r < NR; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(qf + r * D + d), kv, acc[r][j]);
+      }
+    for (int r = 0; r < NR; ++r) _mm_storeu_ps(s + r * BK + j0, reduce4(acc[r]));
+  }
+}
+
+// acc_r = alpha_r acc_r + sum over lanes (in lane order) of p_rj v_j for the rows that see the block (live), lanes
+// with p_rj = 0 skipped per row (as block_pv_wide): CH dims at a time, each value's 8 dims widened once for all rows.
+template <typename T, int D, int NR>
+inline void block_pv_few(const float* p, const T* const* vrow, float* const* acc, const float* alpha,
+                         const bool* live, const Ahead& ahead) {
+  // the lanes each live row adds (p != 0), and those every row adds
+  uint32_t nz[NR], every = 0xFFFFFFFFu, some = 0u;
+  for (int r = 0; r < NR; ++r) {
+    nz[r] = 0u;
+    if (live[r])
+      for (int j = 0; j < BK; j += 8)
+        nz[r] |= static_cast<uint32_t>(_mm256_movemask_ps(
+                     _mm256_cmp_ps(_mm256_loadu_ps(p + r * BK + j), _mm256_setzero_ps(), _CMP_NEQ_UQ)))
+                 << j;
+    every &= nz[r];
+    some |= nz[r];
+  }
+  ahead.ask_rows<BK, D * sizeof(T)>(0);
+  constexpr int LIM = NR == 1 ? 64 : NR <= 3 ? 32 : 16;  // NR x CH / 8 accumulators in registers
+  constexpr int CH = D % LIM == 0 ? LIM : D % 32 == 0 ? 32 : D % 16 == 0 ? 16 : 8;
+  static_assert(D % CH == 0, "head_dim must be a multiple of 8");
+  for (int c0 = 0; c0 < D; c0 += CH) {
+    __m256 a[NR][CH / 8];
+    for (int r = 0; r < NR; ++r)
+      if (live[r])
+        for (int c = 0; c < CH / 8; ++c)
+          a[r][c] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + c0 + c * 8), _mm256_set1_ps(alpha[r]));
+    if (some == every) {  // the usual block: every row adds the same lanes (so every row is live)
+      for (uint32_t m = every; m != 0u; m &= m - 1) {
+        const int j = __builtin_ctz(m);
+        __m256 pj[NR];
+        for (int r = 0; r < NR; ++r) pj[r] = _mm256_set1_ps(p[r * BK + j]);
+        for (int c = 0; c < CH / 8; ++c) {
+          const __m256 vv = widen8(vrow[j] + c0 + c * 8);
+          for (int r = 0; r < NR; ++r) a[r][c] = _mm256_fmadd_ps(pj[r], vv, a[r][c]);
+        }
+      }
+    } else {
+      for (int r = 0; r < NR; ++r)
+        for (uint32_t m = nz[r]; m != 0u; m &= m - 1) {  // p v = 0 adds exactly nothing
+          const int j = __builtin_ctz(m);
+          const __m256 pj = _mm256_set1_ps(p[r * BK + j]);
+          for (int c = 0; c < CH / 8; ++c) a[r][c] = _mm256_fmadd_ps(pj, widen8(vrow[j] + c0 + c * 8), a[r][c]);
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+      if (live[r])
+        for (int c = 0; c < CH / 8; ++c) _mm256_storeu_ps(acc[r] + c0 + c * 8, a[r][c]);
+  }
+}
+
+// One block for the item's NR rows (R <= 4): which rows see it, their scores, softmax and p . V, each row's bits
+// those of the tiled path.
+template <typename T, int D, int NR>
+inline void block_few(const float* qf, const T* const* krow, const T* const* vrow, const T* zero, uint32_t present,
+                      int64_t base, const Rule& rule, float scale, Partial st, const Ahead& next_k,
+                      const Ahead& next_v) {
+  uint32_t vis[NR];
+  bool live[NR];
+  bool any = false;
+  for (int r = 0; r < NR; ++r) {
+    vis[r] = rule.lanes(rule.token(r), base, present);
+    live[r] = vis[r] != 0u;
+    any = any || live[r];
+  }
+  if (!any) return;
+  alignas(32) float s[NR * BK];
+  block_scores_few<T, D, NR>(qf, krow, zero, s, next_k);
+  float alpha[NR];
+  float* acc[NR];
+  for (int r = 0; r < NR; ++r) {
+    acc[r] = st.acc + r * D;
+    if (!live[r]) continue;
+    st.n[r] += static_cast<float>(__builtin_popcount(vis[r]));
+    alpha[r] = block_softmax(s + r * BK, vis[r], scale, st.m[r], st.l[r]);
+  }
+  block_pv_few<T, D, NR>(s, vrow, acc, alpha, live, next_v);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // V of a block of NL lanes interleaved by lane pairs, vt2 (NL/2, D) of (v[2i][d], v[2i+1][d]); empty lanes are zero.
 // `ahead` (optional): rows to ask the cache for, two per lane pair, spread over the work so the requests overlap it
@@ -393,8 +519,13 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
   alignas(32) float kbuf[BK * D];  // this block's K and V rows as fp32 (widen_block), for every row of the item
   alignas(32) float vbuf[BK * D];
   alignas(32) static const float kzero[D] = {};
+  alignas(32) static const uint16_t tzero[D * sizeof(T) / 2] = {};  // a zero key row in T (block_few's absent lanes)
   const float* kf[BK];
   const float* vf[BK];
+  alignas(32) float qf[4 * D];  // a few-row item's rows widened once (block_few)
+  const bool few = R <= 4;
+  for (int64_t r = 0; few && r < R; ++r)
+    for (int d = 0; d < D; d += 8) _mm256_store_ps(qf + r * D + d, widen8(q + r * D + d));
 #endif
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const Block& blk = blocks[bi];
@@ -433,6 +564,18 @@ void attend_superblock(const T* q, const T* k, const T* v, int64_t k_row, int64_
       next_v = Ahead{reinterpret_cast<const char*>(v + row0 * v_row), v_row * static_cast<int64_t>(sizeof(T)),
                      D * static_cast<int64_t>(sizeof(T)), idx, nb.count};
     }
+#if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
+    if (few) {
+      const T* zero = reinterpret_cast<const T*>(tzero);
+      switch (R) {
+        case 1: block_few<T, D, 1>(qf, krow, vrow, zero, present, base, rule, scale, st, next_k, next_v); break;
+        case 2: block_few<T, D, 2>(qf, krow, vrow, zero, present, base, rule, scale, st, next_k, next_v); break;
+        case 3: block_few<T, D, 3>(qf, krow, vrow, zero, present, base, rule, scale, st, next_k, next_v); break;
+        default: block_few<T, D, 4>(qf, krow, vrow, zero, present, base, rule, scale, st, next_k, next_v); break;
+      }
+      continue;
+    }
+#endif
     // The rows in tiles of RT, each stage over the tile's rows in turn (scores, softmax, p . V): every row runs its
     // own sequence as before (the same bits), and the rows' chains overlap instead of following one another (a
     // softmax's max, exponential and sums each wait on the last). On the EPYC a 4k prompt's attention took ~16% less
