@@ -4,6 +4,7 @@ count is the policy's): the fused step, the indexer alone, the attention over th
 selected cold blocks, and cached_attention over sink_window's keys (its peer). Medians over `--reps` calls, µs.
 
 PYTHONPATH=src python scripts/sparse_kernel_profile.py --length 7680 --codec identity
+(`--stat min` reports the fastest call, steadier on a noisy host; `--library OLD.so` times another build.)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kakeya_runtime.kv.sparse import SparseLayerKV
 from kakeya_runtime.models import native
 
 ONLY = ""
+STAT = statistics.median
 
 
 def timed(fn, reps: int, name: str = "") -> float:
@@ -35,7 +37,7 @@ def timed(fn, reps: int, name: str = "") -> float:
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(out)
+    return 1e6 * STAT(out)
 
 
 def main() -> None:
@@ -45,10 +47,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--only", default="", help="time only this entry (for perf record)")
+    ap.add_argument("--stat", choices=["median", "min"], default="median", help="of the timed calls")
+    ap.add_argument("--library", type=Path, help="a built cached_attention.so to load instead of this checkout's")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    global ONLY
+    global ONLY, STAT
     ONLY = args.only
+    STAT = min if args.stat == "min" else statistics.median
+    if args.library:
+        native.library_path = lambda: args.library  # this process's kernels: that build
     torch.set_num_threads(args.threads)
     busy = cpu_busy()
     torch.manual_seed(0)
@@ -109,7 +116,8 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "cpu_busy_before": busy,
                                               "threads": args.threads, "length": args.length, "codec": args.codec,
-                                              "us_median": rec}, indent=1))
+                                              "stat": args.stat, "library": str(native.load()),
+                                              f"us_{args.stat}": rec}, indent=1))
 
 
 if __name__ == "__main__":
