@@ -22,11 +22,9 @@ def smollm2():
 
 
 def test_oracle_mass_and_columns(smollm2, tmp_path):
-    threads = torch.get_num_threads()
-    common = dict(lengths=(640,), oracle_steps=2, decode_tokens=3, threads=1, loaded=smollm2)
+    common = dict(lengths=(640,), oracle_steps=2, decode_tokens=3, loaded=smollm2)
     every = run_sparse_bench(params={"window": 128, "block": 32, "topk": 64, "codec": "identity"}, **common)
     few = run_sparse_bench(params={"window": 64, "block": 32, "topk": 2}, out_dir=tmp_path, **common)
-    torch.set_num_threads(threads)
     row = every["rows"][0]
     assert row["oracle_mass"]["worst_head_step"] > 0.9999  # everything attended: the whole mass
     # Not asserted equal to 1: the sparse kernel groups the same keys differently from full's, and this prompt's
@@ -46,10 +44,8 @@ def test_oracle_mass_and_columns(smollm2, tmp_path):
 def test_several_codecs_and_repeats_in_one_run(smollm2):
     """--codec identity,d4 --repeats 2: one row per codec, both beside the same full and sink_window timings, each
     policy's ms/token the median of its rounds."""
-    threads = torch.get_num_threads()
     got = run_sparse_bench(params={"window": 64, "block": 32, "topk": 2, "codec": "identity,d4"}, lengths=(640,),
-                           oracle_steps=2, decode_tokens=3, threads=1, loaded=smollm2, repeats=2)
-    torch.set_num_threads(threads)
+                           oracle_steps=2, decode_tokens=3, loaded=smollm2, repeats=2)
     rows = got["rows"]
     assert [r["codec"] for r in rows] == ["identity", "d4"] and {r["length"] for r in rows} == {640}
     assert rows[0]["decode"]["full"] is rows[1]["decode"]["full"]  # one timing of each baseline per length
@@ -65,10 +61,8 @@ def test_several_codecs_and_repeats_in_one_run(smollm2):
 def test_ceiling_bounds_the_indexer(smollm2):
     """The ceiling (as many blocks, picked by true mass) is never below what the indexer's blocks hold, and reaching
     0.99 takes at least the hot range and at most every block."""
-    threads = torch.get_num_threads()
     got = run_sparse_bench(params={"window": 64, "block": 32, "topk": 2, "codec": "identity"}, lengths=(640,),
-                           oracle_steps=2, decode_tokens=2, threads=1, loaded=smollm2)
-    torch.set_num_threads(threads)
+                           oracle_steps=2, decode_tokens=2, loaded=smollm2)
     o = got["rows"][0]["oracle_mass"]
     for layer in o["per_layer"]:
         assert layer["ceiling_mean"] >= layer["mean"] - 1e-6

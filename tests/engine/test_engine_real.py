@@ -12,7 +12,7 @@ from kakeya_runtime.engine.generate import (
     generate_greedy_full,
 )
 
-pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("single_thread")]
+pytestmark = pytest.mark.real_model
 
 NEW_TOKENS = 32
 

@@ -108,13 +108,26 @@ def test_tiny_native_layer_same_bits_on_int5(family, make_tiny_model, threads):
     check_same_bits(model, histories, [7, 11, 13, 2])
 
 
-@pytest.mark.real_model
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_smollm2_native_layer_same_bits(fmt, english_text, threads):
+@pytest.fixture(scope="module")
+def smollm2_in():
+    """SmolLM2 in a weight format, loaded and quantized once for the module (int4 takes seconds): a function of it."""
     from kakeya_runtime.models.loader import load_model
 
-    loaded = load_model("smollm2", dtype=torch.bfloat16 if fmt == "bf16" else torch.float32)
-    quantize_model(loaded.model, fmt)
+    made = {}
+
+    def get(fmt: str):
+        if fmt not in made:
+            made[fmt] = load_model("smollm2", dtype=torch.bfloat16 if fmt == "bf16" else torch.float32)
+            quantize_model(made[fmt].model, fmt)
+        return made[fmt]
+
+    return get
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_smollm2_native_layer_same_bits(fmt, english_text, threads, smollm2_in):
+    loaded = smollm2_in(fmt)
     ids = loaded.tokenizer.encode(english_text).ids
     histories = [torch.tensor([ids[i : i + n]]) for i, n in enumerate([300, 5, 120])]
     check_same_bits(loaded.model, histories, [ids[1], ids[2], ids[3]])

@@ -22,7 +22,7 @@ from kakeya_runtime.models.base import Logits
 MAX_ABS = 2e-3
 MAX_KL = 1e-5
 
-pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("single_thread")]
+pytestmark = pytest.mark.real_model
 
 
 def _transformers_logits(loaded, ids: torch.Tensor, parsed_once) -> torch.Tensor:
