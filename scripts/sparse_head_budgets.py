@@ -27,32 +27,19 @@ from kakeya_runtime.models.loader import load_model
 
 
 def curves(engine: Engine, cfg, ids: torch.Tensor, params: dict, steps: int) -> list[torch.Tensor]:
-    """Per governed layer: (steps, Hk, n + 1), the mean mass over a KV head's query heads with its k best blocks."""
+    """Per governed layer: (steps, Hk, n + 1), the mean mass over a KV head's query heads with its k best blocks
+    (OracleProbe.curves)."""
     spec = PolicySpec.parse("sparse", params)
     cache = make_policy_cache(cfg, spec, capacity=ids.shape[1] + steps + 2, dtype=engine.dtype)
     layers = [layer for layer in cache if isinstance(layer, SparseLayerKV)]
-    out: list[list[torch.Tensor]] = [[] for _ in layers]
-    for i, layer in enumerate(layers):
+    for layer in layers:
         layer.probe = OracleProbe.new()
-
-        def on_step(q, keys, probs, picked, scale, i=i, layer=layer):
-            p = keys.shape[1] - 1
-            hk, g = probs.shape[:2]
-            n = picked.shape[1]
-            pos = torch.arange(p + 1)
-            hot = (pos < layer.sink) | (pos >= layer.hot_lo(p))
-            hot_mass = (probs * hot[None, None, :]).sum(-1).mean(1)  # (Hk,)
-            cold = probs[:, :, layer.sink: layer.sink + n * layer.block].reshape(hk, g, n, layer.block).sum(-1)
-            ranked = cold.mean(1).sort(-1, descending=True).values.cumsum(-1)  # (Hk, n)
-            out[i].append(torch.cat((hot_mass[:, None], hot_mass[:, None] + ranked), -1))
-
-        layer.probe.on_step = on_step
     engine.prefill(cache, ids[:, :-1])
     for layer in layers:
         layer.probe.active = True
     list(engine.stream(cache, ids[:, -1:], GenerateRequest(steps, stop_ids=())))
-    # a block sealed mid-run adds a column to later steps: every step cut to the first's selectable blocks
-    return [torch.stack([s[:, : rows[0].shape[1]] for s in rows]) for rows in out]
+    # the probe's per-step curves; a block sealed mid-run adds a column to later steps: each cut to the first's
+    return [torch.stack([c[:, : layer.probe.curves[0].shape[1]] for c in layer.probe.curves]) for layer in layers]
 
 
 def fit(mean_curves: list[torch.Tensor], total: int, floor: int) -> list[list[int]]:

@@ -75,6 +75,8 @@ class OracleProbe:
     # (every selectable block when none do), and how many it could select
     blocks_for_99: list[list[int]] | None = None
     selectable: list[int] | None = None
+    # per measured step: (Hk, n + 1), a KV head's query heads' mean mass with its k = 0..n blocks so picked
+    curves: list[Tensor] | None = None
     # evidence tools' own measure, called per measured step with (the newest query (Hk, G, D) fp32, every exact key
     # (Hk, P, D), the attention probabilities (Hk, G, P), its cold selection (Hk, blocks it could select) bool, the
     # attention's scale)
@@ -82,7 +84,7 @@ class OracleProbe:
 
     @classmethod
     def new(cls) -> OracleProbe:
-        return cls(keys=[], masses=[], window_masses=[], best_masses=[], blocks_for_99=[], selectable=[])
+        return cls(keys=[], masses=[], window_masses=[], best_masses=[], blocks_for_99=[], selectable=[], curves=[])
 
 
 class SparseLayerKV:
@@ -725,7 +727,9 @@ class SparseLayerKV:
         ranked = torch.cat((torch.zeros(hk, g, 1), cold.gather(2, order[:, None, :].expand(hk, g, n)).cumsum(-1)), -1)
         probe.best_masses.append((hot_mass + ranked.gather(2, kept[:, None, None].expand(hk, g, 1))[..., 0])
                                  .flatten().tolist())
-        reach = (hot_mass.mean(1, keepdim=True) + ranked.mean(1)) >= 0.99  # (Hk, n + 1): k blocks reach it
+        curve = hot_mass.mean(1, keepdim=True) + ranked.mean(1)  # (Hk, n + 1)
+        probe.curves.append(curve)
+        reach = curve >= 0.99  # k blocks reach it
         probe.blocks_for_99.append([int(r.nonzero()[0]) if r.any() else n for r in reach])
         probe.selectable.append(n)
         if probe.on_step is not None:
