@@ -251,15 +251,60 @@ def test_batched_decode_rows_equal_single(tiny_llama):
         assert torch.equal(single[0], together[i])
 
 
-def _write_profile(config, modes: dict[int, list[str]], folder, sizes: dict[str, int] = SMALL) -> None:
+def _write_profile(config, modes: dict[int, list[str]], folder, sizes: dict[str, int] = SMALL,
+                   blocks: dict[int, list[int]] | None = None) -> None:
     import json
 
     from kakeya_runtime.kv.heads import SCHEMA, SCHEMA_VERSION, fingerprint
 
     folder.mkdir(parents=True, exist_ok=True)
+    fitted = {} if blocks is None else {"blocks": {str(k): v for k, v in blocks.items()}}
     (folder / f"{fingerprint(config)}.json").write_text(json.dumps(
         {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "fingerprint": fingerprint(config),
-         "modes": {str(k): v for k, v in modes.items()}, "settings": dict(sizes)}))
+         "modes": {str(k): v for k, v in modes.items()}, "settings": dict(sizes), **fitted}))
+
+
+@pytest.mark.parametrize("codec", ["identity", "d4"])
+def test_head_profile_fitted_block_counts(tiny_llama, tmp_path, monkeypatch, codec):
+    """A fitted profile gives each sparse head its own block count; the budget grows each in proportion to its
+    count over topk; a prompt gives the same bits in any chunking, and a decode row (the whole-stack call) those of
+    the prompt. The digest covers the counts; counts that contradict the modes are a typed error."""
+    from kakeya_runtime.kv.heads import load_profile
+
+    native.load()
+    monkeypatch.setenv("KAKEYA_CACHE_DIR", str(tmp_path))
+    modes = {0: ["streaming", "sparse"], 1: ["sparse", "sparse"], 2: ["sparse", "streaming"]}
+    blocks = {0: [0, 1], 1: [5, 2], 2: [4, 0]}
+    params = {**SMALL, "codec": codec, "heads": "profile", "budget": 0.5}
+    _write_profile(tiny_llama.config, modes, tmp_path / "heads", blocks=blocks)
+    ids = _ids(90, seed=6)
+    ref, cache = _prefill(tiny_llama, params, ids, 90)
+    assert [layer.head_topk for layer in cache] == [tuple(b) for b in blocks.values()]
+    for chunk in (1, 16):
+        got, _ = _prefill(tiny_llama, params, ids, chunk)
+        assert torch.equal(got, ref), chunk
+    # the last position's logits from a decode row after the rest
+    _, stepped = _prefill(tiny_llama, params, ids[:, :-1], 16)
+    row = Engine(tiny_llama, prefill_chunk=16).decode_rows([stepped], [int(ids[0, -1])])
+    assert torch.equal(row[0], ref[0, -1].float())
+
+    def kept(k: int, n: int) -> int:
+        return min(n, max(k, math.ceil(0.5 * n * k / 3))) if k else 0
+
+    selectable = [max(0, p + 1 - 11) // 4 for p in range(90)]
+    per_layer = cache.layer_counters()
+    for i, counts in blocks.items():
+        assert per_layer[i]["blocks_selected"] == sum(kept(k, n) for k in counts for n in selectable), i
+    assert kept(5, 19) == 16 and kept(2, 19) == 7  # grown in proportion: 0.5 x 19 x 5/3 and x 2/3
+    fitted = load_profile(tiny_llama.config)
+    _write_profile(tiny_llama.config, modes, tmp_path / "heads", blocks={**blocks, 1: [5, 3]})
+    assert load_profile(tiny_llama.config).digest != fitted.digest
+    _write_profile(tiny_llama.config, modes, tmp_path / "heads")  # the same modes, every sparse head at topk
+    assert load_profile(tiny_llama.config).digest != fitted.digest
+    for bad in ({**blocks, 1: [5, 0]}, {**blocks, 0: [2, 1]}, {**blocks, 2: [4]}, {0: [0, 1], 1: [5, 2]}):
+        _write_profile(tiny_llama.config, modes, tmp_path / "heads", blocks=bad)
+        with pytest.raises(PolicyError, match="damaged profile"):
+            make_policy_cache(tiny_llama.config, PolicySpec.parse("sparse", params))
 
 
 def test_head_profile_streaming_sparse_dense(tiny_llama, tmp_path, monkeypatch):
@@ -478,3 +523,33 @@ def test_a_step_after_a_wrapped_hot_ring_is_trimmed_back_reads_no_emptied_slot(t
     more = ids[:, n - 2 : n - 1] if step == "decode" else ids[:, n - 2 : n + 3]
     got = eng.prefill(cache, more, logits=Logits.ALL).logits
     assert torch.equal(got, eng.prefill(ref, more, logits=Logits.ALL).logits)
+
+
+def test_probe_index_curve_follows_the_indexer(tiny_llama):
+    """The oracle probe's index curve (blocks taken in block_select's order, recomputed in Python) gives, at the
+    blocks a head kept, the mass the kernel's own selection kept; it never exceeds the ceiling (the best blocks) and
+    grows with the blocks."""
+    from kakeya_runtime.kv.sparse import OracleProbe
+
+    native.load()
+    cache = make_policy_cache(tiny_llama.config, PolicySpec.parse("sparse", {**SMALL, "codec": "identity",
+                                                                            "budget": 0}))
+    layers = [layer for layer in cache if isinstance(layer, SparseLayerKV)]
+    for layer in layers:
+        layer.probe = OracleProbe.new()
+    eng = Engine(tiny_llama, prefill_chunk=16)
+    ids = _ids(80, seed=8)
+    eng.prefill(cache, ids[:, :-1])
+    for layer in layers:
+        layer.probe.active = True
+    list(eng.stream(cache, ids[:, -1:], GenerateRequest(6, stop_ids=())))
+    g = tiny_llama.config.num_attention_heads // tiny_llama.config.num_key_value_heads
+    for layer in layers:
+        probe = layer.probe
+        assert len(probe.index_curves) == 6
+        for curve, best, masses, n in zip(probe.index_curves, probe.curves, probe.masses, probe.selectable,
+                                          strict=True):
+            assert curve.shape == best.shape == (2, n + 1) and n > 3
+            assert (curve <= best + 1e-6).all() and (curve.diff(dim=1) >= -1e-6).all()
+            kept = torch.tensor(masses).view(2, g).mean(1)
+            torch.testing.assert_close(curve[:, 3], kept, atol=1e-5, rtol=0)  # topk 3 of n blocks

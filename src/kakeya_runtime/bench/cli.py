@@ -357,9 +357,16 @@ def calibrate_heads_cmd(
     block: int = typer.Option(32, min=1, help="Positions per cold block."),
     topk: int = typer.Option(32, min=1, help="Cold blocks a sparse head attends to."),
     target: float = typer.Option(0.99, help="Attention mass a head's mode must keep (mean over steps)."),
+    fit: bool = typer.Option(True, help="Give each sparse head its own block count, topk on average (--no-fit: "
+                             "every sparse head keeps topk, and heads that need more are dense)."),
+    floor: float = typer.Option(1.0, help="Share of topk every fitted sparse head keeps at least."),
+    mean: float = typer.Option(1.25, help="Blocks a fitted sparse head keeps on average, as a multiple of topk."),
+    text_steps: int = typer.Option(64, min=0, help="Steps measured on real text (standard-library source) at each "
+                                   "length, beside the passkey prompts (0: passkey prompts only)."),
     out: str = typer.Option("", help="Profile path (default: the user's cache dir, where the policy looks)."),
 ) -> None:
-    """Score each KV head as streaming, sparse or dense on passkey prompts; write the sparse policy's head profile."""
+    """Score each KV head as streaming, sparse or dense on passkey prompts, fit each sparse head's block count;
+    write the sparse policy's head profile."""
     import sys
 
     from kakeya_runtime.bench.heads import calibrate_heads
@@ -375,11 +382,18 @@ def calibrate_heads_cmd(
         raise typer.BadParameter(f"--target is a share of attention mass in (0, 1], got {target}")
     r = calibrate_heads(model, dtype=dtype, lengths=positive_ints(lengths, "--lengths"),
                         depths=floats_in(depths, "--depths", 0.0, 1.0),
-                        window=window, block=block, topk=topk, target=target, out=out or None,
-                        command="kakeya " + " ".join(sys.argv[1:]))
+                        window=window, block=block, topk=topk, target=target, fit=fit, floor=floor, mean=mean,
+                        text_steps=text_steps,
+                        out=out or None, command="kakeya " + " ".join(sys.argv[1:]))
     s = r["summary"]
     typer.echo(f"{r['path']}: streaming {s['streaming']:.0%}, sparse {s['sparse']:.0%}, dense {s['dense']:.0%} "
                f"of {sum(len(m) for m in r['modes'].values())} KV heads")
+    if fit:
+        f = s["fitted"]
+        spread = f["blocks_per_sparse_head"]
+        typer.echo(f"blocks per sparse head {spread.get('min')}-{spread.get('max')} (median {spread.get('median')}); "
+                   f"mass {f['mass']['fitted']:.4f} fitted, {f['mass']['topk_every_head']:.4f} with top-{topk} for every "
+                   "head (blocks in the indexer's order, mean over the calibration steps)")
 
 
 def _register_niah() -> None:

@@ -65,7 +65,7 @@ class NiahConfig:
 
 
 def standard_configs(sink: int = 4, window: int = 64, qs: Sequence[int] = (38, 10),
-                     sparse: dict[str, float] | None = None) -> dict[str, NiahConfig]:
+                     sparse: dict[str, float | str] | None = None) -> dict[str, NiahConfig]:
     """full; full + idle lattice at each Q; sink_window and restore (both granularities) at sink+window;
     sink_window and restore per_turn with a lattice-coded resident cache at each Q; sparse with its own hot
     window, block and top-k (`sparse`), cold tier d4 at each Q and bf16 (identity)."""
@@ -323,7 +323,7 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
              seed: int = 42, max_new_tokens: int = 10, dtype: str = "fp32", threads: int | None = None,
              per_step_max_length: int | None = None, small: bool = False, out_dir: Path | str | None = None,
              loaded=None, progress: bool = True, memory: bool = False,
-             sparse: dict[str, float] | None = None) -> dict[str, Any]:
+             sparse: dict[str, float | str] | None = None) -> dict[str, Any]:
     """Run the ladder; return (and, with `out_dir`, write) the evidence dict. `memory` pins glibc's mmap
     threshold so the RSS column is exact; it slows allocation-heavy steps, so time with it off."""
     if small:
@@ -654,6 +654,7 @@ def register_niah(bench_app) -> None:
         block: int = typer.Option(SPARSE["block"], help="the sparse columns' cold block size"),
         topk: int = typer.Option(SPARSE["topk"], help="the sparse columns' selected blocks per query (at least)"),
         budget: float = typer.Option(SPARSE["budget"], help="the sparse columns' share of the selectable blocks"),
+        heads: str = typer.Option("all", help="the sparse columns' heads: all, or profile (the model's head profile)"),
         qs: str = typer.Option("38,10", help="lattice ranges Q for the packed-lattice configurations"),
         seed: int = typer.Option(42), max_new_tokens: int = typer.Option(10, min=1),
         dtype: str = typer.Option("fp32", help="fp32 (restore == full bit-exact) or bf16"),
@@ -670,6 +671,7 @@ def register_niah(bench_app) -> None:
             samples=samples, configs=list(csv(configs)) or None, sink=sink, window=window,
             qs=list(positive_ints(qs, "--qs")), seed=seed, max_new_tokens=max_new_tokens, dtype=dtype,
             threads=threads or None, per_step_max_length=per_step_max_length or None, small=small, out_dir=out_dir,
-            memory=memory, sparse={"window": sparse_window, "block": block, "topk": topk, "budget": budget})
+            memory=memory, sparse={"window": sparse_window, "block": block, "topk": topk, "budget": budget,
+                                   "heads": heads})
         typer.echo((out_dir / "summary.md").read_text())
         typer.echo(f"wrote {out_dir / 'niah.json'} ({len(result['records'])} runs)")

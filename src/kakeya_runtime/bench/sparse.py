@@ -192,7 +192,7 @@ def _timings(engine: Engine, cfg, ids: torch.Tensor, n: int, policies: dict[str,
         if decoded_per_topk is not None:  # the decoded-block cache's size per cold head, in multiples of kept
             for layer in c:
                 if isinstance(layer, SparseLayerKV):
-                    layer.decoded_blocks = int(decoded_per_topk * layer.kept(-(-n // layer.block)))
+                    layer.decoded_blocks = int(decoded_per_topk * layer.most_kept(-(-n // layer.block)))
         engine.prefill(c, ids[:, :-1])
         c.reset_stats()
         caches[name], nxt[name] = c, ids[:, -1:]

@@ -1,6 +1,9 @@
 """Per-head profiles for the sparse policy (the DuoAttention / RazorAttention idea): each KV head of each governed
 layer is `streaming` (sinks and its hot window only: no cold tier, nothing stored for it), `sparse` (the top-k
-cold blocks) or `dense` (every cold block: heads whose attention the top-k does not capture).
+cold blocks) or `dense` (every cold block: heads whose attention the top-k does not capture). A profile may also
+give each sparse head its own block count (`blocks`, fitted by the calibration: more for heads whose attention is
+spread, fewer for focused ones, topk per sparse head on average); the policy's budget then grows each head's count in
+proportion as the history grows.
 
 `kakeya calibrate heads` (kakeya_runtime.bench.heads) measures the modes on synthetic passkey prompts and writes a
 profile; the policy loads it by model (`heads=profile`), found by the model's architecture fingerprint in the
@@ -46,19 +49,25 @@ class HeadProfile:
     fingerprint: str
     layers: dict[int, tuple[str, ...]]  # governed layer index -> one mode per KV head
     sizes: dict[str, int] = field(default_factory=dict)  # SIZES it was measured for
+    # governed layer index -> blocks per KV head (sparse heads >= 1, the others 0); None: every sparse head keeps topk
+    blocks: dict[int, tuple[int, ...]] | None = None
     text: str = field(default="", compare=False)  # the file it was read from, as kept for bound sessions
 
     def head_topk(self, layer: int, topk: int, all_blocks: int) -> tuple[int, ...]:
-        """Blocks each KV head keeps at `layer`: 0 streaming, topk sparse, all_blocks dense."""
+        """Blocks each KV head keeps at `layer`: 0 streaming, all_blocks dense, a sparse head its fitted count
+        (`blocks`) or topk."""
         if layer not in self.layers:
             raise HeadProfileError(f"the head profile has no entry for layer {layer}")
-        return tuple({"streaming": 0, "sparse": topk, "dense": all_blocks}[m] for m in self.layers[layer])
+        counts = self.blocks[layer] if self.blocks is not None else (topk,) * len(self.layers[layer])
+        return tuple({"streaming": 0, "sparse": k, "dense": all_blocks}[m]
+                     for m, k in zip(self.layers[layer], counts, strict=True))
 
     @property
     def digest(self) -> str:
         """What a session built with this profile records (policy param heads=profile:<digest>): the same modes
         measured for the same sizes, the same digest, so a session is never rebuilt on another profile unnoticed."""
-        return self._digest_of({"sizes": self.sizes})
+        blocks = {} if self.blocks is None else {"blocks": {str(k): list(v) for k, v in sorted(self.blocks.items())}}
+        return self._digest_of({"sizes": self.sizes, **blocks})
 
     @property
     def legacy_digest(self) -> str:
@@ -87,8 +96,25 @@ class HeadProfile:
                                    "measured for")
         if not isinstance(data.get("fingerprint"), str):
             raise HeadProfileError("a damaged profile: no model fingerprint")
-        return cls(data["fingerprint"], {int(k): tuple(v) for k, v in modes.items()},
-                   {k: settings[k] for k in SIZES}, text)
+        layers = {int(k): tuple(v) for k, v in modes.items()}
+        return cls(data["fingerprint"], layers, {k: settings[k] for k in SIZES}, _blocks(data.get("blocks"), modes),
+                   text)
+
+
+def _blocks(blocks, modes: dict[str, list[str]]) -> dict[int, tuple[int, ...]] | None:
+    """A profile's per-head block counts, checked against its modes (None when it has none)."""
+    if blocks is None:
+        return None
+    if not isinstance(blocks, dict) or set(blocks) != set(modes) or not all(
+            isinstance(v, list) and len(v) == len(modes[k]) and all(type(c) is int for c in v)
+            for k, v in blocks.items()):
+        raise HeadProfileError("a damaged profile: `blocks` must give every layer of `modes` one count per head")
+    for k, counts in blocks.items():
+        for h, (mode, c) in enumerate(zip(modes[k], counts, strict=True)):
+            if (c >= 1) != (mode == "sparse") or c < 0:
+                raise HeadProfileError(f"a damaged profile: layer {k} head {h} is {mode} with {c} blocks (a sparse "
+                                       "head keeps at least one, the others none)")
+    return {int(k): tuple(v) for k, v in blocks.items()}
 
 
 def user_dir() -> Path:

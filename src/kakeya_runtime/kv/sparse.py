@@ -77,6 +77,10 @@ class OracleProbe:
     selectable: list[int] | None = None
     # per measured step: (Hk, n + 1), a KV head's query heads' mean mass with its k = 0..n blocks so picked
     curves: list[Tensor] | None = None
+    # the same with the blocks taken in the indexer's order (what a head keeping k blocks gets; a streaming head:
+    # its ceiling curve), that order recomputed in fp32 from block_select's score (so a near-tie may order
+    # differently from the kernel's)
+    index_curves: list[Tensor] | None = None
     # evidence tools' own measure, called per measured step with (the newest query (Hk, G, D) fp32, every exact key
     # (Hk, P, D), the attention probabilities (Hk, G, P), its cold selection (Hk, blocks it could select) bool, the
     # attention's scale)
@@ -84,7 +88,8 @@ class OracleProbe:
 
     @classmethod
     def new(cls) -> OracleProbe:
-        return cls(keys=[], masses=[], window_masses=[], best_masses=[], blocks_for_99=[], selectable=[], curves=[])
+        return cls(keys=[], masses=[], window_masses=[], best_masses=[], blocks_for_99=[], selectable=[], curves=[],
+                   index_curves=[])
 
 
 class SparseLayerKV:
@@ -194,17 +199,27 @@ class SparseLayerKV:
     def clone_empty(self) -> SparseLayerKV:
         return type(self)(**self._init)
 
-    def kept(self, n: int) -> int:
-        """Blocks a sparse head's query keeps of the n it may select (kakeya::block_select's kept())."""
-        share = math.ceil(self.budget * n) if self.budget > 0 else 0
-        return min(n, max(self.topk, share))
+    def kept(self, n: int, topk: int | None = None) -> int:
+        """Blocks a query keeps of the n it may select (kakeya::block_select's kept()), for a head keeping `topk`
+        (default the policy's; 0 a streaming head): the budget's share of n grows a head's count in proportion to
+        its topk, so per-head counts keep their proportions as the history grows."""
+        k = self.topk if topk is None else topk
+        if k == 0:
+            return 0
+        want = self.budget * n if k == self.topk else self.budget * n * k / self.topk
+        share = math.ceil(want) if self.budget > 0 else 0
+        return min(n, max(k, share))
+
+    def most_kept(self, n: int) -> int:
+        """The most blocks any head's query keeps of n."""
+        return max(self.kept(n, k) for k in self.head_topk)
 
     @property
     def decoded_blocks(self) -> int:
         """Slots of the decoded-block cache at the current history."""
         if self._decoded_fixed is not None:
             return self._decoded_fixed
-        return int(self.decoded_per_topk * self.kept(self.n_blocks))
+        return int(self.decoded_per_topk * self.most_kept(self.n_blocks))
 
     @decoded_blocks.setter
     def decoded_blocks(self, n: int) -> None:
@@ -501,8 +516,8 @@ class SparseLayerKV:
         return native.sparse_step_decoded(
             qg, hot, self._cold_head_t, self.kmin, self.kmax, self.n_blocks, positions, scale, window=self.window,
             sink=self.sink, block=self.block, topk=self._topk_t, counters=self._counts, budget=self.budget,
-            maps=maps, step=step, codes=(self.cold_k["code"], self.cold_k["scale"], self.cold_v["code"],
-                                         self.cold_v["scale"]),
+            budget_topk=self.topk, maps=maps, step=step,
+            codes=(self.cold_k["code"], self.cold_k["scale"], self.cold_v["code"], self.cold_v["scale"]),
             rot=lat.h, decoded=decoded, lattice_q=lat.q, bits=lat.bits, lattice_codes=lat.num_blocks,
             selected=selected)
 
@@ -584,19 +599,20 @@ class SparseLayerKV:
                 out, select = native.sparse_step(qg, hot, cold, self.kmin, self.kmax, self.n_blocks, positions, scale,
                                                  window=self.window, sink=self.sink, block=self.block,
                                                  topk=self._topk_t, cold_head=self._cold_head_t,
-                                                 counters=self._counts, budget=self.budget)
+                                                 counters=self._counts, budget=self.budget, budget_topk=self.topk)
             elif self.fused and self._fused_decoded and (got := self._step_decoded(qg, hot, positions, scale)) is not None:
                 out, select = got
             else:
                 select, scored = native.block_select(qg, self.kmin[:, :, : self.n_blocks],
                                                      self.kmax[:, :, : self.n_blocks], positions, window=self.window,
                                                      sink=self.sink, block=self.block, topk=self._topk_t, scale=scale,
-                                                     budget=self.budget)
+                                                     budget=self.budget, budget_topk=self.topk)
                 cold = self._decode_blocks(select)
                 out, seen = native.sparse_attention(qg, hot, cold, select, positions, scale, window=self.window,
                                                     sink=self.sink, block=self.block, cold_head=self._cold_head_t)
                 native.sparse_check(seen, scored, positions, window=self.window, sink=self.sink, block=self.block,
-                                    topk=self._topk_t, counters=self._counts, budget=self.budget)
+                                    topk=self._topk_t, counters=self._counts, budget=self.budget,
+                                    budget_topk=self.topk)
         except RuntimeError as e:  # the kernels' checks: a selectable block without a summary, a selected block
             # that was not provided, a query that did not see its hot range or its blocks
             raise SparseIndexError(str(e).split("\n")[0]) from None
@@ -654,10 +670,8 @@ class SparseLayerKV:
         if self.codec.direct or not self.cold_heads:
             return "direct"
         if self._fused_decoded and (slots := self._grow_decoded()) > 0 and self._dec is not None:
-            # one token keeps at most kept(n_blocks) blocks per head (kept grows with n)
-            most = max(*self.head_topk, self.topk)
-            share = math.ceil(self.budget * self.n_blocks) if self.budget > 0 else 0
-            return "decoded" if not fits or slots >= min(self.n_blocks, max(most, share)) else None
+            # one token keeps at most most_kept(n_blocks) blocks per head (kept grows with n)
+            return "decoded" if not fits or slots >= self.most_kept(self.n_blocks) else None
         return None
 
     def stack_step(self, kind: str | int) -> tuple:
@@ -682,7 +696,8 @@ class SparseLayerKV:
         hot = self._hot_all if self._ring_full else (self.k_hot[:, :, :end], self.v_hot[:, :, :end],
                                                      self.hot_pos[:end])
         return ((*hot, self._counts), cold, (self.kmin, self.kmax, self._topk_t, self._cold_head_t),
-                (self.slot(start), self.n_blocks, self.window, self.sink, self.block), self.budget, decoded, lattice)
+                (self.slot(start), self.n_blocks, self.window, self.sink, self.block, self.topk), self.budget, decoded,
+                lattice)
 
     def stack_done(self, hits: int, misses: int) -> None:
         """A D4 layer's decoded-block counts from a whole-stack call."""
@@ -729,12 +744,30 @@ class SparseLayerKV:
                                  .flatten().tolist())
         curve = hot_mass.mean(1, keepdim=True) + ranked.mean(1)  # (Hk, n + 1)
         probe.curves.append(curve)
+        probe.index_curves.append(self._index_curve(q[0, :, -1].float().view(hk, g, -1), cold, curve, scale))
         reach = curve >= 0.99  # k blocks reach it
         probe.blocks_for_99.append([int(r.nonzero()[0]) if r.any() else n for r in reach])
         probe.selectable.append(n)
         if probe.on_step is not None:
             picked = chosen[:, self.sink: self.sink + n * self.block].reshape(hk, n, self.block)[:, :, 0]
             probe.on_step(q[0, :, -1].float().view(hk, g, -1), keys, probs, picked, scale)
+
+    def _index_curve(self, q: Tensor, cold: Tensor, ceiling: Tensor, scale: float) -> Tensor:
+        """(Hk, n + 1): each cold head's query heads' mean mass with its k = 0..n blocks taken in block_select's
+        order (per query head a softmax over the blocks of q . mid + |q| . half from the box shrunk by 0.5 and from
+        the whole box, summed over the heads, the larger of the two; ties to the lower block). q (Hk, G, D), cold
+        (Hk, G, n) the true mass per block; a streaming head's row is its `ceiling` row."""
+        out = ceiling.clone()
+        n = cold.shape[2]
+        for h, c in enumerate(self._cold_head_t.tolist()):
+            if c < 0 or n == 0:
+                continue
+            mn, mx = self.kmin[0, c, :n].float(), self.kmax[0, c, :n].float()  # (n, D)
+            centre, spread = q[h] @ ((mn + mx) / 2).T, q[h].abs() @ (mx - mn).T  # (G, n)
+            shares = [torch.softmax(scale * (centre + box * spread), -1).sum(0) for box in (0.25, 0.5)]
+            order = torch.argsort(-torch.maximum(*shares), stable=True)
+            out[h, 1:] = ceiling[h, 0] + cold[h].mean(0)[order].cumsum(0)
+        return out
 
     def update_and_fetch(self, k: Tensor, v: Tensor, positions: Tensor):
         raise CacheError("a sparse layer attends itself (models.layers.Attention calls attend with the queries)")

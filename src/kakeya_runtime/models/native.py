@@ -197,39 +197,41 @@ def sparse_attention(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, tor
 
 def block_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, q_pos: torch.Tensor, *, window: int,
                  sink: int, block: int, topk: int | torch.Tensor, scale: float = 0.0,
-                 budget: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 budget: float = 0.0, budget_topk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse policy's indexer: for each token (rows of q (B, Hk, R, D) ordered (group, token)) the cold
     blocks with the largest estimated attention share (per query head a softmax, at `scale` (0: 1/sqrt(D)), of
     its logit bound over the block's key min/max box (B, Hk, N, D), shrunk about its centre and whole; summed
     over the heads sharing the KV head; the larger of the two shares), among the n(t) blocks wholly outside its
     window; it keeps min(n(t), max(topk,
     ceil(budget * n(t)))). `topk`: one for every head, or (Hk,) int64 per head (0: a streaming head, which has
-    no summaries: kmin/kmax then hold only the heads with topk > 0). Returns (select (B, Hk, T, words) int64
+    no summaries: kmin/kmax then hold only the heads with topk > 0). `budget_topk` (per-head counts): the policy's
+    topk; a head with another topk grows to ceil(budget * n(t) * topk / budget_topk) instead. Returns (select (B, Hk, T, words) int64
     bitsets, scored (B, Hk, T) int64 = n(t), 0 for streaming heads); raises when a token could select a block
     that has no summary."""
     if _loaded is None:
         load()
     return torch.ops.kakeya.block_select(q, kmin, kmax, q_pos, window, sink, block, _per_head(topk, q.shape[1]),
-                                         scale, budget)
+                                         scale, budget, budget_topk)
 
 
 def sparse_check(seen: torch.Tensor, scored: torch.Tensor, q_pos: torch.Tensor, *, window: int, sink: int,
-                 block: int, topk: int | torch.Tensor, counters: torch.Tensor, budget: float = 0.0) -> None:
+                 block: int, topk: int | torch.Tensor, counters: torch.Tensor, budget: float = 0.0,
+                 budget_topk: int = 0) -> None:
     """The sparse step's tripwire on sparse_attention's `seen` counts: raises unless every query row saw exactly
-    its sinks and hot range and the min(scored, max(topk, ceil(budget * scored))) whole cold blocks the indexer
-    keeps (0 for a streaming head). Then adds the step to `counters`, int64 (8,):
+    its sinks and hot range and the whole cold blocks the indexer keeps (block_select's count; 0 for a streaming
+    head). Then adds the step to `counters`, int64 (8,):
     steps, query tokens x KV heads, blocks scored, blocks selected, keys attended, keys visible (summed), and
     the newest token's attended and visible keys (summed over batch and KV heads, set each step)."""
     if _loaded is None:
         load()
     torch.ops.kakeya.sparse_check(seen, scored, q_pos, window, sink, block, _per_head(topk, seen.shape[1]), counters,
-                                  budget)
+                                  budget, budget_topk)
 
 
 def sparse_step(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cold: tuple[torch.Tensor, ...],
                 kmin: torch.Tensor, kmax: torch.Tensor, n_blocks: int, q_pos: torch.Tensor, scale: float, *,
                 window: int, sink: int, block: int, topk: torch.Tensor, cold_head: torch.Tensor,
-                counters: torch.Tensor, budget: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                counters: torch.Tensor, budget: float = 0.0, budget_topk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """block_select over the first n_blocks summaries, sparse_attention over `hot` and `cold` (a cold tier the
     kernel reads as stored: bf16 blocks or int8 codes with their scales, and the slots) and sparse_check into
     `counters`, in one call. Returns the output (B, Hk, R, D) and the selection bitsets (B, Hk, T, words)."""
@@ -238,7 +240,7 @@ def sparse_step(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, torch.Te
     k, v, *scales, slot = cold
     k_scale, v_scale = scales if scales else (None, None)
     return torch.ops.kakeya.sparse_step(q, *hot, k, v, k_scale, v_scale, slot, cold_head, kmin, kmax, n_blocks, topk,
-                                        q_pos, window, sink, block, scale, counters, budget)
+                                        q_pos, window, sink, block, scale, counters, budget, budget_topk)
 
 
 def sparse_step_decoded(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cold_head: torch.Tensor,
@@ -246,8 +248,8 @@ def sparse_step_decoded(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, 
                         window: int, sink: int, block: int, topk: torch.Tensor, counters: torch.Tensor,
                         budget: float, maps: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
                         codes: tuple[torch.Tensor, ...], rot: torch.Tensor, decoded: tuple[torch.Tensor, torch.Tensor],
-                        lattice_q: int, bits: int, lattice_codes: int,
-                        selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+                        lattice_q: int, bits: int, lattice_codes: int, selected: torch.Tensor | None = None,
+                        budget_topk: int = 0) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """sparse_step for a D4 cold tier with a decoded-block cache: block_select, then the cache's bookkeeping
     (`maps`: block -> slot (Hc, >= N), slot -> block and the step each slot was last read (Hc, slots), updated in
     place) and the decode of the (head, block) pairs it lacks (`codes`: k code, k scale, v code, v scale (B, Hc,
@@ -260,7 +262,7 @@ def sparse_step_decoded(q: torch.Tensor, hot: tuple[torch.Tensor, torch.Tensor, 
         load()
     return torch.ops.kakeya.sparse_step_decoded(q, *hot, cold_head, kmin, kmax, n_blocks, topk, q_pos, window, sink,
                                                 block, scale, counters, budget, *maps, step, *codes, rot, *decoded,
-                                                lattice_q, bits, lattice_codes, selected)
+                                                lattice_q, bits, lattice_codes, selected, budget_topk)
 
 
 def decoder_layer_sparse(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_pos: torch.Tensor,

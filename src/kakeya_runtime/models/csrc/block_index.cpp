@@ -17,7 +17,8 @@
 // Token t (position p) may select among the blocks wholly outside its window, n(p) = max(0, p + 1 - window -
 // sink) / block of them (blocks j cover positions sink + j * block ...); it keeps kept(topk, n(p), budget) =
 // min(n(p), max(topk, ceil(budget * n(p)))) of them (0 for a streaming head), the highest scores first, ties
-// to the lower block: the budget grows the selection with the history. Missing summaries (N < n(p)) are an
+// to the lower block: the budget grows the selection with the history. With per-head counts (a fitted head
+// profile) `budget_topk` is the policy's topk and a head's share is scaled by its topk / budget_topk. Missing summaries (N < n(p)) are an
 // error, never a smaller choice. Returns select (B, Hk, T, words) int64 bitsets and scored (B, Hk, T) int64 =
 // n(p) (0 for a streaming head: it scores nothing).
 
@@ -38,10 +39,15 @@ constexpr float BOX = 0.5f;  // the summary box's shrink about its centre (1: Qu
 constexpr float HALF = 0.5f * BOX;  // half = HALF * (kmax - kmin)
 constexpr int64_t LANES = 16;  // blocks per vector of terms
 
-// Blocks a query keeps of the n it may select: a head's topk (0: streaming), grown to ceil(budget * n).
-inline int64_t kept(int64_t topk, int64_t n, double budget) {
+// Blocks a query keeps of the n it may select: a head's topk (0: streaming), grown to its share of the budget,
+// ceil(budget * n) scaled by topk / ref for a head whose topk is not the policy's `ref` (per-head counts: the
+// budget keeps their proportions as the history grows; ref 0 or topk == ref: ceil(budget * n), the same bits).
+inline int64_t kept(int64_t topk, int64_t n, double budget, int64_t ref) {
   if (topk == 0) return 0;
-  const int64_t share = budget > 0 ? static_cast<int64_t>(std::ceil(budget * static_cast<double>(n))) : 0;
+  const double dn = static_cast<double>(n);
+  const double want = ref > 0 && topk != ref ? budget * dn * static_cast<double>(topk) / static_cast<double>(ref)
+                                             : budget * dn;
+  const int64_t share = budget > 0 ? static_cast<int64_t>(std::ceil(want)) : 0;
   return std::min(n, std::max(topk, share));
 }
 
@@ -290,7 +296,8 @@ inline int64_t selectable_blocks(int64_t topk, int64_t p, int64_t window, int64_
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& q_pos,
          int64_t window, int64_t sink, int64_t block, const std::vector<int64_t>& head_topk,
-         const std::vector<int64_t>& cold_head, double scale, double budget, at::Tensor& select, at::Tensor& scored) {
+         const std::vector<int64_t>& cold_head, double scale, double budget, int64_t ref, at::Tensor& select,
+         at::Tensor& scored) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), NT = q_pos.size(0);
   const int64_t G = R / NT, words = select.size(3);
   const int64_t* qp = q_pos.const_data_ptr<int64_t>();
@@ -305,7 +312,7 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
   for (int64_t item = 0; item < items; ++item) {
     const int64_t topk = head_topk[(item / NT) % H];
     const int64_t n = nsc[item] = selectable_blocks(topk, qp[item % NT], window, sink, block);
-    if (n > kept(topk, n, budget)) most = std::max(most, n);
+    if (n > kept(topk, n, budget, ref)) most = std::max(most, n);
   }
   // Estimating: work items of CHUNK blocks of one (batch, head) for up to TG of its tokens. Only the (batch,
   // head)s that score anything.
@@ -317,7 +324,7 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
   scores_any.assign(B * H, 0);
   for (int64_t item = 0; item < items; ++item) {
     const int64_t n = nsc[item];
-    if (n > kept(head_topk[(item / NT) % H], n, budget)) scores_any[item / NT] = 1;
+    if (n > kept(head_topk[(item / NT) % H], n, budget, ref)) scores_any[item / NT] = 1;
   }
   // (2, items, G, most): the shrunk box's estimates, then the whole box's; every read entry is written
   // (slot 4 of the per-thread scratch when small: no heap call per decode step)
@@ -335,7 +342,7 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
     bool have_terms = false;
     for (int64_t t = tg * TG; t < std::min(NT, (tg + 1) * TG); ++t) {
       const int64_t item = bh * NT + t, n = nsc[item];
-      if (n <= kept(head_topk[h], n, budget) || j0 >= n) continue;
+      if (n <= kept(head_topk[h], n, budget, ref) || j0 >= n) continue;
       if (!have_terms) {
         const int64_t off = b * kmin.stride(0) + cold_head[h] * kmin.stride(1) + j0 * kmin.stride(2);
         terms.resize(CHUNK / LANES * 2 * D * LANES);
@@ -356,7 +363,7 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
   const auto choose = [&](int64_t item) {
     thread_local std::vector<uint32_t> keys;  // kept across calls: no heap call per step
     thread_local std::vector<float> share, whole, w, ev;
-    const int64_t n = nsc[item], topk = kept(head_topk[(item / NT) % H], n, budget);
+    const int64_t n = nsc[item], topk = kept(head_topk[(item / NT) % H], n, budget, ref);
     uint64_t* row = sel + item * words;
     std::fill(row, row + words, 0ull);
     if (n == 0) return;
@@ -443,7 +450,8 @@ void run(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, co
 
 std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax,
                                                 const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block,
-                                                const at::Tensor& head_topk, double scale, double budget) {
+                                                const at::Tensor& head_topk, double scale, double budget,
+                                                int64_t budget_topk) {
   TORCH_CHECK(q.device().is_cpu() && kmin.device().is_cpu() && kmax.device().is_cpu(), "block_select: CPU only");
   TORCH_CHECK(q.dim() == 4 && kmin.dim() == 4 && kmin.sizes() == kmax.sizes(),
               "block_select: q (B, Hk, R, D), kmin and kmax (B, Hk, N, D)");
@@ -473,6 +481,7 @@ std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::T
               "block_select: q_pos (T,) contiguous int64, the query rows a multiple of T");
   TORCH_CHECK(window >= 1 && sink >= 0 && block >= 1, "block_select: need window, block >= 1");
   TORCH_CHECK(budget >= 0 && budget <= 1, "block_select: budget must be in [0, 1], got ", budget);
+  TORCH_CHECK(budget_topk >= 0, "block_select: budget_topk must be >= 0, got ", budget_topk);
   if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));  // 0: the usual 1 / sqrt(head_dim)
   const int64_t* qp = q_pos.const_data_ptr<int64_t>();
   int64_t most = 0;
@@ -485,9 +494,11 @@ std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::T
   auto select = reusable_empty(select_site, {q.size(0), q.size(1), q_pos.size(0), words}, q.options().dtype(at::kLong));
   auto scored = reusable_empty(scored_site, {q.size(0), q.size(1), q_pos.size(0)}, q.options().dtype(at::kLong));
   if (q.scalar_type() == at::kFloat) {
-    run<float>(q, kmin, kmax, q_pos, window, sink, block, topks, cold_head, scale, budget, select, scored);
+    run<float>(q, kmin, kmax, q_pos, window, sink, block, topks, cold_head, scale, budget, budget_topk, select,
+               scored);
   } else {
-    run<c10::BFloat16>(q, kmin, kmax, q_pos, window, sink, block, topks, cold_head, scale, budget, select, scored);
+    run<c10::BFloat16>(q, kmin, kmax, q_pos, window, sink, block, topks, cold_head, scale, budget, budget_topk,
+                       select, scored);
   }
   return {select, scored};
 }
@@ -500,7 +511,7 @@ std::tuple<at::Tensor, at::Tensor> block_select(const at::Tensor& q, const at::T
 // it could see, summed over batch and KV heads (the layer's attended share: [6] / [7]).
 void sparse_check(const at::Tensor& seen, const at::Tensor& scored, const at::Tensor& q_pos, int64_t window,
                   int64_t sink, int64_t block, const at::Tensor& head_topk, const at::Tensor& counters,
-                  double budget) {
+                  double budget, int64_t budget_topk) {
   TORCH_CHECK(seen.dim() == 4 && seen.size(3) == 2 && seen.scalar_type() == at::kLong && seen.is_contiguous(),
               "sparse_check: seen (B, Hk, R, 2) contiguous int64");
   TORCH_CHECK(q_pos.dim() == 1 && q_pos.scalar_type() == at::kLong && q_pos.is_contiguous() && q_pos.size(0) >= 1 &&
@@ -527,14 +538,15 @@ void sparse_check(const at::Tensor& seen, const at::Tensor& scored, const at::Te
       const int64_t p = qp[t], out = p + 1 - window - sink;
       const int64_t lo = out <= 0 ? sink : sink + out / block * block;  // the hot range's first position
       const int64_t want_hot = std::min(p + 1, sink) + std::max<int64_t>(0, p + 1 - lo);
-      const int64_t topk = tks[bh % H], n = sc[bh * T + t], want_cold = kept(topk, n, budget) * block;
+      const int64_t topk = tks[bh % H], n = sc[bh * T + t];
+      const int64_t want_cold = kept(topk, n, budget, budget_topk) * block;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t* row = sn + ((bh * R) + g * T + t) * 2;
         TORCH_CHECK(row[0] == want_hot, "the query at position ", p, " saw ", row[0],
                     " keys of its sinks and hot range, not ", want_hot);
         TORCH_CHECK(row[1] == want_cold, "the indexer's blocks were not attended: the query at position ", p, " saw ",
                     row[1], " cold keys, not ", want_cold, " (", want_cold / block, " of ", n, " blocks of ", block,
-                    ": top-", topk, ", budget ", budget, ")");
+                    ": top-", topk, ", budget ", budget, " of top-", budget_topk, ")");
       }
       scored_sum += n;
       selected += want_cold / block;
@@ -561,15 +573,15 @@ std::tuple<at::Tensor, at::Tensor> sparse_step(
     const std::optional<at::Tensor>& cold_v_scale, const at::Tensor& cold_slot, const at::Tensor& cold_head,
     const at::Tensor& kmin, const at::Tensor& kmax, int64_t n_blocks, const at::Tensor& head_topk,
     const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block, double scale, const at::Tensor& counters,
-    double budget) {
+    double budget, int64_t budget_topk) {
   TORCH_CHECK(kmin.dim() == 4 && n_blocks >= 0 && n_blocks <= kmin.size(2), "sparse_step: ", n_blocks,
               " blocks, summaries (B, Hc, N, D) for ", kmin.dim() == 4 ? kmin.size(2) : -1);
   auto [select, scored] = block_select(q, kmin.narrow(2, 0, n_blocks), kmax.narrow(2, 0, n_blocks), q_pos, window,
-                                       sink, block, head_topk, scale, budget);
+                                       sink, block, head_topk, scale, budget, budget_topk);
   auto [out, seen] = kakeya_ops::sparse_attention(q, hot_k, hot_v, hot_pos, cold_k, cold_v, cold_k_scale,
                                                   cold_v_scale, cold_slot, cold_head, select, q_pos, window, sink,
                                                   block, scale);
-  sparse_check(seen, scored, q_pos, window, sink, block, head_topk, counters, budget);
+  sparse_check(seen, scored, q_pos, window, sink, block, head_topk, counters, budget, budget_topk);
   return {out, select};
 }
 
@@ -766,7 +778,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> sparse_step_decoded(
     const at::Tensor& slot_used, int64_t step, const at::Tensor& k_code, const at::Tensor& k_scale,
     const at::Tensor& v_code, const at::Tensor& v_scale, const at::Tensor& rot, const at::Tensor& dec_k,
     const at::Tensor& dec_v, int64_t lattice_q, int64_t bits, int64_t codes,
-    const std::optional<at::Tensor>& selected) {
+    const std::optional<at::Tensor>& selected, int64_t budget_topk) {
   TORCH_CHECK(kmin.dim() == 4 && n_blocks >= 0 && n_blocks <= kmin.size(2), "sparse_step_decoded: ", n_blocks,
               " blocks, summaries (B, Hc, N, D) for ", kmin.dim() == 4 ? kmin.size(2) : -1);
   TORCH_CHECK(k_code.dim() == 5 && k_code.size(3) == block, "sparse_step_decoded: codes of ", block, "-position blocks");
@@ -780,7 +792,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> sparse_step_decoded(
     scored = selectable(q, q_pos, window, sink, block, head_topk);
   } else {
     std::tie(select, scored) = block_select(q, kmin.narrow(2, 0, n_blocks), kmax.narrow(2, 0, n_blocks), q_pos,
-                                            window, sink, block, head_topk, scale, budget);
+                                            window, sink, block, head_topk, scale, budget, budget_topk);
   }
   const auto [hits, misses] = decoded_fill(select, cold_head, n_blocks, block_slot, slot_block, slot_used, step,
                                            k_code, k_scale, v_code, v_scale, rot, dec_k, dec_v, lattice_q, bits,
@@ -797,7 +809,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> sparse_step_decoded(
   slot.copy_(block_slot.narrow(1, 0, n_blocks));
   auto [out, seen] = kakeya_ops::sparse_attention(q, hot_k, hot_v, hot_pos, dec_k, dec_v, std::nullopt, std::nullopt,
                                                   slot, cold_head, select, q_pos, window, sink, block, scale);
-  sparse_check(seen, scored, q_pos, window, sink, block, head_topk, counters, budget);
+  sparse_check(seen, scored, q_pos, window, sink, block, head_topk, counters, budget, budget_topk);
   return {out, select, hits, misses};
 }
 
@@ -836,18 +848,19 @@ void ring_write(const at::Tensor& k_hot, const at::Tensor& v_hot, const at::Tens
 
 TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.def("block_select(Tensor q, Tensor kmin, Tensor kmax, Tensor q_pos, int window, int sink, int block, "
-        "Tensor head_topk, float scale=0., float budget=0.) -> (Tensor, Tensor)");
+        "Tensor head_topk, float scale=0., float budget=0., int budget_topk=0) -> (Tensor, Tensor)");
   m.def("sparse_check(Tensor seen, Tensor scored, Tensor q_pos, int window, int sink, int block, Tensor head_topk, "
-        "Tensor(a!) counters, float budget=0.) -> ()");
+        "Tensor(a!) counters, float budget=0., int budget_topk=0) -> ()");
   m.def("sparse_step(Tensor q, Tensor hot_k, Tensor hot_v, Tensor hot_pos, Tensor cold_k, Tensor cold_v, "
         "Tensor? cold_k_scale, Tensor? cold_v_scale, Tensor cold_slot, Tensor cold_head, Tensor kmin, Tensor kmax, "
         "int n_blocks, Tensor head_topk, Tensor q_pos, int window, int sink, int block, float scale, "
-        "Tensor(a!) counters, float budget=0.) -> (Tensor, Tensor)");
+        "Tensor(a!) counters, float budget=0., int budget_topk=0) -> (Tensor, Tensor)");
   m.def("sparse_step_decoded(Tensor q, Tensor hot_k, Tensor hot_v, Tensor hot_pos, Tensor cold_head, Tensor kmin, "
         "Tensor kmax, int n_blocks, Tensor head_topk, Tensor q_pos, int window, int sink, int block, float scale, "
         "Tensor(a!) counters, float budget, Tensor(b!) block_slot, Tensor(c!) slot_block, Tensor(d!) slot_used, "
         "int step, Tensor k_code, Tensor k_scale, Tensor v_code, Tensor v_scale, Tensor rot, Tensor(e!) dec_k, "
-        "Tensor(f!) dec_v, int lattice_q, int bits, int codes, Tensor? selected=None) -> (Tensor, Tensor, int, int)");
+        "Tensor(f!) dec_v, int lattice_q, int bits, int codes, Tensor? selected=None, int budget_topk=0) -> "
+        "(Tensor, Tensor, int, int)");
   m.def("ring_write(Tensor(a!) k_hot, Tensor(b!) v_hot, Tensor(c!) hot_pos, Tensor k, Tensor v, Tensor positions, "
         "int slot) -> ()");
 }

@@ -180,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_step(
     const std::optional<at::Tensor>& cold_v_scale, const at::Tensor& cold_slot, const at::Tensor& cold_head,
     const at::Tensor& kmin, const at::Tensor& kmax, int64_t n_blocks, const at::Tensor& head_topk,
     const at::Tensor& q_pos, int64_t window, int64_t sink, int64_t block, double scale, const at::Tensor& counters,
-    double budget);
+    double budget, int64_t budget_topk);
 std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> sparse_step_decoded(
     const at::Tensor& q, const at::Tensor& hot_k, const at::Tensor& hot_v, const at::Tensor& hot_pos,
     const at::Tensor& cold_head, const at::Tensor& kmin, const at::Tensor& kmax, int64_t n_blocks,
@@ -189,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> sparse_step_decoded(
     const at::Tensor& slot_used, int64_t step, const at::Tensor& k_code, const at::Tensor& k_scale,
     const at::Tensor& v_code, const at::Tensor& v_scale, const at::Tensor& rot, const at::Tensor& dec_k,
     const at::Tensor& dec_v, int64_t lattice_q, int64_t bits, int64_t codes,
-    const std::optional<at::Tensor>& selected);
+    const std::optional<at::Tensor>& selected, int64_t budget_topk);
 at::Tensor cached_attention_rows_append(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                                         at::TensorList k, at::TensorList v, at::TensorList k_pos,
                                         at::IntArrayRef slot, at::IntArrayRef count, at::IntArrayRef write_pos,

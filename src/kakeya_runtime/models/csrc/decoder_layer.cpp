@@ -127,7 +127,7 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::T
 // call: the layer's first half, the new K/V into the hot ring (ring_write), the sparse step, the second half; the
 // split path's calls in its order (the same functions on the same inputs: the same bits, the same cache writes).
 // state [k_hot, v_hot, hot_pos, counters]; index [kmin, kmax, head_topk, cold_head]; geometry [slot, n_blocks,
-// window, sink, block]. A cold tier read as stored: cold [cold_k, cold_v, cold_slot] or with int8 scales [cold_k,
+// window, sink, block, budget_topk]. A cold tier read as stored: cold [cold_k, cold_v, cold_slot] or with int8 scales [cold_k,
 // cold_v, k_scale, v_scale, cold_slot], `decoded` empty (kakeya::sparse_step). A D4 tier: cold [k_code, k_scale,
 // v_code, v_scale, rot], decoded [block_slot, slot_block, slot_used, dec_k, dec_v], lattice [step, q, bits, codes]
 // (kakeya::sparse_step_decoded). Returns (the layer's output (1, 1, C), select, hits, misses, q (1, Hk, G, D)); when
@@ -138,8 +138,8 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t, at::Tensor> decoder_layer_s
     at::IntArrayRef config, at::ArrayRef<double> params, at::TensorList state, at::TensorList cold,
     at::TensorList index, at::IntArrayRef geometry, double budget, at::TensorList decoded, at::IntArrayRef lattice) {
   TORCH_CHECK(h.size(0) == 1 && q_pos.numel() == 1, "decoder_layer_sparse: one row, one token");
-  TORCH_CHECK(state.size() == 4 && index.size() == 4 && geometry.size() == 5,
-              "decoder_layer_sparse: state (4), index (4) and geometry (5) as kv/sparse.py packs them");
+  TORCH_CHECK(state.size() == 4 && index.size() == 4 && geometry.size() == 6,
+              "decoder_layer_sparse: state (4), index (4) and geometry (6) as kv/sparse.py packs them");
   TORCH_CHECK(decoded.empty() ? (cold.size() == 3 || cold.size() == 5) : (cold.size() == 5 && decoded.size() == 5 &&
                                                                           lattice.size() == 4),
               "decoder_layer_sparse: cold (3 or 5) for a tier read as stored; cold (5), decoded (5), lattice (4) "
@@ -147,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t, at::Tensor> decoder_layer_s
   const auto [q, k_new, v_new] = attention_inputs(h, cos, sin, weights, config, params);
   const int64_t H = config[kHeads], Hk = config[kKvHeads], D = config[kHeadDim];
   const int64_t slot = geometry[0], n_blocks = geometry[1], window = geometry[2], sink = geometry[3],
-                block = geometry[4];
+                block = geometry[4], budget_topk = geometry[5];
   const double scale = params[2];
   kakeya_ops::ring_write(state[0], state[1], state[2], k_new, v_new, q_pos, slot);
   const auto qg = q.reshape({1, Hk, H / Hk, D}).contiguous();  // rows (group, token), as SparseLayerKV.attend
@@ -158,12 +158,12 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t, at::Tensor> decoder_layer_s
     std::tie(out, select) = kakeya_ops::sparse_step(
         qg, state[0], state[1], state[2], cold[0], cold[1], int8 ? std::optional<at::Tensor>(cold[2]) : std::nullopt,
         int8 ? std::optional<at::Tensor>(cold[3]) : std::nullopt, cold[int8 ? 4 : 2], index[3], index[0], index[1],
-        n_blocks, index[2], q_pos, window, sink, block, scale, state[3], budget);
+        n_blocks, index[2], q_pos, window, sink, block, scale, state[3], budget, budget_topk);
   } else {
     std::tie(out, select, hits, misses) = kakeya_ops::sparse_step_decoded(
         qg, state[0], state[1], state[2], index[3], index[0], index[1], n_blocks, index[2], q_pos, window, sink, block,
         scale, state[3], budget, decoded[0], decoded[1], decoded[2], lattice[0], cold[0], cold[1], cold[2], cold[3],
-        cold[4], decoded[3], decoded[4], lattice[1], lattice[2], lattice[3], std::nullopt);
+        cold[4], decoded[3], decoded[4], lattice[1], lattice[2], lattice[3], std::nullopt, budget_topk);
     if (misses < 0) return {at::empty({0}, h.options()), select, hits, misses, qg};
   }
   return {layer_output(out.view({1, H * D}), h, weights, config, params), select, hits, misses, qg};
@@ -249,10 +249,10 @@ struct DecoderStack : torch::CustomClassHolder {
                     int64_t(sink.size()) == rings,
                 "DecoderStack.step_sparse: one cache entry per preallocated layer");
     TORCH_CHECK(int64_t(state.size()) == 4 * sparse && int64_t(index.size()) == 4 * sparse &&
-                    int64_t(geometry.size()) == 5 * sparse && int64_t(budget.size()) == sparse &&
+                    int64_t(geometry.size()) == 6 * sparse && int64_t(budget.size()) == sparse &&
                     int64_t(cold.size()) == cold_total && int64_t(decoded.size()) == 5 * d4 &&
                     int64_t(lattice.size()) == 4 * d4,
-                "DecoderStack.step_sparse: state (4), index (4), geometry (5), a budget per sparse layer, their cold "
+                "DecoderStack.step_sparse: state (4), index (4), geometry (6), a budget per sparse layer, their cold "
                 "tensors, and decoded (5), lattice (4) per D4 layer");
     std::vector<int64_t> hits, misses;
     int64_t r = 0, s = 0, c = 0, d = 0;
@@ -275,7 +275,7 @@ struct DecoderStack : torch::CustomClassHolder {
       auto [out, select, hit, miss, q] = decoder_layer_sparse(
           h, cos[l], sin[l], q_pos, w, cf, pm, at::TensorList(state).slice(4 * s, 4),
           at::TensorList(cold).slice(c, cold_n[s]), at::TensorList(index).slice(4 * s, 4),
-          at::IntArrayRef(geometry).slice(5 * s, 5), budget[s],
+          at::IntArrayRef(geometry).slice(6 * s, 6), budget[s],
           lattice_tier ? at::TensorList(decoded).slice(5 * d, 5) : at::TensorList(),
           lattice_tier ? at::IntArrayRef(lattice).slice(4 * d, 4) : at::IntArrayRef());
       TORCH_CHECK(miss >= 0, "DecoderStack.step_sparse: layer ", l, "'s decoded-block cache could not hold its step's ",
