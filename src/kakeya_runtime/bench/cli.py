@@ -81,7 +81,8 @@ def engine_cmd(
                                "or tiny / tiny-gemma (random weights, for smoke tests)."),
     contexts: str = typer.Option("1024,4096", help="Prompt lengths (tokens) to prefill before decoding."),
     formats: str = typer.Option("bf16,fp32,int8,int4,int4-mixed", help="Weight formats of our engine."),
-    compile: bool = typer.Option(True, "--compile/--no-compile", help="Compiled decode step (torch.compile)."),
+    compile: bool = typer.Option(False, "--compile/--no-compile", help="Compiled decode step (torch.compile; "
+                                 "`kakeya serve` runs eager unless asked)."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also run transformers and llama.cpp."),
     decode_steps: int = typer.Option(64, min=1, help="Decode steps timed per configuration."),
     fidelity_positions: int = typer.Option(256, min=1, help="Positions of real text for KL / top-1 vs bf16."),
@@ -90,8 +91,9 @@ def engine_cmd(
     long_prefill_chunks: str = typer.Option("512,2048", help="Prefill chunk sizes for the long-prefill runs "
                                             "(the larger ones only at the two shortest lengths)."),
     prefill_chunk: int = typer.Option(512, min=1, help="Our engine's prefill chunk (tokens per forward)."),
-    prefill_mode: str = typer.Option("dequant", help="How int formats prefill: dequant (bf16 matmul on weights "
-                                     "dequantized per call), copy (keep a bf16 copy), kernel (int kernel)."),
+    prefill_mode: str = typer.Option("kernel", help="How int formats prefill: kernel (the int kernel, as `kakeya "
+                                     "serve` does), dequant (bf16 matmul on weights dequantized per call), copy (keep "
+                                     "a bf16 copy)."),
     head: str = typer.Option("int8", help="LM head format for the int formats: int8 or int4."),
     threads: int = typer.Option(0, min=0, help="Threads for every engine (0: torch's default)."),
     idle_wait: float = typer.Option(90.0, min=0.0, help="Seconds to wait for an idle CPU before each job."),

@@ -49,7 +49,7 @@ class EngineBenchSpec:
     models: tuple[str, ...] = ("smollm2", "gemma3-270m")
     contexts: tuple[int, ...] = (1024, 4096)
     formats: tuple[str, ...] = ALL_FORMATS
-    compile: bool = True  # compiled decode step (engine.compiled) for our engine
+    compile: bool = False  # compiled decode step (engine.compiled) for our engine (serve runs eager by default)
     peers: bool = True  # transformers + llama.cpp (if importable)
     decode_steps: int = 64
     fidelity_positions: int = 256  # next-token KL / top-1 agreement over this many positions of text

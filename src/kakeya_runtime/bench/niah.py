@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import json
 import os
@@ -41,7 +42,14 @@ from kakeya_runtime.bench.machine import current_rss_bytes, machine_info, peak_r
 from kakeya_runtime.bench.options import dtype_of
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
 from kakeya_runtime.engine.proposers import same_checkpoint_proposer
-from kakeya_runtime.kv.policy import CodecSpec, PolicySpec, compress_idle, decompress, make_policy_cache
+from kakeya_runtime.kv.policy import (
+    CodecSpec,
+    PolicySpec,
+    check_head_profile,
+    compress_idle,
+    decompress,
+    make_policy_cache,
+)
 from kakeya_runtime.kv.spec import SPARSE_BUDGET
 
 SCHEMA = "kakeya.bench.niah"
@@ -355,6 +363,8 @@ def run_niah(model: str = "smollm2", *, lengths: Sequence[int] = (1024, 2048, 40
         raise NiahConfigError(f"length {max(lengths)} does not fit {model}'s context of "
                               f"{loaded.config.max_position_embeddings} positions with {max_new_tokens} new tokens: at "
                               f"most {limit}")
+    # heads=profile names the profile it ran with (profile:<digest>, in the JSON's configs)
+    table = {k: dataclasses.replace(c, policy=check_head_profile(loaded.config, c.policy)) for k, c in table.items()}
     builder = PromptBuilder(loaded.tokenizer, style, loaded.bos_id)
     runner = NiahRunner(loaded, max_new_tokens=max_new_tokens)
     records: list[dict[str, Any]] = []

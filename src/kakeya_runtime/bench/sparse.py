@@ -30,7 +30,7 @@ from kakeya_runtime.bench.engine import bench_text
 from kakeya_runtime.bench.machine import machine_info
 from kakeya_runtime.bench.options import dtype_of
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
-from kakeya_runtime.kv.policy import PolicySpec, make_policy_cache
+from kakeya_runtime.kv.policy import PolicySpec, check_head_profile, make_policy_cache
 from kakeya_runtime.kv.sparse import OracleProbe, SparseKV, SparseLayerKV
 from kakeya_runtime.kv.spec import LATTICE_KINDS
 
@@ -85,7 +85,8 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
     cfg = loaded.config
     params = dict(params or {})
     codecs = [c for c in str(params.pop("codec", "")).split(",") if c] or [None]
-    specs = {c: PolicySpec.parse("sparse", _for_codec(params, c)) for c in codecs}
+    # heads=profile names the profile it ran with (profile:<digest>, in the JSON's policy)
+    specs = {c: check_head_profile(cfg, PolicySpec.parse("sparse", _for_codec(params, c))) for c in codecs}
     first = next(iter(specs.values()))
     floor = PolicySpec.parse("sink_window", sink_window or {"sink": first.sink, "window": first.window})
     engine = Engine(loaded.model, prefill_chunk=prefill_chunk)
