@@ -1,9 +1,8 @@
 """Per-head profiles for the sparse policy (the DuoAttention / RazorAttention idea): each KV head of each governed
 layer is `streaming` (sinks and its hot window only: no cold tier, nothing stored for it), `sparse` (the top-k
 cold blocks) or `dense` (every cold block: heads whose attention the top-k does not capture). A profile may also
-give each sparse head its own block count (`blocks`, fitted by the calibration: more for heads whose attention is
-spread, fewer for focused ones, topk per sparse head on average); the policy's budget then grows each head's count in
-proportion as the history grows.
+give each sparse head its own block count (`blocks`, fitted by the calibration: topk at least, more for heads whose
+attention is spread); the policy's budget then grows each head's count in proportion as the history grows.
 
 `kakeya calibrate heads` (kakeya_runtime.bench.heads) measures the modes on synthetic passkey prompts and writes a
 profile; the policy loads it by model (`heads=profile`), found by the model's architecture fingerprint in the
