@@ -19,46 +19,33 @@ import time
 import torch
 
 from kakeya_runtime.bench.engine import bench_text
+from kakeya_runtime.bench.heads import fit_blocks
 from kakeya_runtime.bench.machine import machine_info
+from kakeya_runtime.bench.sparse import probed_prefill
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
-from kakeya_runtime.kv.policy import PolicySpec, make_policy_cache
-from kakeya_runtime.kv.sparse import OracleProbe, SparseLayerKV
+from kakeya_runtime.kv.policy import PolicySpec
 from kakeya_runtime.models.loader import load_model
 
 
 def curves(engine: Engine, cfg, ids: torch.Tensor, params: dict, steps: int) -> list[torch.Tensor]:
     """Per governed layer: (steps, Hk, n + 1), the mean mass over a KV head's query heads with its k best blocks
     (OracleProbe.curves)."""
-    spec = PolicySpec.parse("sparse", params)
-    cache = make_policy_cache(cfg, spec, capacity=ids.shape[1] + steps + 2, dtype=engine.dtype)
-    layers = [layer for layer in cache if isinstance(layer, SparseLayerKV)]
-    for layer in layers:
-        layer.probe = OracleProbe.new()
-    engine.prefill(cache, ids[:, :-1])
-    for layer in layers:
-        layer.probe.active = True
+    cache, probed = probed_prefill(engine, cfg, PolicySpec.parse("sparse", params), ids[:, :-1],
+                                   ids.shape[1] + steps + 2)
+    layers = list(probed.values())
     list(engine.stream(cache, ids[:, -1:], GenerateRequest(steps, stop_ids=())))
     # the probe's per-step curves; a block sealed mid-run adds a column to later steps: each cut to the first's
     return [torch.stack([c[:, : layer.probe.curves[0].shape[1]] for c in layer.probe.curves]) for layer in layers]
 
 
 def fit(mean_curves: list[torch.Tensor], total: int, floor: int) -> list[list[int]]:
-    """Blocks per (layer, KV head), `floor` each at least, greedily to the largest gain in mean mass: `total` in all."""
-    budget = [[floor] * c.shape[0] for c in mean_curves]
-    left = total - floor * sum(c.shape[0] for c in mean_curves)
-    for _ in range(left):
-        best, where = -1.0, None
-        for li, c in enumerate(mean_curves):
-            for h in range(c.shape[0]):
-                k = budget[li][h]
-                if k + 1 < c.shape[1]:
-                    gain = float(c[h, k + 1] - c[h, k])
-                    if gain > best:
-                        best, where = gain, (li, h)
-        if where is None:
-            break
-        budget[where[0]][where[1]] += 1
-    return budget
+    """Blocks per (layer, KV head), `floor` each at least, greedily to the largest gain in mean mass: `total` in all
+    (kakeya calibrate heads' fit, every head sparse)."""
+    heads = sum(c.shape[0] for c in mean_curves)
+    curves = {str(i): c for i, c in enumerate(mean_curves)}
+    modes = {str(i): ["sparse"] * c.shape[0] for i, c in enumerate(mean_curves)}
+    blocks = fit_blocks(curves, modes, total // heads, floor)
+    return [blocks[str(i)] for i in range(len(mean_curves))]
 
 
 def score(step_curves: list[torch.Tensor], budget: list[list[int]]) -> dict:

@@ -38,10 +38,10 @@ import torch
 from kakeya_runtime.bench.machine import machine_info
 from kakeya_runtime.bench.niah import MODELS, PromptBuilder
 from kakeya_runtime.bench.options import BenchInputError, dtype_of
+from kakeya_runtime.bench.sparse import probed_prefill
 from kakeya_runtime.engine.generate import Engine, GenerateRequest
 from kakeya_runtime.kv.heads import SCHEMA, SCHEMA_VERSION, fingerprint, user_dir
-from kakeya_runtime.kv.policy import PolicySpec, make_policy_cache
-from kakeya_runtime.kv.sparse import OracleProbe, SparseLayerKV
+from kakeya_runtime.kv.policy import PolicySpec
 
 
 def calibrate_heads(model: str = "smollm2", *, dtype: str = "bf16", lengths: tuple[int, ...] = (2048, 4096),
@@ -84,13 +84,8 @@ def calibrate_heads(model: str = "smollm2", *, dtype: str = "bf16", lengths: tup
     def measure(context: list[int], stepped: list[int], generate: int) -> None:
         """Prefill `context`, then feed `stepped` one token per step and generate `generate` greedily, every step
         measured."""
-        cache = make_policy_cache(cfg, spec, capacity=len(context) + len(stepped) + generate + 2, dtype=engine.dtype)
-        layers = {i: layer for i, layer in enumerate(cache) if isinstance(layer, SparseLayerKV)}
-        for layer in layers.values():
-            layer.probe = OracleProbe.new()
-        engine.prefill(cache, torch.tensor([context]))
-        for layer in layers.values():
-            layer.probe.active = True
+        cache, layers = probed_prefill(engine, cfg, spec, torch.tensor([context]),
+                                       len(context) + len(stepped) + generate + 2)
         ids = torch.tensor([stepped])
         if not generate:
             stepper.prefill(cache, ids)

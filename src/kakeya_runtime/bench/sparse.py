@@ -151,16 +151,25 @@ def run_sparse_bench(model: str = "smollm2", *, lengths: tuple[int, ...] = (2048
     return result
 
 
+def probed_prefill(engine: Engine, cfg, spec: PolicySpec, context: torch.Tensor,
+                   capacity: int) -> tuple[Any, dict[int, SparseLayerKV]]:
+    """A sparse cache whose layers carry an OracleProbe, `context` (1, T) prefilled unmeasured, the probes then
+    active: every later step is measured. Returns the cache and its sparse layers by layer index."""
+    cache = make_policy_cache(cfg, spec, capacity=capacity, dtype=engine.dtype)
+    layers = {i: layer for i, layer in enumerate(cache) if isinstance(layer, SparseLayerKV)}
+    for layer in layers.values():
+        layer.probe = OracleProbe.new()
+    engine.prefill(cache, context)
+    for layer in layers.values():
+        layer.probe.active = True
+    return cache, layers
+
+
 def _oracle(engine: Engine, cfg, spec: PolicySpec, ids: torch.Tensor, n: int, oracle_steps: int, decode_tokens: int,
             full_tokens: list[int]) -> dict[str, Any]:
     """The sparse policy's oracle attention mass over `oracle_steps` greedy steps and its agreement with full."""
-    cache = make_policy_cache(cfg, spec, capacity=n + decode_tokens + oracle_steps + 2, dtype=engine.dtype)
-    layers = [layer for layer in cache if isinstance(layer, SparseLayerKV)]
-    for layer in layers:
-        layer.probe = OracleProbe.new()
-    engine.prefill(cache, ids[:, :-1])
-    for layer in layers:
-        layer.probe.active = True
+    cache, probed = probed_prefill(engine, cfg, spec, ids[:, :-1], n + decode_tokens + oracle_steps + 2)
+    layers = list(probed.values())
     stream = engine.stream(cache, ids[:, -1:], GenerateRequest(oracle_steps, stop_ids=()))
     sparse_tokens = [step[0] for step in stream]
     per_layer = [_mass_stats(layer.probe.masses) | {"ceiling_mean": _mass_stats(layer.probe.best_masses)["mean"],
