@@ -449,10 +449,11 @@ def test_model_based_drafts_are_exact_greedy(make_tiny_model, family: str, kind:
         engine.generate(plain_cache, nxt, GenerateRequest(10)).token_ids
 
 
-@pytest.mark.parametrize("kind", ["self", "draft_head"])
+@pytest.mark.parametrize("kind", ["self", "draft_head", "draft_head_vocab"])
 def test_model_based_drafts_sampled_exact(make_tiny_model, kind: str) -> None:
     """Sampled drafts from the draft's own (transformed) distribution q: DRAWS two-token streams match the target
-    (and reject it at a 10% higher temperature)."""
+    (and reject it at a 10% higher temperature). draft_head_vocab: a head that drafts only every other token (its
+    q zero elsewhere), still the target's distribution."""
     from kakeya_runtime.engine.self_draft import DraftHead, DraftHeadProposer, LayerSkipDraft
 
     model = make_tiny_model("llama")
@@ -461,7 +462,8 @@ def test_model_based_drafts_sampled_exact(make_tiny_model, kind: str) -> None:
     if kind == "self":  # it drafts over the stream's own (one-row) cache: real streams
         counts, rate = _draw(engine, LayerSkipDraft(model, layers=2), params, DRAWS, k=1)
     else:
-        head = DraftHead(model, seed=5)
+        vocab = torch.arange(0, model.config.vocab_size, 2) if kind == "draft_head_vocab" else None
+        head = DraftHead(model, seed=5, vocab=vocab)
         counts, rate = _draw_rows(engine, lambda: DraftHeadProposer(head), params, DRAWS)
     exact = _exact_two_tokens(model, PROMPT, params)
     assert _chi2_z(counts, exact) < CHI2_Z

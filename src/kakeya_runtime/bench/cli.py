@@ -294,6 +294,11 @@ def spec_cmd(
     verify_cost: str = typer.Option("measured", help="How the off-switch prices a verifier step: measured (on this "
                                     "machine at start, as `kakeya serve` does) or constant (a fixed 1% per draft)."),
     out: str = typer.Option("results/spec/latest", help="Output directory."),
+    draft_head: str = typer.Option("", "--draft-head", metavar="PATH",
+                                   help="Trained draft head (`kakeya train draft-head`) for the draft_head proposer "
+                                        "(default: a randomly initialised one)."),
+    weights: str = typer.Option("", help="Convert the weights as `kakeya serve --weights` does (bf16, int8, int4, "
+                                         "int4-mixed; default: --dtype as loaded)."),
 ) -> None:
     """Speculative decoding vs plain decode: acceptance at each K, mean accepted length, wall time per token."""
     from kakeya_runtime.bench.spec import PROMPT_STYLES, WORKLOADS, command
@@ -304,7 +309,15 @@ def spec_cmd(
     command(model, dtype, items(proposers, "--proposers", ("history", "self", "draft_head")), k_values,
             floats_in(temperatures, "--temperatures", 0.0, 100.0), max_tokens, items(workloads, "--workloads", WORKLOADS),
             threads or None, Path(out), repeats, prompts or None, merge,
-            measured_cost=items(verify_cost, "--verify-cost", ("measured", "constant"))[0] == "measured")
+            measured_cost=items(verify_cost, "--verify-cost", ("measured", "constant"))[0] == "measured",
+            draft_head=_existing_file(draft_head, "--draft-head") if draft_head else None,
+            weights=items(weights, "--weights", ("bf16", "int8", "int4", "int4-mixed"))[0] if weights else None)
+
+
+def _existing_file(path: str, flag: str) -> Path:
+    if not Path(path).is_file():
+        raise typer.BadParameter(f"{flag} {path}: no such file")
+    return Path(path)
 
 
 @bench_app.command("concurrent")

@@ -157,8 +157,11 @@ def run_spec_bench(model, encode: Callable[[str], list[int]], *, model_name: str
                    proposers: Sequence[str], ks: Sequence[int], temperatures: Sequence[float], max_tokens: int,
                    workloads: Sequence[str], prompts: str = "chat", eos_ids: Sequence[int] = (), repeats: int = 2,
                    out_file: Path | None = None, merge: bool = False, command: str | None = None,
-                   log: Callable[[str], None] | None = print, measured_cost: bool = True) -> dict[str, Any]:
-    """The bench over a loaded model (`encode`: text -> token ids); returns (and writes to `out_file`) the JSON."""
+                   log: Callable[[str], None] | None = print, measured_cost: bool = True,
+                   draft_head: Path | None = None, weights: str | None = None) -> dict[str, Any]:
+    """The bench over a loaded model (`encode`: text -> token ids); returns (and writes to `out_file`) the JSON.
+    `draft_head`: trained weights for the draft_head proposer (else a randomly initialised head); `weights`: the
+    weight format the model was converted to, recorded."""
     from kakeya_runtime.bench.machine import machine_info
     from kakeya_runtime.engine.drafts import HistoryLookup
     from kakeya_runtime.engine.generate import Engine
@@ -173,7 +176,7 @@ def run_spec_bench(model, encode: Callable[[str], list[int]], *, model_name: str
     engine = Engine(model)
     # as `kakeya serve` measures it at start-up (measured_cost False: the constant price of the versions before)
     engine.verify_cost = measure_verify_cost(engine) if measured_cost else None
-    head = DraftHead(model)
+    head = DraftHead(model) if draft_head is None else DraftHead.from_file(model, draft_head)
     make = {"history": HistoryLookup, "self": lambda: LayerSkipDraft(model),
             "draft_head": lambda: DraftHeadProposer(head)}
     stop_ids = tuple(eos_ids)
@@ -220,7 +223,11 @@ def run_spec_bench(model, encode: Callable[[str], list[int]], *, model_name: str
             records = [r for r in old.get("records", []) if r["workload"] not in ran] + records
             commands = list(old.get("commands", [])) + commands
             started = old.get("machine_start", started)
-    result = {"schema": "kakeya.bench.spec", "model": model_name, "dtype": dtype, "prompts": prompts,
+    head_info = {"path": None if draft_head is None else str(draft_head),
+                 "vocab": None if head._rows is None else int(head.vocab.numel()),
+                 "params": sum(p.numel() for p in head.parameters())}
+    result = {"schema": "kakeya.bench.spec", "model": model_name, "dtype": dtype, "weights": weights or dtype,
+              "draft_head": head_info, "prompts": prompts,
               "max_tokens": max_tokens, "repeats": repeats, "threads": torch.get_num_threads(),
               "eos_ids": list(stop_ids), "commands": commands, "machine_start": started,
               "machine_end": machine_info(), "verify_cost": list(engine.verify_cost or ()),
@@ -262,21 +269,29 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def command(model: str, dtype: str, proposers: tuple[str, ...], ks: tuple[int, ...],
             temperatures: tuple[float, ...], max_tokens: int, workloads: tuple[str, ...], threads: int | None,
             out: Path, repeats: int = 2, prompts: str | None = None, merge: bool = False,
-            measured_cost: bool = True) -> dict[str, Any]:
+            measured_cost: bool = True, draft_head: Path | None = None, weights: str | None = None) -> dict[str, Any]:
     from kakeya_runtime.bench.options import dtype_of
     from kakeya_runtime.models.loader import load_model
 
     if threads:
         torch.set_num_threads(threads)
     style = prompts or ("chat" if model == "smollm2" else "completion")
-    loaded = load_model(model, dtype=dtype_of(dtype))
+    if weights is None:
+        loaded = load_model(model, dtype=dtype_of(dtype))
+    else:  # converted as `kakeya serve --weights` converts it (int formats from the fp32 first load)
+        from kakeya_runtime.engine.weights import WeightFormat, quantize_model
+
+        fmt = WeightFormat(weights)
+        loaded = load_model(model, dtype=torch.float32 if fmt.quantized else dtype_of(weights))
+        quantize_model(loaded.model, fmt, **({"head": "int8"} if fmt.quantized else {}))
     tok = loaded.tokenizer
     bos = [] if style == "chat" or loaded.bos_id is None else [loaded.bos_id]
     name = "spec.json" if model == "smollm2" else f"spec-{Path(model).name}.json"
     return run_spec_bench(loaded.model, lambda text: bos + tok.encode(text, add_special_tokens=False).ids,
                           model_name=model, dtype=dtype, proposers=proposers, ks=ks, temperatures=temperatures,
                           max_tokens=max_tokens, workloads=workloads, prompts=style, eos_ids=loaded.eos_ids,
-                          repeats=repeats, out_file=out / name, merge=merge, measured_cost=measured_cost)
+                          repeats=repeats, out_file=out / name, merge=merge, measured_cost=measured_cost,
+                          draft_head=draft_head, weights=weights)
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

@@ -24,6 +24,80 @@ if TYPE_CHECKING:
 
 def register(app: typer.Typer) -> None:
     app.command("generate")(generate)
+    train = typer.Typer(help="Train what the runtime can load (draft heads for speculative decoding).",
+                        no_args_is_help=True)
+    train.command("draft-head")(train_draft_head)
+    app.add_typer(train, name="train")
+
+
+def train_draft_head(
+    out: str = typer.Option(..., "--out", "-o", help="Where to write the head (safetensors), for `kakeya serve "
+                            "--draft-head`; a report JSON is written beside it (.json)."),
+    model: str = typer.Option("smollm2", "--model", "-m",
+                              help="Bundled name (smollm2, gemma3-270m), .gguf file or HF-style directory."),
+    prompts: int = typer.Option(768, "--prompts", min=2, help="Requests the model replies to (a tenth held out)."),
+    reply_tokens: int = typer.Option(128, "--reply-tokens", min=1, help="Greedy tokens per reply at most."),
+    epochs: int = typer.Option(4, "--epochs", min=1),
+    unroll: int = typer.Option(3, "--unroll", min=1, help="Draft steps trained in a chain."),
+    vocab: int = typer.Option(8192, "--vocab", min=0, help="Tokens the head may draft (the replies' most "
+                              "frequent); a draft then reads only their rows of the LM head. 0: every token."),
+    prompts_file: str | None = typer.Option(None, "--prompts-file", metavar="PATH",
+                                            help="Requests to train on, one per line (your workload's own: the head "
+                                                 "learns what the model writes there); default: built-in ones about "
+                                                 "the Python standard library and general topics."),
+    seed: int = typer.Option(0, "--seed", min=0),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="CPU threads for torch (default: torch's)."),
+) -> None:
+    """Train an EAGLE-style draft head on the model's own greedy replies (self-distillation, minutes on a CPU)."""
+    import json
+    import shlex
+    from pathlib import Path
+
+    import torch
+
+    from kakeya_runtime.engine.draft_training import DraftTrainingConfig, DraftTrainingError
+    from kakeya_runtime.engine.draft_training import train_draft_head as train
+    from kakeya_runtime.engine.generate import Engine
+    from kakeya_runtime.models.loader import ModelLoadError, load_model
+
+    target = Path(out)
+    if target.suffix != ".safetensors":
+        raise typer.BadParameter(f"{out}: the head is written as safetensors (name it *.safetensors)")
+    if not target.parent.is_dir():
+        raise typer.BadParameter(f"{target.parent}: no such directory")
+    given = None
+    if prompts_file is not None:
+        try:
+            given = [line for line in Path(prompts_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise typer.BadParameter(f"--prompts-file {prompts_file}: {e}") from None
+        if len(given) < 2:
+            raise typer.BadParameter(f"--prompts-file {prompts_file}: at least 2 non-empty lines (one is held out)")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    cfg = DraftTrainingConfig(prompts=prompts, reply_tokens=reply_tokens, epochs=epochs, unroll=unroll,
+                              vocab=vocab, seed=seed)
+    try:
+        cfg.check()
+        loaded = load_model(model, dtype=torch.bfloat16)
+    except (DraftTrainingError, ModelLoadError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    if loaded.chat_template and (problem := sdk_missing("the chat template the training prompts use")):
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(2)
+    try:
+        head, report = train(Engine(loaded.model), loaded, cfg, log=lambda line: typer.echo(line, err=True),
+                             prompts=given)
+    except DraftTrainingError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    head.save(target)
+    report.update(model=model, model_name=loaded.name, command="kakeya train draft-head " + shlex.join(sys.argv[3:]),
+                  torch_threads=torch.get_num_threads(), created_unix=int(time.time()))
+    target.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    typer.echo(f"wrote {target} (held-out acceptance per draft step {report['heldout_acceptance']}) and "
+               f"{target.with_suffix('.json')}")
 
 
 def generate(

@@ -8,8 +8,9 @@ Both draft from the served checkpoint itself, so speculation needs no second mod
   away after drafting (the verifier then writes the real ones). No extra weights, no extra cache.
 - `DraftHead` + `DraftHeadProposer`: a small block on the target's final hidden states (EAGLE: the feature of
   position t and the embedding of token t+1 predict token t+2), sharing the target's frozen embeddings, final
-  norm and LM head. The head is a slot a training pipeline fills (`DraftHead.load`); randomly initialised it is
-  already exact (the verifier checks everything), just rarely right.
+  norm and LM head, optionally only the head's rows of a vocabulary subset (what it may draft: a draft token then
+  costs a slice of the head's read, not all of it). `kakeya train draft-head` (engine.draft_training) fills it;
+  randomly initialised it is already exact (the verifier checks everything), just rarely right.
 
 When sampling, drafts are drawn from the draft's distribution after the sampler's own transform and that
 distribution is handed to the verifier (q), which is what makes rejection sampling exact.
@@ -27,6 +28,7 @@ from kakeya_runtime.engine.drafts import Draft
 from kakeya_runtime.engine.sampling import SamplingParams, draw, probs_from_logits
 from kakeya_runtime.kv.cache import ModelKV
 from kakeya_runtime.models.base import DecoderModel
+from kakeya_runtime.models.layers import linear
 
 
 class DraftHeadError(ValueError):
@@ -37,6 +39,28 @@ class DraftHeadError(ValueError):
 def _decode_weights(model: DecoderModel) -> int:
     """Weights a decode step reads (every layer plus the LM head): the unit of a draft's cost."""
     return sum(p.numel() for p in model.layers.parameters()) + model.head_weight().numel()
+
+
+def check_vocab(vocab: Tensor, vocab_size: int) -> Tensor:
+    """A draft vocabulary: 1-D integer token ids, strictly increasing, each below `vocab_size` (as int64).
+    DraftHeadError naming what is wrong otherwise."""
+    if vocab.dim() != 1 or vocab.numel() == 0 or vocab.is_floating_point() or vocab.is_complex():
+        raise DraftHeadError(f"vocab must be a non-empty 1-D tensor of token ids, got {vocab.dtype} "
+                             f"{tuple(vocab.shape)}")
+    v = vocab.to(torch.int64)
+    if bool((v[1:] <= v[:-1]).any()):
+        raise DraftHeadError("vocab token ids must be distinct and in increasing order")
+    if int(v[0]) < 0 or int(v[-1]) >= vocab_size:
+        raise DraftHeadError(f"vocab holds token ids outside 0..{vocab_size - 1} (from {int(v[0])} to {int(v[-1])})")
+    return v
+
+
+def _head_rows(model: DecoderModel, vocab: Tensor) -> Tensor:
+    """The LM head's rows of `vocab` as the target multiplies by them (a quantized head's dequantized rows)."""
+    head = model.lm_head
+    if head is not None and hasattr(head, "dequantize_rows"):
+        return head.dequantize_rows(vocab).contiguous()
+    return model.head_weight().detach()[vocab].contiguous()
 
 
 def _pick(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> tuple[int, Tensor | None]:
@@ -111,9 +135,12 @@ class DraftHead(nn.Module):
     """EAGLE-style head: fc([feature; embedding]) -> a residual MLP block -> the target's final norm and LM head.
 
     Only `fc` and the block are its own weights (2C*C + 2*C*I + C); embeddings, norm and head are the target's,
-    frozen and shared (not copied)."""
+    frozen and shared (not copied). With `vocab` (sorted distinct token ids, a buffer saved with the weights) it
+    drafts only those tokens: its logits are the target head's rows for them (copied once, N*C), every other
+    token's -inf, so a sampled draft's q is still a distribution over the whole vocabulary."""
 
-    def __init__(self, model: DecoderModel, *, intermediate: int | None = None, seed: int = 0) -> None:
+    def __init__(self, model: DecoderModel, *, intermediate: int | None = None, seed: int = 0,
+                 vocab: Tensor | None = None) -> None:
         super().__init__()
         c = model.config.hidden_size
         i = intermediate or 2 * c
@@ -128,6 +155,10 @@ class DraftHead(nn.Module):
                 lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / lin.weight.shape[1] ** 0.5)
         self.to(dtype=param.dtype, device=param.device).eval().requires_grad_(False)
         self._target = [model]  # a list: not registered as a submodule (its weights stay the target's)
+        self._rows: Tensor | None = None  # the target head's rows of `vocab` (not saved: the target's own)
+        if vocab is not None:
+            self.register_buffer("vocab", check_vocab(vocab, model.config.vocab_size))
+            self._rows = _head_rows(model, self.vocab)
 
     @property
     def target(self) -> DecoderModel:
@@ -156,7 +187,13 @@ class DraftHead(nn.Module):
         if up is None or up.dim() != 2:
             raise DraftHeadError(f"draft head file {str(path)!r} has no 2-D 'up.weight' (tensors: "
                                  f"{', '.join(sorted(tensors)) or 'none'})")
-        head = cls(model, intermediate=int(up.shape[0]))
+        vocab = tensors.get("vocab")
+        if vocab is not None:
+            try:
+                vocab = check_vocab(vocab, model.config.vocab_size)
+            except DraftHeadError as e:
+                raise DraftHeadError(f"{str(path)!r}: {e}") from None
+        head = cls(model, intermediate=int(up.shape[0]), vocab=vocab)
         head.load_tensors(tensors, source=str(path))
         return head
 
@@ -173,7 +210,10 @@ class DraftHead(nn.Module):
             if tuple(got.shape) != tuple(t.shape):
                 raise DraftHeadError(f"{source}: {name} has shape {tuple(got.shape)}, the served model "
                                      f"(hidden size {self.fc.weight.shape[0]}) needs {tuple(t.shape)}")
-            if not got.is_floating_point():
+            if name == "vocab":
+                if not torch.equal(check_vocab(got, self.target.config.vocab_size), self.vocab):
+                    raise DraftHeadError(f"{source}: vocab differs from this head's (build the head from the file)")
+            elif not got.is_floating_point():
                 raise DraftHeadError(f"{source}: {name} is {got.dtype}, not a float tensor")
         self.load_state_dict({k: v.to(want[k].dtype) for k, v in tensors.items()})
 
@@ -185,7 +225,10 @@ class DraftHead(nn.Module):
         h = self.fc(torch.cat([feature.to(emb.dtype), emb]))
         x = h * torch.rsqrt(h.float().pow(2).mean() + 1e-6).to(h.dtype) * self.norm_scale
         h = h + self.down(torch.nn.functional.silu(self.up(x)))
-        logits = t.project(t.norm(h[None, None]))[0, 0]
+        if self._rows is None:
+            return t.project(t.norm(h[None, None]))[0, 0], h
+        logits = torch.full((t.config.vocab_size,), float("-inf"), device=h.device)
+        logits[self.vocab] = linear(t.norm(h[None]), self._rows, out_fp32=True)[0]
         return logits, h
 
 
@@ -199,8 +242,9 @@ class DraftHeadProposer:
     def __init__(self, head: DraftHead) -> None:
         self.head = head
         self.feature: Tensor | None = None
-        own = sum(p.numel() for p in head.parameters())  # + the shared LM head, read once per drafted token
-        self.draft_cost = (own + head.target.head_weight().numel()) / _decode_weights(head.target)
+        own = sum(p.numel() for p in head.parameters())  # + the shared LM head (or its rows), per drafted token
+        rows = head.target.head_weight().numel() if head._rows is None else head._rows.numel()
+        self.draft_cost = (own + rows) / _decode_weights(head.target)
 
     def attach(self, cache: ModelKV) -> None:
         pass
