@@ -64,7 +64,7 @@ def test_a_trained_head_drafts_the_models_replies_better_than_an_untrained_one(s
     engine = Engine(loaded.model)
     cfg = DraftTrainingConfig(prompts=48, reply_tokens=32, epochs=3, vocab=2048, unroll=2)
     head, report = train_draft_head(engine, loaded, cfg)
-    assert report["sequences"] == 48 and report["heldout_sequences"] == 4
+    assert report["sequences"] == 48 and report["heldout_sequences"] == 4 and report["prompt_source"] == "built-in"
     assert len(report["heldout_acceptance"]) == 2 and len(report["epochs"]) == 3
     assert head.vocab.numel() == 2048 and bool((head.vocab[1:] > head.vocab[:-1]).all())
     # Replies to 4 prompts the training never saw, scored by the untrained chain (the training's starting point)

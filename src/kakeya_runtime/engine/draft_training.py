@@ -59,6 +59,14 @@ WORD_TEMPLATES = (
     "Write a JSON object describing {w} with a name, a category and three properties.",
     "I am building an agent that deals with {w}. Which tools should it call, and in what order?",
     "Why is {w} important?",
+    "Can you help me plan a project about {w}?",
+    "Write a paragraph about {w}.",
+    "Explain how {w} works, step by step.",
+    "Write a short poem about {w}.",
+    "What questions should I ask an expert on {w}?",
+    "Give some advice to a beginner learning about {w}.",
+    "Describe a day in the life of someone who works with {w}.",
+    "What is a common misconception about {w}?",
 )
 SKIP_MODULES = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"})
 
@@ -273,9 +281,9 @@ def train_draft_head(engine: Engine, loaded, cfg: DraftTrainingConfig, log: Call
         texts = texts[:cfg.prompts]
     if len(texts) < 2:
         raise DraftTrainingError(f"only {len(texts)} prompts could be built here")
-    prompts = [_encode(loaded, t, chat) for t in texts]
+    encoded = [_encode(loaded, t, chat) for t in texts]
     started = time.monotonic()
-    seqs = greedy_replies(engine, config, prompts, cfg.reply_tokens, cfg.rows, set(loaded.eos_ids), log)
+    seqs = greedy_replies(engine, config, encoded, cfg.reply_tokens, cfg.rows, set(loaded.eos_ids), log)
     feats = reply_features(engine, config, seqs)
     gen_s = time.monotonic() - started
     order = list(range(len(seqs)))
