@@ -67,3 +67,40 @@ def test_spec_bench_refuses_unknown_workloads_and_styles(tiny) -> None:
     with pytest.raises(ValueError, match="prompt style"):
         workload_prompt("reformat_json", "poetry")
     assert workload_prompt("reformat_json", "completion")[0] == "copy"
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_spec_bench_runs_a_given_draft_head(tiny, tmp_path) -> None:
+    """--draft-head: the bench drafts with that file's head (here one restricted to even token ids) and records it."""
+    import torch
+
+    from kakeya_runtime.engine.self_draft import DraftHead
+
+    model, encode = tiny
+    path = tmp_path / "head.safetensors"
+    head = DraftHead(model, seed=3, vocab=torch.arange(0, model.config.vocab_size, 2))
+    head.save(path)
+    out = run_spec_bench(model, encode, model_name="t", dtype="fp32", proposers=("draft_head",), ks=(2,),
+                         temperatures=(0.0,), max_tokens=12, workloads=("chat_explain",), repeats=1, log=None,
+                         measured_cost=False, draft_head=path)
+    assert out["draft_head"] == {"path": str(path), "vocab": head.vocab.numel(),
+                                 "params": sum(p.numel() for p in head.parameters())}
+    (rec,) = out["records"]
+    assert rec["identical"] is True and rec["drafted"] > 0
+
+
+def test_spec_bench_cli_refuses_a_bad_draft_head(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from kakeya_runtime.cli import app
+
+    runner = CliRunner(env={"COLUMNS": "400"})
+    res = runner.invoke(app, ["bench", "spec", "--draft-head", str(tmp_path / "missing.safetensors")])
+    assert res.exit_code == 2 and "no such file" in res.output
+    (tmp_path / "junk.safetensors").write_bytes(b"not a head")
+    res = runner.invoke(app, ["bench", "spec", "--draft-head", str(tmp_path / "junk.safetensors"),
+                              "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and "--draft-head: cannot read" in res.output
+    assert not (tmp_path / "out").exists()  # refused before any run
+    res = runner.invoke(app, ["bench", "spec", "--weights", "int3"])
+    assert res.exit_code == 2

@@ -306,12 +306,17 @@ def spec_cmd(
     k_values = tuple(0 if k.lower() == "auto" else positive_ints(k, "--ks")[0] for k in items(ks, "--ks"))  # 0: auto
     if prompts and prompts not in PROMPT_STYLES:
         raise typer.BadParameter(f"--prompts: one of {', '.join(PROMPT_STYLES)}")
-    command(model, dtype, items(proposers, "--proposers", ("history", "self", "draft_head")), k_values,
-            floats_in(temperatures, "--temperatures", 0.0, 100.0), max_tokens, items(workloads, "--workloads", WORKLOADS),
-            threads or None, Path(out), repeats, prompts or None, merge,
-            measured_cost=items(verify_cost, "--verify-cost", ("measured", "constant"))[0] == "measured",
-            draft_head=_existing_file(draft_head, "--draft-head") if draft_head else None,
-            weights=items(weights, "--weights", ("bf16", "int8", "int4", "int4-mixed"))[0] if weights else None)
+    from kakeya_runtime.engine.self_draft import DraftHeadError
+
+    try:
+        command(model, dtype, items(proposers, "--proposers", ("history", "self", "draft_head")), k_values,
+                floats_in(temperatures, "--temperatures", 0.0, 100.0), max_tokens,
+                items(workloads, "--workloads", WORKLOADS), threads or None, Path(out), repeats, prompts or None,
+                merge, measured_cost=items(verify_cost, "--verify-cost", ("measured", "constant"))[0] == "measured",
+                draft_head=_existing_file(draft_head, "--draft-head") if draft_head else None,
+                weights=items(weights, "--weights", ("bf16", "int8", "int4", "int4-mixed"))[0] if weights else None)
+    except DraftHeadError as e:  # a head of another model, or not a head file
+        raise typer.BadParameter(f"--draft-head: {e}") from None
 
 
 def _existing_file(path: str, flag: str) -> Path:

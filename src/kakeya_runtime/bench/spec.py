@@ -173,10 +173,10 @@ def run_spec_bench(model, encode: Callable[[str], list[int]], *, model_name: str
     unknown = set(proposers) - {"history", "self", "draft_head"}
     if unknown:
         raise ValueError(f"unknown proposers {sorted(unknown)}")
+    head = DraftHead(model) if draft_head is None else DraftHead.from_file(model, draft_head)  # a bad file: now
     engine = Engine(model)
     # as `kakeya serve` measures it at start-up (measured_cost False: the constant price of the versions before)
     engine.verify_cost = measure_verify_cost(engine) if measured_cost else None
-    head = DraftHead(model) if draft_head is None else DraftHead.from_file(model, draft_head)
     make = {"history": HistoryLookup, "self": lambda: LayerSkipDraft(model),
             "draft_head": lambda: DraftHeadProposer(head)}
     stop_ids = tuple(eos_ids)
