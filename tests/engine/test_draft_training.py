@@ -166,3 +166,18 @@ def test_a_vocabulary_round_trips_and_bad_ones_are_refused(make_tiny_model, tmp_
     # a file's vocabulary must be the head's own when loaded into an existing head
     with pytest.raises(DraftHeadError, match="vocab"):
         head.load_tensors({**sd, "vocab": torch.tensor([1, 4, 9, 10])})
+
+
+def test_draft_costs_are_the_same_in_every_weight_format(make_tiny_model) -> None:
+    """What the off-switch charges a drafted token (a share of a decode step's weights) counts int layers too: their
+    weights are buffers, and counting only parameters made every draft on int weights look several times dearer."""
+    from kakeya_runtime.engine.self_draft import LayerSkipDraft
+    from kakeya_runtime.engine.weights import WeightFormat, quantize_model
+
+    dense = make_tiny_model("llama")
+    quant = make_tiny_model("llama")
+    quantize_model(quant, WeightFormat.INT8)
+    for make in (lambda m: LayerSkipDraft(m, layers=1), lambda m: DraftHeadProposer(DraftHead(m, seed=1)),
+                 lambda m: DraftHeadProposer(DraftHead(m, seed=1, vocab=torch.arange(8)))):
+        a, b = make(dense).draft_cost, make(quant).draft_cost
+        assert 0.0 < a < 1.0 and a == pytest.approx(b, rel=1e-6), (a, b)

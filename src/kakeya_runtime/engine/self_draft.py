@@ -36,9 +36,23 @@ class DraftHeadError(ValueError):
     that is not readable safetensors."""
 
 
+def _weights(module: nn.Module) -> int:
+    """Weights a forward through `module` multiplies by: its parameters and its quantized projections' (buffers)."""
+    from kakeya_runtime.engine.weights import QuantLinear
+
+    return sum(p.numel() for p in module.parameters()) + sum(
+        m.in_features * m.out_features for m in module.modules() if isinstance(m, QuantLinear))
+
+
+def _head_weights(model: DecoderModel) -> int:
+    """The LM head's weights, counted from the config (a quantized head's `.weight` would dequantize it)."""
+    return model.config.vocab_size * model.config.hidden_size
+
+
 def _decode_weights(model: DecoderModel) -> int:
-    """Weights a decode step reads (every layer plus the LM head): the unit of a draft's cost."""
-    return sum(p.numel() for p in model.layers.parameters()) + model.head_weight().numel()
+    """Weights a decode step reads (every layer plus the LM head): the unit of a draft's cost, the same in every
+    weight format (int layers counted too: their weights are buffers, not parameters)."""
+    return _weights(model.layers) + _head_weights(model)
 
 
 def check_vocab(vocab: Tensor, vocab_size: int) -> Tensor:
@@ -86,8 +100,8 @@ class LayerSkipDraft:
         self.model = model
         self.cache: ModelKV | None = None
         # A drafted token reads the first layers and the LM head: that share of a decode step (the off-switch's cost).
-        first = sum(p.numel() for layer in model.layers[: self.layers] for p in layer.parameters())
-        self.draft_cost = (first + model.head_weight().numel()) / _decode_weights(model)
+        first = sum(_weights(layer) for layer in model.layers[: self.layers])
+        self.draft_cost = (first + _head_weights(model)) / _decode_weights(model)
 
     def attach(self, cache: ModelKV) -> None:
         self.cache = cache
@@ -243,7 +257,7 @@ class DraftHeadProposer:
         self.head = head
         self.feature: Tensor | None = None
         own = sum(p.numel() for p in head.parameters())  # + the shared LM head (or its rows), per drafted token
-        rows = head.target.head_weight().numel() if head._rows is None else head._rows.numel()
+        rows = _head_weights(head.target) if head._rows is None else head._rows.numel()
         self.draft_cost = (own + rows) / _decode_weights(head.target)
 
     def attach(self, cache: ModelKV) -> None:
