@@ -181,3 +181,21 @@ def test_draft_costs_are_the_same_in_every_weight_format(make_tiny_model) -> Non
                  lambda m: DraftHeadProposer(DraftHead(m, seed=1, vocab=torch.arange(8)))):
         a, b = make(dense).draft_cost, make(quant).draft_cost
         assert 0.0 < a < 1.0 and a == pytest.approx(b, rel=1e-6), (a, b)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_training_chain_computes_what_the_head_drafts_with(make_tiny_model, family: str) -> None:
+    """The trainer's batched, differentiable step (_Chain) is DraftHead.step's arithmetic: the same weights give the
+    same logits (a chain of two steps on its own features), so what is trained is what drafts."""
+    model = make_tiny_model(family)
+    vocab = torch.arange(1, model.config.vocab_size, 2)
+    head = DraftHead(model, seed=4, vocab=vocab)
+    chain = _Chain(model, head, vocab)
+    chain.params = {k: v.float() for k, v in head.state_dict().items() if k != "vocab"}
+    feature = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([[5, 9]])
+    got = chain(feature[None].float(), tokens)
+    h = feature.to(next(model.parameters()).dtype)
+    for k in range(2):
+        ref, h = head.step(h, int(tokens[0, k]))
+        torch.testing.assert_close(got[k][0], ref[vocab], rtol=2e-2, atol=2e-2)

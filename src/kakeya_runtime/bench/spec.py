@@ -224,7 +224,7 @@ def run_spec_bench(model, encode: Callable[[str], list[int]], *, model_name: str
             commands = list(old.get("commands", [])) + commands
             started = old.get("machine_start", started)
     head_info = {"path": None if draft_head is None else str(draft_head),
-                 "vocab": None if head._rows is None else int(head.vocab.numel()),
+                 "vocab": int(head.vocab.numel()) if hasattr(head, "vocab") else None,
                  "params": sum(p.numel() for p in head.parameters())}
     result = {"schema": "kakeya.bench.spec", "model": model_name, "dtype": dtype, "weights": weights or dtype,
               "draft_head": head_info, "prompts": prompts,

@@ -178,6 +178,11 @@ class DraftHead(nn.Module):
     def target(self) -> DecoderModel:
         return self._target[0]
 
+    @property
+    def head_weights(self) -> int:
+        """LM-head weights a drafted token reads: the vocabulary's rows, or the whole head."""
+        return _head_weights(self.target) if self._rows is None else self._rows.numel()
+
     def save(self, path: Path) -> None:
         """The head's own weights (fc, up, down, norm_scale) as safetensors, the format `from_file` loads."""
         from safetensors.torch import save_file
@@ -257,8 +262,7 @@ class DraftHeadProposer:
         self.head = head
         self.feature: Tensor | None = None
         own = sum(p.numel() for p in head.parameters())  # + the shared LM head (or its rows), per drafted token
-        rows = _head_weights(head.target) if head._rows is None else head._rows.numel()
-        self.draft_cost = (own + rows) / _decode_weights(head.target)
+        self.draft_cost = (own + head.head_weights) / _decode_weights(head.target)
 
     def attach(self, cache: ModelKV) -> None:
         pass
