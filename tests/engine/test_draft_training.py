@@ -109,6 +109,9 @@ def test_train_draft_head_cli_writes_a_head_serve_loads(tmp_path, smollm2_bf16) 
     assert res.exit_code == 2 and "safetensors" in res.output
     res = runner.invoke(app, ["train", "draft-head", "--out", str(tmp_path / "no" / "h.safetensors")])
     assert res.exit_code == 2 and "no such directory" in res.output
+    lines.write_text("Name a fruit.\n" + "word " * 9000 + "\n")
+    res = runner.invoke(app, ["train", "draft-head", "--out", str(out), "--prompts-file", str(lines)])
+    assert res.exit_code == 1 and "does not fit the model's context" in res.output
     lines.write_text("only one\n")
     res = runner.invoke(app, ["train", "draft-head", "--out", str(out), "--prompts-file", str(lines)])
     assert res.exit_code == 2 and "at least 2" in res.output

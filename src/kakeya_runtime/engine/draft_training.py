@@ -282,6 +282,11 @@ def train_draft_head(engine: Engine, loaded, cfg: DraftTrainingConfig, log: Call
     if len(texts) < 2:
         raise DraftTrainingError(f"only {len(texts)} prompts could be built here")
     encoded = [_encode(loaded, t, chat) for t in texts]
+    for n, ids in enumerate(encoded):
+        if len(ids) + cfg.reply_tokens > config.max_position_embeddings:
+            raise DraftTrainingError(f"request {n + 1} of {len(encoded)} (after the shuffle) is {len(ids)} tokens: with "
+                                     f"{cfg.reply_tokens} reply tokens it does not fit the model's context of "
+                                     f"{config.max_position_embeddings}")
     started = time.monotonic()
     seqs = greedy_replies(engine, config, encoded, cfg.reply_tokens, cfg.rows, set(loaded.eos_ids), log)
     feats = reply_features(engine, config, seqs)
