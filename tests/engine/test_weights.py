@@ -145,10 +145,11 @@ def _q8_0(n: int, k: int, seed: int = 0, size: float = 0.01) -> torch.Tensor:
 
 
 def test_gguf_q8_0_blocks_map_onto_grouped_int8_exactly():
-    """Q8_0 blocks (both bundled models' tied embedding and LM head) come back as their codes and d: what the kernel
-    multiplies by is the float weight rounded once to bf16, our bf16 reference's own weight, where per-row int8
-    rounded the head to a coarser grid (most of SmolLM2 int4's logit error). The kernel's products are
-    kakeya::linear's on those weights, bit for bit, for every row count."""
+    """Q8_0 blocks (both bundled models' tied embedding and LM head) come back as their codes and d: the weight
+    rounded once to bf16 is our bf16 reference's own weight, where per-row int8 rounded the head to a coarser grid
+    (most of SmolLM2 int4's logit error). The kernel multiplies the codes in integers (kakeya::q8_linear, its own
+    tests): a row's logits are the same bits in any call, within fp32 sums of the exact product, and the fp32 logits
+    the model projects round to the bf16 ones."""
     from kakeya_runtime.models import native
 
     w = _q8_0(64, 128, seed=3)
@@ -158,9 +159,14 @@ def test_gguf_q8_0_blocks_map_onto_grouped_int8_exactly():
     assert lin.grouped and torch.equal(lin.dequantize(), w.to(torch.bfloat16))
     assert not torch.equal(Int8Linear(w, None).dequantize(), w.to(torch.bfloat16))
     assert torch.equal(lin.dequantize_rows(torch.tensor([3, 63, 0])), w[[3, 63, 0]].to(torch.bfloat16))
+    x = torch.randn(40, 128).to(torch.bfloat16)
+    whole = lin.forward_fp32(x)
+    exact = x.double() @ w.double().T
+    assert ((whole.double() - exact).abs().max() / exact.abs().max()).item() < 1e-4
     for rows in (1, 2, 3, 4, 17, 40):
-        x = torch.randn(rows, 128).to(torch.bfloat16)
-        assert torch.equal(lin.kernel_mm(x), native.linear(x, w.to(torch.bfloat16))), rows
+        assert torch.equal(lin.forward_fp32(x[:rows]), whole[:rows]), rows
+        assert torch.equal(lin.kernel_mm(x[:rows]), whole[:rows].bfloat16()), rows
+    assert native.q8_path(1) in ("vnni", "rows")
     off = w.clone()
     off[5, 9] += 1e-4
     assert int8_grid(off) is None and int8_grid(torch.randn(64, 128)) is None
@@ -338,7 +344,7 @@ def test_gemma3_int4_mixed_serves_its_q5_0_tensors_exactly():
 @pytest.mark.real_model
 def test_smollm2_int4_serves_its_q8_0_head_exactly():
     """SmolLM2's GGUF holds its tied embedding and LM head as Q8_0: under int4 (and int4-mixed) the head is grouped
-    int8, and what the kernel multiplies by is our bf16 reference's weight bit for bit."""
+    int8, and the weight it holds is our bf16 reference's bit for bit."""
     from kakeya_runtime.models.loader import load_model
 
     ref = load_model("smollm2", dtype=torch.bfloat16).model.embed_tokens.weight

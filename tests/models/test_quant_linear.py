@@ -232,49 +232,6 @@ def test_few_rows_keep_the_reference_bits(n, k, bits, threads, route):
     assert_every_row_count(x, q, sz, bits, b, want, threads)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(("n", "k"), [(576, 576), (80, 96), (1536, 640)])
-def test_grouped_int8_rows_keep_the_reference_bits(n, k, threads, route):
-    """A grouped int8 weight (a GGUF Q8_0 head: an fp16 d per group of 32, W' = bf16(q * d)), every row count 1..40,
-    with and without bias, against kakeya::linear on W' from plain torch: the few-row paths (the AVX2 one unpacks and
-    rounds each group in registers) give quant_panels' bits."""
-    gen = torch.Generator().manual_seed(n + k)
-    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-    d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half()
-    wd = (codes.float().view(n, k // 32, 32) * d.float()[..., None]).view(n, k).bfloat16()
-    q, sz = pack_tiles(codes, 8), pack_group_scales(d)
-    x = torch.randn(40, k, generator=gen).bfloat16()
-    b = torch.randn(n, generator=gen).bfloat16()
-    want = {bias: native.linear(x, wd, None if bias is None else b) for bias in (None, 1)}
-    assert_every_row_count(x, q, sz, 8, b, want, threads)
-
-
-@pytest.mark.parametrize(("n", "k"), [(576, 576), (80, 96)])
-def test_grouped_int8_with_non_finite_d_keeps_the_reference_bits(n, k, route):
-    """A grouped int8 weight whose d is inf, -inf or NaN in a few groups (W' there inf, -inf or NaN, NaN where q is
-    0): every row count 1..40 gives kakeya::linear's bits on that W' (the AVX2 few-row path rounds a step's products
-    without the NaN case when its rows' d's are all finite), every bit where the result is a number and NaN where it
-    is NaN: a NaN's payload is W''s on the AMX route (its tile products carry it), and the kernel's W' NaN is not
-    torch's (0xFFC0 against 0xFFFF); across calls the raw bits are compared below."""
-    gen = torch.Generator().manual_seed(n * k)
-    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-    codes[0, :32:2] = 0  # 0 x inf: NaN
-    d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half()
-    d[0, 0], d[17, 1], d[n - 1, k // 32 - 1], d[40, 2] = float("inf"), float("nan"), float("-inf"), float("inf")
-    wd = (codes.float().view(n, k // 32, 32) * d.float()[..., None]).view(n, k).bfloat16()
-    q, sz = pack_tiles(codes, 8), pack_group_scales(d)
-    x = torch.randn(40, k, generator=gen).bfloat16()
-    b = torch.randn(n, generator=gen).bfloat16()
-    for bias in (None, b):
-        want = native.linear(x, wd, bias).view(torch.int16)
-        assert want.view(torch.bfloat16)[:, [0, 17]].isnan().all()  # the non-finite groups reach the outputs
-        nan = want.view(torch.bfloat16).isnan()
-        for m in range(1, 41):
-            got = native.quant_linear(x[:m], q, sz, 8, bias)
-            assert torch.equal(got.isnan(), nan[:m]), (m, bias is None)
-            assert torch.equal(got.view(torch.int16)[~nan[:m]], want[:m][~nan[:m]]), (m, bias is None)
-
-
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (576, 576), (80, 96)])
 def test_non_finite_rows_get_the_same_bits_in_any_call(n, k, bits, route):

@@ -202,7 +202,7 @@ class Int8Linear(QuantLinear):
                 raise ValueError(f"grouped int8 weights need our kernels and a ({n}, {k}) shape in 16 x 32 tiles")
             q, d = grid
             self.native = True
-            self.register_buffer("qweight", pack_tiles(q, 8))  # (N, K) in 16 x 32 tiles
+            self.register_buffer("qweight", pack_q8_tiles(q))  # (N, K) in q8_linear's 16 x 32 tiles
             # (N/16, K/32, 16) fp16, kept as its bits so a model-wide .to(bfloat16) leaves it whole
             self.register_buffer("scales", pack_group_scales(d).view(torch.int16))
             return
@@ -223,16 +223,31 @@ class Int8Linear(QuantLinear):
         return self.scales.view(torch.float16) if self.grouped else self.scales
 
     def kernel_mm(self, x: Tensor) -> Tensor:
+        if self.grouped:
+            return native.q8_linear(x, self.qweight, self.kernel_sz())
         if self.native:
             return native.quant_linear(x, self.qweight, self.kernel_sz(), 8)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
+    def forward_fp32(self, x: Tensor) -> Tensor:
+        """The fp32 sums, unrounded (Model.project's logits), on the kernel whatever the row count: a grouped weight
+        (a Q8_0 head) only; others round to bf16 (`forward`)."""
+        if not self.grouped:
+            return self(x).float()
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = native.q8_linear(x2, self.qweight, self.kernel_sz(), self.bias, out_fp32=True)
+        return y.view(*x.shape[:-1], self.out_features)
+
     def dequantize(self) -> Tensor:
+        if self.grouped:
+            return native.q8_dequant(self.qweight, self.kernel_sz())
         if self.native:
             return native.quant_dequant(self.qweight, self._dequant_sz(), 8)
         return (self.qweight * self.scales.float()[:, None]).to(torch.bfloat16)
 
     def dequantize_rows(self, rows: Tensor) -> Tensor:
+        if self.grouped:
+            return native.q8_dequant(self.qweight, self.kernel_sz(), rows)
         if self.native:
             return native.quant_dequant(self.qweight, self._dequant_sz(), 8, rows)
         return (self.qweight[rows] * self.scales[rows, None].float()).to(torch.bfloat16)
@@ -378,6 +393,15 @@ def pack_int5(codes: Tensor) -> Tensor:
     word = (t << torch.arange(32)).sum(-1)  # (N/16, K/32, 16): bit c = column c
     fifth = torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)  # little-endian
     return torch.cat((low, fifth), dim=-1).contiguous().view(n, k * 5 // 8)
+
+
+def pack_q8_tiles(q: Tensor) -> Tensor:
+    """Grouped int8 codes (N, K) in -127..127 in q8_linear's layout (csrc/q8_linear.cpp): 16 x 32 tiles, row-major by
+    (row block, column block), tile byte (16 j + n) * 4 + i = row n's column 4 j + i: each 64-byte line one 4-column
+    slice of the 16 rows (vpdpbusd's and an AMX int8 B tile's operand layout). (N, K) uint8."""
+    n, k = q.shape
+    t = q.to(torch.int8).view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # (N/16, K/32, 8, 16, 4)
+    return t.contiguous().view(torch.uint8).view(n, k)
 
 
 def pack_group_scales(d: Tensor) -> Tensor:

@@ -54,7 +54,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("cached_attention.cpp", "invariant_linear.cpp", "block_index.cpp",
-                             "lattice_points.cpp", "threads.cpp", "rowwise.cpp", "quant_linear.cpp",
+                             "lattice_points.cpp", "threads.cpp", "rowwise.cpp", "quant_linear.cpp", "q8_linear.cpp",
                              "decoder_layer.cpp", "argmax.cpp", "sampling.cpp"))
 BACKEND_ENV = "KAKEYA_ATTENTION"
 BACKENDS = ("native", "sdpa")
@@ -345,6 +345,32 @@ def quant_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bits: int,
     if _loaded is None:
         load()
     return torch.ops.kakeya.quant_linear(x, q, sz, bits, bias)
+
+
+def q8_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None = None, *,
+              out_fp32: bool = False) -> torch.Tensor:
+    """y = x W^T (+ b) for x (M, K) bf16 and W grouped int8 (GGUF Q8_0 blocks: q (N, K) codes in
+    engine/weights.py's pack_q8_tiles layout, sz (N/16, K/32, 16) fp16 d per group), multiplied in integers: each group
+    of x rounded to int16 on a power-of-two step, exact integer dot products, then one fused multiply-add per group
+    (csrc/q8_linear.cpp defines the numbers). bf16 out, or the fp32 sums unrounded (`out_fp32`). A row's bits do
+    not depend on M or on the path."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.q8_linear(x, q, sz, bias, out_fp32)
+
+
+def q8_dequant(q: torch.Tensor, sz: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """W = bf16(q * d) (N, K) of `q8_linear`'s weights, or only its rows `rows` (R,) int64: (R, K)."""
+    if _loaded is None:
+        load()
+    return torch.ops.kakeya.q8_dequant(q, sz, rows)
+
+
+def q8_path(rows: int) -> str:
+    """Which code `q8_linear` runs a call of `rows` rows on here: "amx" (int8 tiles), "vnni" (AVX-512 vpdpbusd) or
+    "rows" (a row at a time: AVX2 or scalar). Every path gives the same bits."""
+    load()
+    return torch.ops.kakeya.q8_path(rows)
 
 
 def quant_dequant(q: torch.Tensor, sz: torch.Tensor, bits: int, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -692,6 +718,9 @@ def _register_fake() -> None:
     torch.library.register_fake("kakeya::decoder_layer_output")(lambda att, h, *args: h.new_empty(h.shape))
     torch.library.register_fake("kakeya::quant_linear")(
         lambda x, q, sz, bits, bias=None: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("kakeya::q8_linear")(
+        lambda x, q, sz, bias=None, out_fp32=False: x.new_empty(
+            x.shape[0], q.shape[0], dtype=torch.float32 if out_fp32 else x.dtype))
     _register_fake.done = True
 
 

@@ -39,6 +39,10 @@
 
 namespace kakeya_ops {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32);
+// grouped int8 weights (q8_linear.cpp: multiplied in integers, in their own tile layout)
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sz,
+                     const std::optional<at::Tensor>& bias, bool out_fp32);
+at::Tensor q8_dequant(const at::Tensor& q, const at::Tensor& sz, const std::optional<at::Tensor>& rows);
 }
 
 namespace {
@@ -75,16 +79,14 @@ inline const __m512i kInt4Shift = [] {
 // of 32 bf16, 64 bytes apart (an A tile as AMX loads it). Every path's W' comes from here.
 struct QWeight {
   const uint8_t* q;
-  // int4: (N/16, K/32, 16, 2) fp32 (scale, zero); int5 and grouped int8: (N/16, K/32, 16) fp16 d; int8: (N,) bf16
+  // int4: (N/16, K/32, 16, 2) fp32 (scale, zero); int5: (N/16, K/32, 16) fp16 d; int8: (N,) bf16 (per row, applied
+  // to the sums). Grouped int8 (an fp16 d per group of 32: GGUF Q8_0) is q8_linear.cpp's.
   const void* sz;
   int64_t bits, N, K;
-  // int8 codes with an fp16 d per group of 32 (a GGUF Q8_0 block, exactly): w = q * d in fp32 (exact: an fp16 times
-  // an integer of 8 bits), rounded once to bf16, as int5's; else int8's scale is per row, applied to the sums.
-  bool grouped = false;
 
   inline int64_t tile_bytes() const { return kTileRows * kTileCols * bits / 8; }
   // Bytes of sz per code tile, in the tiles' order (int8's per-row scales are read after the sums).
-  inline int64_t sz_tile_bytes() const { return bits == 4 ? kTileRows * 8 : bits == 5 || grouped ? kTileRows * 2 : 0; }
+  inline int64_t sz_tile_bytes() const { return bits == 4 ? kTileRows * 8 : bits == 5 ? kTileRows * 2 : 0; }
 
   // Inlined into its callers: as a call, each tile paid the call, the bits test and the unpack constants' reloads
   // (SmolLM2 int4 decode 4-16% slower in the engine bench, trees alternated: results/engine/decode_v9_ab).
@@ -99,12 +101,6 @@ struct QWeight {
       widen_d(static_cast<const c10::Half*>(sz) + (b * (K / kTileCols) + s) * kTileRows, d);
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) group5(src + r * 20, d[r], out + r * kTileCols);
-    } else if (grouped) {
-      alignas(64) float d[kTileRows];
-      widen_d(static_cast<const c10::Half*>(sz) + (b * (K / kTileCols) + s) * kTileRows, d);
-#pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r)
-        group8d(reinterpret_cast<const int8_t*>(src) + r * 32, d[r], out + r * kTileCols);
     } else {
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) group8(reinterpret_cast<const int8_t*>(src) + r * 32, out + r * kTileCols);
@@ -153,18 +149,6 @@ struct QWeight {
   __attribute__((always_inline)) static inline void group8(const int8_t* src, c10::BFloat16* out) {
     _mm512_storeu_si512(out, group8_regs(src));
   }
-  // A grouped int8 group: q * d in fp32 (exact), rounded once to bf16.
-  __attribute__((always_inline)) static inline __m512i group8d_regs(const int8_t* src, float d) {
-    const __m512 dv = _mm512_set1_ps(d);
-    const __m512 v = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))), dv);
-    const __m512 w = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)))), dv);
-    return (__m512i)_mm512_cvtne2ps_pbh(w, v);
-  }
-  __attribute__((always_inline)) static inline void group8d(const int8_t* src, float d, c10::BFloat16* out) {
-    _mm512_storeu_si512(out, group8d_regs(src, d));
-  }
   // An int5 group: its 32 possible values (q - 16) * d rounded to bf16 as a table, each column's index its low
   // nibble (int4's unpack) plus 16 where the group's word has the column's fifth bit (one masked add).
   __attribute__((always_inline)) static inline __m512i group5_regs(const uint8_t* src, float d) {
@@ -203,11 +187,6 @@ struct QWeight {
       widen_d(static_cast<const c10::Half*>(sz) + (b * (K / kTileCols) + s) * kTileRows, d);
 #pragma GCC unroll 16
       for (int r = 0; r < RN; ++r) f(r, group5_regs(src + (r0 + r) * 20, d[r0 + r]));
-    } else if (grouped) {
-      alignas(64) float d[kTileRows];
-      widen_d(static_cast<const c10::Half*>(sz) + (b * (K / kTileCols) + s) * kTileRows, d);
-#pragma GCC unroll 16
-      for (int r = 0; r < RN; ++r) f(r, group8d_regs(reinterpret_cast<const int8_t*>(src) + (r0 + r) * 32, d[r0 + r]));
     } else {
 #pragma GCC unroll 16
       for (int r = 0; r < RN; ++r) f(r, group8_regs(reinterpret_cast<const int8_t*>(src) + (r0 + r) * 32));
@@ -283,18 +262,6 @@ struct QWeight {
     return;
 #endif
     for (int j = 0; j < 32; ++j) out[j] = c10::BFloat16(float(src[j]));
-  }
-  static inline void group8d(const int8_t* src, float d, c10::BFloat16* out) {
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 v[4];
-    widen_i8x32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)),
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)), v);
-    const __m256 dv = _mm256_set1_ps(d);
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(v[i], dv);
-    store_bf16x32(v, out);
-    return;
-#endif
-    for (int j = 0; j < 32; ++j) out[j] = c10::BFloat16(float(src[j]) * d);
   }
   static inline void widen_d(const c10::Half* d, float* out) {
     for (int r = 0; r < kTileRows; ++r) out[r] = static_cast<float>(d[r]);
@@ -754,8 +721,8 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
 #if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
 // AVX2, calls of at most kFewRowsMax int8 / kFewInt4RowsMax int4 rows (decode, a batch of sessions' decode rows, a
 // verifier step, decode rows with a prefill chunk): the codes widened straight into the products, never stored.
-// W' = int8's codes (exact in fp32) with per-row scales; a grouped int8 weight's (Q8_0) q * d, or int4's
-// fma(q - 8, scale, zero), rounded to bf16 as group8d / group4 round them. Per (x row, W' row) linear_avx2's chain
+// W' = int8's codes (exact in fp32) with per-row scales, or int4's
+// fma(q - 8, scale, zero), rounded to bf16 as group4 rounds them. Per (x row, W' row) linear_avx2's chain
 // (one fused multiply-add per K chunk of 8, in order, from zero) and at::vec's tree (reduce8, eight chains at once),
 // then quant_panels' epilogue: the bits are quant_panels'.
 // That path dequantized each 256-row panel to bf16, stored it and multiplied it again, two parallel regions per panel:
@@ -764,7 +731,7 @@ void quant_dot_rows(const at::Tensor& x, const QWeight& w, const float* scale, c
 constexpr int64_t kFewRowsMax = 16;     // int8; more rows: quant_many_avx2 (at 20-24 rows the two within noise)
 constexpr int64_t kFewInt4RowsMax = 8;  // int4's unpack costs more: 12 rows here took ~1.2x the panel path's time
 constexpr int64_t kInt5PanelRowsMax = 3;  // int5 has no few-row path: up to 3 rows on panels, more quant_many_avx2
-enum class Codes { Int8Rows, Int8Grouped, Int4 };
+enum class Codes { Int8Rows, Int4 };
 
 // 8 fp32 lanes rounded to bf16 (round_bf16) and widened back; NaN-free input skips round_bf16's NaN case (the
 // same bits: a lane that is not NaN never takes it).
@@ -775,28 +742,6 @@ __attribute__((always_inline)) inline __m256 as_bf16(__m256 v) {
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
   const __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), lsb);
   return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// One K step of a grouped int8 weight (Q8_0: W' = bf16(q * d), an fp16 d per row and group of 32) for few_rows_avx2:
-// RN rows of the tile at `tile` with their d's widened at `d`, each 8 codes widened, scaled, rounded and multiplied in
-// turn. The loop it replaced widened each row's d alone (a scalar conversion per row and step) and kept four W'
-// vectors live beside the chains: the head (SmolLM2's, 49152 x 576, one row, 2 threads) took 2.72 ms, ~10 GB/s, 2x an
-// int8-rows weight of its size; now 2.07. The same W' values, each chain's products in the same order: the same bits.
-template <bool MaybeNaN, int M, int RN>
-__attribute__((always_inline)) inline void grouped_rows(const float* d, const uint8_t* tile, const float* xs,
-                                                        int64_t x_row, __m256* acc) {
-#pragma GCC unroll 8
-  for (int r = 0; r < RN; ++r) {
-    const __m256 dv = _mm256_broadcast_ss(d + r);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + r * kTileCols + 8 * i));
-      const __m256 wv = as_bf16<MaybeNaN>(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), dv));
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m)
-        acc[m * RN + r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + m * x_row + 8 * i), wv, acc[m * RN + r]);
-    }
-  }
 }
 
 // M x rows (fp32, K each, x_row apart) against RN W' rows r0.. of block b: sums[m * RN + r]. M * RN = 8 or 12.
@@ -818,22 +763,6 @@ inline void few_rows_avx2(const QWeight& w, int64_t b, int r0, const float* xw, 
       for (int64_t c = 0; c < tb; c += 64) __builtin_prefetch(ahead + s * tb + c, 0, 2);
     const uint8_t* tile = block + s * tb + r0 * row_bytes;
     const float* xs = xw + s * kTileCols;
-    if constexpr (C == Codes::Int8Grouped) {  // the tile's 16 d's widened in two F16C conversions
-      const c10::Half* dh = static_cast<const c10::Half*>(w.sz) + (b * steps + s) * kTileRows;
-      alignas(32) float d[kTileRows];
-#if defined(__F16C__)
-      _mm256_store_ps(d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh))));
-      _mm256_store_ps(d + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + 8))));
-#else
-      for (int r = 0; r < kTileRows; ++r) d[r] = static_cast<float>(dh[r]);  // the same values, one at a time
-#endif
-      // a non-finite d makes NaN products possible: round_bf16's NaN case for the step's rows (a finite product
-      // takes the same bits either way)
-      bool finite = true;
-      for (int r = 0; r < RN; ++r) finite &= std::isfinite(d[r0 + r]);
-      if (finite) grouped_rows<false, M, RN>(d + r0, tile, xs, x_row, acc);
-      else grouped_rows<true, M, RN>(d + r0, tile, xs, x_row, acc);
-    }
     if constexpr (C == Codes::Int8Rows) {
       // Each 8 codes widened straight from memory (vpmovsxbd's own load) and multiplied in turn. The loop loaded a
       // row's 32 codes as two halves and shifted each down before widening, six shuffles per 32 codes where four
@@ -1052,20 +981,18 @@ QWeight check_weight(const at::Tensor& q, const at::Tensor& sz, int64_t bits, bo
     TORCH_CHECK(sz.scalar_type() == at::kHalf && sz.dim() == 3 && sz.size(0) == N / 16 && sz.size(1) == K / 32 &&
                     sz.size(2) == 16,
                 "quant_linear: int5 sz must be (N/16, K/32, 16) fp16 (engine/weights.py's Int5Linear)");
-  } else if (sz.dim() == 3) {  // grouped int8
-    TORCH_CHECK(sz.scalar_type() == at::kHalf && sz.size(0) == N / 16 && sz.size(1) == K / 32 && sz.size(2) == 16,
-                "quant_linear: grouped int8 sz must be (N/16, K/32, 16) fp16 (engine/weights.py's Int8Linear)");
   } else {
     TORCH_CHECK((sz.scalar_type() == at::kBFloat16 || (fp32_scales && sz.scalar_type() == at::kFloat)) &&
                     sz.dim() == 1 && sz.size(0) == N,
                 "quant_linear: int8 sz must be (N,) bf16", fp32_scales ? " or fp32" : "",
-                ", or (N/16, K/32, 16) fp16 per group");
+                " (grouped int8, an fp16 d per group of 32, is kakeya::q8_linear's)");
   }
-  return QWeight{q.const_data_ptr<uint8_t>(), sz.const_data_ptr(), bits, N, K, bits == 8 && sz.dim() == 3};
+  return QWeight{q.const_data_ptr<uint8_t>(), sz.const_data_ptr(), bits, N, K};
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sz, int64_t bits,
                         const std::optional<at::Tensor>& bias) {
+  if (bits == 8 && sz.dim() == 3) return kakeya_ops::q8_linear(x, q, sz, bias, false);  // grouped int8 (Q8_0)
   const QWeight w = check_weight(q, sz, bits, /*fp32_scales=*/true);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == w.K && x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be (M, K) bf16");
@@ -1079,7 +1006,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.N, "quant_linear: bias must be (N,)");
     b32 = bias->to(at::kFloat).contiguous();
   }
-  const bool row_scales = bits == 8 && !w.grouped;  // applied to the sums (grouped ones are in W')
+  const bool row_scales = bits == 8;  // applied to the sums
   if (row_scales) s32 = sz.scalar_type() == at::kFloat ? sz : sz.to(at::kFloat);
   const float* bp = bias.has_value() ? b32.const_data_ptr<float>() : nullptr;
   const float* sp = row_scales ? s32.const_data_ptr<float>() : nullptr;
@@ -1093,7 +1020,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 #if defined(CPU_CAPABILITY_AVX2) && !defined(__AVX512F__)
     if ((bits == 8 && M <= kFewRowsMax) || (bits == 4 && M <= kFewInt4RowsMax)) {
       if (bits == 4) quant_rows_avx2<Codes::Int4>(x, w, sp, bp, y);
-      else if (w.grouped) quant_rows_avx2<Codes::Int8Grouped>(x, w, sp, bp, y);
       else quant_rows_avx2<Codes::Int8Rows>(x, w, sp, bp, y);
       return y;
     }
@@ -1125,11 +1051,12 @@ void scale_rows(c10::BFloat16* out, const int64_t* rows, int64_t R, int64_t K, c
 // quant_linear multiplies by); int8, the codes times their scales rounded once to bf16 (the kernel multiplies by the
 // codes, exact in bf16, and applies the scales to the fp32 sums).
 at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& sz, int64_t bits, const std::optional<at::Tensor>& rows) {
+  if (bits == 8 && sz.dim() == 3) return kakeya_ops::q8_dequant(q, sz, rows);
   const QWeight w = check_weight(q, sz, bits);
   if (!rows.has_value()) {
     auto out = at::empty({w.N, w.K}, q.options().dtype(at::kBFloat16));
     dequant_rows(w, 0, w.N, out.data_ptr<c10::BFloat16>());
-    if (bits == 8 && !w.grouped) scale_rows(out.data_ptr<c10::BFloat16>(), nullptr, w.N, w.K, w.sz);
+    if (bits == 8) scale_rows(out.data_ptr<c10::BFloat16>(), nullptr, w.N, w.K, w.sz);
     return out;
   }
   TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1, "quant_dequant: rows must be (R,) int64");
@@ -1147,7 +1074,7 @@ at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& sz, int64_t bits
       std::memcpy(op + r * w.K + s * kTileCols, t + (n % kTileRows) * kTileCols, kTileCols * 2);
     }
   });
-  if (bits == 8 && !w.grouped) scale_rows(op, ip, R, w.K, w.sz);
+  if (bits == 8) scale_rows(op, ip, R, w.K, w.sz);
   return out;
 }
 
