@@ -101,7 +101,7 @@ def kernel_rows_invariant(fmt: str, *, rows: int = 300) -> bool:
              WeightFormat.INT4_MIXED: (Int8Linear, Int4Linear) + ((Int5Linear,) if native.enabled() else ())}[f]
     g = torch.Generator().manual_seed(0)
     modules: list = [(kind, n, k, None) for kind in kinds for n, k in ((192, 256), (64, 512))]
-    if native.enabled():  # grouped int8 (a Q8_0 head, in every int format) has its own unpacking
+    if native.enabled():  # grouped int8 (a Q8_0 head, in every int format) has its own kernel (q8_linear)
         modules += [(Int8Linear, n, k, "q8_0") for n, k in ((192, 256), (64, 512))]
     for kind, n, k, grid in modules:
         w = torch.randn(n, k, generator=g) * 0.05
