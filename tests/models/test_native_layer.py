@@ -664,5 +664,82 @@ def test_short_appends_take_the_native_halves_same_bits(family, fmt, make_tiny_m
         assert calls == []
         model.__dict__.pop("_native_layers", None)
         got = run(True, policy)
-        assert sorted(set(calls)) == [2, 5, 20, 31], calls  # the 40-token append keeps the Python path
+        # the 40-token append keeps the Python path; a full cache's runs of up to RUN_ROWS take the whole stack
+        assert sorted(set(calls)) == ([20, 31] if policy is None else [2, 5, 20, 31]), calls
         assert_same_steps(got, ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_a_short_run_takes_the_whole_stack_same_bits(family, fmt, make_tiny_model, monkeypatch):
+    """A speculative verify's few tokens (2..RUN_ROWS) over full caches run the whole stack in one native call, the
+    tokens as rows over the one cache (all written first, each attending up to itself): the logits at every position
+    and the cache are the Python path's, through rollbacks (trim) and a run that makes the cache grow its storage.
+    Over Gemma 3's sliding layers (rings) too, the later rows' keys masked by position; a ring whose spare slots do
+    not cover a run keeps the layers' halves."""
+    model = make_tiny_model(family, dtype=torch.float32, max_position_embeddings=512)  # storage grows past 256
+    quantize_model(model, fmt)
+    engine = Engine(model)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 250), generator=gen)
+    runs = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (2, 5, 8, 3, 8, 9)]
+    calls = []
+    real = native_layer.NativeLayers.run_all_sequence
+
+    def counted(self, *a, **k):
+        out = real(self, *a, **k)
+        calls.append((a[1].shape[1], out is not None))
+        return out
+
+    monkeypatch.setattr(native_layer.NativeLayers, "run_all_sequence", counted)
+
+    def run(on: bool, rollback: bool = True) -> tuple[list, list]:
+        before = native_layer.set_enabled(on)
+        try:
+            cache = engine.new_cache(capacity=400)
+            engine.prefill(cache, prompt)
+            logits = []
+            for i, ids in enumerate(runs):
+                length = cache.length
+                logits.append(engine.verify(cache, ids).logits)
+                if rollback and i % 2 == 0:  # a rejected draft: back to where the run began, plus one token
+                    cache.trim(length + 1)
+            return logits, [cache.state()]
+        finally:
+            native_layer.set_enabled(before)
+
+    ref = run(False)
+    assert calls == []
+    model.__dict__.pop("_native_layers", None)
+    got = run(True)
+    assert calls == [(n, True) for n in (2, 5, 8, 3, 8)], calls  # 9 tokens: more than RUN_ROWS
+    assert_same_steps(got, ref)
+    if model.config.sliding_window is not None:  # rings with 2 spare slots: runs of up to 2 tokens
+        monkeypatch.setattr("kakeya_runtime.kv.cache.SLIDING_SPARE", 2)
+        calls.clear()
+        ref = run(False, rollback=False)  # (rolling back 4 of 5 tokens is more than 2 spare slots allow)
+        got = run(True, rollback=False)
+        assert calls == [(n, n <= 2) for n in (2, 5, 8, 3, 8)], calls
+        assert_same_steps(got, ref)
+
+
+def test_a_short_run_that_fails_in_the_kernel_leaves_every_cache_as_it_was(make_tiny_model, monkeypatch):
+    """An error inside the whole-stack call of a short run (here a stand-in for the kernels' checks) is raised, and
+    every layer's cache is back at the length it had: the run's rooms are taken back."""
+    model = make_tiny_model("gemma3", dtype=torch.float32)
+    engine = Engine(model)
+    cache = engine.new_cache(capacity=200)
+    engine.prefill(cache, torch.randint(0, model.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(1)))
+    before = [kv.length for kv in cache]
+    stack = model.native_layers()._stack(model.layers)
+
+    class Broken:
+        def step(self, *args):
+            raise RuntimeError("decoder_layer: broken on purpose")
+
+    monkeypatch.setattr(stack, "stack", Broken())
+    with pytest.raises(RuntimeError, match="broken on purpose"):
+        engine.verify(cache, torch.tensor([[1, 2, 3]]))
+    assert [kv.length for kv in cache] == before
+    monkeypatch.undo()
+    assert engine.verify(cache, torch.tensor([[1, 2, 3]])).logits.shape[1] == 3

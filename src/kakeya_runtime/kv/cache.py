@@ -91,6 +91,22 @@ class FullLayerKV:
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         _keep_writes_overridable(cls)
+        if "append_run" not in cls.__dict__:  # a subclass opts in: its writes or views may differ
+            cls.append_run = None
+
+    def run_room(self) -> int:
+        """The most tokens `append_run` takes now."""
+        return self.capacity - self.length
+
+    def append_run(self, n: int) -> list[tuple[Tensor, Tensor, Tensor, int, int, bool]]:
+        """`append_slot` for n consecutive tokens of this sequence in one call whose rows all write before any
+        attends (kakeya::decoder_layer over a short run, e.g. a speculative verify): room for all n reserved first,
+        so every row gets the same storage; row i attends the first length + i + 1 keys, so the rows after it are
+        out of its view, as in a chunk's causal attention."""
+        if n > self.run_room():
+            raise CacheError(f"cache overflow: {self.length} + {n} new positions exceed capacity {self.capacity}")
+        self._reserve(self.length + n)
+        return [self.append_slot() for _ in range(n)]
 
     def append_slot(self) -> tuple[Tensor, Tensor, Tensor, int, int, bool]:
         """One decode token's room, for a caller that writes it itself (native.cached_attention_rows_append):
@@ -180,6 +196,22 @@ class SlidingLayerKV:
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         _keep_writes_overridable(cls)
+        if "append_run" not in cls.__dict__:  # a subclass opts in: its writes or views may differ
+            cls.append_run = None
+
+    def run_room(self) -> int:
+        """The most tokens `append_run` takes: a run's last row overwrites the slot of the position `slots` before
+        it, which its first row still sees unless the spare slots cover the run (and a run must be able to be
+        trimmed away again)."""
+        return self.spare
+
+    def append_run(self, n: int) -> list[tuple[Tensor, Tensor, Tensor, int, int, bool]]:
+        """`append_slot` for n consecutive tokens in one call whose rows all write before any attends (as
+        FullLayerKV.append_run): each row sees by position (the kernel's rule: at or before its own, within the
+        window), so the run's later keys and slots holding trimmed positions above it are out of its view."""
+        if n > self.run_room():
+            raise CacheError(f"a run of {n} tokens would overwrite keys its first token sees (spare {self.spare})")
+        return [self.append_slot() for _ in range(n)]
 
     def append_slot(self) -> tuple[Tensor, Tensor, Tensor, int, int, bool]:
         """update_and_fetch of one token for a caller that writes it itself (as FullLayerKV.append_slot): the ring

@@ -106,6 +106,12 @@ class DecoderModel(nn.Module):
                                 [(kv,) for kv in cache])
             if out is not None:
                 h, start = out, num_layers
+        elif short is not None and trace_layer is None and input_ids.shape[1] <= native_layer.RUN_ROWS:
+            ropes = [self.layer_rope(i, rope) for i in range(num_layers)]
+            out = short.run_all_sequence(self.layers, h, positions, [c for c, _ in ropes], [s for _, s in ropes],
+                                         cache)
+            if out is not None:
+                h, start = out, num_layers
         for i in range(start, num_layers):
             if fused is not None and i != trace_layer:
                 cos, sin = self.layer_rope(i, rope)

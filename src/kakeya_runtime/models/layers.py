@@ -48,12 +48,20 @@ class RowKV:
         the cache narrows what queries see (`attention_rule`)."""
         append_slot = getattr(kv, "append_slot", None)
         if append_slot is not None:
-            k_all, v_all, kp, slot, count, write = append_slot()
-        else:
-            k_all, v_all, kp = kv.update_and_fetch(*new)
-            if k_all.stride(-1) != 1 or v_all.stride(-1) != 1:
-                k_all, v_all = k_all.contiguous(), v_all.contiguous()
-            kp, slot, count, write = kp.contiguous(), -1, k_all.shape[2], False
+            self._add(kv, window, *append_slot())
+            return
+        k_all, v_all, kp = kv.update_and_fetch(*new)
+        if k_all.stride(-1) != 1 or v_all.stride(-1) != 1:
+            k_all, v_all = k_all.contiguous(), v_all.contiguous()
+        self._add(kv, window, k_all, v_all, kp.contiguous(), -1, k_all.shape[2], False)
+
+    def add_run(self, kv: LayerKV, window: int | None, n: int) -> None:
+        """n rows: consecutive tokens of the sequence in `kv` (its `append_run`), written by the call."""
+        for room in kv.append_run(n):
+            self._add(kv, window, *room)
+
+    def _add(self, kv: LayerKV, window: int | None, k_all: Tensor, v_all: Tensor, kp: Tensor, slot: int, count: int,
+             write: bool) -> None:
         sink, window = getattr(kv, "attention_rule", None) or (0, window)
         self.k.append(k_all)
         self.v.append(v_all)

@@ -126,6 +126,7 @@ class StackArgs:
 
 
 SEQUENCE_ROWS = 32  # new tokens of one sequence below this take run_sequence; longer chunks keep the Python path
+RUN_ROWS = 8  # up to this many, over caches that allow it, the whole stack in one call (run_all_sequence)
 
 
 class NativeLayers:
@@ -181,6 +182,36 @@ class NativeLayers:
                 rows.add(kv, window)
         return stack.stack.step(h, list(cos), list(sin), positions, rows.k, rows.v, rows.k_pos, rows.slots,
                                 rows.counts, [int(w) for w in rows.writes], rows.windows, rows.sinks)
+
+    def run_all_sequence(self, blocks: Sequence[nn.Module], h: Tensor, positions: Tensor, cos: Sequence[Tensor],
+                         sin: Sequence[Tensor], caches: Sequence[LayerKV]) -> Tensor | None:
+        """Every layer over a short run of one sequence's new tokens (h (1, T, C), T <= RUN_ROWS: a speculative
+        verify, a short message) in one native call, the tokens as rows over the same cache, each attending its
+        cache up to itself (`append_run`: all rows written first, row i's view ending at its own key), so each row
+        computes what its decode step would. None (nothing touched) where any layer's cache does not offer that
+        (a policy, or a ring whose spare slots do not cover the run)."""
+        t = h.shape[1]
+        stack = self._stack(blocks)
+        if (stack is None or not 1 < t <= RUN_ROWS or h.dtype != stack.dtype or t >= stack.max_rows
+                or cos[0].dtype != h.dtype):
+            return None
+        if any(getattr(kv, "append_run", None) is None or getattr(kv, "owns_attention", False) or t > kv.run_room()
+               or kv.k.dtype != h.dtype or kv.k.device != h.device for kv in caches):
+            return None  # (a cache of another dtype gets the Python path's typed error)
+        lengths = [kv.length for kv in caches]
+        rows = RowKV()
+        try:
+            for kv, window in zip(caches, stack.windows, strict=True):
+                rows.add_run(kv, window, t)
+            out = stack.stack.step(h.view(t, 1, h.shape[2]), list(cos), list(sin), positions, rows.k, rows.v,
+                                   rows.k_pos, rows.slots, rows.counts, [int(w) for w in rows.writes], rows.windows,
+                                   rows.sinks)
+        except BaseException:  # every cache back to where the run began
+            for kv, length in zip(caches, lengths, strict=True):
+                if kv.length > length:
+                    kv.trim(length)
+            raise
+        return out.view(1, t, -1)
 
     @staticmethod
     def _run_sparse(stack: StackArgs, h: Tensor, positions: Tensor, cos: Sequence[Tensor], sin: Sequence[Tensor],
