@@ -70,14 +70,17 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
     return (torch.randn(m, k, generator=gen) * spread).bfloat16()
 
 
-@pytest.fixture(params=["amx", "vector"])
+@pytest.fixture(params=["amx", "vnni", "avx2", "rows"])
 def route(request):
-    """The AMX path allowed or not (a CPU without AMX runs its vector path both times)."""
+    """Each path in turn: AMX allowed (calls of 2+ rows take it where the CPU has it), then each vector path forced
+    (a CPU without one runs the next it has: q8_path says which)."""
     kept = native.routes()
     native.set_routes(kept.attention_amx, request.param == "amx")
+    before = native.q8_route("auto" if request.param == "amx" else request.param)
     try:
         yield request.param
     finally:
+        native.q8_route(before)
         native.set_routes(kept.attention_amx, kept.linear_amx)
 
 
@@ -91,9 +94,10 @@ def test_every_row_count_gives_the_reference_bits(n, k, threads, route):
     b = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
     want = {(bias, fp32): reference(x, q, d, None if bias is None else b, fp32)
             for bias in (None, 1) for fp32 in (False, True)}
-    expected_path = "amx" if route == "amx" and torch.ops.kakeya.amx_available() and (k // 32) % 2 == 0 else None
-    if expected_path:
-        assert native.q8_path(2) == "amx"
+    if route != "amx":  # the forced path where this CPU has it (every x86 CPU we build for has AVX2)
+        assert native.q8_path(4) == route or (route == "vnni" and native.q8_path(4) == "avx2")
+    elif torch.ops.kakeya.amx_available():
+        assert native.q8_path(4) == "amx"
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -367,10 +367,17 @@ def q8_dequant(q: torch.Tensor, sz: torch.Tensor, rows: torch.Tensor | None = No
 
 
 def q8_path(rows: int) -> str:
-    """Which code `q8_linear` runs a call of `rows` rows on here: "amx" (int8 tiles), "vnni" (AVX-512 vpdpbusd) or
-    "rows" (a row at a time: AVX2 or scalar). Every path gives the same bits."""
+    """Which code `q8_linear` runs a call of `rows` rows on here: "amx" (int8 tiles), "vnni" (AVX-512 vpdpbusd),
+    "avx2" (vpmaddwd on the codes widened) or "rows" (a row at a time). Every path gives the same bits."""
     load()
     return torch.ops.kakeya.q8_path(rows)
+
+
+def q8_route(name: str) -> str:
+    """Force `q8_linear`'s path for this process ("vnni", "avx2", "rows", or "auto", the default), for tests and A/B
+    runs; returns the setting before. A path this CPU lacks falls back as "auto" does."""
+    load()
+    return torch.ops.kakeya.q8_route(name)
 
 
 def quant_dequant(q: torch.Tensor, sz: torch.Tensor, bits: int, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,8 +20,9 @@
 // - G = the group's sum of q * x_q, exact in int32 (|G| < 2^28), however a path adds it up;
 // - acc = fma(float(G), fp32(d) * step, acc) over the groups in order, from zero (float(G) rounded to nearest even);
 // - plus bias, then one rounding to bf16 (nearest even), or none for fp32 logits.
-// Paths: AMX (x_q's high and low bytes as A tiles, the code tile as B, two tile products a group; calls of 2+ rows),
-// AVX-512 VNNI (vpdpbusd, the same byte split), and one that computes G a row at a time (AVX2, or scalar).
+// Paths: AMX (x_q's high and low bytes as A tiles, the code tiles as B, two tile products a pair of groups; calls of
+// 3+ rows), AVX-512 VNNI (vpdpbusd, the same byte split), AVX2 (vpmaddwd on the codes widened to int16), and a
+// scalar one a row at a time. A process can be held to one (q8_route) so the tests run each this CPU has.
 // tests/models/test_q8_linear.py rebuilds the numbers in PyTorch and compares every path and row count with them.
 
 #include "common.h"
@@ -34,7 +35,8 @@ constexpr int64_t kRows = 16, kCols = 32;  // one code tile: 16 rows of a group
 constexpr int64_t kTileBytes = kRows * kCols;
 constexpr int64_t kPrefetchTiles = 24;     // as quant_linear.cpp's kPrefetchSteps: the head streams from DRAM
 constexpr int64_t kChunk = 16;             // rows of x a pass over a block takes (AMX: kAmxRows)
-constexpr int64_t kAmxMinRows = 2;         // calls of this many rows or more take the AMX path
+constexpr int64_t kAmxMinRows = 3;  // calls of this many rows or more take the AMX path (results/engine/q8_paths_xeon_2026-12-03:
+// at 2 rows vpdpbusd was the faster, 0.61 against 0.72 ms on SmolLM2's head; at 3 even; from 4 the tiles)
 
 // A row of x rounded as the header defines: codes xq (K,) int16 and steps (K / 32,) fp32; with its high bytes
 // hi = xq >> 8 (signed), hi + 128 (unsigned: vpdpbusd's operand) and low bytes lo = xq & 255, xq = 256 hi + lo.
@@ -127,6 +129,54 @@ void block_rows(const Call& c, int64_t b, int64_t m, float* sums) {
     sums[r] = acc;
   }
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kAvx2 = true;
+constexpr int64_t kAvx2Rows = 4;  // rows of x a pass over a block takes here (eight accumulators)
+// Block b's 16 rows against x rows m0 .. m0 + MC (MC <= kAvx2Rows) with AVX2 integer multiply-adds: a slice's 16 bytes
+// for 4 rows (4 codes each) widened to int16 times x_q's 4 values repeated, so a lane holds one row's pair sum; the
+// 8 slices added in int32, adjacent lanes added, G for 16 rows in two registers; then the chain (as block_vnni).
+// CPUs without AVX-512 VNNI take it (the head had run at ~10 GB/s there on the bf16 route); sums (MC, 16).
+void block_avx2(const Call& c, int64_t b, int64_t m0, int64_t MC, float* sums) {
+  __m256 lo[kAvx2Rows], hi[kAvx2Rows];
+  for (int64_t m = 0; m < MC; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < c.S; ++s) {
+    if (m0 == 0) prefetch_ahead(c, b, s);
+    const int8_t* t = c.tile(b, s);
+    const auto* dp = reinterpret_cast<const __m128i*>(c.ds(b, s));
+    const __m256 dlo = _mm256_cvtph_ps(_mm_loadu_si128(dp)), dhi = _mm256_cvtph_ps(_mm_loadu_si128(dp + 1));
+    for (int64_t m = 0; m < MC; ++m) {
+      const int16_t* xs = c.xq + (m0 + m) * c.K + s * kCols;
+      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                        _mm256_setzero_si256()};
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        int64_t x4;
+        std::memcpy(&x4, xs + 4 * j, 8);
+        const __m256i xv = _mm256_set1_epi64x(x4);
+#pragma GCC unroll 4
+        for (int rb = 0; rb < 4; ++rb) {  // rows 4 rb .. 4 rb + 3: bytes 16 rb .. of slice j's line
+          const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 64 * j + 16 * rb)));
+          acc[rb] = _mm256_add_epi32(acc[rb], _mm256_madd_epi16(w, xv));
+        }
+      }
+      // hadd: [r0 r1 r4 r5 | r2 r3 r6 r7] of the two row quads; the 64-bit quarters back in row order
+      const __m256i g_lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[0], acc[1]), _MM_SHUFFLE(3, 1, 2, 0));
+      const __m256i g_hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[2], acc[3]), _MM_SHUFFLE(3, 1, 2, 0));
+      const __m256 st = _mm256_set1_ps(c.step[(m0 + m) * c.S + s]);
+      lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g_lo), _mm256_mul_ps(dlo, st), lo[m]);
+      hi[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g_hi), _mm256_mul_ps(dhi, st), hi[m]);
+    }
+  }
+  for (int64_t m = 0; m < MC; ++m) {
+    _mm256_storeu_ps(sums + m * kRows, lo[m]);
+    _mm256_storeu_ps(sums + m * kRows + 8, hi[m]);
+  }
+}
+#else
+constexpr bool kAvx2 = false;
+constexpr int64_t kAvx2Rows = 1;
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // One group's step of the chain for 16 rows (lane r): acc = fma(float(G), d * step, acc).
@@ -251,38 +301,66 @@ void block_amx(const Call& c, int64_t b, int64_t m0, int64_t MC, const int8_t* h
 constexpr bool kAmxInt8 = false;
 #endif
 
+// Which path calls take: Auto (AMX for 3+ rows where allowed, else VNNI, else AVX2, else a row at a time), or one
+// forced for the whole process (tests run each path this CPU has; every path computes the same numbers).
+enum class Route : int { Auto, Vnni, Avx2, Rows };
+inline std::atomic<int> forced{static_cast<int>(Route::Auto)};
+inline Route route() { return static_cast<Route>(forced.load()); }
+
 // Whether a call of M rows runs on AMX tiles: where this process may use them for linears (the start-up calibration's
-// choice, as quant_linear's), for more than one row (a lone row already runs at memory speed on vpdpbusd). Every
+// choice, as quant_linear's), for kAmxMinRows rows or more (fewer run at memory speed on vpdpbusd). Every
 // path computes the same numbers, so this decides time only.
 inline bool use_amx(int64_t M, int64_t S) {
 #if defined(KAKEYA_AMX) && defined(__AMX_INT8__)
-  return M >= kAmxMinRows && S % 2 == 0 && kakeya_amx::permitted() && kakeya_amx::linear_on.load();
+  return route() == Route::Auto && M >= kAmxMinRows && S % 2 == 0 && kakeya_amx::permitted() &&
+         kakeya_amx::linear_on.load();
 #else
   (void)M, (void)S;
   return false;
 #endif
 }
 
+// The path a call of M rows (S groups) takes here.
+enum class Path { Amx, Vnni, Avx2, Rows };
+inline Path path_for(int64_t M, int64_t S) {
+  if (use_amx(M, S)) return Path::Amx;
+  const Route r = route();
+  if (kVnni && (r == Route::Auto || r == Route::Vnni)) return Path::Vnni;
+  if (kAvx2 && r != Route::Rows) return Path::Avx2;
+  return Path::Rows;
+}
+
+// Rows of x a pass over a block takes on `path`.
+inline int64_t chunk_rows(Path path) {
+  return path == Path::Amx ? kAmxRows : path == Path::Avx2 ? kAvx2Rows : path == Path::Vnni ? kChunk : 1;
+}
+
 // Block b against x rows m0 .. m0 + MC: sums (MC, 16).
-inline void block_sums(const Call& c, int64_t b, int64_t m0, int64_t MC, bool amx, int64_t& configured,
+inline void block_sums(const Call& c, int64_t b, int64_t m0, int64_t MC, Path path, int64_t& configured,
                        const int8_t* pairs_hi, const uint8_t* pairs_lo, float* sums) {
+  (void)configured, (void)pairs_hi, (void)pairs_lo;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (amx || kVnni) {
+  if (path == Path::Amx || path == Path::Vnni) {
     __m512 acc[kChunk];
 #if defined(KAKEYA_AMX) && defined(__AMX_INT8__)
-    if (amx) {
+    if (path == Path::Amx) {
       if (configured != MC) configure_q8(MC), configured = MC;
       block_amx(c, b, m0, MC, pairs_hi + 2 * m0 * c.K, pairs_lo + 2 * m0 * c.K, acc);
     }
 #endif
 #if defined(__AVX512VNNI__)
-    if (!amx) block_vnni(c, b, m0, MC, acc);
+    if (path == Path::Vnni) block_vnni(c, b, m0, MC, acc);
 #endif
     for (int64_t m = 0; m < MC; ++m) _mm512_storeu_ps(sums + m * kRows, acc[m]);
     return;
   }
 #endif
-  (void)amx, (void)configured, (void)pairs_hi, (void)pairs_lo;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (path == Path::Avx2) {
+    block_avx2(c, b, m0, MC, sums);
+    return;
+  }
+#endif
   for (int64_t m = 0; m < MC; ++m) block_rows(c, b, m0 + m, sums + m * kRows);
 }
 
@@ -355,8 +433,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   float* yf = out_fp32 ? y.data_ptr<float>() : nullptr;
   c10::BFloat16* yb = out_fp32 ? nullptr : y.data_ptr<c10::BFloat16>();
   const int64_t y_row = y.stride(0);
-  const bool amx = use_amx(M, S);
-  const int64_t chunk = amx ? kAmxRows : kChunk;
+  const Path path = path_for(M, S);
+  const bool amx = path == Path::Amx;
+  const int64_t chunk = chunk_rows(path);
   thread_local std::vector<uint8_t> pairs;  // the AMX path's A tiles, hi then lo: (2 M K) each
   if (amx) {
     pairs.resize(4 * M * K);
@@ -375,7 +454,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
       for (int64_t b = first; b < std::min(blocks, first + run); ++b) {
         for (int64_t m0 = 0; m0 < M; m0 += chunk) {
           const int64_t MC = std::min(chunk, M - m0);
-          block_sums(c, b, m0, MC, amx, configured, pairs_hi, pairs_lo, sums);
+          block_sums(c, b, m0, MC, path, configured, pairs_hi, pairs_lo, sums);
           for (int64_t m = 0; m < MC; ++m)
             for (int r = 0; r < kRows; ++r) {
               const int64_t n = b * kRows + r;
@@ -420,10 +499,19 @@ at::Tensor q8_dequant(const at::Tensor& q, const at::Tensor& sz, const std::opti
   return out;
 }
 
-// Which path a call of `rows` rows takes here: "amx", "vnni" or "rows".
+// Which path a call of `rows` rows takes here: "amx", "vnni", "avx2" or "rows".
 std::string q8_path(int64_t rows) {
-  if (use_amx(rows, 2)) return "amx";
-  return kVnni ? "vnni" : "rows";
+  static const char* names[] = {"amx", "vnni", "avx2", "rows"};
+  return names[static_cast<int>(path_for(rows, 2))];
+}
+
+// Force one path for the process ("vnni", "avx2", "rows"; "auto" the default), for tests; returns the one before.
+// A path this CPU lacks falls back as Auto does (q8_path says which runs).
+std::string q8_route(const std::string& name) {
+  static const char* names[] = {"auto", "vnni", "avx2", "rows"};
+  const auto* found = std::find(std::begin(names), std::end(names), name);
+  TORCH_CHECK(found != std::end(names), "q8_route: ", name, " is not one of auto, vnni, avx2, rows");
+  return names[forced.exchange(static_cast<int>(found - std::begin(names)))];
 }
 
 }  // namespace kakeya_ops
@@ -432,6 +520,7 @@ TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.def("q8_linear(Tensor x, Tensor q, Tensor sz, Tensor? bias=None, bool out_fp32=False) -> Tensor");
   m.def("q8_dequant(Tensor q, Tensor sz, Tensor? rows=None) -> Tensor");
   m.def("q8_path(int rows) -> str", &kakeya_ops::q8_path);
+  m.def("q8_route(str name) -> str", &kakeya_ops::q8_route);
 }
 
 TORCH_LIBRARY_IMPL(kakeya, CPU, m) {
