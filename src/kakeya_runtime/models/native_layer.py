@@ -17,7 +17,10 @@ When every row's cache of every layer takes its writes in the kernel, the whole 
 (`run_all`: kakeya.DecoderStack, built once from all layers' arguments, running decoder_layer layer after layer):
 a step then crosses Python and the dispatcher once instead of once per layer, while the second thread waited
 (results/engine/decode_v10_ab). So does a single row whose sparse layers are in their steady state
-(DecoderStack.step_sparse: those layers as decoder_layer_sparse, the others as decoder_layer).
+(DecoderStack.step_sparse: those layers as decoder_layer_sparse, the others as decoder_layer). So does a run of up to
+RUN_ROWS tokens of one sequence over caches that take it (`run_all_sequence`: a speculative verify, a short message),
+the tokens as rows over the one cache: a 2-token verify cost 1.34 decode steps as halves, 1.06 so
+(results/spec/verify_cost_xeon_2026-12-03_rows).
 """
 
 from __future__ import annotations
