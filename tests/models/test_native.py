@@ -139,6 +139,44 @@ def test_few_rows_on_narrow_tiles_keep_the_bits(g, attention_amx):
         native.set_routes(kept.attention_amx, kept.linear_amx)
 
 
+@pytest.mark.parametrize("attention_amx", [False, True])
+@pytest.mark.parametrize("layout", ["heads_major", "tokens_major", "rotated"])
+@pytest.mark.parametrize("d", [64, 256])
+def test_decode_rows_read_keys_in_place_with_the_prompts_bits(d, layout, attention_amx):
+    """A decode step's few rows take their scores with the keys read where the cache keeps them (AMX: K as the tile
+    that the prompt's rows take as Q): keys a row apart or heads apart, whole 16-key tiles in order, a partial last
+    one, and a rotated ring's tiles out of order (copied); an infinite and a -0 query value, a huge key. Every row
+    keeps the bits it gets among the prompt's rows."""
+    kept = native.routes()
+    try:
+        native.set_routes(attention_amx, kept.linear_amx)
+        gen = torch.Generator().manual_seed(d + len(layout))
+        s, hk, g = 333, 2, 3
+        if layout == "tokens_major":  # (B, S, Hk, D) storage seen as (B, Hk, S, D): rows Hk * D apart
+            k = torch.randn(1, s + 5, hk, d, generator=gen).bfloat16().transpose(1, 2)[:, :, :s]
+            v = torch.randn(1, s + 5, hk, d, generator=gen).bfloat16().transpose(1, 2)[:, :, :s]
+        else:
+            k, v = cache_views(1, hk, s, d, torch.bfloat16, gen)
+        k[0, 1, 100, 3] = 3e38
+        q_all = torch.randn(1, hk, g, s, d, generator=gen).bfloat16()
+        q_all[0, 0, 1, s - 1, 7] = float("inf")
+        q_all[0, 1, 2, s - 1, 0] = -0.0
+        pos = torch.arange(s)
+        whole = native.cached_attention(grouped(q_all, 0, s), k, v, pos, pos, d**-0.5).reshape(1, hk, g, s, d)
+        if layout == "rotated":  # a ring's slots: the keys stored from position 117 on first
+            order = torch.cat((torch.arange(117, s), torch.arange(117)))
+            k, v, pos = k[:, :, order].contiguous(), v[:, :, order].contiguous(), pos[order].contiguous()
+        for t in (s - 1, 250, 143, 16, 0):
+            n = s if layout == "rotated" else t + 1  # a ring holds every key; a prefix cache the ones up to t
+            part = native.cached_attention(grouped(q_all, t, t + 1), k[:, :, :n], v[:, :, :n], torch.tensor([t]),
+                                           pos[:n], d**-0.5)
+            got, want = part.reshape(1, hk, g, 1, d), whole[:, :, :, t : t + 1]
+            assert torch.equal(got.isnan(), want.isnan()), t
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), t
+    finally:
+        native.set_routes(kept.attention_amx, kept.linear_amx)
+
+
 @pytest.mark.parametrize("d", [64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_few_rows_that_see_different_lanes_keep_the_prompts_bits(dtype, d):

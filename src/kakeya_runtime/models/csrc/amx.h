@@ -60,6 +60,19 @@ inline void configure(int rows = 16) {
   load_config(cfg);
 }
 
+// The attention kernel's decode layout, for `rows` < 16 query rows: scores as K . Q^T (the keys as A, straight from
+// the cache; tile 2 the scores, 16 keys x `rows`; tile 3 Q^T in pairs, 16 pair-rows x `rows`), then P . V on C
+// tiles 0-1 and A tile 4 of `rows` rows; tile 5 the keys (16 x 32 bf16), tiles 6-7 V in pairs (16 x 64 bytes).
+inline void configure_decode(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    const bool narrow_rows = t < 2 || t == 4;
+    cfg.rows[t] = narrow_rows ? static_cast<uint8_t>(rows) : 16;
+    cfg.colsb[t] = t == 2 || t == 3 ? static_cast<uint16_t>(4 * rows) : 64;
+  }
+  load_config(cfg);
+}
+
 // Tile rows are 64 bytes: buffers that tiles load from start on a cache line, so no row straddles two.
 template <typename T>
 struct AlignedBuffer {

@@ -890,13 +890,26 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   std::fill(st.n, st.n + R, 0.f);
   const int64_t RB = (R + 15) / 16;  // 16-row tiles
   const bool narrow = R < 16;
-  if (narrow) kakeya_amx::configure(static_cast<int>(R));
+  if (narrow) kakeya_amx::configure_decode(static_cast<int>(R));
   // Q rows as A tiles: in place, but the last tile of a row count that is not a multiple of 16 is padded with zeros.
   const int64_t full_rows = R / 16 * 16;
   // Staging buffers from per-thread scratch (slots 0-5 of their types; one item runs at a time on a thread).
   BF* const qtail = scratch<BF>(0, 16 * D);
-  std::memset(qtail, 0, 16 * D * sizeof(BF));
-  if (full_rows < R) std::memcpy(qtail, q + full_rows * D, (R - full_rows) * D * sizeof(BF));
+  if (!narrow) {
+    std::memset(qtail, 0, 16 * D * sizeof(BF));
+    if (full_rows < R) std::memcpy(qtail, q + full_rows * D, (R - full_rows) * D * sizeof(BF));
+  }
+  // Fewer than 16 rows (decode) take the scores as K . Q^T: the keys as A tiles straight from the cache (16 rows a
+  // tile, k_row apart), Q^T in pairs as B, [pair][row]. A tile product computes each element from its own pairs in the
+  // same sequence whichever operand holds them (measured: 9.6M elements, normal, wide-range and subnormal values, no
+  // bit differs), so the scores are the staged path's bits, without staging each block's keys every step.
+  uint32_t* const qt2 = scratch<uint32_t>(2, D / 2 * 16);  // Q^T in pairs: [pair][row]
+  float* const ct = scratch<float>(3, NB * 16);             // scores as the tiles give them: [lane][row], 16 apart
+  BF* const ka = scratch<BF>(2, 16 * D);                    // a key tile that is not 16 rows in order: its rows copied
+  if (narrow)
+    for (int64_t r = 0; r < R; ++r)
+      for (int p = 0; p < D / 2; ++p)
+        qt2[p * R + r] = static_cast<uint32_t>(q[r * D + 2 * p].x) | static_cast<uint32_t>(q[r * D + 2 * p + 1].x) << 16;
   // The first query position of each row tile: a block wholly at or below it is seen whole by every row there
   // (no window, plain keys), with no per-row masks to build.
   std::vector<int64_t> tile_min(RB);
@@ -937,7 +950,21 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     const float* alpha = alphas[pv.buf];
     const int64_t rn = pv.rn;
     float* const acc0 = st.acc + pv.r0 * D;
-    for (int d0 = 0; d0 < D; d0 += 64) {  // up to four 16-dim output tiles at a time
+    for (int d0 = 0; d0 < D && narrow; d0 += 32) {  // the decode layout: two 16-dim output tiles at a time
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int c = 0; c < NB / 32; ++c) {  // 32 keys (16 pairs) per step, in order
+        _tile_loadd(4, pb + c * 32, NB * 2);
+        const uint32_t* vb = vt2 + c * 16 * D + d0;
+        _tile_loadd(6, vb, D * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, vb + 16, D * 4);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      _tile_stored(0, ob + d0, D * 4);
+      _tile_stored(1, ob + d0 + 16, D * 4);
+    }
+    for (int d0 = 0; d0 < D && !narrow; d0 += 64) {  // up to four 16-dim output tiles at a time
       const int nt = std::min(4, (D - d0) / 16);
       _tile_zero(0);
       _tile_zero(1);
@@ -989,7 +1016,12 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     }
     block_rows<BF, NB>(k, v, k_row, v_row, order, pos, blocks[bi], blocks[bi].min_pos / NB * NB, in_order,
                    krows[sb_i], vrows[sb_i], presents[sb_i]);
-    stage_keys<D, NB>(krows[sb_i], kt2s + sb_i * (D / 2 * NB), kpf, k_row * 2);
+    if (!narrow) {
+      stage_keys<D, NB>(krows[sb_i], kt2s + sb_i * (D / 2 * NB), kpf, k_row * 2);
+    } else if (kpf != nullptr) {  // the keys are read in place: ask for the next ones
+      for (int i = 0; i < NB; ++i)
+        for (int c = 0; c < D * 2 / 64; ++c) _mm_prefetch(kpf + i * k_row * 2 + 64 * c, _MM_HINT_T1);
+    }
     interleave_values<D, NB>(vrows[sb_i], vt2s + sb_i * (NB / 2 * D),
                              vpf != nullptr ? Ahead{vpf, v_row * 2, D * 2, nullptr, NB} : Ahead{});
   };
@@ -1024,7 +1056,36 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
       }
       if (any == 0u) continue;
       const BF* qa = rn == 16 ? q + r0 * D : qtail;
-      for (int pass = 0; pass < (KT + 3) / 4; ++pass) {  // up to four key tiles at a time in C tiles 0-3
+      if (narrow) {
+        const BF* const* kr = krows[bi % NBUF];
+        for (int g = 0; g < KT; ++g) {
+          const BF* const* gk = kr + g * 16;
+          bool in_place = gk[0] != nullptr;
+          for (int l = 1; l < 16 && in_place; ++l) in_place = gk[l] == gk[0] + l * k_row;
+          const BF* a = gk[0];
+          int64_t a_stride = k_row * 2;
+          if (!in_place) {  // a partial or scattered tile: its rows (zero rows where empty), as staging gave them
+            for (int l = 0; l < 16; ++l) {
+              if (gk[l] != nullptr) std::memcpy(ka + l * D, gk[l], D * sizeof(BF));
+              else std::memset(ka + l * D, 0, D * sizeof(BF));
+            }
+            a = ka;
+            a_stride = D * 2;
+          }
+          _tile_zero(2);
+          for (int sd = 0; sd < D / 32; ++sd) {
+            _tile_loadd(5, a + sd * 32, a_stride);
+            _tile_loadd(3, qt2 + sd * 16 * R, 4 * R);
+            _tile_dpbf16ps(2, 5, 3);
+          }
+          _tile_stored(2, ct + g * 256, 64);
+        }
+        const __m512i lanes = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+        for (int64_t r = 0; r < R; ++r)  // [lane][row] -> [row][lane]
+          for (int g = 0; g < KT; ++g)
+            _mm512_storeu_ps(sb + r * NB + g * 16, _mm512_i32gather_ps(lanes, ct + g * 256 + r, 4));
+      }
+      for (int pass = 0; pass < (KT + 3) / 4 && !narrow; ++pass) {  // up to four key tiles at a time in C tiles 0-3
         constexpr int NT4 = KT < 4 ? KT : 4;  // key tiles per pass (NB = 32: two)
         _tile_zero(0);
         _tile_zero(1);
