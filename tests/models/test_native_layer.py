@@ -620,8 +620,132 @@ def test_prefill_chunks_riding_a_step_same_bits(family, fmt, make_tiny_model, mo
     assert calls == []
     model.__dict__.pop("_native_layers", None)
     got = run(True)
-    assert len(calls) == 2 * model.config.num_hidden_layers, "each mixed step's layers should have run natively"
+    # the first step's two chunks take each layer's halves; the second's one chunk the whole stack (below)
+    assert len(calls) == model.config.num_hidden_layers, "the two-chunk step's layers should have run natively"
     assert_same_steps(got, ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_a_chunk_riding_decode_rows_takes_the_whole_stack_same_bits(family, fmt, make_tiny_model, monkeypatch):
+    """Decode rows and one prefill chunk riding them run the whole stack in one native call (the chunk's tokens
+    written to its cache, then attended as one query, each token by position): the decode rows' and the chunk's
+    logits and every cache are the Python path's, for chunks of 1 to 24 tokens over a long cache, a fresh one and
+    one that makes its cache grow its storage, beside 0 to 3 decode rows. Over Gemma 3's sliding layers (rings)
+    too, while the ring's spare slots cover the chunk; a longer chunk, or a decode row over a policy cache, keeps
+    the layers' halves."""
+    model = make_tiny_model(family, dtype=torch.float32, max_position_embeddings=512)
+    quantize_model(model, fmt)
+    engine = Engine(model, prefill_chunk=32)
+    registry = PolicyRegistry()
+    gen = torch.Generator().manual_seed(21)
+    vocab = model.config.vocab_size
+    histories = [torch.randint(0, vocab, (1, n), generator=gen) for n in (30, 3, 41)]
+    prompt = torch.randint(0, vocab, (1, 250), generator=gen)
+    chunks = [torch.randint(0, vocab, (1, n), generator=gen) for n in (1, 7, 16, 24, 5, 2)]
+    served = []
+    real = native_layer.NativeLayers.run_all_chunk
+
+    def counted(self, *a, **k):
+        out = real(self, *a, **k)
+        served.append((a[-1], out is not None))
+        return out
+
+    monkeypatch.setattr(native_layer.NativeLayers, "run_all_chunk", counted)
+
+    def run(on: bool) -> tuple[list, list]:
+        before = native_layer.set_enabled(on)
+        try:
+            rows = []
+            for ids in histories:
+                cache = engine.new_cache(capacity=ids.shape[1] + 16)
+                engine.prefill(cache, ids)
+                rows.append(cache)
+            long = engine.new_cache(capacity=400)  # storage reserved as it fills: grows past 256 in a chunk
+            engine.prefill(long, prompt)
+            fresh = engine.new_cache(capacity=64)
+            out = []
+            for i, ids in enumerate(chunks):
+                decode = rows[: i % 4]
+                target = fresh if i == 4 else long
+                logits, chunk_logits = engine.step_chunks(decode, [3 + i] * len(decode), [(target, ids)])
+                out += [logits, *chunk_logits]
+            policy = registry.build(engine, registry.resolve(*POLICIES[3], engine.config, 256), 256)
+            engine.prefill(policy, histories[0])
+            logits, chunk_logits = engine.step_chunks([rows[0], policy], [1, 2], [(long, chunks[0])])
+            out += [logits, *chunk_logits]
+            return out, [c.state() for c in [*rows, long, fresh]]
+        finally:
+            native_layer.set_enabled(before)
+
+    ref = run(False)
+    assert served == []
+    model.__dict__.pop("_native_layers", None)
+    got = run(True)
+    ring = model.config.sliding_window is not None  # Gemma 3's rings keep 16 spare slots
+    assert served == [(n, not (ring and n > 16)) for n in (1, 7, 16, 24, 5, 2)] + [(1, False)], served
+    assert_same_steps(got, ref)
+
+
+@pytest.mark.real_model
+def test_smollm2_chunk_riding_decode_rows_in_one_call_same_bits(english_text, smollm2_in, monkeypatch):
+    """SmolLM2 int4: two decode rows and a 12-token chunk of a 300-token prompt in one native call give the Python
+    path's logits and caches."""
+    loaded = smollm2_in("int4")
+    engine = Engine(loaded.model)
+    ids = loaded.tokenizer.encode(english_text).ids
+    served = []
+    real = native_layer.NativeLayers.run_all_chunk
+
+    def counted(self, *a, **k):
+        out = real(self, *a, **k)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_layer.NativeLayers, "run_all_chunk", counted)
+
+    def run(on: bool) -> tuple[list, list]:
+        before = native_layer.set_enabled(on)
+        try:
+            caches = [engine.new_cache(capacity=n + 20) for n in (200, 37, 300)]
+            for cache, (i, n) in zip(caches, [(0, 200), (5, 37), (9, 300)], strict=True):
+                engine.prefill(cache, torch.tensor([ids[i : i + n]]))
+            logits, chunk_logits = engine.step_chunks(caches[:2], [ids[1], ids[2]],
+                                                      [(caches[2], torch.tensor([ids[320:332]]))])
+            return [logits, *chunk_logits], [c.state() for c in caches]
+        finally:
+            native_layer.set_enabled(before)
+
+    ref = run(False)
+    loaded.model.__dict__.pop("_native_layers", None)
+    got = run(True)
+    assert served == [True]
+    assert_same_steps(got, ref)
+
+
+def test_a_chunk_step_that_fails_in_the_kernel_leaves_every_cache_as_it_was(make_tiny_model, monkeypatch):
+    """An error inside the whole-stack call of a step carrying a chunk is raised, and every cache of the step (the
+    decode rows' and the chunk's) is back at the length it had."""
+    model = make_tiny_model("gemma3", dtype=torch.float32)
+    engine = Engine(model, prefill_chunk=32)
+    gen = torch.Generator().manual_seed(2)
+    row, long = engine.new_cache(capacity=100), engine.new_cache(capacity=200)
+    engine.prefill(row, torch.randint(0, model.config.vocab_size, (1, 40), generator=gen))
+    engine.prefill(long, torch.randint(0, model.config.vocab_size, (1, 120), generator=gen))
+    before = [[kv.length for kv in c] for c in (row, long)]
+    stack = model.native_layers()._stack(model.layers)
+
+    class Broken:
+        def step_chunk(self, *args):
+            raise RuntimeError("decoder_layer_chunk: broken on purpose")
+
+    monkeypatch.setattr(stack, "stack", Broken())
+    with pytest.raises(RuntimeError, match="broken on purpose"):
+        engine.step_chunks([row], [1], [(long, torch.tensor([[1, 2, 3]]))])
+    assert [[kv.length for kv in c] for c in (row, long)] == before
+    monkeypatch.undo()
+    logits, chunk_logits = engine.step_chunks([row], [1], [(long, torch.tensor([[1, 2, 3]]))])
+    assert logits.shape[0] == 1 and len(chunk_logits) == 1
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

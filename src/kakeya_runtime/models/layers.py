@@ -73,6 +73,37 @@ class RowKV:
         self.sinks.append(sink)
 
 
+@dataclass(slots=True)
+class ChunkKV:
+    """The cache arguments of a prefill chunk riding a batched step in one native call (kakeya.DecoderStack's
+    step_chunk, through models.native_layer): per layer its cache's buffers, the keys to attend after the chunk's
+    writes and the window rule, and the chunk's T write slots (layer-major)."""
+
+    k: list[Tensor] = field(default_factory=list)
+    v: list[Tensor] = field(default_factory=list)
+    k_pos: list[Tensor] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    writes: list[bool] = field(default_factory=list)
+    windows: list[int] = field(default_factory=list)
+    sinks: list[int] = field(default_factory=list)
+
+    def add(self, kv: LayerKV, window: int | None, n: int) -> None:
+        """n consecutive tokens of the sequence in `kv` (its `append_run`): every slot written before any token
+        attends, then the keys up to the last one's count, each token seeing by position."""
+        rooms = kv.append_run(n)
+        k_all, v_all, kp, _, count, write = rooms[-1]
+        sink, window = getattr(kv, "attention_rule", None) or (0, window)
+        self.k.append(k_all)
+        self.v.append(v_all)
+        self.k_pos.append(kp)
+        self.slots.extend(room[3] for room in rooms)
+        self.counts.append(count)
+        self.writes.append(write)
+        self.windows.append(window or 0)
+        self.sinks.append(sink)
+
+
 class RowCaches:
     """One layer's caches for rows that are independent sequences, one new token each (a decode step of several
     sessions in one forward): projections and MLP run over all rows at once, attention per row over its own

@@ -7,7 +7,7 @@ the C++ op runs the same kernels in the same order on the same inputs, so the bi
 row's cache is another policy (restore, a lossy sink_window: no `append_slot`; sparse: it attends itself) the layer
 runs as two native calls around the Python path's own attention of the rows; a single row over a sparse cache in its
 steady state runs as one (`decoder_layer_step`: kakeya::decoder_layer_sparse, the same kernels in the same order).
-Prefill chunks riding a batched step (`run_mixed`) and a short run of one sequence's new tokens (`run_sequence`, under
+Prefill chunks riding a batched step (`run_mixed`, where the whole stack declines them) and a short run of one sequence's new tokens (`run_sequence`, under
 SEQUENCE_ROWS: a turn's message, a speculative verify) take the two halves around the Python path's own attention
 too, the tokens as rows. A trace, a longer prefill chunk, many rows on a quantized layer's dequantizing path, the
 sdpa backend and torch.compile keep the Python path. The per-layer arguments are gathered once (`LayerArgs`) and
@@ -20,7 +20,11 @@ a step then crosses Python and the dispatcher once instead of once per layer, wh
 (DecoderStack.step_sparse: those layers as decoder_layer_sparse, the others as decoder_layer). So does a run of up to
 RUN_ROWS tokens of one sequence over caches that take it (`run_all_sequence`: a speculative verify, a short message),
 the tokens as rows over the one cache: a 2-token verify cost 1.34 decode steps as halves, 1.06 so
-(results/spec/verify_cost_xeon_2026-12-03_rows).
+(results/spec/verify_cost_xeon_2026-12-03_rows). So do decode rows with one prefill chunk riding them
+(`run_all_chunk`: the chunk's tokens written to its cache first, then attended as one query over it, each token by
+position), where every row's cache takes its writes and the chunk's has room for it: with the halves, a step carrying
+a one-token chunk over a 2,000-token cache cost 1.74x the 4 decode rows alone, 1.45x so
+(results/concurrent/v20_chunk_step, results/concurrent/v21_chunk_stack).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from kakeya_runtime.models import native
-from kakeya_runtime.models.layers import LayerKV, RowCaches, RowKV
+from kakeya_runtime.models.layers import ChunkKV, LayerKV, RowCaches, RowKV
 from kakeya_runtime.models.native import GATED_ACTS
 
 ENV = "KAKEYA_NATIVE_LAYER"
@@ -215,6 +219,45 @@ class NativeLayers:
                     kv.trim(length)
             raise
         return out.view(1, t, -1)
+
+    def run_all_chunk(self, blocks: Sequence[nn.Module], h: Tensor, positions: Tensor, cos: Sequence[Tensor],
+                      sin: Sequence[Tensor], caches: Sequence[Sequence[LayerKV]], chunk: int) -> Tensor | None:
+        """Every layer over decode rows and one prefill chunk riding them in one native call (h (N + T, 1, C): the
+        decode rows, then the chunk's T = `chunk` tokens; caches[i] layer i's caches, the chunk's last): the decode
+        rows as `run_all` takes them, the chunk's tokens written to its cache first (`append_run`) and attended as one
+        query, each token by position. None (nothing touched) where any layer must take `run_mixed` or the Python path:
+        a decode row's cache as `run_all` refuses it, or a chunk cache without room for the run (a ring whose spare
+        slots do not cover it)."""
+        stack = self._stack(blocks)
+        if (stack is None or h.dtype != stack.dtype or h.shape[0] >= stack.max_rows or cos[0].dtype != h.dtype
+                or not 1 <= chunk <= h.shape[0]):
+            return None
+        for layer in caches:
+            *rows, kv = layer
+            if (getattr(kv, "append_run", None) is None or getattr(kv, "owns_attention", False)
+                    or chunk > kv.run_room() or kv.k.dtype != h.dtype or kv.k.device != h.device):
+                return None
+            for row in rows:
+                if getattr(row, "append_slot", None) is None or getattr(row, "owns_attention", False):
+                    return None
+        touched = [kv for layer in caches for kv in layer]
+        lengths = [kv.length for kv in touched]
+        rows, run = RowKV(), ChunkKV()
+        try:
+            for layer, window in zip(caches, stack.windows, strict=True):
+                *decode, kv = layer
+                for row in decode:
+                    rows.add(row, window)
+                run.add(kv, window, chunk)
+            return stack.stack.step_chunk(h, list(cos), list(sin), positions, rows.k, rows.v, rows.k_pos, rows.slots,
+                                          rows.counts, [int(w) for w in rows.writes], rows.windows, rows.sinks,
+                                          run.k, run.v, run.k_pos, run.slots, run.counts,
+                                          [int(w) for w in run.writes], run.windows, run.sinks)
+        except BaseException:  # every cache back to where the step began
+            for kv, length in zip(touched, lengths, strict=True):
+                if kv.length > length:
+                    kv.trim(length)
+            raise
 
     @staticmethod
     def _run_sparse(stack: StackArgs, h: Tensor, positions: Tensor, cos: Sequence[Tensor], sin: Sequence[Tensor],

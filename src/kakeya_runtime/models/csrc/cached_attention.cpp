@@ -2211,6 +2211,10 @@ at::Tensor cached_attention_rows_append(const at::Tensor& q, const at::Tensor& k
   return ::cached_attention_rows_append(q, k_new, v_new, k, v, k_pos, slot, count, write_pos, q_pos, window, sink,
                                         scale);
 }
+at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
+                            const at::Tensor& k_pos, int64_t window, int64_t sink, double scale) {
+  return ::cached_attention(q, k, v, q_pos, k_pos, window, sink, scale);
+}
 }  // namespace kakeya_ops
 
 TORCH_LIBRARY(kakeya, m) {

@@ -195,6 +195,8 @@ at::Tensor cached_attention_rows_append(const at::Tensor& q, const at::Tensor& k
                                         at::IntArrayRef slot, at::IntArrayRef count, at::IntArrayRef write_pos,
                                         const at::Tensor& q_pos, at::IntArrayRef window, at::IntArrayRef sink,
                                         double scale);
+at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
+                            const at::Tensor& k_pos, int64_t window, int64_t sink, double scale);
 // Whether this thread is inside a step whose ops reuse their outputs (ReuseScope, reusable_empty below): one flag
 // for all the library's files (the helpers below are each file's own).
 inline thread_local bool reusing = false;

@@ -123,6 +123,68 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::T
   return layer_output(att.view({N, H * D}), h, weights, config, params);
 }
 
+// Decode rows and one prefill chunk riding them (h (N + T, 1, C): the N decode rows, then the chunk's T consecutive
+// tokens of its own sequence) in one call: the layer's first half over every row, the decode rows' attention as
+// decoder_layer's (cached_attention_rows_append), the chunk's K/V written at its slots cslot (T) of its cache's
+// buffers ck, cv (1, Hk, A, D) (and its positions at ckpos[slot] when cwrite), then its T tokens' attention as one
+// query (1, Hk, G * T, D) over the first ccount slots (kakeya::cached_attention: each token sees by position, at or
+// before its own and within cwindow / csink, so the chunk's later keys are out of its earlier tokens' view), then the
+// second half over every row. The Python path's run_mixed computes the same functions on the same inputs (the
+// halves over all rows, the rows' attention, the chunk's cache write then its attention): the same bits and writes.
+at::Tensor decoder_layer_chunk(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& q_pos, at::TensorList weights, at::IntArrayRef config,
+                               at::ArrayRef<double> params, at::TensorList k, at::TensorList v, at::TensorList k_pos,
+                               at::IntArrayRef slot, at::IntArrayRef count, at::IntArrayRef write_pos,
+                               at::IntArrayRef window, at::IntArrayRef sink, const at::Tensor& ck, const at::Tensor& cv,
+                               const at::Tensor& ckpos, at::IntArrayRef cslot, int64_t ccount, bool cwrite,
+                               int64_t cwindow, int64_t csink) {
+  const auto [q, k_new, v_new] = attention_inputs(h, cos, sin, weights, config, params);
+  const int64_t R = h.size(0), T = int64_t(cslot.size()), N = R - T;
+  const int64_t H = config[kHeads], Hk = config[kKvHeads], D = config[kHeadDim], G = H / Hk;
+  TORCH_CHECK(T >= 1 && N >= 0 && q_pos.dim() == 1 && q_pos.size(0) == R && q_pos.is_contiguous(),
+              "decoder_layer_chunk: a chunk of at least one token after the decode rows, one position per row");
+  TORCH_CHECK(ck.dim() == 4 && ck.size(0) == 1 && ck.size(1) == Hk && ck.size(3) == D && cv.sizes() == ck.sizes() &&
+                  ck.scalar_type() == h.scalar_type() && cv.scalar_type() == h.scalar_type() && ck.stride(3) == 1 &&
+                  cv.stride(3) == 1 && ckpos.dim() == 1 && ckpos.scalar_type() == at::kLong && ckpos.is_contiguous() &&
+                  ckpos.size(0) >= ccount && ccount >= 1 && ccount <= ck.size(2) && cwindow >= 0 && csink >= 0,
+              "decoder_layer_chunk: the chunk's cache must be (1, Hk, A, D) buffers of h's dtype, positions int64 "
+              "(>= count,), count in [1, A], window and sink >= 0");
+  for (const int64_t sl : cslot)
+    TORCH_CHECK(sl >= 0 && sl < ck.size(2), "decoder_layer_chunk: slot ", sl, " outside the buffer of ", ck.size(2));
+  thread_local Reusable att_site;
+  auto att = reusable_empty(att_site, {R, H * D}, h.options());
+  if (N > 0) {
+    const auto rows = kakeya_ops::cached_attention_rows_append(
+        q.narrow(0, 0, N).view({N, Hk, G, D}), k_new.narrow(0, 0, N), v_new.narrow(0, 0, N), k, v, k_pos, slot,
+        count, write_pos, q_pos.narrow(0, 0, N), window, sink, params[2]);
+    att.narrow(0, 0, N).copy_(rows.view({N, H * D}));
+  }
+  // The chunk's keys and values into its slots: row N + t of k_new / v_new (Hk, 1, D), each head's D values.
+  const size_t bytes = D * h.element_size();
+  const int64_t* qp = q_pos.const_data_ptr<int64_t>();
+  char* kb = static_cast<char*>(ck.data_ptr());
+  char* vb = static_cast<char*>(cv.data_ptr());
+  const char* kn = static_cast<const char*>(k_new.const_data_ptr());
+  const char* vn = static_cast<const char*>(v_new.const_data_ptr());
+  const int64_t es = h.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t hd = 0; hd < Hk; ++hd) {
+      std::memcpy(kb + (hd * ck.stride(1) + cslot[t] * ck.stride(2)) * es,
+                  kn + ((N + t) * k_new.stride(0) + hd * k_new.stride(1)) * es, bytes);
+      std::memcpy(vb + (hd * cv.stride(1) + cslot[t] * cv.stride(2)) * es,
+                  vn + ((N + t) * v_new.stride(0) + hd * v_new.stride(1)) * es, bytes);
+    }
+    if (cwrite) ckpos.data_ptr<int64_t>()[cslot[t]] = qp[N + t];
+  }
+  // The chunk's queries as one sequence's: (T, H, 1, D) -> (1, H, T, D), read as (1, Hk, G * T, D) (group, token).
+  const auto qc = q.narrow(0, N, T).view({T, H, D}).transpose(0, 1).contiguous().view({1, Hk, G * T, D});
+  const auto out = kakeya_ops::cached_attention(qc, ck.narrow(2, 0, ccount), cv.narrow(2, 0, ccount),
+                                                q_pos.narrow(0, N, T), ckpos.narrow(0, 0, ccount), cwindow, csink,
+                                                params[2]);
+  att.narrow(0, N, T).view({T, H, D}).copy_(out.view({H, T, D}).transpose(0, 1));
+  return layer_output(att, h, weights, config, params);
+}
+
 // One row over a sparse cache in its steady decode state (kv/sparse.py, SparseLayerKV.decoder_layer_step) in one
 // call: the layer's first half, the new K/V into the hot ring (ring_write), the sparse step, the second half; the
 // split path's calls in its order (the same functions on the same inputs: the same bits, the same cache writes).
@@ -217,6 +279,46 @@ struct DecoderStack : torch::CustomClassHolder {
     return h.clone();  // the step's one allocation: the caller's own copy, so the kept one stays in the step
   }
 
+  // `step` for decode rows and one prefill chunk riding them (decoder_layer_chunk, layer after layer): h (N + T, 1, C),
+  // q_pos (N + T,); the decode rows' entries as `step` takes them (layer-major, N a layer); the chunk's buffers ck,
+  // cv, ckpos, count, write flag, window and sink one per layer, and its T slots a layer (layer-major).
+  at::Tensor step_chunk(at::Tensor h, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor q_pos,
+                        std::vector<at::Tensor> k, std::vector<at::Tensor> v, std::vector<at::Tensor> k_pos,
+                        std::vector<int64_t> slot, std::vector<int64_t> count, std::vector<int64_t> write_pos,
+                        std::vector<int64_t> window, std::vector<int64_t> sink, std::vector<at::Tensor> ck,
+                        std::vector<at::Tensor> cv, std::vector<at::Tensor> ckpos, std::vector<int64_t> cslot,
+                        std::vector<int64_t> ccount, std::vector<int64_t> cwrite, std::vector<int64_t> cwindow,
+                        std::vector<int64_t> csink) {
+    const int64_t T = layers > 0 ? int64_t(cslot.size()) / layers : 0, N = h.size(0) - T, rows = layers * N;
+    TORCH_CHECK(int64_t(cos.size()) == layers && int64_t(sin.size()) == layers,
+                "DecoderStack.step_chunk: one cos and one sin table per layer");
+    TORCH_CHECK(T >= 1 && N >= 0 && int64_t(cslot.size()) == layers * T && int64_t(ck.size()) == layers &&
+                    int64_t(cv.size()) == layers && int64_t(ckpos.size()) == layers &&
+                    int64_t(ccount.size()) == layers && int64_t(cwrite.size()) == layers &&
+                    int64_t(cwindow.size()) == layers && int64_t(csink.size()) == layers,
+                "DecoderStack.step_chunk: the chunk's buffers, count, write flag, window and sink per layer, and "
+                "its slots, T a layer, after the decode rows");
+    TORCH_CHECK(int64_t(k.size()) == rows && int64_t(v.size()) == rows && int64_t(k_pos.size()) == rows &&
+                    int64_t(slot.size()) == rows && int64_t(count.size()) == rows &&
+                    int64_t(write_pos.size()) == rows && int64_t(window.size()) == rows &&
+                    int64_t(sink.size()) == rows,
+                "DecoderStack.step_chunk: one cache entry per layer and decode row, layer-major");
+    RECORD_FUNCTION("kakeya::DecoderStack.step_chunk", std::vector<c10::IValue>());
+    const ReuseScope reuse;
+    for (int64_t l = 0; l < layers; ++l) {
+      const int64_t r = l * N;
+      h = decoder_layer_chunk(h, cos[l], sin[l], q_pos, at::TensorList(weights).slice(l * kWeights, kWeights),
+                              at::IntArrayRef(config).slice(l * kConfig, kConfig),
+                              at::ArrayRef<double>(params).slice(l * kParams, kParams), at::TensorList(k).slice(r, N),
+                              at::TensorList(v).slice(r, N), at::TensorList(k_pos).slice(r, N),
+                              at::IntArrayRef(slot).slice(r, N), at::IntArrayRef(count).slice(r, N),
+                              at::IntArrayRef(write_pos).slice(r, N), at::IntArrayRef(window).slice(r, N),
+                              at::IntArrayRef(sink).slice(r, N), ck[l], cv[l], ckpos[l],
+                              at::IntArrayRef(cslot).slice(l * T, T), ccount[l], cwrite[l] != 0, cwindow[l], csink[l]);
+    }
+    return h.clone();
+  }
+
   // One row whose layers hold either a preallocated cache (as `step` takes them) or a sparse cache in its steady
   // decode state (kv/sparse.py, SparseLayerKV.stack_kind, stack_step): each layer as decoder_layer or
   // decoder_layer_sparse runs it, layer after layer, in one call (a sparse step crossed Python and the dispatcher
@@ -298,6 +400,7 @@ TORCH_LIBRARY_FRAGMENT(kakeya, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("step", &DecoderStack::step)
+      .def("step_chunk", &DecoderStack::step_chunk)
       .def("step_sparse", &DecoderStack::step_sparse);
   m.def("decoder_layer_sparse(Tensor h, Tensor cos, Tensor sin, Tensor q_pos, Tensor[] weights, int[] config, "
         "float[] params, Tensor(a!)[] state, Tensor[] cold, Tensor[] index, int[] geometry, float budget, "
