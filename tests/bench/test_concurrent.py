@@ -43,3 +43,29 @@ def test_concurrent_bench_writes_its_json(tmp_path):
     assert {"aggregate_2_over_1", "turn_latency_p99_2_over_1", "batch_over_serial_aggregate_at_2"} <= set(targets)
     assert set(targets["aggregate_2_over_1"]) == {"value", "target", "met"}
     assert result["path"] == str(tmp_path / "concurrent.json")
+
+
+def test_serve_process_passes_the_prompt_budget_flags(monkeypatch):
+    """The budget flags reach `kakeya serve`: --step-tokens and --step-slowdown when given, neither otherwise."""
+    from kakeya_runtime.bench import concurrent, serve_process
+
+    seen = []
+
+    class Captured:
+        def __init__(self, args):
+            seen.append(list(args))
+            self.address = "unused"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(serve_process, "ServeProcess", Captured)
+    for config in (ConcurrentConfig(step_tokens=16, step_slowdown=1.8), ConcurrentConfig()):
+        with concurrent.serve_process(config)(8):
+            pass
+    assert seen[0][seen[0].index("--step-tokens") + 1] == "16"
+    assert seen[0][seen[0].index("--step-slowdown") + 1] == "1.8"
+    assert "--step-tokens" not in seen[1] and "--step-slowdown" not in seen[1]

@@ -336,10 +336,11 @@ def concurrent_cmd(
     reply_tokens: int = typer.Option(48, min=1, help="Tokens generated per turn (greedy, EOS ignored)."),
     long_prompt: int = typer.Option(4096, min=0, help="Tokens of the prompt arriving while others decode (0: skip)."),
     long_decoders: int = typer.Option(4, min=1, help="Sessions decoding while the long prompt arrives."),
-    long_reply_tokens: int = typer.Option(400, min=1, help="Tokens each of those decodes (enough to cover the "
+    long_reply_tokens: int = typer.Option(800, min=1, help="Tokens each of those decodes (enough to cover the "
                                           "prompt's read)."),
     max_batch: int = typer.Option(8, min=1, help="--max-batch of the batching server."),
     step_tokens: int | None = typer.Option(None, min=1, help="--step-tokens of both servers (default: theirs)."),
+    step_slowdown: float | None = typer.Option(None, help="--step-slowdown of both servers (default: theirs)."),
     schedulers: str = typer.Option("batch,serial", help="batch (--max-batch N) and/or serial (--max-batch 1)."),
     out: str = typer.Option("results/concurrent", help="Output directory (concurrent.json)."),
 ) -> None:
@@ -356,6 +357,7 @@ def concurrent_cmd(
     config = ConcurrentConfig(model=check_model(model), sessions=positive_ints(sessions, "--sessions"), turns=turns,
                               reply_tokens=reply_tokens, long_prompt=long_prompt, long_decoders=long_decoders,
                               long_reply_tokens=long_reply_tokens, max_batch=max_batch, step_tokens=step_tokens,
+                              step_slowdown=step_slowdown,
                               schedulers=items(schedulers, "--schedulers", ("batch", "serial")),
                               serve_args=("--weights", weights), out=Path(out))
     result = run_concurrent(config, command_line="kakeya " + shlex.join(sys.argv[1:]))

@@ -51,9 +51,10 @@ class ConcurrentConfig:
     reply_tokens: int = 48
     long_prompt: int = 4096  # 0: skip the long-prompt phase
     long_decoders: int = 4
-    long_reply_tokens: int = 400
+    long_reply_tokens: int = 800  # the others decode while the prompt is read beside them (10-13 s here)
     max_batch: int = 8
     step_tokens: int | None = None  # None: the server's default (prompt chunks sized by step time)
+    step_slowdown: float | None = None  # None: the server's default
     schedulers: tuple[str, ...] = ("batch", "serial")
     serve_args: tuple[str, ...] = ()  # extra `kakeya serve` arguments
     out: Path = field(default_factory=lambda: Path("results/concurrent"))
@@ -69,6 +70,8 @@ def serve_process(config: ConcurrentConfig) -> ServerFactory:
     @contextlib.contextmanager
     def start(max_batch: int) -> Iterator[str]:
         step = [] if config.step_tokens is None else ["--step-tokens", str(config.step_tokens)]
+        if config.step_slowdown is not None:
+            step += ["--step-slowdown", f"{config.step_slowdown:g}"]
         args = ["--model", config.model, "--max-batch", str(max_batch), *step,
                 "--max-sessions", str(max(64, 2 * max(config.sessions) + config.long_decoders + 4)),
                 *config.serve_args]

@@ -23,7 +23,7 @@ the tokens as rows over the one cache: a 2-token verify cost 1.34 decode steps a
 (results/spec/verify_cost_xeon_2026-12-03_rows). So do decode rows with one prefill chunk riding them
 (`run_all_chunk`: the chunk's tokens written to its cache first, then attended as one query over it, each token by
 position), where every row's cache takes its writes and the chunk's has room for it: with the halves, a step carrying
-a one-token chunk over a 2,000-token cache cost 1.74x the 4 decode rows alone, 1.45x so
+a one-token chunk over a 2,000-token cache cost 1.74x the 4 decode rows alone, 1.40x so
 (results/concurrent/v20_chunk_step, results/concurrent/v21_chunk_stack).
 """
 
