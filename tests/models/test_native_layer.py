@@ -626,7 +626,7 @@ def test_prefill_chunks_riding_a_step_same_bits(family, fmt, make_tiny_model, mo
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int4"])
 def test_a_chunk_riding_decode_rows_takes_the_whole_stack_same_bits(family, fmt, make_tiny_model, monkeypatch):
     """Decode rows and one prefill chunk riding them run the whole stack in one native call (the chunk's tokens
     written to its cache, then attended as one query, each token by position): the decode rows' and the chunk's
