@@ -665,6 +665,7 @@ def test_a_chunk_riding_decode_rows_takes_the_whole_stack_same_bits(family, fmt,
             engine.prefill(long, prompt)
             fresh = engine.new_cache(capacity=64)
             out = []
+            served.clear()  # (the prefills above take the stack too: a short prompt's tokens as one chunk)
             for i, ids in enumerate(chunks):
                 decode = rows[: i % 4]
                 target = fresh if i == 4 else long
@@ -683,7 +684,8 @@ def test_a_chunk_riding_decode_rows_takes_the_whole_stack_same_bits(family, fmt,
     model.__dict__.pop("_native_layers", None)
     got = run(True)
     ring = model.config.sliding_window is not None  # Gemma 3's rings keep 16 spare slots
-    assert served == [(n, not (ring and n > 16)) for n in (1, 7, 16, 24, 5, 2)] + [(1, False)], served
+    # then the policy cache's prefill (30 tokens) and the step beside its decode row: the halves
+    assert served == [(n, not (ring and n > 16)) for n in (1, 7, 16, 24, 5, 2)] + [(30, False), (1, False)], served
     assert_same_steps(got, ref)
 
 
@@ -751,10 +753,11 @@ def test_a_chunk_step_that_fails_in_the_kernel_leaves_every_cache_as_it_was(make
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_short_appends_take_the_native_halves_same_bits(family, fmt, make_tiny_model, monkeypatch):
-    """A turn's few new tokens of one sequence (fewer than SEQUENCE_ROWS) run each layer's halves natively around
-    the sequence's own attention: the logits at every position and every cache are the Python path's, over a full
-    cache and over policies (sparse attends itself, sink_window writes through update_and_fetch); a longer chunk
-    keeps the Python path."""
+    """A turn's few new tokens of one sequence (fewer than SEQUENCE_ROWS) run the whole stack in one native call
+    where every cache takes them (a full cache), else each layer's halves natively around the sequence's own
+    attention: the logits at every position and every cache are the Python path's, over a full cache and over
+    policies (sparse attends itself, sink_window writes through update_and_fetch); a longer chunk keeps the Python
+    path."""
     model = make_tiny_model(family, dtype=torch.float32)
     quantize_model(model, fmt)
     engine = Engine(model, prefill_chunk=64)
@@ -788,19 +791,22 @@ def test_short_appends_take_the_native_halves_same_bits(family, fmt, make_tiny_m
         assert calls == []
         model.__dict__.pop("_native_layers", None)
         got = run(True, policy)
-        # the 40-token append keeps the Python path; a full cache's runs of up to RUN_ROWS take the whole stack
-        assert sorted(set(calls)) == ([20, 31] if policy is None else [2, 5, 20, 31]), calls
+        # the 40-token append keeps the Python path; over a full cache every shorter run takes the whole stack (up to
+        # RUN_ROWS as rows, longer as one chunk), except on Gemma 3's rings past their 16 spare slots
+        ring = model.config.sliding_window is not None
+        halves = ([20, 31] if ring else []) if policy is None else [2, 5, 20, 31]
+        assert sorted(set(calls)) == halves, calls
         assert_same_steps(got, ref)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_a_short_run_takes_the_whole_stack_same_bits(family, fmt, make_tiny_model, monkeypatch):
-    """A speculative verify's few tokens (2..RUN_ROWS) over full caches run the whole stack in one native call, the
-    tokens as rows over the one cache (all written first, each attending up to itself): the logits at every position
-    and the cache are the Python path's, through rollbacks (trim) and a run that makes the cache grow its storage.
-    Over Gemma 3's sliding layers (rings) too, the later rows' keys masked by position; a ring whose spare slots do
-    not cover a run keeps the layers' halves."""
+    """A speculative verify's few tokens over full caches run the whole stack in one native call, the tokens as one
+    chunk over the cache (all written first, each attending by position): the logits at every position and the cache
+    are the Python path's, through rollbacks (trim) and a run that makes the cache grow its storage. Over Gemma 3's
+    sliding layers (rings) too, the later tokens' keys masked by position; a ring whose spare slots do not cover a
+    run keeps the layers' halves."""
     model = make_tiny_model(family, dtype=torch.float32, max_position_embeddings=512)  # storage grows past 256
     quantize_model(model, fmt)
     engine = Engine(model)
@@ -808,20 +814,21 @@ def test_a_short_run_takes_the_whole_stack_same_bits(family, fmt, make_tiny_mode
     prompt = torch.randint(0, model.config.vocab_size, (1, 250), generator=gen)
     runs = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (2, 5, 8, 3, 8, 9)]
     calls = []
-    real = native_layer.NativeLayers.run_all_sequence
+    real = native_layer.NativeLayers.run_all_chunk
 
     def counted(self, *a, **k):
         out = real(self, *a, **k)
-        calls.append((a[1].shape[1], out is not None))
+        calls.append((a[-1], out is not None))
         return out
 
-    monkeypatch.setattr(native_layer.NativeLayers, "run_all_sequence", counted)
+    monkeypatch.setattr(native_layer.NativeLayers, "run_all_chunk", counted)
 
     def run(on: bool, rollback: bool = True) -> tuple[list, list]:
         before = native_layer.set_enabled(on)
         try:
             cache = engine.new_cache(capacity=400)
             engine.prefill(cache, prompt)
+            calls.clear()  # (the prompt's last chunk takes the stack too)
             logits = []
             for i, ids in enumerate(runs):
                 length = cache.length
@@ -836,14 +843,14 @@ def test_a_short_run_takes_the_whole_stack_same_bits(family, fmt, make_tiny_mode
     assert calls == []
     model.__dict__.pop("_native_layers", None)
     got = run(True)
-    assert calls == [(n, True) for n in (2, 5, 8, 3, 8)], calls  # 9 tokens: more than RUN_ROWS
+    assert calls == [(n, True) for n in (2, 5, 8, 3, 8, 9)], calls
     assert_same_steps(got, ref)
     if model.config.sliding_window is not None:  # rings with 2 spare slots: runs of up to 2 tokens
         monkeypatch.setattr("kakeya_runtime.kv.cache.SLIDING_SPARE", 2)
         calls.clear()
         ref = run(False, rollback=False)  # (rolling back 4 of 5 tokens is more than 2 spare slots allow)
         got = run(True, rollback=False)
-        assert calls == [(n, n <= 2) for n in (2, 5, 8, 3, 8)], calls
+        assert calls == [(n, n <= 2) for n in (2, 5, 8, 3, 8, 9)], calls
         assert_same_steps(got, ref)
 
 
@@ -858,8 +865,8 @@ def test_a_short_run_that_fails_in_the_kernel_leaves_every_cache_as_it_was(make_
     stack = model.native_layers()._stack(model.layers)
 
     class Broken:
-        def step(self, *args):
-            raise RuntimeError("decoder_layer: broken on purpose")
+        def step_chunk(self, *args):
+            raise RuntimeError("decoder_layer_chunk: broken on purpose")
 
     monkeypatch.setattr(stack, "stack", Broken())
     with pytest.raises(RuntimeError, match="broken on purpose"):

@@ -59,7 +59,6 @@ from kakeya_runtime.engine.generate import (
 )
 from kakeya_runtime.engine.sampling import SamplingParams, draw, greedy, sample, support
 from kakeya_runtime.kv.cache import ModelKV
-from kakeya_runtime.models import native_layer
 from kakeya_runtime.models.base import Logits
 
 MAX_DRAFT_TOKENS = 16  # the most a verifier step drafts (kv.cache.SLIDING_SPARE keeps that much rollback room)
@@ -364,8 +363,8 @@ class SpeculativeStream:
 
 
 def measure_verify_cost(engine: Engine, *, context: int = 256, repeats: int = 3) -> tuple[float, ...]:
-    """What a verifier step over k drafts (k + 1 rows: up to RUN_ROWS in one call of the whole stack where the caches
-    allow, models.native_layer, else and beyond through the chunk path) costs beyond a one-row decode step,
+    """What a verifier step over k drafts (k + 1 tokens: in one call of the whole stack where the caches allow,
+    models.native_layer, else each layer's halves) costs beyond a one-row decode step,
     in decode steps, for k = 0..MAX_DRAFT_TOKENS: timed on this machine at `context` cached tokens (the median of
     `repeats` after a warm-up per shape), interpolated between the timed row counts. With AMX tiles 16 rows cost
     about one decode step; without them 4 drafts cost 0.4-0.65 more (2-core EPYC, SmolLM2 bf16; 1.5-2.1 before
@@ -394,8 +393,7 @@ def measure_verify_cost(engine: Engine, *, context: int = 256, repeats: int = 3)
         return statistics.median(times[1:])
 
     # Up to 16 rows: a sliding layer's ring rolls back at most MAX_DRAFT_TOKENS positions (the 17-row step extrapolated)
-    # and the longest run the stack takes in one call, whose cost steps up after it
-    rows = tuple(sorted({1, 2, 3, 5, native_layer.RUN_ROWS, native_layer.RUN_ROWS + 1, 9, MAX_DRAFT_TOKENS}))
+    rows = (1, 2, 3, 5, 8, 9, MAX_DRAFT_TOKENS)
     step = {r: timed(r) for r in rows}
     extra = {r - 1: max(0.0, step[r] / step[1] - 1.0) for r in rows}  # by draft count
     known = sorted(extra)

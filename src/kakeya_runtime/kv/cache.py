@@ -99,10 +99,10 @@ class FullLayerKV:
         return self.capacity - self.length
 
     def append_run(self, n: int) -> list[tuple[Tensor, Tensor, Tensor, int, int, bool]]:
-        """`append_slot` for n consecutive tokens of this sequence in one call whose rows all write before any
-        attends (kakeya::decoder_layer over a short run, e.g. a speculative verify): room for all n reserved first,
-        so every row gets the same storage; row i attends the first length + i + 1 keys, so the rows after it are
-        out of its view, as in a chunk's causal attention."""
+        """`append_slot` for n consecutive tokens of this sequence in one call whose tokens all write before any
+        attends (kakeya.DecoderStack.step_chunk: a prefill chunk, a turn's message, a speculative verify): room for
+        all n reserved first, so every token gets the same storage; token i sees the keys at or before its own
+        position, so the tokens after it are out of its view, as in a chunk's causal attention."""
         if n > self.run_room():
             raise CacheError(f"cache overflow: {self.length} + {n} new positions exceed capacity {self.capacity}")
         self._reserve(self.length + n)

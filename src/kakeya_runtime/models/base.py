@@ -95,8 +95,8 @@ class DecoderModel(nn.Module):
         row = None
         # one decode token: each layer one native call where its cache allows (the same bits as its forward); a
         # short run of new tokens of one sequence (a turn's message, a verify): the whole stack in one call where every
-        # cache takes the run as rows (up to RUN_ROWS), else each layer's halves natively around its own attention
-        # (the same bits too)
+        # cache takes the run as one chunk, else each layer's halves natively around its own attention (the same bits
+        # too)
         native = self.native_layers() if cache is not None and input_ids.shape[0] == 1 else None
         fused = native if input_ids.shape[1] == 1 else None
         short = native if 1 < input_ids.shape[1] < native_layer.SEQUENCE_ROWS else None
@@ -107,12 +107,13 @@ class DecoderModel(nn.Module):
                                 [(kv,) for kv in cache])
             if out is not None:
                 h, start = out, num_layers
-        elif short is not None and trace_layer is None and input_ids.shape[1] <= native_layer.RUN_ROWS:
+        elif short is not None and trace_layer is None:
             ropes = [self.layer_rope(i, rope) for i in range(num_layers)]
-            out = short.run_all_sequence(self.layers, h, positions, [c for c, _ in ropes], [s for _, s in ropes],
-                                         cache)
+            t = input_ids.shape[1]  # the tokens as one chunk: written first, attended as one query
+            out = short.run_all_chunk(self.layers, h.view(t, 1, -1), positions, [c for c, _ in ropes],
+                                      [s for _, s in ropes], [[kv] for kv in cache], t)
             if out is not None:
-                h, start = out, num_layers
+                h, start = out.view(1, t, -1), num_layers
         for i in range(start, num_layers):
             if fused is not None and i != trace_layer:
                 cos, sin = self.layer_rope(i, rope)

@@ -55,11 +55,6 @@ class RowKV:
             k_all, v_all = k_all.contiguous(), v_all.contiguous()
         self._add(kv, window, k_all, v_all, kp.contiguous(), -1, k_all.shape[2], False)
 
-    def add_run(self, kv: LayerKV, window: int | None, n: int) -> None:
-        """n rows: consecutive tokens of the sequence in `kv` (its `append_run`), written by the call."""
-        for room in kv.append_run(n):
-            self._add(kv, window, *room)
-
     def _add(self, kv: LayerKV, window: int | None, k_all: Tensor, v_all: Tensor, kp: Tensor, slot: int, count: int,
              write: bool) -> None:
         sink, window = getattr(kv, "attention_rule", None) or (0, window)

@@ -17,14 +17,15 @@ When every row's cache of every layer takes its writes in the kernel, the whole 
 (`run_all`: kakeya.DecoderStack, built once from all layers' arguments, running decoder_layer layer after layer):
 a step then crosses Python and the dispatcher once instead of once per layer, while the second thread waited
 (results/engine/decode_v10_ab). So does a single row whose sparse layers are in their steady state
-(DecoderStack.step_sparse: those layers as decoder_layer_sparse, the others as decoder_layer). So does a run of up to
-RUN_ROWS tokens of one sequence over caches that take it (`run_all_sequence`: a speculative verify, a short message),
-the tokens as rows over the one cache: a 2-token verify cost 1.34 decode steps as halves, 1.06 so
-(results/spec/verify_cost_xeon_2026-12-03_rows). So do decode rows with one prefill chunk riding them
-(`run_all_chunk`: the chunk's tokens written to its cache first, then attended as one query over it, each token by
-position), where every row's cache takes its writes and the chunk's has room for it: with the halves, a step carrying
-a one-token chunk over a 2,000-token cache cost 1.74x the 4 decode rows alone, 1.40x so
-(results/concurrent/v20_chunk_step, results/concurrent/v21_chunk_stack).
+(DecoderStack.step_sparse: those layers as decoder_layer_sparse, the others as decoder_layer). So do decode rows with
+one prefill chunk riding them, and a short run of one sequence's new tokens alone (a speculative verify, a turn's
+message) (`run_all_chunk`: DecoderStack.step_chunk, the chunk's tokens written to its cache first, then attended as
+one query over it, each token by position), where every row's cache takes its writes and the chunk's has room: with
+the halves, a step carrying a one-token chunk over a 2,000-token cache cost 1.74x the 4 decode rows alone, 1.40x so
+(results/concurrent/v20_chunk_step, results/concurrent/v21_chunk_stack); a 23-token message 17.5 -> 14.6 ms at 1k
+tokens of history and 38.3 -> 34.6 ms at 7k (results/session/message_stack_2026-12-03). It replaced a run's tokens
+as rows over the one cache (each a decode row reading the whole cache: a verify of 5 tokens at 2k tokens cost 16.5 ms
+so, 12.5 ms as one chunk).
 """
 
 from __future__ import annotations
@@ -133,7 +134,6 @@ class StackArgs:
 
 
 SEQUENCE_ROWS = 32  # new tokens of one sequence below this take run_sequence; longer chunks keep the Python path
-RUN_ROWS = 8  # up to this many, over caches that allow it, the whole stack in one call (run_all_sequence)
 
 
 class NativeLayers:
@@ -190,40 +190,10 @@ class NativeLayers:
         return stack.stack.step(h, list(cos), list(sin), positions, rows.k, rows.v, rows.k_pos, rows.slots,
                                 rows.counts, [int(w) for w in rows.writes], rows.windows, rows.sinks)
 
-    def run_all_sequence(self, blocks: Sequence[nn.Module], h: Tensor, positions: Tensor, cos: Sequence[Tensor],
-                         sin: Sequence[Tensor], caches: Sequence[LayerKV]) -> Tensor | None:
-        """Every layer over a short run of one sequence's new tokens (h (1, T, C), T <= RUN_ROWS: a speculative
-        verify, a short message) in one native call, the tokens as rows over the same cache, each attending its
-        cache up to itself (`append_run`: all rows written first, row i's view ending at its own key), so each row
-        computes what its decode step would. None (nothing touched) where any layer's cache does not offer that
-        (a policy, or a ring whose spare slots do not cover the run)."""
-        t = h.shape[1]
-        stack = self._stack(blocks)
-        if (stack is None or not 1 < t <= RUN_ROWS or h.dtype != stack.dtype or t >= stack.max_rows
-                or cos[0].dtype != h.dtype):
-            return None
-        if any(getattr(kv, "append_run", None) is None or getattr(kv, "owns_attention", False) or t > kv.run_room()
-               or kv.k.dtype != h.dtype or kv.k.device != h.device for kv in caches):
-            return None  # (a cache of another dtype gets the Python path's typed error)
-        lengths = [kv.length for kv in caches]
-        rows = RowKV()
-        try:
-            for kv, window in zip(caches, stack.windows, strict=True):
-                rows.add_run(kv, window, t)
-            out = stack.stack.step(h.view(t, 1, h.shape[2]), list(cos), list(sin), positions, rows.k, rows.v,
-                                   rows.k_pos, rows.slots, rows.counts, [int(w) for w in rows.writes], rows.windows,
-                                   rows.sinks)
-        except BaseException:  # every cache back to where the run began
-            for kv, length in zip(caches, lengths, strict=True):
-                if kv.length > length:
-                    kv.trim(length)
-            raise
-        return out.view(1, t, -1)
-
     def run_all_chunk(self, blocks: Sequence[nn.Module], h: Tensor, positions: Tensor, cos: Sequence[Tensor],
                       sin: Sequence[Tensor], caches: Sequence[Sequence[LayerKV]], chunk: int) -> Tensor | None:
         """Every layer over decode rows and one prefill chunk riding them in one native call (h (N + T, 1, C): the
-        decode rows, then the chunk's T = `chunk` tokens; caches[i] layer i's caches, the chunk's last): the decode
+        decode rows, N >= 0, then the chunk's T = `chunk` tokens; caches[i] layer i's caches, the chunk's last): the decode
         rows as `run_all` takes them, the chunk's tokens written to its cache first (`append_run`) and attended as one
         query, each token by position. None (nothing touched) where any layer must take `run_mixed` or the Python path:
         a decode row's cache as `run_all` refuses it, or a chunk cache without room for the run (a ring whose spare
