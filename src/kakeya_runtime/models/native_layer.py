@@ -25,7 +25,7 @@ the halves, a step carrying a one-token chunk over a 2,000-token cache cost 1.74
 (results/concurrent/v20_chunk_step, results/concurrent/v21_chunk_stack); a 23-token message 17.5 -> 14.6 ms at 1k
 tokens of history and 38.3 -> 34.6 ms at 7k (results/session/message_stack_2026-12-03). It replaced a run's tokens
 as rows over the one cache (each a decode row reading the whole cache: a verify of 5 tokens at 2k tokens cost 16.5 ms
-so, 12.5 ms as one chunk).
+so, 12.5 ms as one chunk; results/spec/verify_chunk_ab_2026-12-03).
 """
 
 from __future__ import annotations
