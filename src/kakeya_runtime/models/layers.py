@@ -31,7 +31,7 @@ class LayerKV(Protocol):
 class RowKV:
     """The per-row cache arguments of one batched attention call (native.cached_attention_rows_append, and
     kakeya::decoder_layer through models.native_layer): each row's keys, values, positions, its write slot and the
-    window rule it attends under."""
+    window rule it attends under; or, through `add_chunk`, one prefill chunk's per layer."""
 
     k: list[Tensor] = field(default_factory=list)
     v: list[Tensor] = field(default_factory=list)
@@ -55,6 +55,15 @@ class RowKV:
             k_all, v_all = k_all.contiguous(), v_all.contiguous()
         self._add(kv, window, k_all, v_all, kp.contiguous(), -1, k_all.shape[2], False)
 
+    def add_chunk(self, kv: LayerKV, window: int | None, n: int) -> None:
+        """A prefill chunk's entry for one layer (kakeya.DecoderStack's step_chunk): n consecutive tokens of the
+        sequence in `kv` (its `append_run`), all written before any attends, then the keys up to the last one's count,
+        each token seeing by position. One entry a layer, with its n write slots in `slots`."""
+        rooms = kv.append_run(n)
+        k_all, v_all, kp, _, count, write = rooms[-1]
+        self._add(kv, window, k_all, v_all, kp, rooms[0][3], count, write)
+        self.slots.extend(room[3] for room in rooms[1:])
+
     def _add(self, kv: LayerKV, window: int | None, k_all: Tensor, v_all: Tensor, kp: Tensor, slot: int, count: int,
              write: bool) -> None:
         sink, window = getattr(kv, "attention_rule", None) or (0, window)
@@ -62,37 +71,6 @@ class RowKV:
         self.v.append(v_all)
         self.k_pos.append(kp)
         self.slots.append(slot)
-        self.counts.append(count)
-        self.writes.append(write)
-        self.windows.append(window or 0)
-        self.sinks.append(sink)
-
-
-@dataclass(slots=True)
-class ChunkKV:
-    """The cache arguments of a prefill chunk riding a batched step in one native call (kakeya.DecoderStack's
-    step_chunk, through models.native_layer): per layer its cache's buffers, the keys to attend after the chunk's
-    writes and the window rule, and the chunk's T write slots (layer-major)."""
-
-    k: list[Tensor] = field(default_factory=list)
-    v: list[Tensor] = field(default_factory=list)
-    k_pos: list[Tensor] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    writes: list[bool] = field(default_factory=list)
-    windows: list[int] = field(default_factory=list)
-    sinks: list[int] = field(default_factory=list)
-
-    def add(self, kv: LayerKV, window: int | None, n: int) -> None:
-        """n consecutive tokens of the sequence in `kv` (its `append_run`): every slot written before any token
-        attends, then the keys up to the last one's count, each token seeing by position."""
-        rooms = kv.append_run(n)
-        k_all, v_all, kp, _, count, write = rooms[-1]
-        sink, window = getattr(kv, "attention_rule", None) or (0, window)
-        self.k.append(k_all)
-        self.v.append(v_all)
-        self.k_pos.append(kp)
-        self.slots.extend(room[3] for room in rooms)
         self.counts.append(count)
         self.writes.append(write)
         self.windows.append(window or 0)

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from kakeya_runtime.models import native
-from kakeya_runtime.models.layers import ChunkKV, LayerKV, RowCaches, RowKV
+from kakeya_runtime.models.layers import LayerKV, RowCaches, RowKV
 from kakeya_runtime.models.native import GATED_ACTS
 
 ENV = "KAKEYA_NATIVE_LAYER"
@@ -212,13 +212,13 @@ class NativeLayers:
                     return None
         touched = [kv for layer in caches for kv in layer]
         lengths = [kv.length for kv in touched]
-        rows, run = RowKV(), ChunkKV()
+        rows, run = RowKV(), RowKV()
         try:
             for layer, window in zip(caches, stack.windows, strict=True):
                 *decode, kv = layer
                 for row in decode:
                     rows.add(row, window)
-                run.add(kv, window, chunk)
+                run.add_chunk(kv, window, chunk)
             return stack.stack.step_chunk(h, list(cos), list(sin), positions, rows.k, rows.v, rows.k_pos, rows.slots,
                                           rows.counts, [int(w) for w in rows.writes], rows.windows, rows.sinks,
                                           run.k, run.v, run.k_pos, run.slots, run.counts,
