@@ -879,7 +879,8 @@ template <int D, int NB = BKA>
 void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_row,
                            int64_t v_row, int64_t R, const Rule& rule, const int64_t* order, const int64_t* pos,
                            const Block* blocks, int64_t nblocks, float scale, Partial st, bool in_order = false,
-                           bool packed = false) {
+                           bool packed = false, const Ahead& next_k = Ahead{}, const Ahead& next_v = Ahead{},
+                           bool decode_tiles_set = false) {
   using BF = c10::BFloat16;
   static_assert(D % 32 == 0, "AMX path needs head_dim a multiple of 32");
   constexpr int KT = NB / 16;  // key tiles per block
@@ -890,7 +891,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
   std::fill(st.n, st.n + R, 0.f);
   const int64_t RB = (R + 15) / 16;  // 16-row tiles
   const bool narrow = R < 16;
-  if (narrow) kakeya_amx::configure_decode(static_cast<int>(R));
+  if (narrow && !decode_tiles_set) kakeya_amx::configure_decode(static_cast<int>(R));
   // Q rows as A tiles: in place, but the last tile of a row count that is not a multiple of 16 is padded with zeros.
   const int64_t full_rows = R / 16 * 16;
   // Staging buffers from per-thread scratch (slots 0-5 of their types; one item runs at a time on a thread).
@@ -912,7 +913,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
         qt2[p * R + r] = static_cast<uint32_t>(q[r * D + 2 * p].x) | static_cast<uint32_t>(q[r * D + 2 * p + 1].x) << 16;
   // The first query position of each row tile: a block wholly at or below it is seen whole by every row there
   // (no window, plain keys), with no per-row masks to build.
-  std::vector<int64_t> tile_min(RB);
+  int64_t* const tile_min = scratch<int64_t>(0, RB);  // (a heap call per item measured on decode rows)
   for (int64_t rb = 0; rb < RB; ++rb) {
     int64_t mn = std::numeric_limits<int64_t>::max();
     for (int64_t r = rb * 16; r < std::min<int64_t>(R, rb * 16 + 16); ++r) mn = std::min(mn, rule.q_pos[rule.token(r)]);
@@ -1014,8 +1015,14 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
       kpf = reinterpret_cast<const char*>(k + order[blocks[bi + 2].first] * k_row);
       vpf = reinterpret_cast<const char*>(v + order[blocks[bi + 2].first] * v_row);
     }
+    // The item's last block: the caller's next item's first keys instead (its first block would otherwise wait on
+    // memory with nothing to overlap it: ~1-2 us an item, measured on decode rows of a few hundred keys).
+    const bool hand_on = bi + 1 == nblocks && next_k.count > 0;
+    if (hand_on) kpf = vpf = nullptr;
     block_rows<BF, NB>(k, v, k_row, v_row, order, pos, blocks[bi], blocks[bi].min_pos / NB * NB, in_order,
                    krows[sb_i], vrows[sb_i], presents[sb_i]);
+    if (hand_on)
+      for (int64_t i = 0; i < next_k.count; ++i) next_k.ask(i);
     if (!narrow) {
       stage_keys<D, NB>(krows[sb_i], kt2s + sb_i * (D / 2 * NB), kpf, k_row * 2);
     } else if (kpf != nullptr) {  // the keys are read in place: ask for the next ones
@@ -1023,7 +1030,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
         for (int c = 0; c < D * 2 / 64; ++c) _mm_prefetch(kpf + i * k_row * 2 + 64 * c, _MM_HINT_T1);
     }
     interleave_values<D, NB>(vrows[sb_i], vt2s + sb_i * (NB / 2 * D),
-                             vpf != nullptr ? Ahead{vpf, v_row * 2, D * 2, nullptr, NB} : Ahead{});
+                             hand_on ? next_v : vpf != nullptr ? Ahead{vpf, v_row * 2, D * 2, nullptr, NB} : Ahead{});
   };
   if (packed && nblocks > 1)  // the second block's rows (stage(0) asks for the third)
     for (int64_t i = 0; i < blocks[1].count; ++i)
@@ -1154,7 +1161,7 @@ void attend_superblock_amx(const c10::BFloat16* q, const c10::BFloat16* k, const
     }
   }
   if (pending.on) run_pv(pending);
-  if (narrow) kakeya_amx::configure();  // the callers' 16-row tiles again
+  if (narrow && !decode_tiles_set) kakeya_amx::configure();  // the callers' 16-row tiles again
 }
 #endif
 
@@ -1609,6 +1616,49 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
     float* const state_data = small_state ? scratch<float>(2, state_n) : state_buf.data_ptr<float>();
     cstate.resize(cold_items * (cold_amx ? Rt : G) * W);
     item_schedule(sources, supers, B * H, qpos + t0, tn, items, splits, schedule);
+    // The rows of an item's first block (K, V), for the item before it to ask for: hot superblocks and AMX cold
+    // superblocks (int8 cold rows are dequantized by then; a cold item of one token's rows: none).
+    const auto first_rows = [&](int64_t item, Ahead& ak, Ahead& av) {
+      const T *kb, *vb;
+      int64_t k_row, v_row;
+      const int64_t* idx;
+      const Block* blk;
+      if (item < hot_items) {
+        const int64_t bhs = item / splits, b = bhs / (H * NSP), h = (bhs / NSP) % H;
+        const auto [si, sp] = supers[bhs % NSP];
+        const Source& src = sources[si];
+        if (src.super_first[sp] == src.super_first[sp + 1]) return;
+        kb = src.k->template const_data_ptr<T>() + b * src.k->stride(0) + h * src.k->stride(1);
+        vb = src.v->template const_data_ptr<T>() + b * src.v->stride(0) + h * src.v->stride(1);
+        k_row = src.k->stride(2), v_row = src.v->stride(2);
+        blk = &src.blocks[src.super_first[sp]];
+        idx = src.order.data() + blk->first;
+      } else if (cold_amx) {
+        const int64_t ci = item - hot_items;
+        const int64_t bh = std::upper_bound(cfirst.begin(), cfirst.end(), ci) - cfirst.begin() - 1;
+        const ColdSource& cs = csrc[bh % H];
+        const int64_t sp = ci - cfirst[bh];
+        if (cs.super_first[sp] == cs.super_first[sp + 1]) return;
+        blk = &cs.blocks[cs.super_first[sp]];
+        if (cold->k_scale != nullptr) {
+          kb = cdeq.data() + cdeq_first[bh];
+          vb = kb + cs.order.size() * D;
+          k_row = v_row = D;
+          idx = lane_seq.data() + blk->first;
+        } else {
+          const int64_t b = bh / H, ch = cold->head[bh % H];
+          kb = cold->k->template const_data_ptr<T>() + b * cold->k->stride(0) + ch * cold->k->stride(1);
+          vb = cold->v->template const_data_ptr<T>() + b * cold->v->stride(0) + ch * cold->v->stride(1);
+          k_row = cold->k->stride(2), v_row = cold->v->stride(2);
+          idx = cs.order.data() + blk->first;
+        }
+      } else {
+        return;
+      }
+      constexpr int64_t E = sizeof(T);
+      ak = Ahead{reinterpret_cast<const char*>(kb), k_row * E, D * E, idx, blk->count};
+      av = Ahead{reinterpret_cast<const char*>(vb), v_row * E, D * E, idx, blk->count};
+    };
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
 #if defined(KAKEYA_AMX)
@@ -1619,7 +1669,13 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
       thread_local std::vector<int64_t> rows;
       thread_local std::vector<Block> cblocks;
       thread_local std::vector<T> kscr, vscr;  // int8 cold rows, dequantized
-      for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+      // Each thread claims its next item as it starts one, so the item's last block can ask for the next's first
+      // keys (AMX items whose rows are known without work: hot superblocks and AMX cold superblocks).
+      int64_t i = next.fetch_add(1);
+      for (int64_t in = 0; i < items; i = in) {
+        in = next.fetch_add(1);
+        Ahead next_k, next_v;
+        if (in < items && use_amx) first_rows(schedule[in], next_k, next_v);
         const int64_t item = schedule[i];
         const T* qrows;
         const T *kb, *vb;
@@ -1721,12 +1777,12 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
           if (amx_item && rule.kind == Kind::Cold) {  // a ColdSource's blocks of COLD_AMX_BLOCK lanes
             attend_superblock_amx<D, COLD_AMX_BLOCK>(qrows, kb, vb, k_row, v_row, R_item, rule, order, pos, blocks,
-                                                     nblocks, scale, st, false, true);
+                                                     nblocks, scale, st, false, true, next_k, next_v);
             continue;
           }
           if (amx_item) {  // head sizes that are not a multiple of 32 take the dot-product path everywhere
             attend_superblock_amx<D>(qrows, kb, vb, k_row, v_row, R_item, rule, order, pos, blocks, nblocks, scale,
-                                     st, in_order);
+                                     st, in_order, false, next_k, next_v);
             continue;
           }
         }
@@ -2007,14 +2063,26 @@ void run_rows(const at::Tensor& q, std::vector<Source>& sources, const int64_t* 
   std::sort(schedule.begin(), schedule.end(),
             [&](int64_t a, int64_t b) { return cost[a] > cost[b] || (cost[a] == cost[b] && a < b); });
   std::atomic<int64_t> next{0};
+  // An item's source row, head and superblock.
+  const auto locate = [&](int64_t item, int64_t& i, int64_t& h, int64_t& sp) {
+    i = item_row[item];
+    const int64_t NSP = sources[i].supers();
+    h = (item - first[i]) / NSP, sp = (item - first[i]) % NSP;
+  };
   at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
 #if defined(KAKEYA_AMX)
-    if (use_amx) kakeya_amx::configure();
+    // every item's rows are G < 16 query rows (decode): the narrow tiles once per thread, not per item
+    const bool decode_tiles = use_amx && G < 16;
+    if (decode_tiles) kakeya_amx::configure_decode(static_cast<int>(G));
+    else if (use_amx) kakeya_amx::configure();
 #endif
-    for (int64_t k = next.fetch_add(1); k < items; k = next.fetch_add(1)) {
+    // Each thread claims its next item as it starts one, so the item's last block can ask for the next's first keys.
+    int64_t k = next.fetch_add(1);
+    while (k < items) {
+      const int64_t kn = next.fetch_add(1);
       const int64_t item = schedule[k];
-      const int64_t i = item_row[item], NSP = sources[i].supers(), h = (item - first[i]) / NSP;
-      const int64_t sp = (item - first[i]) % NSP;
+      int64_t i, h, sp;
+      locate(item, i, h, sp);
       const Source& src = sources[i];
       const Rule rule{qpos + i, 1, window[i], sink[i], src.kind, 0};
       const T* qrows = qp + (i * H + h) * G * D;
@@ -2027,16 +2095,31 @@ void run_rows(const at::Tensor& q, std::vector<Source>& sources, const int64_t* 
 #if defined(KAKEYA_AMX)
       if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
         if (use_amx) {
+          Ahead next_k, next_v;  // the next item's first block's rows
+          if (kn < items) {
+            int64_t ni, nh, nsp;
+            locate(schedule[kn], ni, nh, nsp);
+            const Source& ns = sources[ni];
+            const Block& nb = ns.blocks[ns.super_first[nsp]];
+            const int64_t* idx = ns.order.data() + nb.first;
+            next_k = Ahead{reinterpret_cast<const char*>(ns.k->template const_data_ptr<T>() + nh * ns.k->stride(1)),
+                           ns.k->stride(2) * 2, D * 2, idx, nb.count};
+            next_v = Ahead{reinterpret_cast<const char*>(ns.v->template const_data_ptr<T>() + nh * ns.v->stride(1)),
+                           ns.v->stride(2) * 2, D * 2, idx, nb.count};
+          }
           // in order (a full cache's keys): block rows by arithmetic and the next block asked for while staging,
           // as run's items do (decode rows went without); the same bits either way
           attend_superblock_amx<D>(qrows, kb, vb, src.k->stride(2), src.v->stride(2), G, rule, src.order.data(),
-                                   src.pos.data(), blocks, nblocks, scale, st, src.in_order);
+                                   src.pos.data(), blocks, nblocks, scale, st, src.in_order, false, next_k, next_v,
+                                   decode_tiles);
+          k = kn;
           continue;
         }
       }
 #endif
       attend_superblock<T, D>(qrows, kb, vb, src.k->stride(2), src.v->stride(2), G, rule, src.order.data(),
                               src.pos.data(), blocks, nblocks, scale, st, src.in_order);
+      k = kn;
     }
 #if defined(KAKEYA_AMX)
     if (use_amx) _tile_release();
