@@ -249,3 +249,15 @@ def test_non_finite_rows_get_the_same_bits_in_any_call(n, k, bits, route):
         for m in range(1, 41):
             got = native.quant_linear(x[:m], q, sz, bits, bias)
             assert torch.equal(got.view(torch.int16), whole[:m]), (m, bias is None)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_rows_that_lie_apart_get_the_bits_of_the_same_rows_together(bits, route):
+    """Rows of x a view of a wider tensor (a row stride other than K: the few-row paths gather them into pairs
+    themselves) give, for every row count 1..17, the bits of the same rows made contiguous."""
+    q, sz, _ = quantized(576, 1536, bits, seed=3)
+    wide = torch.randn(17, 1600, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for m in range(1, 18):
+        x = wide[:m, :1536]
+        assert x.stride(0) == 1600
+        assert torch.equal(native.quant_linear(x, q, sz, bits), native.quant_linear(x.contiguous(), q, sz, bits)), m

@@ -396,21 +396,31 @@ inline void configure_narrow(int64_t M) {
 void quant_amx_narrow(const at::Tensor& x, const QWeight& w, const float* scale, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), N = w.N, pairs = w.K / 2;
   const auto* xp = reinterpret_cast<const uint32_t*>(x.const_data_ptr<c10::BFloat16>());
-  std::vector<uint32_t> packed;
   const uint32_t* xb = xp;
-  if (M > 1 || x.stride(0) != w.K) {
-    packed.resize(pairs * M);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t p = 0; p < pairs; ++p) packed[p * M + m] = xp[m * (x.stride(0) / 2) + p];
-    xb = packed.data();
+  if (M > 1 || x.stride(0) != w.K) {  // pairs-major, M to a pair: 16 pairs of the M rows a 16 x 16 transpose
+    // (the calling thread's scratch, read by the region's threads during this call; an element-wise loop here,
+    // re-reading x's stride per element, cost an 8-row step ~0.5 ms over 120 calls)
+    uint32_t* const packed = scratch<uint32_t>(5, (pairs + 15) / 16 * 16 * M);
+    const int64_t x_row = x.stride(0) / 2;
+    const __mmask16 rows = static_cast<__mmask16>((1u << M) - 1u);
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      const __mmask16 cols = static_cast<__mmask16>(pairs - p0 >= 16 ? 0xffffu : (1u << (pairs - p0)) - 1u);
+      __m512 r[16];
+      for (int64_t m = 0; m < 16; ++m)
+        r[m] = m < M ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(cols, xp + m * x_row + p0)) : _mm512_setzero_ps();
+      transpose16_regs(r);  // r[j] = pair p0 + j of every row
+      for (int64_t j = 0; j < std::min<int64_t>(16, pairs - p0); ++j)
+        _mm512_mask_storeu_epi32(packed + (p0 + j) * M, rows, _mm512_castps_si512(r[j]));
+    }
+    xb = packed;
   }
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t items = (N + 31) / 32;
   const int64_t threads = std::min<int64_t>(items, at::get_num_threads());
   const int64_t run = std::max<int64_t>(1, items / (8 * threads));  // as quant_amx hands them out
   std::atomic<int64_t> next{0};
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(static_cast<int>(M)));
+  const __mmask16 rows_mask = static_cast<__mmask16>((1u << M) - 1u);
+  const int64_t y_row = y.stride(0);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     configure_narrow(M);
     alignas(64) c10::BFloat16 abuf[2 * 1024];
@@ -422,11 +432,19 @@ void quant_amx_narrow(const at::Tensor& x, const QWeight& w, const float* scale,
         // B tile s at xb + 16 M s, rows 4 M bytes apart; C tile in at c + 16 M in, element [n][m] at n * M + m
         if (nn == 2) amx_block<2, 1>(w, n0 / 16, xb, 0, 16 * M, 4 * M, abuf, c, 16 * M, 4 * M);
         else amx_block<1, 1>(w, n0 / 16, xb, 0, 16 * M, 4 * M, abuf, c, 16 * M, 4 * M);
-        for (int64_t m = 0; m < M; ++m)
-          for (int in = 0; in < nn; ++in)
-            store16(M == 1 ? _mm512_loadu_ps(c + in * 16) : _mm512_i32gather_ps(column, c + in * 16 * M + m, 4),
-                    scale ? scale + n0 + in * 16 : nullptr, bias ? bias + n0 + in * 16 : nullptr,
-                    yp + m * y.stride(0) + n0 + in * 16);
+        for (int in = 0; in < nn; ++in) {
+          const float* sc = scale ? scale + n0 + in * 16 : nullptr;
+          const float* bi = bias ? bias + n0 + in * 16 : nullptr;
+          if (M == 1) {
+            store16(_mm512_loadu_ps(c + in * 16), sc, bi, yp + n0 + in * 16);
+            continue;
+          }
+          // C tile in: [n][m], M floats a row; transposed in registers to each row m's 16 outputs (same values)
+          __m512 r[16];
+          for (int n = 0; n < 16; ++n) r[n] = _mm512_maskz_loadu_ps(rows_mask, c + in * 16 * M + n * M);
+          transpose16_regs(r);
+          for (int64_t m = 0; m < M; ++m) store16(r[m], sc, bi, yp + m * y_row + n0 + in * 16);
+        }
       }
     }
     _tile_release();
