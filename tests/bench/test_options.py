@@ -91,6 +91,7 @@ def test_only_the_runtimes_typed_errors_count_as_bad_input():
     (["bench", "soak", "--model", "nosuch"], "'nosuch': no such file or directory"),
     (["bench", "soak", "--weights", "int3"], "--weights must be auto or one of"),
     (["bench", "concurrent", "--weights", "int3"], "--weights must be auto or one of"),
+    (["bench", "concurrent", "--step-slowdown", "1"], "--step-slowdown must be a finite number > 1, got 1.0"),
     (["bench", "session", "--policies", ";"], "policies ';': give at least one"),
     (["calibrate", "heads", "--lengths", "100000"], "lengths [100000] do not fit smollm2's context"),
 ])

@@ -349,9 +349,12 @@ def concurrent_cmd(
 
     from kakeya_runtime.bench.concurrent import ConcurrentConfig, run_concurrent
     from kakeya_runtime.server.cli import resolve_weights
+    from kakeya_runtime.server.grpc_app import check_step_slowdown
 
-    try:  # a format serve would refuse: before the server starts
+    try:  # what serve would refuse: before the server starts
         resolve_weights(weights, None)
+        if step_slowdown is not None:
+            check_step_slowdown(step_slowdown)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     config = ConcurrentConfig(model=check_model(model), sessions=positive_ints(sessions, "--sessions"), turns=turns,

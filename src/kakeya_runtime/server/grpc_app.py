@@ -92,6 +92,11 @@ def is_loopback(host: str) -> bool:
         return False  # a hostname other than localhost may resolve anywhere
 
 
+def check_step_slowdown(value: float) -> None:
+    """ValueError unless `value` is a usable --step-slowdown (a chunk step's bound over a decode step's time)."""
+    if not (math.isfinite(value) and value > 1):
+        raise ValueError(f"--step-slowdown must be a finite number > 1, got {value}")
+
 @dataclass(slots=True)
 class ServedModel:
     """The model plus what GetModelInfo hands to clients (tokenizer and template as data)."""
@@ -194,8 +199,7 @@ class ServerConfig:
         for flag, value in (("--max-batch", self.max_concurrent), ("--step-tokens", self.step_tokens)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-        if not (math.isfinite(self.step_slowdown) and self.step_slowdown > 1):
-            raise ValueError(f"--step-slowdown must be a finite number > 1, got {self.step_slowdown}")
+        check_step_slowdown(self.step_slowdown)
         if self.short_prompt < 0:
             raise ValueError(f"--short-prompt must be >= 0, got {self.short_prompt}")
         if self.idle_compress_after_s is not None and not (math.isfinite(self.idle_compress_after_s)
