@@ -94,12 +94,12 @@ class DecoderModel(nn.Module):
         rope = self.rope_tables(positions, h.dtype)
         row = None
         # one decode token: each layer one native call where its cache allows (the same bits as its forward); a
-        # short run of new tokens of one sequence (a turn's message, a verify): the whole stack in one call where every
-        # cache takes the run as one chunk, else each layer's halves natively around its own attention (the same bits
-        # too)
+        # run of new tokens of one sequence (a turn's message, a verify, a prefill chunk): the whole stack in one call
+        # where every cache takes the run as one chunk, else each layer's halves natively around its own attention
+        # (the same bits too)
         native = self.native_layers() if cache is not None and input_ids.shape[0] == 1 else None
         fused = native if input_ids.shape[1] == 1 else None
-        short = native if 1 < input_ids.shape[1] < native_layer.SEQUENCE_ROWS else None
+        short = native if input_ids.shape[1] > 1 else None
         start = 0
         if fused is not None and trace_layer is None:
             ropes = [self.layer_rope(i, rope) for i in range(num_layers)]

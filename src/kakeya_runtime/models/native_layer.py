@@ -7,20 +7,22 @@ the C++ op runs the same kernels in the same order on the same inputs, so the bi
 row's cache is another policy (restore, a lossy sink_window: no `append_slot`; sparse: it attends itself) the layer
 runs as two native calls around the Python path's own attention of the rows; a single row over a sparse cache in its
 steady state runs as one (`decoder_layer_step`: kakeya::decoder_layer_sparse, the same kernels in the same order).
-Prefill chunks riding a batched step (`run_mixed`, where the whole stack declines them) and a short run of one sequence's new tokens (`run_sequence`, under
-SEQUENCE_ROWS: a turn's message, a speculative verify) take the two halves around the Python path's own attention
-too, the tokens as rows. A trace, a longer prefill chunk, many rows on a quantized layer's dequantizing path, the
-sdpa backend and torch.compile keep the Python path. The per-layer arguments are gathered once (`LayerArgs`) and
-reused while the layer's projection modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
+Prefill chunks riding a batched step (`run_mixed`, where the whole stack declines them) and a run of one sequence's
+new tokens (`run_sequence`: a turn's message, a speculative verify, a prompt's prefill chunk) take the two halves
+around the Python path's own attention too, the tokens as rows. A trace, many rows on a quantized layer's
+dequantizing path, the sdpa backend and torch.compile keep the Python path. The per-layer arguments are gathered
+once (`LayerArgs`) and reused while the layer's projection modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
 
 When every row's cache of every layer takes its writes in the kernel, the whole stack runs in one call
 (`run_all`: kakeya.DecoderStack, built once from all layers' arguments, running decoder_layer layer after layer):
 a step then crosses Python and the dispatcher once instead of once per layer, while the second thread waited
 (results/engine/decode_v10_ab). So does a single row whose sparse layers are in their steady state
 (DecoderStack.step_sparse: those layers as decoder_layer_sparse, the others as decoder_layer). So do decode rows with
-one prefill chunk riding them, and a short run of one sequence's new tokens alone (a speculative verify, a turn's
-message) (`run_all_chunk`: DecoderStack.step_chunk, the chunk's tokens written to its cache first, then attended as
-one query over it, each token by position), where every row's cache takes its writes and the chunk's has room: with
+one prefill chunk riding them, and a run of one sequence's new tokens alone (a speculative verify, a turn's message,
+a prompt's prefill chunk) (`run_all_chunk`: DecoderStack.step_chunk, the chunk's tokens written to its cache first,
+then attended as one query over it, each token by position), where every row's cache takes its writes and the
+chunk's has room (runs of 32 tokens and more took the Python path until 2026-12-03: ~4.5 ms more a call at every
+length, a 75-token message 27 -> 22.5 ms, results/engine/sequence_stack_2026-12-03): with
 the halves, a step carrying a one-token chunk over a 2,000-token cache cost 1.74x the 4 decode rows alone, 1.40x so
 (results/concurrent/v20_chunk_step, results/concurrent/v21_chunk_stack); a 23-token message 17.5 -> 14.6 ms at 1k
 tokens of history and 38.3 -> 34.6 ms at 7k (results/session/message_stack_2026-12-03). It replaced a run's tokens
@@ -131,9 +133,6 @@ class StackArgs:
     windows: list[int | None]
     key: tuple[tuple[nn.Module, ...], ...]
     checked: int
-
-
-SEQUENCE_ROWS = 32  # new tokens of one sequence below this take run_sequence; longer chunks keep the Python path
 
 
 class NativeLayers:
@@ -315,8 +314,8 @@ class NativeLayers:
 
     def run_sequence(self, i: int, block: nn.Module, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
                      cache: LayerKV) -> Tensor | None:
-        """Layer i over a short run of one sequence's new tokens (h (1, T, C), T < SEQUENCE_ROWS: a session turn's
-        message, a speculative verify): `run_mixed` with the run as its one chunk and no decode rows (the tokens as
+        """Layer i over a run of one sequence's new tokens (h (1, T, C): a session turn's message, a speculative
+        verify, a prompt's prefill chunk): `run_mixed` with the run as its one chunk and no decode rows (the tokens as
         rows: every op of the halves is row-wise or row-invariant); None where the Python path must run it."""
         t = h.shape[1]
         out = self.run_mixed(i, block, h.view(t, 1, h.shape[2]), positions, cos, sin, RowCaches([cache], (t,)))
