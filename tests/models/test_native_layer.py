@@ -77,6 +77,20 @@ def check_same_bits(model, histories: list[torch.Tensor], tokens: list[int], pol
     assert_same_steps(got, ref)
 
 
+def spy_run_all_chunk(monkeypatch) -> list[tuple[int, bool]]:
+    """Every NativeLayers.run_all_chunk call from now on, as (its chunk's tokens, whether the stack served it)."""
+    calls: list[tuple[int, bool]] = []
+    real = native_layer.NativeLayers.run_all_chunk
+
+    def counted(self, *a, **k):
+        out = real(self, *a, **k)
+        calls.append((a[-1], out is not None))
+        return out
+
+    monkeypatch.setattr(native_layer.NativeLayers, "run_all_chunk", counted)
+    return calls
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int4", "int8"])
 def test_tiny_native_layer_same_bits(family, fmt, make_tiny_model, threads):
@@ -643,15 +657,7 @@ def test_a_chunk_riding_decode_rows_takes_the_whole_stack_same_bits(family, fmt,
     histories = [torch.randint(0, vocab, (1, n), generator=gen) for n in (30, 3, 41)]
     prompt = torch.randint(0, vocab, (1, 250), generator=gen)
     chunks = [torch.randint(0, vocab, (1, n), generator=gen) for n in (1, 7, 16, 24, 5, 2)]
-    served = []
-    real = native_layer.NativeLayers.run_all_chunk
-
-    def counted(self, *a, **k):
-        out = real(self, *a, **k)
-        served.append((a[-1], out is not None))
-        return out
-
-    monkeypatch.setattr(native_layer.NativeLayers, "run_all_chunk", counted)
+    served = spy_run_all_chunk(monkeypatch)
 
     def run(on: bool) -> tuple[list, list]:
         before = native_layer.set_enabled(on)
@@ -696,15 +702,7 @@ def test_smollm2_chunk_riding_decode_rows_in_one_call_same_bits(english_text, sm
     loaded = smollm2_in("int4")
     engine = Engine(loaded.model)
     ids = loaded.tokenizer.encode(english_text).ids
-    served = []
-    real = native_layer.NativeLayers.run_all_chunk
-
-    def counted(self, *a, **k):
-        out = real(self, *a, **k)
-        served.append(out is not None)
-        return out
-
-    monkeypatch.setattr(native_layer.NativeLayers, "run_all_chunk", counted)
+    served = spy_run_all_chunk(monkeypatch)
 
     def run(on: bool) -> tuple[list, list]:
         before = native_layer.set_enabled(on)
@@ -722,7 +720,7 @@ def test_smollm2_chunk_riding_decode_rows_in_one_call_same_bits(english_text, sm
     ref = run(False)
     loaded.model.__dict__.pop("_native_layers", None)
     got = run(True)
-    assert served == [True]
+    assert served == [(12, True)]
     assert_same_steps(got, ref)
 
 
@@ -813,15 +811,7 @@ def test_a_short_run_takes_the_whole_stack_same_bits(family, fmt, make_tiny_mode
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, model.config.vocab_size, (1, 250), generator=gen)
     runs = [torch.randint(0, model.config.vocab_size, (1, n), generator=gen) for n in (2, 5, 8, 3, 8, 9)]
-    calls = []
-    real = native_layer.NativeLayers.run_all_chunk
-
-    def counted(self, *a, **k):
-        out = real(self, *a, **k)
-        calls.append((a[-1], out is not None))
-        return out
-
-    monkeypatch.setattr(native_layer.NativeLayers, "run_all_chunk", counted)
+    calls = spy_run_all_chunk(monkeypatch)
 
     def run(on: bool, rollback: bool = True) -> tuple[list, list]:
         before = native_layer.set_enabled(on)
