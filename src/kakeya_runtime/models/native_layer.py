@@ -11,7 +11,8 @@ Prefill chunks riding a batched step (`run_mixed`, where the whole stack decline
 new tokens (`run_sequence`: a turn's message, a speculative verify, a prompt's prefill chunk) take the two halves
 around the Python path's own attention too, the tokens as rows. A trace, many rows on a quantized layer's
 dequantizing path, the sdpa backend and torch.compile keep the Python path. The per-layer arguments are gathered
-once (`LayerArgs`) and reused while the layer's projection modules stay the same objects. `KAKEYA_NATIVE_LAYER=0` turns it off (A/B runs).
+once (`LayerArgs`) and reused while the layer's projection modules stay the same objects. `KAKEYA_NATIVE_LAYER=0`
+turns it off (A/B runs).
 
 When every row's cache of every layer takes its writes in the kernel, the whole stack runs in one call
 (`run_all`: kakeya.DecoderStack, built once from all layers' arguments, running decoder_layer layer after layer):
@@ -192,11 +193,11 @@ class NativeLayers:
     def run_all_chunk(self, blocks: Sequence[nn.Module], h: Tensor, positions: Tensor, cos: Sequence[Tensor],
                       sin: Sequence[Tensor], caches: Sequence[Sequence[LayerKV]], chunk: int) -> Tensor | None:
         """Every layer over decode rows and one prefill chunk riding them in one native call (h (N + T, 1, C): the
-        decode rows, N >= 0, then the chunk's T = `chunk` tokens; caches[i] layer i's caches, the chunk's last): the decode
-        rows as `run_all` takes them, the chunk's tokens written to its cache first (`append_run`) and attended as one
-        query, each token by position. None (nothing touched) where any layer must take `run_mixed` or the Python path:
-        a decode row's cache as `run_all` refuses it, or a chunk cache without room for the run (a ring whose spare
-        slots do not cover it)."""
+        decode rows, N >= 0, then the chunk's T = `chunk` tokens; caches[i] layer i's caches, the chunk's last): the
+        decode rows as `run_all` takes them, the chunk's tokens written to its cache first (`append_run`) and
+        attended as one query, each token by position. None (nothing touched) where any layer must take `run_mixed` or
+        the Python path: a decode row's cache as `run_all` refuses it, or a chunk cache without room for the run (a
+        ring whose spare slots do not cover it)."""
         stack = self._stack(blocks)
         if (stack is None or h.dtype != stack.dtype or h.shape[0] >= stack.max_rows or cos[0].dtype != h.dtype
                 or not 1 <= chunk <= h.shape[0]):

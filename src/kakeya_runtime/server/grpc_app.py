@@ -97,6 +97,7 @@ def check_step_slowdown(value: float) -> None:
     if not (math.isfinite(value) and value > 1):
         raise ValueError(f"--step-slowdown must be a finite number > 1, got {value}")
 
+
 @dataclass(slots=True)
 class ServedModel:
     """The model plus what GetModelInfo hands to clients (tokenizer and template as data)."""

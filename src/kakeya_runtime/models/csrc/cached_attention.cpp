@@ -137,6 +137,13 @@ struct Ahead {
   }
 };
 
+// The K or V rows of block `blk` (keys order[blk.first..]) of a head starting at `base`, `row` elements apart.
+template <typename T, int D>
+inline Ahead block_ahead(const T* base, int64_t row, const int64_t* order, const Block& blk) {
+  constexpr int64_t E = sizeof(T);
+  return Ahead{reinterpret_cast<const char*>(base), row * E, D * E, order + blk.first, blk.count};
+}
+
 // Scores of one query row against the BK lanes of a block (empty lanes: nullptr, score 0, masked later); `ahead`:
 // rows asked for, one per key (the next block's keys).
 template <typename T, int D>
@@ -1621,7 +1628,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
     const auto first_rows = [&](int64_t item, Ahead& ak, Ahead& av) {
       const T *kb, *vb;
       int64_t k_row, v_row;
-      const int64_t* idx;
+      const int64_t* order;
       const Block* blk;
       if (item < hot_items) {
         const int64_t bhs = item / splits, b = bhs / (H * NSP), h = (bhs / NSP) % H;
@@ -1632,7 +1639,7 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
         vb = src.v->template const_data_ptr<T>() + b * src.v->stride(0) + h * src.v->stride(1);
         k_row = src.k->stride(2), v_row = src.v->stride(2);
         blk = &src.blocks[src.super_first[sp]];
-        idx = src.order.data() + blk->first;
+        order = src.order.data();
       } else if (cold_amx) {
         const int64_t ci = item - hot_items;
         const int64_t bh = std::upper_bound(cfirst.begin(), cfirst.end(), ci) - cfirst.begin() - 1;
@@ -1644,20 +1651,19 @@ void run(const at::Tensor& q, std::vector<Source>& sources, const at::Tensor& q_
           kb = cdeq.data() + cdeq_first[bh];
           vb = kb + cs.order.size() * D;
           k_row = v_row = D;
-          idx = lane_seq.data() + blk->first;
+          order = lane_seq.data();
         } else {
           const int64_t b = bh / H, ch = cold->head[bh % H];
           kb = cold->k->template const_data_ptr<T>() + b * cold->k->stride(0) + ch * cold->k->stride(1);
           vb = cold->v->template const_data_ptr<T>() + b * cold->v->stride(0) + ch * cold->v->stride(1);
           k_row = cold->k->stride(2), v_row = cold->v->stride(2);
-          idx = cs.order.data() + blk->first;
+          order = cs.order.data();
         }
       } else {
         return;
       }
-      constexpr int64_t E = sizeof(T);
-      ak = Ahead{reinterpret_cast<const char*>(kb), k_row * E, D * E, idx, blk->count};
-      av = Ahead{reinterpret_cast<const char*>(vb), v_row * E, D * E, idx, blk->count};
+      ak = block_ahead<T, D>(kb, k_row, order, *blk);
+      av = block_ahead<T, D>(vb, v_row, order, *blk);
     };
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -2107,11 +2113,10 @@ void run_rows(const at::Tensor& q, std::vector<Source>& sources, const int64_t* 
             locate(schedule[kn], ni, nh, nsp);
             const Source& ns = sources[ni];
             const Block& nb = ns.blocks[ns.super_first[nsp]];
-            const int64_t* idx = ns.order.data() + nb.first;
-            next_k = Ahead{reinterpret_cast<const char*>(ns.k->template const_data_ptr<T>() + nh * ns.k->stride(1)),
-                           ns.k->stride(2) * 2, D * 2, idx, nb.count};
-            next_v = Ahead{reinterpret_cast<const char*>(ns.v->template const_data_ptr<T>() + nh * ns.v->stride(1)),
-                           ns.v->stride(2) * 2, D * 2, idx, nb.count};
+            next_k = block_ahead<T, D>(ns.k->template const_data_ptr<T>() + nh * ns.k->stride(1), ns.k->stride(2),
+                                       ns.order.data(), nb);
+            next_v = block_ahead<T, D>(ns.v->template const_data_ptr<T>() + nh * ns.v->stride(1), ns.v->stride(2),
+                                       ns.order.data(), nb);
           }
           // in order (a full cache's keys): block rows by arithmetic and the next block asked for while staging,
           // as run's items do (decode rows went without); the same bits either way
