@@ -77,14 +77,16 @@ def check_same_bits(model, histories: list[torch.Tensor], tokens: list[int], pol
     assert_same_steps(got, ref)
 
 
-def spy_run_all_chunk(monkeypatch) -> list[tuple[int, bool]]:
-    """Every NativeLayers.run_all_chunk call from now on, as (its chunk's tokens, whether the stack served it)."""
-    calls: list[tuple[int, bool]] = []
+def spy_run_all_chunk(monkeypatch) -> list[tuple[int | tuple[int, ...], bool]]:
+    """Every NativeLayers.run_all_chunk call from now on, as (its chunk's tokens, or its chunks' when several, and
+    whether the stack served it)."""
+    calls: list[tuple[int | tuple[int, ...], bool]] = []
     real = native_layer.NativeLayers.run_all_chunk
 
     def counted(self, *a, **k):
         out = real(self, *a, **k)
-        calls.append((a[-1], out is not None))
+        sizes = (a[-1],) if isinstance(a[-1], int) else tuple(a[-1])
+        calls.append((sizes[0] if len(sizes) == 1 else sizes, out is not None))
         return out
 
     monkeypatch.setattr(native_layer.NativeLayers, "run_all_chunk", counted)
@@ -642,12 +644,12 @@ def test_prefill_chunks_riding_a_step_same_bits(family, fmt, make_tiny_model, mo
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int4"])
 def test_a_chunk_riding_decode_rows_takes_the_whole_stack_same_bits(family, fmt, make_tiny_model, monkeypatch):
-    """Decode rows and one prefill chunk riding them run the whole stack in one native call (the chunk's tokens
-    written to its cache, then attended as one query, each token by position): the decode rows' and the chunk's
+    """Decode rows and prefill chunks riding them run the whole stack in one native call (each chunk's tokens
+    written to its cache, then attended as one query, each token by position): the decode rows' and the chunks'
     logits and every cache are the Python path's, for chunks of 1 to 24 tokens over a long cache, a fresh one and
-    one that makes its cache grow its storage, beside 0 to 3 decode rows. Over Gemma 3's sliding layers (rings)
-    too, while the ring's spare slots cover the chunk; a longer chunk, or a decode row over a policy cache, keeps
-    the layers' halves."""
+    one that makes its cache grow its storage, beside 0 to 3 decode rows, and three chunks of three sequences in one
+    step, beside decode rows or none. Over Gemma 3's sliding layers (rings) too, while the ring's spare slots cover
+    the chunk; a longer chunk, or a decode row over a policy cache, keeps the layers' halves."""
     model = make_tiny_model(family, dtype=torch.float32, max_position_embeddings=512)
     quantize_model(model, fmt)
     engine = Engine(model, prefill_chunk=32)
@@ -677,11 +679,16 @@ def test_a_chunk_riding_decode_rows_takes_the_whole_stack_same_bits(family, fmt,
                 target = fresh if i == 4 else long
                 logits, chunk_logits = engine.step_chunks(decode, [3 + i] * len(decode), [(target, ids)])
                 out += [logits, *chunk_logits]
+            other = engine.new_cache(capacity=64)
+            for decode in (rows[:2], []):  # three sequences' chunks in one step
+                logits, chunk_logits = engine.step_chunks(
+                    decode, [7] * len(decode), [(long, chunks[1]), (fresh, chunks[5]), (other, chunks[2])])
+                out += [logits, *chunk_logits]
             policy = registry.build(engine, registry.resolve(*POLICIES[3], engine.config, 256), 256)
             engine.prefill(policy, histories[0])
             logits, chunk_logits = engine.step_chunks([rows[0], policy], [1, 2], [(long, chunks[0])])
             out += [logits, *chunk_logits]
-            return out, [c.state() for c in [*rows, long, fresh]]
+            return out, [c.state() for c in [*rows, long, fresh, other]]
         finally:
             native_layer.set_enabled(before)
 
@@ -690,8 +697,9 @@ def test_a_chunk_riding_decode_rows_takes_the_whole_stack_same_bits(family, fmt,
     model.__dict__.pop("_native_layers", None)
     got = run(True)
     ring = model.config.sliding_window is not None  # Gemma 3's rings keep 16 spare slots
-    # then the policy cache's prefill (30 tokens) and the step beside its decode row: the halves
-    assert served == [(n, not (ring and n > 16)) for n in (1, 7, 16, 24, 5, 2)] + [(30, False), (1, False)], served
+    # then the three-chunk steps, the policy cache's prefill (30 tokens) and the step beside its decode row (halves)
+    assert served == ([(n, not (ring and n > 16)) for n in (1, 7, 16, 24, 5, 2)] + [((7, 2, 16), True)] * 2
+                      + [(30, False), (1, False)]), served
     assert_same_steps(got, ref)
 
 

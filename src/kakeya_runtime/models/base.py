@@ -169,11 +169,11 @@ class DecoderModel(nn.Module):
         rope = self.rope_tables(positions, h.dtype)  # tables (B, D): one position per row
         fused = self.native_layers()
         start = 0
-        if fused is not None and len(chunks) <= 1:  # decode rows, and at most one chunk: every layer in one call
+        if fused is not None:  # decode rows and any prefill chunks riding them: every layer in one call
             ropes = [self.layer_rope(i, rope) for i in range(num_layers)]
             per_layer = [[c[i] for c in caches] for i in range(num_layers)]
             cos, sin = [c for c, _ in ropes], [s for _, s in ropes]
-            out = (fused.run_all_chunk(self.layers, h, positions, cos, sin, per_layer, chunks[0]) if chunks
+            out = (fused.run_all_chunk(self.layers, h, positions, cos, sin, per_layer, chunks) if chunks
                    else fused.run_all(self.layers, h, positions, cos, sin, per_layer))
             if out is not None:
                 h, start = out, num_layers

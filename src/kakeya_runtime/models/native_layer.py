@@ -19,10 +19,11 @@ When every row's cache of every layer takes its writes in the kernel, the whole 
 a step then crosses Python and the dispatcher once instead of once per layer, while the second thread waited
 (results/engine/decode_v10_ab). So does a single row whose sparse layers are in their steady state
 (DecoderStack.step_sparse: those layers as decoder_layer_sparse, the others as decoder_layer). So do decode rows with
-one prefill chunk riding them, and a run of one sequence's new tokens alone (a speculative verify, a turn's message,
-a prompt's prefill chunk) (`run_all_chunk`: DecoderStack.step_chunk, the chunk's tokens written to its cache first,
-then attended as one query over it, each token by position), where every row's cache takes its writes and the
-chunk's has room (runs of 32 tokens and more took the Python path until 2026-12-03: ~4.5 ms more a call at every
+prefill chunks of other sequences riding them, and a run of one sequence's new tokens alone (a speculative verify, a
+turn's message, a prompt's prefill chunk) (`run_all_chunk`: DecoderStack.step_chunk, each chunk's tokens written to
+its cache first, then attended as one query over it, each token by position), where every row's cache takes its
+writes and each chunk's has room (two or more chunks in a step took the halves until 2026-12-04: 7 decode rows and
+two 16-token chunks 29.6 -> 24.3 ms, results/engine/chunks_stack_2026-12-04) (runs of 32 tokens and more took the Python path until 2026-12-03: ~4.5 ms more a call at every
 length, a 75-token message 27 -> 22.5 ms, results/engine/sequence_stack_2026-12-03): with
 the halves, a step carrying a one-token chunk over a 2,000-token cache cost 1.74x the 4 decode rows alone, 1.40x so
 (results/concurrent/v20_chunk_step, results/concurrent/v21_chunk_stack); a 23-token message 17.5 -> 14.6 ms at 1k
@@ -191,23 +192,26 @@ class NativeLayers:
                                 rows.counts, [int(w) for w in rows.writes], rows.windows, rows.sinks)
 
     def run_all_chunk(self, blocks: Sequence[nn.Module], h: Tensor, positions: Tensor, cos: Sequence[Tensor],
-                      sin: Sequence[Tensor], caches: Sequence[Sequence[LayerKV]], chunk: int) -> Tensor | None:
-        """Every layer over decode rows and one prefill chunk riding them in one native call (h (N + T, 1, C): the
-        decode rows, N >= 0, then the chunk's T = `chunk` tokens; caches[i] layer i's caches, the chunk's last): the
-        decode rows as `run_all` takes them, the chunk's tokens written to its cache first (`append_run`) and
-        attended as one query, each token by position. None (nothing touched) where any layer must take `run_mixed` or
-        the Python path: a decode row's cache as `run_all` refuses it, or a chunk cache without room for the run (a
-        ring whose spare slots do not cover it)."""
+                      sin: Sequence[Tensor], caches: Sequence[Sequence[LayerKV]],
+                      chunks: int | Sequence[int]) -> Tensor | None:
+        """Every layer over decode rows and prefill chunks riding them in one native call (h (N + T, 1, C): the
+        decode rows, N >= 0, then each chunk's tokens, `chunks` their counts (an int: one chunk), T in all;
+        caches[i] layer i's caches, the chunks' last, in order): the decode rows as `run_all` takes them, each chunk's
+        tokens written to its cache first (`append_run`) and attended as one query, each token by position. None
+        (nothing touched) where any layer must take `run_mixed` or the Python path: a decode row's cache as `run_all`
+        refuses it, or a chunk cache without room for its run (a ring whose spare slots do not cover it)."""
+        sizes = (chunks,) if isinstance(chunks, int) else tuple(chunks)
         stack = self._stack(blocks)
         if (stack is None or h.dtype != stack.dtype or h.shape[0] >= stack.max_rows or cos[0].dtype != h.dtype
-                or not 1 <= chunk <= h.shape[0]):
+                or not sizes or min(sizes) < 1 or sum(sizes) > h.shape[0]):
             return None
         for layer in caches:
-            *rows, kv = layer
-            if (getattr(kv, "append_run", None) is None or getattr(kv, "owns_attention", False)
-                    or chunk > kv.run_room() or kv.k.dtype != h.dtype or kv.k.device != h.device):
-                return None
-            for row in rows:
+            decode, runs = layer[: len(layer) - len(sizes)], layer[len(layer) - len(sizes):]
+            for kv, n in zip(runs, sizes, strict=True):
+                if (getattr(kv, "append_run", None) is None or getattr(kv, "owns_attention", False)
+                        or n > kv.run_room() or kv.k.dtype != h.dtype or kv.k.device != h.device):
+                    return None
+            for row in decode:
                 if getattr(row, "append_slot", None) is None or getattr(row, "owns_attention", False):
                     return None
         touched = [kv for layer in caches for kv in layer]
@@ -215,13 +219,14 @@ class NativeLayers:
         rows, run = RowKV(), RowKV()
         try:
             for layer, window in zip(caches, stack.windows, strict=True):
-                *decode, kv = layer
+                decode, runs = layer[: len(layer) - len(sizes)], layer[len(layer) - len(sizes):]
                 for row in decode:
                     rows.add(row, window)
-                run.add_chunk(kv, window, chunk)
+                for kv, n in zip(runs, sizes, strict=True):
+                    run.add_chunk(kv, window, n)
             return stack.stack.step_chunk(h, list(cos), list(sin), positions, rows.k, rows.v, rows.k_pos, rows.slots,
                                           rows.counts, [int(w) for w in rows.writes], rows.windows, rows.sinks,
-                                          run.k, run.v, run.k_pos, run.slots, run.counts,
+                                          list(sizes), run.k, run.v, run.k_pos, run.slots, run.counts,
                                           [int(w) for w in run.writes], run.windows, run.sinks)
         except BaseException:  # every cache back to where the step began
             for kv, length in zip(touched, lengths, strict=True):

@@ -123,34 +123,45 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::T
   return layer_output(att.view({N, H * D}), h, weights, config, params);
 }
 
-// Decode rows and one prefill chunk riding them (h (N + T, 1, C): the N decode rows, then the chunk's T consecutive
-// tokens of its own sequence) in one call: the layer's first half over every row, the decode rows' attention as
-// decoder_layer's (cached_attention_rows_append), the chunk's K/V written at its slots cslot (T) of its cache's
-// buffers ck, cv (1, Hk, A, D) (and its positions at ckpos[slot] when cwrite), then its T tokens' attention as one
-// query (1, Hk, G * T, D) over the first ccount slots (kakeya::cached_attention: each token sees by position, at or
-// before its own and within cwindow / csink, so the chunk's later keys are out of its earlier tokens' view), then the
-// second half over every row. The Python path's run_mixed computes the same functions on the same inputs (the
-// halves over all rows, the rows' attention, the chunk's cache write then its attention): the same bits and writes.
-at::Tensor decoder_layer_chunk(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                               const at::Tensor& q_pos, at::TensorList weights, at::IntArrayRef config,
-                               at::ArrayRef<double> params, at::TensorList k, at::TensorList v, at::TensorList k_pos,
-                               at::IntArrayRef slot, at::IntArrayRef count, at::IntArrayRef write_pos,
-                               at::IntArrayRef window, at::IntArrayRef sink, const at::Tensor& ck, const at::Tensor& cv,
-                               const at::Tensor& ckpos, at::IntArrayRef cslot, int64_t ccount, bool cwrite,
-                               int64_t cwindow, int64_t csink) {
+// Decode rows and prefill chunks riding them (h (N + T, 1, C): the N decode rows, then each chunk's consecutive tokens
+// of its own sequence, T in all) in one call: the layer's first half over every row, the decode rows' attention as
+// decoder_layer's (cached_attention_rows_append), then chunk after chunk j (csize[j] tokens): its K/V written at its
+// slots (the next csize[j] of cslot) of its cache's buffers ck[j], cv[j] (1, Hk, A, D) (and its positions at
+// ckpos[j][slot] when cwrite[j]), then its tokens' attention as one query (1, Hk, G * T_j, D) over the first ccount[j]
+// slots (kakeya::cached_attention: each token sees by position, at or before its own and within cwindow[j] /
+// csink[j], so the chunk's later keys are out of its earlier tokens' view), then the second half over every row. The
+// Python path's run_mixed computes the same functions on the same inputs (the halves over all rows, the rows'
+// attention, each chunk's cache write then its attention): the same bits and writes.
+at::Tensor decoder_layer_chunks(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& q_pos, at::TensorList weights, at::IntArrayRef config,
+                                at::ArrayRef<double> params, at::TensorList k, at::TensorList v, at::TensorList k_pos,
+                                at::IntArrayRef slot, at::IntArrayRef count, at::IntArrayRef write_pos,
+                                at::IntArrayRef window, at::IntArrayRef sink, at::TensorList ck, at::TensorList cv,
+                                at::TensorList ckpos, at::IntArrayRef cslot, at::IntArrayRef csize,
+                                at::IntArrayRef ccount, at::IntArrayRef cwrite, at::IntArrayRef cwindow,
+                                at::IntArrayRef csink) {
   const auto [q, k_new, v_new] = attention_inputs(h, cos, sin, weights, config, params);
-  const int64_t R = h.size(0), T = int64_t(cslot.size()), N = R - T;
+  const int64_t R = h.size(0), T = int64_t(cslot.size()), N = R - T, J = int64_t(csize.size());
   const int64_t H = config[kHeads], Hk = config[kKvHeads], D = config[kHeadDim], G = H / Hk;
-  TORCH_CHECK(T >= 1 && N >= 0 && q_pos.dim() == 1 && q_pos.size(0) == R && q_pos.is_contiguous(),
-              "decoder_layer_chunk: a chunk of at least one token after the decode rows, one position per row");
-  TORCH_CHECK(ck.dim() == 4 && ck.size(0) == 1 && ck.size(1) == Hk && ck.size(3) == D && cv.sizes() == ck.sizes() &&
-                  ck.scalar_type() == h.scalar_type() && cv.scalar_type() == h.scalar_type() && ck.stride(3) == 1 &&
-                  cv.stride(3) == 1 && ckpos.dim() == 1 && ckpos.scalar_type() == at::kLong && ckpos.is_contiguous() &&
-                  ckpos.size(0) >= ccount && ccount >= 1 && ccount <= ck.size(2) && cwindow >= 0 && csink >= 0,
-              "decoder_layer_chunk: the chunk's cache must be (1, Hk, A, D) buffers of h's dtype, positions int64 "
-              "(>= count,), count in [1, A], window and sink >= 0");
-  for (const int64_t sl : cslot)
-    TORCH_CHECK(sl >= 0 && sl < ck.size(2), "decoder_layer_chunk: slot ", sl, " outside the buffer of ", ck.size(2));
+  int64_t sized = 0;
+  bool sizes_ok = true;
+  for (const int64_t t : csize) sized += t, sizes_ok = sizes_ok && t >= 1;
+  TORCH_CHECK(J >= 1 && sizes_ok && sized == T && N >= 0 && q_pos.dim() == 1 && q_pos.size(0) == R && q_pos.is_contiguous() &&
+                  int64_t(ck.size()) == J && int64_t(cv.size()) == J && int64_t(ckpos.size()) == J &&
+                  int64_t(ccount.size()) == J && int64_t(cwrite.size()) == J && int64_t(cwindow.size()) == J &&
+                  int64_t(csink.size()) == J,
+              "decoder_layer_chunk: chunks of at least one token after the decode rows (their sizes summing to the "
+              "slots), one position per row, and each chunk's buffers, count, write flag, window and sink");
+  for (int64_t j = 0; j < J; ++j) {
+    TORCH_CHECK(ck[j].dim() == 4 && ck[j].size(0) == 1 && ck[j].size(1) == Hk && ck[j].size(3) == D &&
+                    cv[j].sizes() == ck[j].sizes() && ck[j].scalar_type() == h.scalar_type() &&
+                    cv[j].scalar_type() == h.scalar_type() && ck[j].stride(3) == 1 && cv[j].stride(3) == 1 &&
+                    ckpos[j].dim() == 1 && ckpos[j].scalar_type() == at::kLong && ckpos[j].is_contiguous() &&
+                    ckpos[j].size(0) >= ccount[j] && ccount[j] >= 1 && ccount[j] <= ck[j].size(2) &&
+                    cwindow[j] >= 0 && csink[j] >= 0,
+                "decoder_layer_chunk: a chunk's cache must be (1, Hk, A, D) buffers of h's dtype, positions int64 "
+                "(>= count,), count in [1, A], window and sink >= 0");
+  }
   thread_local Reusable att_site;
   auto att = reusable_empty(att_site, {R, H * D}, h.options());
   if (N > 0) {
@@ -159,29 +170,35 @@ at::Tensor decoder_layer_chunk(const at::Tensor& h, const at::Tensor& cos, const
         count, write_pos, q_pos.narrow(0, 0, N), window, sink, params[2]);
     att.narrow(0, 0, N).copy_(rows.view({N, H * D}));
   }
-  // The chunk's keys and values into its slots: row N + t of k_new / v_new (Hk, 1, D), each head's D values.
-  const size_t bytes = D * h.element_size();
   const int64_t* qp = q_pos.const_data_ptr<int64_t>();
-  char* kb = static_cast<char*>(ck.data_ptr());
-  char* vb = static_cast<char*>(cv.data_ptr());
   const char* kn = static_cast<const char*>(k_new.const_data_ptr());
   const char* vn = static_cast<const char*>(v_new.const_data_ptr());
   const int64_t es = h.element_size();
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t hd = 0; hd < Hk; ++hd) {
-      std::memcpy(kb + (hd * ck.stride(1) + cslot[t] * ck.stride(2)) * es,
-                  kn + ((N + t) * k_new.stride(0) + hd * k_new.stride(1)) * es, bytes);
-      std::memcpy(vb + (hd * cv.stride(1) + cslot[t] * cv.stride(2)) * es,
-                  vn + ((N + t) * v_new.stride(0) + hd * v_new.stride(1)) * es, bytes);
+  const size_t bytes = D * es;
+  for (int64_t j = 0, first = N; j < J; first += csize[j], ++j) {
+    const at::Tensor &kj = ck[j], &vj = cv[j];
+    const int64_t Tj = csize[j];
+    // The chunk's keys and values into its slots: row first + t of k_new / v_new (Hk, 1, D), each head's D values.
+    char* kb = static_cast<char*>(kj.data_ptr());
+    char* vb = static_cast<char*>(vj.data_ptr());
+    for (int64_t t = 0; t < Tj; ++t) {
+      const int64_t sl = cslot[first - N + t];
+      TORCH_CHECK(sl >= 0 && sl < kj.size(2), "decoder_layer_chunk: slot ", sl, " outside the buffer of ", kj.size(2));
+      for (int64_t hd = 0; hd < Hk; ++hd) {
+        std::memcpy(kb + (hd * kj.stride(1) + sl * kj.stride(2)) * es,
+                    kn + ((first + t) * k_new.stride(0) + hd * k_new.stride(1)) * es, bytes);
+        std::memcpy(vb + (hd * vj.stride(1) + sl * vj.stride(2)) * es,
+                    vn + ((first + t) * v_new.stride(0) + hd * v_new.stride(1)) * es, bytes);
+      }
+      if (cwrite[j]) ckpos[j].data_ptr<int64_t>()[sl] = qp[first + t];
     }
-    if (cwrite) ckpos.data_ptr<int64_t>()[cslot[t]] = qp[N + t];
+    // The chunk's queries as one sequence's: (T_j, H, 1, D) -> (1, H, T_j, D), read as (1, Hk, G * T_j, D).
+    const auto qc = q.narrow(0, first, Tj).view({Tj, H, D}).transpose(0, 1).contiguous().view({1, Hk, G * Tj, D});
+    const auto out = kakeya_ops::cached_attention(qc, kj.narrow(2, 0, ccount[j]), vj.narrow(2, 0, ccount[j]),
+                                                  q_pos.narrow(0, first, Tj), ckpos[j].narrow(0, 0, ccount[j]),
+                                                  cwindow[j], csink[j], params[2]);
+    att.narrow(0, first, Tj).view({Tj, H, D}).copy_(out.view({H, Tj, D}).transpose(0, 1));
   }
-  // The chunk's queries as one sequence's: (T, H, 1, D) -> (1, H, T, D), read as (1, Hk, G * T, D) (group, token).
-  const auto qc = q.narrow(0, N, T).view({T, H, D}).transpose(0, 1).contiguous().view({1, Hk, G * T, D});
-  const auto out = kakeya_ops::cached_attention(qc, ck.narrow(2, 0, ccount), cv.narrow(2, 0, ccount),
-                                                q_pos.narrow(0, N, T), ckpos.narrow(0, 0, ccount), cwindow, csink,
-                                                params[2]);
-  att.narrow(0, N, T).view({T, H, D}).copy_(out.view({H, T, D}).transpose(0, 1));
   return layer_output(att, h, weights, config, params);
 }
 
@@ -279,25 +296,26 @@ struct DecoderStack : torch::CustomClassHolder {
     return h.clone();  // the step's one allocation: the caller's own copy, so the kept one stays in the step
   }
 
-  // `step` for decode rows and one prefill chunk riding them (decoder_layer_chunk, layer after layer): h (N + T, 1, C),
-  // q_pos (N + T,); the decode rows' entries as `step` takes them (layer-major, N a layer); the chunk's buffers ck,
-  // cv, ckpos, count, write flag, window and sink one per layer, and its T slots a layer (layer-major).
+  // `step` for decode rows and prefill chunks riding them (decoder_layer_chunks, layer after layer): h (N + T, 1, C),
+  // q_pos (N + T,); the decode rows' entries as `step` takes them (layer-major, N a layer); csize the chunks' token
+  // counts (J chunks, T tokens in all); the chunks' buffers ck, cv, ckpos, count, write flag, window and sink J per
+  // layer, and their T slots a layer (layer-major, chunk after chunk).
   at::Tensor step_chunk(at::Tensor h, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor q_pos,
                         std::vector<at::Tensor> k, std::vector<at::Tensor> v, std::vector<at::Tensor> k_pos,
                         std::vector<int64_t> slot, std::vector<int64_t> count, std::vector<int64_t> write_pos,
-                        std::vector<int64_t> window, std::vector<int64_t> sink, std::vector<at::Tensor> ck,
-                        std::vector<at::Tensor> cv, std::vector<at::Tensor> ckpos, std::vector<int64_t> cslot,
-                        std::vector<int64_t> ccount, std::vector<int64_t> cwrite, std::vector<int64_t> cwindow,
-                        std::vector<int64_t> csink) {
+                        std::vector<int64_t> window, std::vector<int64_t> sink, std::vector<int64_t> csize,
+                        std::vector<at::Tensor> ck, std::vector<at::Tensor> cv, std::vector<at::Tensor> ckpos,
+                        std::vector<int64_t> cslot, std::vector<int64_t> ccount, std::vector<int64_t> cwrite,
+                        std::vector<int64_t> cwindow, std::vector<int64_t> csink) {
+    const int64_t J = int64_t(csize.size()), e = layers * J;
     const int64_t T = layers > 0 ? int64_t(cslot.size()) / layers : 0, N = h.size(0) - T, rows = layers * N;
     TORCH_CHECK(int64_t(cos.size()) == layers && int64_t(sin.size()) == layers,
                 "DecoderStack.step_chunk: one cos and one sin table per layer");
-    TORCH_CHECK(T >= 1 && N >= 0 && int64_t(cslot.size()) == layers * T && int64_t(ck.size()) == layers &&
-                    int64_t(cv.size()) == layers && int64_t(ckpos.size()) == layers &&
-                    int64_t(ccount.size()) == layers && int64_t(cwrite.size()) == layers &&
-                    int64_t(cwindow.size()) == layers && int64_t(csink.size()) == layers,
-                "DecoderStack.step_chunk: the chunk's buffers, count, write flag, window and sink per layer, and "
-                "its slots, T a layer, after the decode rows");
+    TORCH_CHECK(J >= 1 && T >= 1 && N >= 0 && int64_t(cslot.size()) == layers * T && int64_t(ck.size()) == e &&
+                    int64_t(cv.size()) == e && int64_t(ckpos.size()) == e && int64_t(ccount.size()) == e &&
+                    int64_t(cwrite.size()) == e && int64_t(cwindow.size()) == e && int64_t(csink.size()) == e,
+                "DecoderStack.step_chunk: the chunks' buffers, count, write flag, window and sink per layer, and "
+                "their slots, T a layer, after the decode rows");
     TORCH_CHECK(int64_t(k.size()) == rows && int64_t(v.size()) == rows && int64_t(k_pos.size()) == rows &&
                     int64_t(slot.size()) == rows && int64_t(count.size()) == rows &&
                     int64_t(write_pos.size()) == rows && int64_t(window.size()) == rows &&
@@ -306,15 +324,18 @@ struct DecoderStack : torch::CustomClassHolder {
     RECORD_FUNCTION("kakeya::DecoderStack.step_chunk", std::vector<c10::IValue>());
     const ReuseScope reuse;
     for (int64_t l = 0; l < layers; ++l) {
-      const int64_t r = l * N;
-      h = decoder_layer_chunk(h, cos[l], sin[l], q_pos, at::TensorList(weights).slice(l * kWeights, kWeights),
-                              at::IntArrayRef(config).slice(l * kConfig, kConfig),
-                              at::ArrayRef<double>(params).slice(l * kParams, kParams), at::TensorList(k).slice(r, N),
-                              at::TensorList(v).slice(r, N), at::TensorList(k_pos).slice(r, N),
-                              at::IntArrayRef(slot).slice(r, N), at::IntArrayRef(count).slice(r, N),
-                              at::IntArrayRef(write_pos).slice(r, N), at::IntArrayRef(window).slice(r, N),
-                              at::IntArrayRef(sink).slice(r, N), ck[l], cv[l], ckpos[l],
-                              at::IntArrayRef(cslot).slice(l * T, T), ccount[l], cwrite[l] != 0, cwindow[l], csink[l]);
+      const int64_t r = l * N, c = l * J;
+      h = decoder_layer_chunks(h, cos[l], sin[l], q_pos, at::TensorList(weights).slice(l * kWeights, kWeights),
+                               at::IntArrayRef(config).slice(l * kConfig, kConfig),
+                               at::ArrayRef<double>(params).slice(l * kParams, kParams), at::TensorList(k).slice(r, N),
+                               at::TensorList(v).slice(r, N), at::TensorList(k_pos).slice(r, N),
+                               at::IntArrayRef(slot).slice(r, N), at::IntArrayRef(count).slice(r, N),
+                               at::IntArrayRef(write_pos).slice(r, N), at::IntArrayRef(window).slice(r, N),
+                               at::IntArrayRef(sink).slice(r, N), at::TensorList(ck).slice(c, J),
+                               at::TensorList(cv).slice(c, J), at::TensorList(ckpos).slice(c, J),
+                               at::IntArrayRef(cslot).slice(l * T, T), csize, at::IntArrayRef(ccount).slice(c, J),
+                               at::IntArrayRef(cwrite).slice(c, J), at::IntArrayRef(cwindow).slice(c, J),
+                               at::IntArrayRef(csink).slice(c, J));
     }
     return h.clone();
   }
