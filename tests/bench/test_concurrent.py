@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 
-from kakeya_runtime.bench.concurrent import SCHEMA, ConcurrentConfig, run_concurrent
+from kakeya_runtime.bench.concurrent import SCHEMA, ConcurrentConfig, Served, run_concurrent
 from kakeya_runtime.server.testing import running_server, tiny_served
 
 
@@ -17,7 +17,7 @@ def test_concurrent_bench_writes_its_json(tmp_path):
     def start(max_batch):
         batches.append(max_batch)
         with running_server(tiny_served(), max_concurrent=max_batch, step_tokens=16) as thread:
-            yield thread.address
+            yield Served(thread.address, f"http://127.0.0.1:{thread.server.metrics_port}/metrics")
 
     config = ConcurrentConfig(model="tiny", sessions=(1, 2), turns=2, reply_tokens=6, long_prompt=200,
                               long_decoders=2, long_reply_tokens=40, max_batch=4, step_tokens=16, out=tmp_path)
@@ -36,6 +36,12 @@ def test_concurrent_bench_writes_its_json(tmp_path):
             assert p["aggregate_tok_s"] > 0 and p["wall_s"] > 0
             assert 0 < p["turn_latency_p50_ms"] <= p["turn_latency_p99_ms"]
             assert 0 <= p["itl_p50_ms"] <= p["itl_p99_ms"] and "cpu_busy_before" in p
+            # the engine's steps in the phase, read from the server's /metrics: every session's prompt was read
+            # (alone or beside decode rows) and its replies decoded
+            engine = p["engine"]
+            assert engine["steps"]["prefill"] + engine["steps"]["mixed"] >= 1
+            assert engine["steps"]["decode"] + engine["steps"]["mixed"] >= 6 - 1
+            assert sum(engine["seconds"].values()) > 0 and 0 < engine["busy_share"] <= 1.05
         long = run["long_prompt"]
         assert long["long_prompt_tokens"] == 200 and long["prefill_window_s"] > 0
         assert long["baseline_itl_p99_ms"] > 0 and isinstance(long["decoders_covered_window"], bool)
@@ -54,7 +60,7 @@ def test_serve_process_passes_the_prompt_budget_flags(monkeypatch):
     class Captured:
         def __init__(self, args):
             seen.append(list(args))
-            self.address = "unused"
+            self.address, self.metrics_port = "unused", 0
 
         def __enter__(self):
             return self

@@ -322,6 +322,13 @@ def test_batch_metrics_are_exported():
         assert metric_value(text, "kakeya_engine_decode_batch_rows_count") > 0
         assert metric_value(text, "kakeya_engine_decode_batch_rows_bucket", '{le="1.0"}') < \
             metric_value(text, "kakeya_engine_decode_batch_rows_count")  # some steps carried both
+        # every step's time by what it carried: a's prompt alone, b's prompt beside a's decode row, decode rows
+        steps = {kind: metric_value(text, "kakeya_engine_step_seconds_count", f'{{kind="{kind}"}}')
+                 for kind in ("decode", "mixed", "prefill")}
+        assert steps["prefill"] >= 1 and steps["mixed"] >= 1 and steps["decode"] >= 40, steps
+        assert sum(steps.values()) == thread.server.service.scheduler.stats.steps
+        for kind in steps:
+            assert metric_value(text, "kakeya_engine_step_seconds_sum", f'{{kind="{kind}"}}') > 0
 
 
 @pytest.mark.real_model

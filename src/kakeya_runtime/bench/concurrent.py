@@ -11,7 +11,11 @@ Long-prompt interference: `long_decoders` sessions decode long replies; the ITLs
 are the baseline; then the same again with a `long_prompt`-token prompt arriving once they are decoding, and the
 ITLs streamed between its arrival and its first token compared with the baseline (p99 ratio).
 
-Targets (issue 13): aggregate at 8 sessions >= 4x one session's; p99 turn latency at 8 <= 3x solo; the long prompt
+Where the server's engine spent each phase comes from its /metrics (kakeya_engine_step_seconds by step kind, read
+before and after the phase): seconds and steps that decoded only, that decoded with prompt tokens (mixed), and that
+read prompt tokens only, and their sum over the phase's wall time (how busy the engine was).
+
+Targets: aggregate at 8 sessions >= 4x one session's; p99 turn latency at 8 <= 3x solo; the long prompt
 raises the others' p99 ITL by <= 2x. Each is reported with its number and met / missed. The server and the SDK
 clients share the machine; each phase records the CPU busy fraction sampled just before it, and the JSON the
 machine facts at the start and the end.
@@ -60,7 +64,15 @@ class ConcurrentConfig:
     out: Path = field(default_factory=lambda: Path("results/concurrent"))
 
 
-ServerFactory = Callable[[int], AbstractContextManager[str]]  # max_batch -> a serving address for the with block
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A server for one scheduler: its gRPC address and its /metrics URL."""
+
+    address: str
+    metrics_url: str
+
+
+ServerFactory = Callable[[int], AbstractContextManager[Served]]  # max_batch -> a serving server for the with block
 
 
 def serve_process(config: ConcurrentConfig) -> ServerFactory:
@@ -68,7 +80,7 @@ def serve_process(config: ConcurrentConfig) -> ServerFactory:
     from kakeya_runtime.bench.serve_process import ServeProcess
 
     @contextlib.contextmanager
-    def start(max_batch: int) -> Iterator[str]:
+    def start(max_batch: int) -> Iterator[Served]:
         step = [] if config.step_tokens is None else ["--step-tokens", str(config.step_tokens)]
         if config.step_slowdown is not None:
             step += ["--step-slowdown", f"{config.step_slowdown:g}"]
@@ -76,7 +88,7 @@ def serve_process(config: ConcurrentConfig) -> ServerFactory:
                 "--max-sessions", str(max(64, 2 * max(config.sessions) + config.long_decoders + 4)),
                 *config.serve_args]
         with ServeProcess(args) as proc:
-            yield proc.address
+            yield Served(proc.address, f"http://127.0.0.1:{proc.metrics_port}/metrics")
 
     return start
 
@@ -148,10 +160,40 @@ class _Prompts:
         return ids[:n]
 
 
-def _phase(address: str, prompts: _Prompts, n: int, config: ConcurrentConfig) -> dict[str, Any]:
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def engine_steps(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """kakeya_engine_step_seconds from the server's /metrics: (seconds, steps) so far for each step kind."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for kind in STEP_KINDS:
+        sums, counts = (re.search(rf'^kakeya_engine_step_seconds_{part}{{kind="{kind}"[^}}]*}} (\S+)$', text, re.MULTILINE)
+                        for part in ("sum", "count"))
+        if sums is None or counts is None:
+            raise RuntimeError(f"the server's /metrics has no kakeya_engine_step_seconds for kind {kind}")
+        out[kind] = (float(sums.group(1)), float(counts.group(1)))
+    return out
+
+
+def _engine_share(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+                  wall: float) -> dict[str, Any]:
+    seconds = {k: after[k][0] - before[k][0] for k in STEP_KINDS}
+    return {"seconds": {k: round(v, 3) for k, v in seconds.items()},
+            "steps": {k: int(after[k][1] - before[k][1]) for k in STEP_KINDS},
+            "busy_share": round(sum(seconds.values()) / wall, 3) if wall > 0 else None}
+
+
+def _phase(served: Served, prompts: _Prompts, n: int, config: ConcurrentConfig) -> dict[str, Any]:
     from kakeya import Client
 
+    address = served.address
     busy = _busy()
+    steps_before = engine_steps(served.metrics_url)
     barrier = threading.Barrier(n)
     turns: dict[int, list[_Turn]] = {}
     errors: list[str] = []
@@ -188,7 +230,8 @@ def _phase(address: str, prompts: _Prompts, n: int, config: ConcurrentConfig) ->
             "aggregate_tok_s": round(tokens / wall, 2) if wall > 0 else 0.0,
             "turn_latency_p50_ms": _ms(_pct(latencies, 0.5)), "turn_latency_p99_ms": _ms(_pct(latencies, 0.99)),
             "ttft_p50_ms": _ms(_pct([t.ttft_s for t in all_turns], 0.5)),
-            "itl_p50_ms": _ms(_pct(itls, 0.5)), "itl_p99_ms": _ms(_pct(itls, 0.99))}
+            "itl_p50_ms": _ms(_pct(itls, 0.5)), "itl_p99_ms": _ms(_pct(itls, 0.99)),
+            "engine": _engine_share(steps_before, engine_steps(served.metrics_url), wall)}
 
 
 def _long_phase(address: str, prompts: _Prompts, config: ConcurrentConfig) -> dict[str, Any]:
@@ -267,7 +310,8 @@ def run_concurrent(config: ConcurrentConfig, start_server: ServerFactory | None 
     runs: dict[str, Any] = {}
     for name in config.schedulers:
         max_batch = config.max_batch if name == "batch" else 1
-        with start_server(max_batch) as address:
+        with start_server(max_batch) as served_at:
+            address = served_at.address
             with Client(address) as c:
                 info = c.model_info()
                 served = {"weight_format": info.weight_format, "weight_format_source": info.weight_format_source,
@@ -277,7 +321,7 @@ def run_concurrent(config: ConcurrentConfig, start_server: ServerFactory | None 
                     s.generate(max_tokens=4, ignore_eos=True).collect()
             phases = []
             for n in config.sessions:
-                phases.append(_phase(address, prompts, n, config))
+                phases.append(_phase(served_at, prompts, n, config))
                 log(json.dumps({"scheduler": name, **phases[-1]}))
             long = None
             if config.long_prompt:

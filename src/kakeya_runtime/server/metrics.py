@@ -32,7 +32,7 @@ from kakeya_runtime import __version__
 from kakeya_runtime.engine.generate import FinishReason
 from kakeya_runtime.kv.idle import IdleStats
 from kakeya_runtime.kv.spec import POLICIES
-from kakeya_runtime.sessions.batch import BatchScheduler
+from kakeya_runtime.sessions.batch import BatchScheduler, StepKind
 from kakeya_runtime.sessions.errors import Invariant
 from kakeya_runtime.sessions.service import GenerateStats
 from kakeya_runtime.sessions.speculation import PROPOSERS as SPEC_PROPOSERS
@@ -264,6 +264,13 @@ class RuntimeMetrics:
             "kakeya_engine_decode_batch_rows", "Sessions decoded together per engine step (one batched forward).",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r,
         )
+        self.engine_step_seconds = Histogram(
+            "kakeya_engine_step_seconds", "Wall time of each engine step, by what it carried: decode (sessions' "
+            "decode rows only), mixed (decode rows and prompt tokens), prefill (prompt tokens only). The sums say "
+            "where the engine's time went.", ["kind"],
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0), registry=r,
+        )
+        self._step_seconds = {kind: self.engine_step_seconds.labels(kind.value) for kind in StepKind}
         self.engine_parked_total = Counter(
             "kakeya_engine_parked", "Running Generates taken out of a full batch so another API key's waiting turn "
             "could start (each resumes where it left off).", registry=r,
@@ -282,6 +289,7 @@ class RuntimeMetrics:
         self.engine_batch_size.set_function(lambda: scheduler.batch_size)
         self.engine_prompt_chunk_tokens.set_function(lambda: scheduler.prompt_chunk_tokens)
         scheduler.on_step = self.engine_decode_batch_rows.observe
+        scheduler.on_step_seconds = lambda kind, seconds: self._step_seconds[kind].observe(seconds)
         scheduler.on_park = self.engine_parked_total.inc
 
     def serving(self, choice: Any) -> None:

@@ -41,6 +41,7 @@ submitted as plain calls and runs between steps, in order.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
 import time
@@ -113,6 +114,14 @@ class _Call:
     future: Future = field(default_factory=Future)
 
 
+class StepKind(enum.Enum):
+    """What one engine step carried (kakeya_engine_step_seconds{kind}): where the engine's time went."""
+
+    DECODE = "decode"  # decode rows (or a speculative verifier step) and no prompt tokens
+    MIXED = "mixed"  # decode rows and prompt tokens (chunks riding the forward, or read beside it)
+    PREFILL = "prefill"  # prompt tokens only
+
+
 @dataclass(slots=True)
 class StepStats:
     """Counters of the loop (read by metrics)."""
@@ -148,6 +157,7 @@ class BatchScheduler:
         self.budget = ChunkBudget(slowdown, ceiling=engine.prefill_chunk) if step_tokens is None else None
         self.short_prompt = min(short_prompt, engine.prefill_chunk)  # read whole: one forward's worth at most
         self.on_step = on_step  # called with the rows decoded in each step that decoded any
+        self.on_step_seconds: Callable[[StepKind, float], None] | None = None  # each step's kind and wall time
         self.on_park: Callable[[], None] | None = None  # called for each row parked for another key's turn
         # entered around a batched step's deliveries (the turns may hand their events on once for all of them)
         self.deliveries = deliveries or contextlib.nullcontext
@@ -412,7 +422,8 @@ class BatchScheduler:
                     prefilling.insert(0, lead)
         elif not decoding and not speculative and len(prefilling) > 1:  # nobody decodes: short prompts together
             chunks = self._take_short(prefilling, self.engine.prefill_chunk, 0)
-        budget -= sum(chunk.ids.shape[1] for chunk in chunks)
+        read = sum(chunk.ids.shape[1] for chunk in chunks)  # prompt tokens this step reads
+        budget -= read
         if decoding or chunks:
             self._decode(decoding, chunks)
         # a speculative row's long prompt reads a forward's worth a step alone, a quarter of it beside other rows
@@ -422,7 +433,13 @@ class BatchScheduler:
         for row in prefilling:
             if budget <= 0:
                 break
-            budget -= self._prefill(row, budget)
+            n = self._prefill(row, budget)
+            budget -= n
+            read += n
+        if self.on_step_seconds is not None and (decoding or speculative or read):
+            kind = (StepKind.PREFILL if not (decoding or speculative) else StepKind.MIXED if read
+                    else StepKind.DECODE)
+            self.on_step_seconds(kind, time.perf_counter() - began)
         if self.budget is not None and decoding and not speculative:  # time it: what the decoding rows waited
             seconds = time.perf_counter() - began
             if not chunks and budget == allowed:
