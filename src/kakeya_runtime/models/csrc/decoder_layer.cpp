@@ -123,6 +123,37 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::T
   return layer_output(att.view({N, H * D}), h, weights, config, params);
 }
 
+// One layer's decode rows' cache entries, as decoder_layer takes them (a stack call's slice of its layer-major lists).
+struct RowsAt {
+  at::TensorList k, v, k_pos;
+  at::IntArrayRef slot, count, write_pos, window, sink;
+};
+
+// A stack call's decode-row cache entries, layer-major (n a layer): `at` slices out one layer's.
+struct RowEntries {
+  const std::vector<at::Tensor>& k;
+  const std::vector<at::Tensor>& v;
+  const std::vector<at::Tensor>& k_pos;
+  const std::vector<int64_t>& slot;
+  const std::vector<int64_t>& count;
+  const std::vector<int64_t>& write_pos;
+  const std::vector<int64_t>& window;
+  const std::vector<int64_t>& sink;
+
+  void check(int64_t entries, const char* what) const {
+    const auto n = static_cast<size_t>(entries);
+    TORCH_CHECK(k.size() == n && v.size() == n && k_pos.size() == n && slot.size() == n && count.size() == n &&
+                    write_pos.size() == n && window.size() == n && sink.size() == n,
+                what, ": one cache entry per layer and row (the decode rows), layer-major");
+  }
+  RowsAt at(int64_t first, int64_t n) const {
+    return {at::TensorList(k).slice(first, n),         at::TensorList(v).slice(first, n),
+            at::TensorList(k_pos).slice(first, n),     at::IntArrayRef(slot).slice(first, n),
+            at::IntArrayRef(count).slice(first, n),    at::IntArrayRef(write_pos).slice(first, n),
+            at::IntArrayRef(window).slice(first, n),   at::IntArrayRef(sink).slice(first, n)};
+  }
+};
+
 // Decode rows and prefill chunks riding them (h (N + T, 1, C): the N decode rows, then each chunk's consecutive tokens
 // of its own sequence, T in all) in one call: the layer's first half over every row, the decode rows' attention as
 // decoder_layer's (cached_attention_rows_append), then chunk after chunk j (csize[j] tokens): its K/V written at its
@@ -134,9 +165,7 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::T
 // attention, each chunk's cache write then its attention): the same bits and writes.
 at::Tensor decoder_layer_chunks(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                                 const at::Tensor& q_pos, at::TensorList weights, at::IntArrayRef config,
-                                at::ArrayRef<double> params, at::TensorList k, at::TensorList v, at::TensorList k_pos,
-                                at::IntArrayRef slot, at::IntArrayRef count, at::IntArrayRef write_pos,
-                                at::IntArrayRef window, at::IntArrayRef sink, at::TensorList ck, at::TensorList cv,
+                                at::ArrayRef<double> params, const RowsAt& rows_at, at::TensorList ck, at::TensorList cv,
                                 at::TensorList ckpos, at::IntArrayRef cslot, at::IntArrayRef csize,
                                 at::IntArrayRef ccount, at::IntArrayRef cwrite, at::IntArrayRef cwindow,
                                 at::IntArrayRef csink) {
@@ -165,9 +194,10 @@ at::Tensor decoder_layer_chunks(const at::Tensor& h, const at::Tensor& cos, cons
   thread_local Reusable att_site;
   auto att = reusable_empty(att_site, {R, H * D}, h.options());
   if (N > 0) {
+    const RowsAt& a = rows_at;
     const auto rows = kakeya_ops::cached_attention_rows_append(
-        q.narrow(0, 0, N).view({N, Hk, G, D}), k_new.narrow(0, 0, N), v_new.narrow(0, 0, N), k, v, k_pos, slot,
-        count, write_pos, q_pos.narrow(0, 0, N), window, sink, params[2]);
+        q.narrow(0, 0, N).view({N, Hk, G, D}), k_new.narrow(0, 0, N), v_new.narrow(0, 0, N), a.k, a.v, a.k_pos,
+        a.slot, a.count, a.write_pos, q_pos.narrow(0, 0, N), a.window, a.sink, params[2]);
     att.narrow(0, 0, N).copy_(rows.view({N, H * D}));
   }
   const int64_t* qp = q_pos.const_data_ptr<int64_t>();
@@ -269,30 +299,29 @@ struct DecoderStack : torch::CustomClassHolder {
                 "DecoderStack: weights (18), config (10) and params (3) per layer, as models/native_layer.py packs them");
   }
 
+  at::TensorList weights_of(int64_t l) const { return at::TensorList(weights).slice(l * kWeights, kWeights); }
+  at::IntArrayRef config_of(int64_t l) const { return at::IntArrayRef(config).slice(l * kConfig, kConfig); }
+  at::ArrayRef<double> params_of(int64_t l) const { return at::ArrayRef<double>(params).slice(l * kParams, kParams); }
+
+  // decoder_layer for layer l over its decode rows' entries.
+  at::Tensor layer(int64_t l, const at::Tensor& h, const std::vector<at::Tensor>& cos,
+                   const std::vector<at::Tensor>& sin, const at::Tensor& q_pos, const RowsAt& a) const {
+    return decoder_layer(h, cos[l], sin[l], q_pos, weights_of(l), config_of(l), params_of(l), a.k, a.v, a.k_pos,
+                         a.slot, a.count, a.write_pos, a.window, a.sink);
+  }
+
   at::Tensor step(at::Tensor h, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor q_pos,
                   std::vector<at::Tensor> k, std::vector<at::Tensor> v, std::vector<at::Tensor> k_pos,
                   std::vector<int64_t> slot, std::vector<int64_t> count, std::vector<int64_t> write_pos,
                   std::vector<int64_t> window, std::vector<int64_t> sink) {
-    const int64_t N = h.size(0), rows = layers * N;
+    const int64_t N = h.size(0);
     TORCH_CHECK(int64_t(cos.size()) == layers && int64_t(sin.size()) == layers,
                 "DecoderStack.step: one cos and one sin table per layer");
-    TORCH_CHECK(int64_t(k.size()) == rows && int64_t(v.size()) == rows && int64_t(k_pos.size()) == rows &&
-                    int64_t(slot.size()) == rows && int64_t(count.size()) == rows &&
-                    int64_t(write_pos.size()) == rows && int64_t(window.size()) == rows &&
-                    int64_t(sink.size()) == rows,
-                "DecoderStack.step: one cache entry per layer and row, layer-major");
+    const RowEntries rows{k, v, k_pos, slot, count, write_pos, window, sink};
+    rows.check(layers * N, "DecoderStack.step");
     RECORD_FUNCTION("kakeya::DecoderStack.step", std::vector<c10::IValue>());  // a scope for the profiler
     const ReuseScope reuse;  // the layers' outputs come from their call sites' kept ones (common.h)
-    for (int64_t l = 0; l < layers; ++l) {
-      const int64_t r = l * N;
-      h = decoder_layer(h, cos[l], sin[l], q_pos, at::TensorList(weights).slice(l * kWeights, kWeights),
-                        at::IntArrayRef(config).slice(l * kConfig, kConfig),
-                        at::ArrayRef<double>(params).slice(l * kParams, kParams), at::TensorList(k).slice(r, N),
-                        at::TensorList(v).slice(r, N), at::TensorList(k_pos).slice(r, N),
-                        at::IntArrayRef(slot).slice(r, N), at::IntArrayRef(count).slice(r, N),
-                        at::IntArrayRef(write_pos).slice(r, N), at::IntArrayRef(window).slice(r, N),
-                        at::IntArrayRef(sink).slice(r, N));
-    }
+    for (int64_t l = 0; l < layers; ++l) h = layer(l, h, cos, sin, q_pos, rows.at(l * N, N));
     return h.clone();  // the step's one allocation: the caller's own copy, so the kept one stays in the step
   }
 
@@ -308,7 +337,7 @@ struct DecoderStack : torch::CustomClassHolder {
                         std::vector<int64_t> cslot, std::vector<int64_t> ccount, std::vector<int64_t> cwrite,
                         std::vector<int64_t> cwindow, std::vector<int64_t> csink) {
     const int64_t J = int64_t(csize.size()), e = layers * J;
-    const int64_t T = layers > 0 ? int64_t(cslot.size()) / layers : 0, N = h.size(0) - T, rows = layers * N;
+    const int64_t T = layers > 0 ? int64_t(cslot.size()) / layers : 0, N = h.size(0) - T;
     TORCH_CHECK(int64_t(cos.size()) == layers && int64_t(sin.size()) == layers,
                 "DecoderStack.step_chunk: one cos and one sin table per layer");
     TORCH_CHECK(J >= 1 && T >= 1 && N >= 0 && int64_t(cslot.size()) == layers * T && int64_t(ck.size()) == e &&
@@ -316,26 +345,17 @@ struct DecoderStack : torch::CustomClassHolder {
                     int64_t(cwrite.size()) == e && int64_t(cwindow.size()) == e && int64_t(csink.size()) == e,
                 "DecoderStack.step_chunk: the chunks' buffers, count, write flag, window and sink per layer, and "
                 "their slots, T a layer, after the decode rows");
-    TORCH_CHECK(int64_t(k.size()) == rows && int64_t(v.size()) == rows && int64_t(k_pos.size()) == rows &&
-                    int64_t(slot.size()) == rows && int64_t(count.size()) == rows &&
-                    int64_t(write_pos.size()) == rows && int64_t(window.size()) == rows &&
-                    int64_t(sink.size()) == rows,
-                "DecoderStack.step_chunk: one cache entry per layer and decode row, layer-major");
+    const RowEntries rows{k, v, k_pos, slot, count, write_pos, window, sink};
+    rows.check(layers * N, "DecoderStack.step_chunk");
     RECORD_FUNCTION("kakeya::DecoderStack.step_chunk", std::vector<c10::IValue>());
     const ReuseScope reuse;
     for (int64_t l = 0; l < layers; ++l) {
-      const int64_t r = l * N, c = l * J;
-      h = decoder_layer_chunks(h, cos[l], sin[l], q_pos, at::TensorList(weights).slice(l * kWeights, kWeights),
-                               at::IntArrayRef(config).slice(l * kConfig, kConfig),
-                               at::ArrayRef<double>(params).slice(l * kParams, kParams), at::TensorList(k).slice(r, N),
-                               at::TensorList(v).slice(r, N), at::TensorList(k_pos).slice(r, N),
-                               at::IntArrayRef(slot).slice(r, N), at::IntArrayRef(count).slice(r, N),
-                               at::IntArrayRef(write_pos).slice(r, N), at::IntArrayRef(window).slice(r, N),
-                               at::IntArrayRef(sink).slice(r, N), at::TensorList(ck).slice(c, J),
-                               at::TensorList(cv).slice(c, J), at::TensorList(ckpos).slice(c, J),
-                               at::IntArrayRef(cslot).slice(l * T, T), csize, at::IntArrayRef(ccount).slice(c, J),
-                               at::IntArrayRef(cwrite).slice(c, J), at::IntArrayRef(cwindow).slice(c, J),
-                               at::IntArrayRef(csink).slice(c, J));
+      const int64_t c = l * J;
+      h = decoder_layer_chunks(h, cos[l], sin[l], q_pos, weights_of(l), config_of(l), params_of(l), rows.at(l * N, N),
+                               at::TensorList(ck).slice(c, J), at::TensorList(cv).slice(c, J),
+                               at::TensorList(ckpos).slice(c, J), at::IntArrayRef(cslot).slice(l * T, T), csize,
+                               at::IntArrayRef(ccount).slice(c, J), at::IntArrayRef(cwrite).slice(c, J),
+                               at::IntArrayRef(cwindow).slice(c, J), at::IntArrayRef(csink).slice(c, J));
     }
     return h.clone();
   }
@@ -366,11 +386,8 @@ struct DecoderStack : torch::CustomClassHolder {
     }
     TORCH_CHECK(int64_t(cold_n.size()) == sparse, "DecoderStack.step_sparse: one cold count per sparse layer");
     for (const int64_t n : cold_n) cold_total += n;
-    TORCH_CHECK(int64_t(k.size()) == rings && int64_t(v.size()) == rings && int64_t(k_pos.size()) == rings &&
-                    int64_t(slot.size()) == rings && int64_t(count.size()) == rings &&
-                    int64_t(write_pos.size()) == rings && int64_t(window.size()) == rings &&
-                    int64_t(sink.size()) == rings,
-                "DecoderStack.step_sparse: one cache entry per preallocated layer");
+    const RowEntries rows{k, v, k_pos, slot, count, write_pos, window, sink};
+    rows.check(rings, "DecoderStack.step_sparse");  // one a preallocated layer
     TORCH_CHECK(int64_t(state.size()) == 4 * sparse && int64_t(index.size()) == 4 * sparse &&
                     int64_t(geometry.size()) == 6 * sparse && int64_t(budget.size()) == sparse &&
                     int64_t(cold.size()) == cold_total && int64_t(decoded.size()) == 5 * d4 &&
@@ -382,21 +399,13 @@ struct DecoderStack : torch::CustomClassHolder {
     RECORD_FUNCTION("kakeya::DecoderStack.step_sparse", std::vector<c10::IValue>());
     const ReuseScope reuse;
     for (int64_t l = 0; l < layers; ++l) {
-      const auto w = at::TensorList(weights).slice(l * kWeights, kWeights);
-      const auto cf = at::IntArrayRef(config).slice(l * kConfig, kConfig);
-      const auto pm = at::ArrayRef<double>(params).slice(l * kParams, kParams);
       if (kinds[l] == 0) {
-        h = decoder_layer(h, cos[l], sin[l], q_pos, w, cf, pm, at::TensorList(k).slice(r, 1),
-                          at::TensorList(v).slice(r, 1), at::TensorList(k_pos).slice(r, 1),
-                          at::IntArrayRef(slot).slice(r, 1), at::IntArrayRef(count).slice(r, 1),
-                          at::IntArrayRef(write_pos).slice(r, 1), at::IntArrayRef(window).slice(r, 1),
-                          at::IntArrayRef(sink).slice(r, 1));
-        ++r;
+        h = layer(l, h, cos, sin, q_pos, rows.at(r++, 1));
         continue;
       }
       const bool lattice_tier = kinds[l] == 2;
       auto [out, select, hit, miss, q] = decoder_layer_sparse(
-          h, cos[l], sin[l], q_pos, w, cf, pm, at::TensorList(state).slice(4 * s, 4),
+          h, cos[l], sin[l], q_pos, weights_of(l), config_of(l), params_of(l), at::TensorList(state).slice(4 * s, 4),
           at::TensorList(cold).slice(c, cold_n[s]), at::TensorList(index).slice(4 * s, 4),
           at::IntArrayRef(geometry).slice(6 * s, 6), budget[s],
           lattice_tier ? at::TensorList(decoded).slice(5 * d, 5) : at::TensorList(),
