@@ -166,10 +166,10 @@ STEP_KINDS = ("decode", "mixed", "prefill")
 def engine_steps(metrics_url: str) -> dict[str, tuple[float, float]]:
     """kakeya_engine_step_seconds from the server's /metrics: (seconds, steps) so far for each step kind."""
     import re
-    import urllib.request
 
-    with urllib.request.urlopen(metrics_url, timeout=10) as r:
-        text = r.read().decode()
+    from kakeya_runtime.bench.serve_process import read_metrics
+
+    text = read_metrics(metrics_url)
     out = {}
     for kind in STEP_KINDS:
         sums, counts = (re.search(rf'^kakeya_engine_step_seconds_{part}{{kind="{kind}"[^}}]*}} (\S+)$', text, re.MULTILINE)

@@ -78,10 +78,10 @@ def bucket_p50(latencies: Sequence[float], num_buckets: int) -> list[float]:
 def violations_on_metrics(url: str) -> float:
     """kakeya_cache_invariant_violations_total, all kinds, read from the server's /metrics."""
     import re
-    import urllib.request
 
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
+    from kakeya_runtime.bench.serve_process import read_metrics
+
+    text = read_metrics(url)
     return sum(float(v) for v in re.findall(r"^kakeya_cache_invariant_violations_total\{[^}]*\} (\S+)$", text,
                                              re.MULTILINE))
 

@@ -12,6 +12,12 @@ import urllib.request
 from collections.abc import Sequence
 
 
+def read_metrics(url: str) -> str:
+    """The text of a server's /metrics at `url`."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
 class ServeProcess:
     """Starts `kakeya serve --port 0 --metrics-port 0 ARGS` and waits until it serves: the address is the last
     stdout line, the metrics port is on stderr."""
@@ -56,8 +62,7 @@ class ServeProcess:
         return self.proc.poll() is None
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            return r.read().decode()
+        return read_metrics(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
     def rss_bytes(self) -> int:
         """The server's resident set now (0 once it has exited)."""
