@@ -733,15 +733,15 @@ def test_smollm2_chunk_riding_decode_rows_in_one_call_same_bits(english_text, sm
 
 
 def test_a_chunk_step_that_fails_in_the_kernel_leaves_every_cache_as_it_was(make_tiny_model, monkeypatch):
-    """An error inside the whole-stack call of a step carrying a chunk is raised, and every cache of the step (the
-    decode rows' and the chunk's) is back at the length it had."""
+    """An error inside the whole-stack call of a step carrying chunks (one, or two of two sequences) is raised, and
+    every cache of the step (the decode rows' and the chunks') is back at the length it had."""
     model = make_tiny_model("gemma3", dtype=torch.float32)
     engine = Engine(model, prefill_chunk=32)
     gen = torch.Generator().manual_seed(2)
-    row, long = engine.new_cache(capacity=100), engine.new_cache(capacity=200)
+    row, long, other = engine.new_cache(capacity=100), engine.new_cache(capacity=200), engine.new_cache(capacity=64)
     engine.prefill(row, torch.randint(0, model.config.vocab_size, (1, 40), generator=gen))
     engine.prefill(long, torch.randint(0, model.config.vocab_size, (1, 120), generator=gen))
-    before = [[kv.length for kv in c] for c in (row, long)]
+    before = [[kv.length for kv in c] for c in (row, long, other)]
     stack = model.native_layers()._stack(model.layers)
 
     class Broken:
@@ -749,12 +749,14 @@ def test_a_chunk_step_that_fails_in_the_kernel_leaves_every_cache_as_it_was(make
             raise RuntimeError("decoder_layer_chunk: broken on purpose")
 
     monkeypatch.setattr(stack, "stack", Broken())
-    with pytest.raises(RuntimeError, match="broken on purpose"):
-        engine.step_chunks([row], [1], [(long, torch.tensor([[1, 2, 3]]))])
-    assert [[kv.length for kv in c] for c in (row, long)] == before
+    one, two = (long, torch.tensor([[1, 2, 3]])), (other, torch.tensor([[4, 5]]))
+    for chunks in ([one], [one, two]):
+        with pytest.raises(RuntimeError, match="broken on purpose"):
+            engine.step_chunks([row], [1], chunks)
+        assert [[kv.length for kv in c] for c in (row, long, other)] == before
     monkeypatch.undo()
-    logits, chunk_logits = engine.step_chunks([row], [1], [(long, torch.tensor([[1, 2, 3]]))])
-    assert logits.shape[0] == 1 and len(chunk_logits) == 1
+    logits, chunk_logits = engine.step_chunks([row], [1], [one, two])
+    assert logits.shape[0] == 1 and len(chunk_logits) == 2
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
