@@ -705,8 +705,8 @@ def test_a_chunk_riding_decode_rows_takes_the_whole_stack_same_bits(family, fmt,
 
 @pytest.mark.real_model
 def test_smollm2_chunk_riding_decode_rows_in_one_call_same_bits(english_text, smollm2_in, monkeypatch):
-    """SmolLM2 int4: two decode rows and a 12-token chunk of a 300-token prompt in one native call give the Python
-    path's logits and caches."""
+    """SmolLM2 int4: two decode rows and a 12-token chunk of a 300-token prompt in one native call, then the same with
+    a second sequence's 40-token chunk beside it, give the Python path's logits and caches."""
     loaded = smollm2_in("int4")
     engine = Engine(loaded.model)
     ids = loaded.tokenizer.encode(english_text).ids
@@ -715,20 +715,24 @@ def test_smollm2_chunk_riding_decode_rows_in_one_call_same_bits(english_text, sm
     def run(on: bool) -> tuple[list, list]:
         before = native_layer.set_enabled(on)
         try:
-            caches = [engine.new_cache(capacity=n + 20) for n in (200, 37, 300)]
-            for cache, (i, n) in zip(caches, [(0, 200), (5, 37), (9, 300)], strict=True):
+            caches = [engine.new_cache(capacity=n + 80) for n in (200, 37, 300, 90)]
+            for cache, (i, n) in zip(caches, [(0, 200), (5, 37), (9, 300), (30, 90)], strict=True):
                 engine.prefill(cache, torch.tensor([ids[i : i + n]]))
-            served.clear()  # the prompts' own runs are counted elsewhere: the step's call
+            served.clear()  # the prompts' own runs are counted elsewhere: the steps' calls
             logits, chunk_logits = engine.step_chunks(caches[:2], [ids[1], ids[2]],
                                                       [(caches[2], torch.tensor([ids[320:332]]))])
-            return [logits, *chunk_logits], [c.state() for c in caches]
+            out = [logits, *chunk_logits]
+            logits, chunk_logits = engine.step_chunks(caches[:2], [ids[3], ids[4]],
+                                                      [(caches[2], torch.tensor([ids[332:344]])),
+                                                       (caches[3], torch.tensor([ids[400:440]]))])
+            return out + [logits, *chunk_logits], [c.state() for c in caches]
         finally:
             native_layer.set_enabled(before)
 
     ref = run(False)
     loaded.model.__dict__.pop("_native_layers", None)
     got = run(True)
-    assert served == [(12, True)]
+    assert served == [(12, True), ((12, 40), True)]
     assert_same_steps(got, ref)
 
 
