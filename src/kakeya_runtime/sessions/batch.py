@@ -436,12 +436,12 @@ class BatchScheduler:
             n = self._prefill(row, budget)
             budget -= n
             read += n
+        seconds = time.perf_counter() - began
         if self.on_step_seconds is not None and (decoding or speculative or read):
             kind = (StepKind.PREFILL if not (decoding or speculative) else StepKind.MIXED if read
                     else StepKind.DECODE)
-            self.on_step_seconds(kind, time.perf_counter() - began)
+            self.on_step_seconds(kind, seconds)
         if self.budget is not None and decoding and not speculative:  # time it: what the decoding rows waited
-            seconds = time.perf_counter() - began
             if not chunks and budget == allowed:
                 self.budget.decode_step(len(decoding), seconds)
             elif sized:
