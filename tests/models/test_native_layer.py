@@ -570,7 +570,8 @@ def test_ops_called_from_python_hand_out_fresh_outputs():
 
 
 def test_whole_stack_rejects_bad_arguments(make_tiny_model):
-    """The stack's own checks: per-layer argument counts at build, one cache entry per layer and row per step."""
+    """The stack's own checks: per-layer argument counts at build, one cache entry per layer and row per step, and
+    a chunk slot outside its buffer refused before any slot is written."""
     model = make_tiny_model("llama", dtype=torch.bfloat16)
     native.load()
     with pytest.raises(RuntimeError, match="per layer"):
@@ -585,6 +586,17 @@ def test_whole_stack_rejects_bad_arguments(make_tiny_model):
         n = model.config.num_hidden_layers
         cos, sin = model.rotary.cos_sin(torch.tensor([4]), torch.bfloat16)
         stack.step(h, [cos] * n, [sin] * n, torch.tensor([4]), [], [], [], [], [], [], [], [])
+    # two chunks of two tokens, the second's last slot past its buffer: refused before any slot is written
+    bufs = [(torch.zeros(1, model.config.num_key_value_heads, 8, model.config.head_dim, dtype=torch.bfloat16),
+             torch.zeros(1, model.config.num_key_value_heads, 8, model.config.head_dim, dtype=torch.bfloat16),
+             torch.full((8,), -1)) for _ in range(2)]
+    cos2, sin2 = model.rotary.cos_sin(torch.tensor([0, 1, 0, 1]), torch.bfloat16)
+    ck, cv, ckpos = ([b[i] for _ in range(n) for b in bufs] for i in range(3))
+    with pytest.raises(RuntimeError, match="slot 8 outside the buffer of 8"):
+        stack.step_chunk(torch.ones(4, 1, model.config.hidden_size, dtype=torch.bfloat16), [cos2] * n, [sin2] * n,
+                         torch.tensor([0, 1, 0, 1]), [], [], [], [], [], [], [], [], [2, 2], ck, cv, ckpos,
+                         [0, 1, 0, 8] * n, [2, 2] * n, [1, 1] * n, [0, 0] * n, [0, 0] * n)
+    assert all(not b[0].any() and (b[2] == -1).all() for b in bufs)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -191,6 +191,10 @@ at::Tensor decoder_layer_chunks(const at::Tensor& h, const at::Tensor& cos, cons
                 "decoder_layer_chunk: a chunk's cache must be (1, Hk, A, D) buffers of h's dtype, positions int64 "
                 "(>= count,), count in [1, A], window and sink >= 0");
   }
+  for (int64_t j = 0, t = 0; j < J; ++j)  // every slot checked before anything is written
+    for (const int64_t end = t + csize[j]; t < end; ++t)
+      TORCH_CHECK(cslot[t] >= 0 && cslot[t] < ck[j].size(2), "decoder_layer_chunk: slot ", cslot[t],
+                  " outside the buffer of ", ck[j].size(2));
   thread_local Reusable att_site;
   auto att = reusable_empty(att_site, {R, H * D}, h.options());
   if (N > 0) {
@@ -213,7 +217,6 @@ at::Tensor decoder_layer_chunks(const at::Tensor& h, const at::Tensor& cos, cons
     char* vb = static_cast<char*>(vj.data_ptr());
     for (int64_t t = 0; t < Tj; ++t) {
       const int64_t sl = cslot[first - N + t];
-      TORCH_CHECK(sl >= 0 && sl < kj.size(2), "decoder_layer_chunk: slot ", sl, " outside the buffer of ", kj.size(2));
       for (int64_t hd = 0; hd < Hk; ++hd) {
         std::memcpy(kb + (hd * kj.stride(1) + sl * kj.stride(2)) * es,
                     kn + ((first + t) * k_new.stride(0) + hd * k_new.stride(1)) * es, bytes);
