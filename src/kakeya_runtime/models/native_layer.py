@@ -23,8 +23,9 @@ prefill chunks of other sequences riding them, and a run of one sequence's new t
 turn's message, a prompt's prefill chunk) (`run_all_chunk`: DecoderStack.step_chunk, each chunk's tokens written to
 its cache first, then attended as one query over it, each token by position), where every row's cache takes its
 writes and each chunk's has room (two or more chunks in a step took the halves until 2026-12-04: 7 decode rows and
-two 16-token chunks 29.6 -> 24.3 ms, results/engine/chunks_stack_2026-12-04) (runs of 32 tokens and more took the Python path until 2026-12-03: ~4.5 ms more a call at every
-length, a 75-token message 27 -> 22.5 ms, results/engine/sequence_stack_2026-12-03): with
+two 16-token chunks 30.4 -> 24.2 ms, results/engine/chunks_stack_2026-12-04; runs of 32 tokens and more took the
+Python path until 2026-12-03: ~4.5 ms more a call at every length, a 75-token message 27 -> 22.5 ms,
+results/engine/sequence_stack_2026-12-03): with
 the halves, a step carrying a one-token chunk over a 2,000-token cache cost 1.74x the 4 decode rows alone, 1.40x so
 (results/concurrent/v20_chunk_step, results/concurrent/v21_chunk_stack); a 23-token message 17.5 -> 14.6 ms at 1k
 tokens of history and 38.3 -> 34.6 ms at 7k (results/session/message_stack_2026-12-03). It replaced a run's tokens
