@@ -331,6 +331,36 @@ def test_batch_metrics_are_exported():
             assert metric_value(text, "kakeya_engine_step_seconds_sum", f'{{kind="{kind}"}}') > 0
 
 
+def test_a_speculative_rows_prompt_counts_as_prompt_time():
+    """A speculative Generate's prompt steps are prompt time in kakeya_engine_step_seconds: alone they are
+    prefill steps, beside a decoding row mixed ones; its verifier steps are decode steps."""
+    from kakeya_runtime.server.testing import metric_value, scrape_metrics
+
+    def kinds(thread) -> dict[str, float]:
+        text = scrape_metrics(thread)
+        return {kind: metric_value(text, "kakeya_engine_step_seconds_count", f'{{kind="{kind}"}}')
+                for kind in ("decode", "mixed", "prefill")}
+
+    slow = SlowModel(tiny_model("llama"), DELAY)
+    with running_server(tiny_served(model=slow), step_tokens=16, short_prompt=64) as thread, \
+            Client(thread.address) as client:
+        with client.create_session(initial_tokens=_history(300, 7)) as s:  # alone: one 512-token chunk a step
+            before = kinds(thread)
+            s.generate(max_tokens=4, ignore_eos=True, speculation=Speculation("history", 2)).collect()
+            after = kinds(thread)
+        assert after["prefill"] - before["prefill"] >= 1 and after["decode"] - before["decode"] >= 1, (before, after)
+        assert after["mixed"] == before["mixed"]
+        busy = client.create_session(initial_tokens=[4, 5, 6])
+        it = iter(busy.generate(max_tokens=400, ignore_eos=True))
+        next(it)  # decoding: the speculative prompt below reads 128 tokens a step beside it
+        with client.create_session(initial_tokens=_history(300, 8)) as s:
+            before = kinds(thread)
+            s.generate(max_tokens=2, ignore_eos=True, speculation=Speculation("history", 2)).collect()
+            after = kinds(thread)
+        it.close()
+        assert after["mixed"] - before["mixed"] >= 2, (before, after)  # 300 tokens: at least 3 steps of prompt
+
+
 @pytest.mark.real_model
 def test_smollm2_greedy_streams_batched_equal_solo(english_text):
     import torch

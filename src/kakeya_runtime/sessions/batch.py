@@ -54,6 +54,7 @@ from typing import Any, Protocol
 
 from kakeya_runtime.engine.generate import Engine, TokenStream
 from kakeya_runtime.engine.sampling import greedy
+from kakeya_runtime.engine.speculative import SpeculativeStream
 from kakeya_runtime.models import native
 from kakeya_runtime.sessions.chunk_budget import DEFAULT_SLOWDOWN, ChunkBudget
 
@@ -67,9 +68,9 @@ DEFAULT_SHORT_PROMPT = 512  # prompts up to this many tokens are read in one ste
 class Turn(Protocol):
     """One Generate as the loop drives it (the session service implements it); every method runs on the loop."""
 
-    def begin(self) -> TokenStream | Generator[list[int], int | None, None] | None:
-        """Set up the session and open its stream: a TokenStream (batched rows) or a speculative stream's steps
-        (one list of tokens per step); None when the turn answered already (cancelled while queued, or failed)."""
+    def begin(self) -> TokenStream | SpeculativeStream | None:
+        """Set up the session and open its stream: a TokenStream (batched rows) or a SpeculativeStream (one list of
+        tokens per step); None when the turn answered already (cancelled while queued, or failed)."""
 
     def cancelled(self) -> bool: ...
 
@@ -92,7 +93,8 @@ class _Row:
     future: Future
     owner: str = ""  # the API key whose Generate this is (admission shares the batch between keys)
     stream: TokenStream | None = None  # plain rows
-    steps: Generator[list[int], int | None, None] | None = None  # speculative rows (sent prefill budgets)
+    spec: SpeculativeStream | None = None  # speculative rows
+    steps: Generator[list[int], int | None, None] | None = None  # spec's steps (sent prefill budgets)
     began: bool = False  # a speculative row's first step was taken (from then on its steps are sent budgets)
     parked: bool = False  # begun, then taken out of the batch for another key's turn: waits with its state kept
     parked_at: float = 0.0  # perf_counter when it was last parked
@@ -211,7 +213,7 @@ class BatchScheduler:
                 self._fail(row, e)
                 continue
             if opened is not None:  # the Turn contract broke (a cancelled turn began): end it, never batch it from here
-                row.stream, row.steps = (opened, None) if isinstance(opened, TokenStream) else (None, opened)
+                self._open(row, opened)
                 self._fail(row, RuntimeError("a cancelled Generate began"))
                 continue
             self._end(row)
@@ -375,11 +377,15 @@ class BatchScheduler:
         if opened is None:
             self._end(row)
             return
+        self._open(row, opened)
+        self._active.append(row)
+
+    @staticmethod
+    def _open(row: _Row, opened: TokenStream | SpeculativeStream) -> None:
         if isinstance(opened, TokenStream):
             row.stream = opened
         else:
-            row.steps = opened
-        self._active.append(row)
+            row.spec, row.steps = opened, iter(opened)
 
     def _step(self) -> None:
         self.stats.steps += 1
@@ -428,8 +434,7 @@ class BatchScheduler:
             self._decode(decoding, chunks)
         # a speculative row's long prompt reads a forward's worth a step alone, a quarter of it beside other rows
         chunk = self.engine.prefill_chunk if len(rows) == 1 else max(self.step_tokens or 0, self.engine.prefill_chunk // 4)
-        for row in speculative:
-            self._speculate(row, chunk)
+        prompt_rows = sum(self._speculate(row, chunk) for row in speculative)  # speculative rows that read a prompt
         for row in prefilling:
             if budget <= 0:
                 break
@@ -438,8 +443,8 @@ class BatchScheduler:
             read += n
         seconds = time.perf_counter() - began
         if self.on_step_seconds is not None and (decoding or speculative or read):
-            kind = (StepKind.PREFILL if not (decoding or speculative) else StepKind.MIXED if read
-                    else StepKind.DECODE)
+            decoded = bool(decoding) or len(speculative) > prompt_rows
+            kind = (StepKind.PREFILL if not decoded else StepKind.MIXED if read or prompt_rows else StepKind.DECODE)
             self.on_step_seconds(kind, seconds)
         if self.budget is not None and decoding and not speculative:  # time it: what the decoding rows waited
             if not chunks and budget == allowed:
@@ -570,26 +575,28 @@ class BatchScheduler:
             return
         self._deliver(row, ids)
 
-    def _speculate(self, row: _Row, chunk: int) -> None:
-        steps = row.steps
+    def _speculate(self, row: _Row, chunk: int) -> bool:
+        """A speculative row's step; True when it read prompt tokens (its prompt was not all read before)."""
+        steps, reading = row.steps, row.spec.prefill_left > 0
         try:  # a long prompt's next chunk gets `chunk` tokens (SpeculativeStream reads it one chunk a step)
             tokens = steps.send(chunk) if row.began else next(steps)
             row.began = True
         except StopIteration:  # the speculative stream ended by itself (stop, length, cancel)
             self._finish(row)
-            return
+            return reading
         except Exception as e:
             self._fail(row, e)
-            return
+            return reading
         if not tokens:  # a prefill chunk: nothing to commit yet
-            return
+            return reading
         try:
             stop = row.turn.deliver(tokens)
         except Exception as e:
             self._fail(row, e)
-            return
+            return reading
         if stop:
             self._finish(row)
+        return reading
 
     def _deliver(self, row: _Row, ids: list[int]) -> None:
         """A plain row's step: commit and stream, then stop, cancel or length end it."""

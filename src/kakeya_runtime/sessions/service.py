@@ -29,7 +29,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -841,7 +841,7 @@ class _Turn:
         else:  # no chunk read yet: its prefill clock has not started
             self.parked_unread_s += parked_s
 
-    def begin(self) -> TokenStream | Generator[list[int], int | None, None] | None:
+    def begin(self) -> TokenStream | SpeculativeStream | None:
         """Prefill history[cached_length:] next, then decode; None when the turn already answered."""
         job, svc = self.job, self.service
         session, store = job.session, svc.store
@@ -867,7 +867,7 @@ class _Turn:
                 return self.stream
             # the stream cuts a step at a completed stop string itself (and trims the cache to match)
             self.stream = svc._speculative_stream(session, ids, job, self.ends_at)
-            return iter(self.stream)
+            return self.stream
         except Exception as e:
             self.fail(e)
             return None
