@@ -570,8 +570,9 @@ def test_ops_called_from_python_hand_out_fresh_outputs():
 
 
 def test_whole_stack_rejects_bad_arguments(make_tiny_model):
-    """The stack's own checks: per-layer argument counts at build, one cache entry per layer and row per step, and
-    a chunk slot outside its buffer refused before any slot is written."""
+    """The stack's own checks: per-layer argument counts at build, one cache entry per layer and row per step, chunk
+    sizes that do not add up to the rows (int64 overflow included) and a chunk slot outside the slots it attends,
+    refused before any slot is written."""
     model = make_tiny_model("llama", dtype=torch.bfloat16)
     native.load()
     with pytest.raises(RuntimeError, match="per layer"):
@@ -591,11 +592,24 @@ def test_whole_stack_rejects_bad_arguments(make_tiny_model):
              torch.zeros(1, model.config.num_key_value_heads, 8, model.config.head_dim, dtype=torch.bfloat16),
              torch.full((8,), -1)) for _ in range(2)]
     cos2, sin2 = model.rotary.cos_sin(torch.tensor([0, 1, 0, 1]), torch.bfloat16)
-    ck, cv, ckpos = ([b[i] for _ in range(n) for b in bufs] for i in range(3))
-    with pytest.raises(RuntimeError, match="slot 8 outside the buffer of 8"):
-        stack.step_chunk(torch.ones(4, 1, model.config.hidden_size, dtype=torch.bfloat16), [cos2] * n, [sin2] * n,
-                         torch.tensor([0, 1, 0, 1]), [], [], [], [], [], [], [], [], [2, 2], ck, cv, ckpos,
-                         [0, 1, 0, 8] * n, [2, 2] * n, [1, 1] * n, [0, 0] * n, [0, 0] * n)
+    x4 = torch.ones(4, 1, model.config.hidden_size, dtype=torch.bfloat16)
+
+    def step_chunk(sizes: list[int], slots: list[int]) -> None:
+        j = len(sizes)  # chunk i in bufs[i % 2], attending its first 2 slots
+        ck, cv, ckpos = ([bufs[c % 2][i] for _ in range(n) for c in range(j)] for i in range(3))
+        stack.step_chunk(x4, [cos2] * n, [sin2] * n, torch.tensor([0, 1, 0, 1]), [], [], [], [], [], [], [], [],
+                         sizes, ck, cv, ckpos, slots * n, [2] * j * n, [1] * j * n, [0] * j * n, [0] * j * n)
+
+    with pytest.raises(RuntimeError, match="slot 8 outside the chunk's 2 attended slots"):
+        step_chunk([2, 2], [0, 1, 0, 8])
+    # inside the buffer but past the slots the chunk attends: its key would be written where no query reads it
+    with pytest.raises(RuntimeError, match="slot 5 outside the chunk's 2 attended slots"):
+        step_chunk([2, 2], [0, 1, 5, 1])
+    # sizes that wrap around int64 to the row count, or that overrun it before a later one
+    with pytest.raises(RuntimeError, match="sizes summing to the slots"):
+        step_chunk([2**63 - 1, 2**63 - 1, 6], [0, 1, 0, 1])
+    with pytest.raises(RuntimeError, match="sizes summing to the slots"):
+        step_chunk([5, -1], [0, 1, 0, 1])
     assert all(not b[0].any() and (b[2] == -1).all() for b in bufs)
 
 

@@ -174,7 +174,10 @@ at::Tensor decoder_layer_chunks(const at::Tensor& h, const at::Tensor& cos, cons
   const int64_t H = config[kHeads], Hk = config[kKvHeads], D = config[kHeadDim], G = H / Hk;
   int64_t sized = 0;
   bool sizes_ok = true;
-  for (const int64_t t : csize) sized += t, sizes_ok = sizes_ok && t >= 1;
+  for (const int64_t t : csize) {  // each size checked against what is left before it is added (no overflow)
+    sizes_ok = sizes_ok && t >= 1 && t <= T - sized;
+    if (sizes_ok) sized += t;
+  }
   TORCH_CHECK(J >= 1 && sizes_ok && sized == T && N >= 0 && q_pos.dim() == 1 && q_pos.size(0) == R && q_pos.is_contiguous() &&
                   int64_t(ck.size()) == J && int64_t(cv.size()) == J && int64_t(ckpos.size()) == J &&
                   int64_t(ccount.size()) == J && int64_t(cwrite.size()) == J && int64_t(cwindow.size()) == J &&
@@ -182,19 +185,21 @@ at::Tensor decoder_layer_chunks(const at::Tensor& h, const at::Tensor& cos, cons
               "decoder_layer_chunk: chunks of at least one token after the decode rows (their sizes summing to the "
               "slots), one position per row, and each chunk's buffers, count, write flag, window and sink");
   for (int64_t j = 0; j < J; ++j) {
-    TORCH_CHECK(ck[j].dim() == 4 && ck[j].size(0) == 1 && ck[j].size(1) == Hk && ck[j].size(3) == D &&
+    TORCH_CHECK(ck[j].is_cpu() && cv[j].is_cpu() && ckpos[j].is_cpu() && ck[j].dim() == 4 && ck[j].size(0) == 1 &&
+                    ck[j].size(1) == Hk && ck[j].size(3) == D &&
                     cv[j].sizes() == ck[j].sizes() && ck[j].scalar_type() == h.scalar_type() &&
                     cv[j].scalar_type() == h.scalar_type() && ck[j].stride(3) == 1 && cv[j].stride(3) == 1 &&
                     ckpos[j].dim() == 1 && ckpos[j].scalar_type() == at::kLong && ckpos[j].is_contiguous() &&
                     ckpos[j].size(0) >= ccount[j] && ccount[j] >= 1 && ccount[j] <= ck[j].size(2) &&
                     cwindow[j] >= 0 && csink[j] >= 0,
-                "decoder_layer_chunk: a chunk's cache must be (1, Hk, A, D) buffers of h's dtype, positions int64 "
-                "(>= count,), count in [1, A], window and sink >= 0");
+                "decoder_layer_chunk: a chunk's cache must be (1, Hk, A, D) CPU buffers of h's dtype, positions "
+                "int64 (>= count,), count in [1, A], window and sink >= 0");
   }
-  for (int64_t j = 0, t = 0; j < J; ++j)  // every slot checked before anything is written
+  // every slot checked before anything is written: among the slots the chunk attends (so inside its buffers)
+  for (int64_t j = 0, t = 0; j < J; ++j)
     for (const int64_t end = t + csize[j]; t < end; ++t)
-      TORCH_CHECK(cslot[t] >= 0 && cslot[t] < ck[j].size(2), "decoder_layer_chunk: slot ", cslot[t],
-                  " outside the buffer of ", ck[j].size(2));
+      TORCH_CHECK(cslot[t] >= 0 && cslot[t] < ccount[j], "decoder_layer_chunk: slot ", cslot[t],
+                  " outside the chunk's ", ccount[j], " attended slots");
   thread_local Reusable att_site;
   auto att = reusable_empty(att_site, {R, H * D}, h.options());
   if (N > 0) {
