@@ -1419,13 +1419,21 @@ void dequantize_rows(const at::Tensor& code, const at::Tensor& scale, int64_t b,
                      const std::vector<int64_t>& rows, T* dst) {
   const int8_t* c = code.const_data_ptr<int8_t>() + b * code.stride(0) + h * code.stride(1);
   const at::Half* s = scale.const_data_ptr<at::Half>() + b * scale.stride(0) + h * scale.stride(1);
+  // the row strides read once (TensorBase::stride is a call: it took ~10% of this loop's time in a decode step)
+  const int64_t c_row = code.stride(2), s_row = scale.stride(2), n = static_cast<int64_t>(rows.size());
+  constexpr int64_t kAhead = 16;  // rows asked for ahead: a cold block's codes come from memory
   alignas(64) float row[D];
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const int8_t* src = c + rows[i] * code.stride(2);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+#if defined(__x86_64__)
+      _mm_prefetch(reinterpret_cast<const char*>(c + rows[i + kAhead] * c_row), _MM_HINT_T0);
+#endif
+    }
+    const int8_t* src = c + rows[i] * c_row;
 #if defined(__F16C__)
-    const float sc = _cvtsh_ss(s[rows[i] * scale.stride(2)].x);  // exact, as the scalar conversion
+    const float sc = _cvtsh_ss(s[rows[i] * s_row].x);  // exact, as the scalar conversion
 #else
-    const float sc = static_cast<float>(s[rows[i] * scale.stride(2)]);
+    const float sc = static_cast<float>(s[rows[i] * s_row]);
 #endif
 #if defined(__AVX512F__)
     if constexpr (D % 16 == 0) {
