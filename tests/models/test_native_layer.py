@@ -512,8 +512,8 @@ def test_a_warm_sparse_stack_step_allocates_nothing_in_its_layers(family, codec,
     """A decode step over sparse caches in their steady state (kakeya.DecoderStack.step_sparse) takes no tensor from
     the allocator either: the indexer's bitsets and counts, the sparse attention's output and its per-row key
     counts come from their call sites' kept ones, as the other ops' outputs do, and a D4 tier's slot map from a kept
-    buffer (the profiler sees every aten::empty and aten::empty_strided under the step's scope). Only a D4 step that
-    decodes blocks its cache misses allocates, for that decode."""
+    buffer (the profiler sees every aten::empty and aten::empty_strided under the step's scope). A D4 step that
+    decodes blocks its cache misses: the test below."""
     from torch.profiler import ProfilerActivity, profile
 
     model = make_tiny_model(family, dtype=torch.bfloat16)
@@ -549,6 +549,39 @@ def test_a_warm_sparse_stack_step_allocates_nothing_in_its_layers(family, codec,
     assert hit_steps and set(hit_steps) == {0}, steps
     if codec != "d4":
         assert len(hit_steps) == len(steps)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_warm_d4_stack_step_decodes_its_misses_without_allocating(family, make_tiny_model):
+    """A D4 step whose selection misses the decoded-block cache decodes those blocks (their codes gathered, the
+    lattice points, the rotation) in buffers its call site keeps at their largest: once a step has decoded as many
+    misses, a later step decoding no more takes nothing from the allocator either."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = make_tiny_model(family, dtype=torch.bfloat16)
+    engine = Engine(model, prefill_chunk=32)
+    registry = PolicyRegistry()
+    spec = registry.resolve("sparse", {"sink": 2, "window": 16, "block": 8, "topk": 2, "codec": "d4"},
+                            engine.config, 256)
+    cache = registry.build(engine, spec, 256)
+    gen = torch.Generator().manual_seed(4)
+    engine.prefill(cache, torch.randint(3, model.config.vocab_size, (1, 90), generator=gen))
+    layer = next(kv for kv in cache.layers if hasattr(kv, "stack_kind"))
+    h = torch.zeros(1, 1, model.config.hidden_size, dtype=torch.bfloat16)
+    most, steps = 0, []
+    for t in range(40):
+        token = int(torch.randint(3, model.config.vocab_size, (1,), generator=gen))
+        while layer.stack_kind(h) is None:
+            engine.decode_step(cache, torch.tensor([[8]]))
+        before = cache.decoded_counts()[1]
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            engine.decode_step(cache, torch.tensor([[token]]))
+        misses = cache.decoded_counts()[1] - before
+        if t >= 3:  # the call sites' other outputs made
+            steps.append((misses, most, _allocations_under(prof, "kakeya::DecoderStack.step_sparse")))
+        most = max(most, misses)
+    repeat = [allocated for misses, seen, allocated in steps if 0 < misses <= seen]
+    assert repeat and set(repeat) == {0}, steps
 
 
 def test_ops_called_from_python_hand_out_fresh_outputs():

@@ -159,6 +159,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
 // kakeya::d4_points and kakeya::linear for the sparse step's decoded-block cache (block_index.cpp): the same
 // functions the ops run, so a block decoded there is the bits kv/lattice.py's decode gives.
 at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q, int64_t bits, int64_t codes);
+void d4_points_into(const at::Tensor& code, const at::Tensor& scales, int64_t q, int64_t bits, int64_t codes,
+                    at::Tensor& out);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool out_fp32);
 // kakeya::linear into the caller's y (M, N): fp32 sums (+ bias), or rounded to x's dtype when y has it.
 void linear_into(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& y);

@@ -13,7 +13,9 @@
 
 namespace {
 
-at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q, int64_t bits, int64_t codes) {
+// Into out (N, 4 * K) fp32, contiguous: a caller that keeps its own buffer.
+void d4_points_into(const at::Tensor& code, const at::Tensor& scales, int64_t q, int64_t bits, int64_t codes,
+                    at::Tensor& out) {
   TORCH_CHECK(code.dim() == 2 && code.scalar_type() == at::kByte && code.is_contiguous() && code.is_cpu(),
               "d4_points: code must be contiguous uint8 (N, nbytes) on the CPU");
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
@@ -22,7 +24,8 @@ at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q
   TORCH_CHECK(q >= 1 && bits >= 1 && bits <= 62 && codes >= 1 && code.size(1) == (codes * bits + 7) / 8,
               "d4_points: need q >= 1, 1 <= bits <= 62 and (codes * bits + 7) / 8 bytes per vector");
   const int64_t n = code.size(0), nbytes = code.size(1), m = 2 * q + 1;
-  auto out = at::empty({n, 4 * codes}, code.options().dtype(at::kFloat));
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == n && out.size(1) == 4 * codes && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous(), "d4_points: out must be contiguous fp32 (N, 4 * codes)");
   const uint8_t* c = code.const_data_ptr<uint8_t>();
   const at::Half* s = scales.const_data_ptr<at::Half>();
   float* o = out.data_ptr<float>();
@@ -73,6 +76,11 @@ at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q
       }
     }
   });
+}
+
+at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q, int64_t bits, int64_t codes) {
+  auto out = at::empty({code.size(0), 4 * codes}, code.options().dtype(at::kFloat));
+  d4_points_into(code, scales, q, bits, codes, out);
   return out;
 }
 
@@ -81,6 +89,10 @@ at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q
 namespace kakeya_ops {
 at::Tensor d4_points(const at::Tensor& code, const at::Tensor& scales, int64_t q, int64_t bits, int64_t codes) {
   return ::d4_points(code, scales, q, bits, codes);
+}
+void d4_points_into(const at::Tensor& code, const at::Tensor& scales, int64_t q, int64_t bits, int64_t codes,
+                    at::Tensor& out) {
+  ::d4_points_into(code, scales, q, bits, codes, out);
 }
 }  // namespace kakeya_ops
 
